@@ -1,0 +1,138 @@
+"""The ``kandevd`` command line (click).
+
+Exit codes follow sysexits where the contract says so: 0 ok, 1 error answer
+(or forced stop), 69 no daemon, 75 home locked, 78 bad config.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import click
+
+from kandevd import __version__
+from kandevd.cli_common import client_options, echo_json, home_option, invoke
+from kandevd.cli_runs import runs
+from kandevd.config import ConfigError, load_config
+from kandevd.paths import HomeLayout, resolve_home
+
+EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
+EXIT_CONFIG = 78
+EXIT_ERROR = 1
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="kandevd")
+def cli() -> None:
+    """kandevd schedules autonomous AI-agent work reliably.
+
+    Start the daemon with `kandevd serve`; talk to it with `kandevd status`,
+    `kandevd runs ...` or the raw `kandevd call METHOD PARAMS_JSON`.
+    """
+
+
+@cli.command()
+@home_option
+@click.option("--config", "config_path", type=click.Path(dir_okay=False, exists=False),
+              default=None, help="Config file (default: <home>/kandevd.yaml when it exists).")
+@click.option("--log-format", type=click.Choice(["text", "json"]), default="text",
+              show_default=True, help="Log line format on stderr.")
+@click.option("--log-level", default="INFO", show_default=True,
+              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+              help="Lowest level that is logged.")
+def serve(home: str | None, config_path: str | None, log_format: str, log_level: str) -> None:
+    """Run the daemon in the foreground until SIGINT/SIGTERM or `daemon.shutdown`."""
+    from kandevd.daemon import Daemon
+    from kandevd.logsetup import configure_logging
+
+    configure_logging(log_format, log_level)
+    root = resolve_home(home)
+    try:
+        config = load_config(Path(config_path) if config_path else None, home=root)
+    except ConfigError as exc:
+        click.echo(f"kandevd: bad config: {exc}", err=True)
+        sys.exit(EXIT_CONFIG)
+    sys.exit(Daemon(config, HomeLayout(root)).run())
+
+
+@cli.command()
+@home_option
+@click.option("--example", default=None, help="Copy examples/NAME into the home (e.g. demo).")
+def init(home: str | None, example: str | None) -> None:
+    """Lay out a home directory (folders 0700), optionally from an example."""
+    root = resolve_home(home)
+    layout = HomeLayout(root)
+    layout.prepare()
+    (layout.workspace).mkdir(mode=0o700, exist_ok=True)
+    if example:
+        from kandevd.paths import check_safe_name
+
+        try:
+            check_safe_name(example, "example")
+        except ValueError as exc:
+            raise click.ClickException(str(exc)) from None
+        source = EXAMPLES_DIR / example
+        if not source.is_dir():
+            known = sorted(p.name for p in EXAMPLES_DIR.iterdir()) if EXAMPLES_DIR.is_dir() else []
+            raise click.ClickException(f"no example named {example!r} (known: {known})")
+        shutil.copytree(source, root, dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    click.echo(f"home ready: {root}")
+
+
+@cli.command()
+@home_option
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+              help="Config file to check.")
+def validate(home: str | None, config_path: str | None) -> None:
+    """Check the config file; exit 0 when valid, 1 otherwise."""
+    root = resolve_home(home)
+    try:
+        config = load_config(Path(config_path) if config_path else None, home=root)
+    except ConfigError as exc:
+        click.echo(f"invalid: {exc}", err=True)
+        sys.exit(EXIT_ERROR)
+    click.echo(f"config ok: {config.source or 'built-in defaults'}")
+
+
+@cli.command()
+@click.argument("method")
+@click.argument("params_json", required=False, default="{}")
+@client_options
+def call(method: str, params_json: str, home: str | None, socket_path: str | None) -> None:
+    """Send one raw JSON-RPC request and print the result as JSON."""
+    try:
+        params = json.loads(params_json)
+    except ValueError as exc:
+        raise click.BadParameter(f"not valid JSON: {exc}", param_hint="PARAMS_JSON") from None
+    if not isinstance(params, dict):
+        raise click.BadParameter("must be a JSON object", param_hint="PARAMS_JSON")
+    echo_json(invoke(home, socket_path, method, params))
+
+
+@cli.command()
+@client_options
+@click.option("--json", "as_json", is_flag=True, help="Print the raw JSON.")
+def status(home: str | None, socket_path: str | None, as_json: bool) -> None:
+    """Show the daemon's state, its loops and the runtime."""
+    result = invoke(home, socket_path, "daemon.status")
+    if as_json:
+        echo_json(result)
+        return
+    click.echo(f"kandevd {result['version']}  pid {result['pid']}  state {result['state']}")
+    click.echo(f"home     {result['home']}")
+    click.echo(f"started  {result['started_at']}")
+    loops = "  ".join(f"{name}={state}" for name, state in result["loops"].items())
+    click.echo(f"loops    {loops}")
+    runtime = result["runtime"]
+    click.echo(f"runtime  {runtime['active']}/{runtime['max_concurrent']} active")
+
+
+cli.add_command(runs)
+
+
+def main() -> None:
+    cli(prog_name="kandevd")

@@ -1,0 +1,53 @@
+"""Option bundles and the call helper shared by every CLI command (sqlite-utils style)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from kandevd.control.client import DaemonUnavailable, RpcCallError
+from kandevd.control.client import call as rpc_call
+from kandevd.paths import HomeLayout, resolve_home
+
+EXIT_ERROR = 1
+EXIT_UNAVAILABLE = 69
+EXIT_CONFIG = 78
+
+
+
+def home_option(func: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option("--home", type=click.Path(file_okay=False), default=None,
+                        help="Home directory (default: $KANDEVD_HOME, else "
+                             "~/.local/share/kandevd).")(func)
+
+
+def client_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    func = click.option("--socket", "socket_path", type=click.Path(dir_okay=False),
+                        default=None, help="Control socket (default: <home>/kandevd.sock).")(func)
+    return home_option(func)
+
+
+def _socket(home: str | None, socket_path: str | None) -> Path:
+    return Path(socket_path) if socket_path else HomeLayout(resolve_home(home)).socket
+
+
+def invoke(home: str | None, socket_path: str | None, method: str,
+           params: dict[str, Any] | None = None) -> Any:
+    """Call the daemon, mapping failures to the contract's exit codes."""
+    try:
+        return rpc_call(_socket(home, socket_path), method, params or {})
+    except DaemonUnavailable as exc:
+        click.echo(f"kandevd: {exc}", err=True)
+        sys.exit(EXIT_UNAVAILABLE)
+    except RpcCallError as exc:
+        click.echo(json.dumps(exc.error, indent=2), err=True)
+        sys.exit(EXIT_ERROR)
+
+
+def echo_json(value: Any) -> None:
+    click.echo(json.dumps(value, indent=2, sort_keys=False))

@@ -1,0 +1,132 @@
+"""``kandevd runs ...``: friendly wrappers over the ``runs.*`` methods."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+
+from kandevd.cli_common import client_options, echo_json, invoke
+
+COLUMNS = ("seq", "id", "status", "agent_id", "reason", "retry_count", "requested_at")
+
+
+def print_table(rows: list[dict[str, Any]], columns: tuple[str, ...] = COLUMNS) -> None:
+    cells = [[("" if r.get(c) is None else str(r.get(c))) for c in columns] for r in rows]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
+    click.echo("  ".join(c.upper().ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip())
+    for row in cells:
+        click.echo("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
+
+
+def print_run(run: dict[str, Any]) -> None:
+    for key, value in run.items():
+        shown = json.dumps(value) if isinstance(value, (dict, list)) else value
+        click.echo(f"{key:<20} {'' if shown is None else shown}")
+
+
+@click.group()
+def runs() -> None:
+    """Inspect and control the global run queue."""
+
+
+@runs.command("enqueue")
+@click.option("--workspace", "workspace_id", required=True, help="Workspace id.")
+@click.option("--agent", "agent_id", required=True, help="Agent id.")
+@click.option("--reason", required=True, help="Why the run is requested.")
+@click.option("--task", "task_id", default=None, help="Task id.")
+@click.option("--payload", default="{}", help="Payload as a JSON object.")
+@click.option("--key", "idempotency_key", default=None, help="Idempotency key.")
+@click.option("--no-coalesce", is_flag=True, help="Never merge into a recent queued run.")
+@click.option("--json", "as_json", is_flag=True, help="Print the raw JSON.")
+@client_options
+def enqueue(workspace_id: str, agent_id: str, reason: str, task_id: str | None, payload: str,
+            idempotency_key: str | None, no_coalesce: bool, as_json: bool,
+            home: str | None, socket_path: str | None) -> None:
+    """Queue a run for an agent."""
+    try:
+        payload_obj = json.loads(payload)
+    except ValueError as exc:
+        raise click.BadParameter(f"not valid JSON: {exc}", param_hint="--payload") from None
+    params: dict[str, Any] = {"workspace_id": workspace_id, "agent_id": agent_id,
+                              "reason": reason, "payload": payload_obj,
+                              "coalesce": not no_coalesce}
+    if task_id:
+        params["task_id"] = task_id
+    if idempotency_key:
+        params["idempotency_key"] = idempotency_key
+    result = invoke(home, socket_path, "runs.enqueue", params)
+    if as_json:
+        echo_json(result)
+        return
+    note = " (deduplicated)" if result["deduplicated"] else (
+        " (coalesced)" if result["coalesced"] else "")
+    click.echo(f"{result['run']['id']} {result['run']['status']}{note}")
+
+
+@runs.command("list")
+@click.option("--status", default=None, help="Only runs in this status.")
+@click.option("--agent", "agent_id", default=None, help="Only this agent's runs.")
+@click.option("--workspace", "workspace_id", default=None, help="Only this workspace's runs.")
+@click.option("--task", "task_id", default=None, help="Only this task's runs.")
+@click.option("--limit", type=int, default=50, show_default=True, help="Page size (max 500).")
+@click.option("--offset", type=int, default=0, show_default=True, help="Rows to skip.")
+@click.option("--json", "as_json", is_flag=True, help="Print the raw JSON.")
+@client_options
+def list_runs(status: str | None, agent_id: str | None, workspace_id: str | None,
+              task_id: str | None, limit: int, offset: int, as_json: bool,
+              home: str | None, socket_path: str | None) -> None:
+    """List runs in request order."""
+    params = {k: v for k, v in {"status": status, "agent_id": agent_id,
+                                "workspace_id": workspace_id, "task_id": task_id,
+                                "limit": limit, "offset": offset}.items() if v is not None}
+    result = invoke(home, socket_path, "runs.list", params)
+    if as_json:
+        echo_json(result)
+        return
+    print_table(result["items"])
+    click.echo(f"{len(result['items'])} of {result['total']} run(s)")
+
+
+@runs.command("get")
+@click.argument("run_id")
+@click.option("--json", "as_json", is_flag=True, help="Print the raw JSON.")
+@client_options
+def get(run_id: str, as_json: bool, home: str | None, socket_path: str | None) -> None:
+    """Show one run."""
+    run = invoke(home, socket_path, "runs.get", {"id": run_id})
+    echo_json(run) if as_json else print_run(run)
+
+
+@runs.command("cancel")
+@click.argument("run_id")
+@click.option("--reason", default=None, help="Why it is cancelled.")
+@click.option("--json", "as_json", is_flag=True, help="Print the raw JSON.")
+@client_options
+def cancel(run_id: str, reason: str | None, as_json: bool, home: str | None,
+           socket_path: str | None) -> None:
+    """Cancel a queued or claimed run (a claimed run's agent is stopped)."""
+    params: dict[str, Any] = {"id": run_id}
+    if reason:
+        params["reason"] = reason
+    run = invoke(home, socket_path, "runs.cancel", params)
+    echo_json(run) if as_json else click.echo(f"{run['id']} {run['status']}")
+
+
+@runs.command("explain")
+@click.argument("run_id")
+@click.option("--json", "as_json", is_flag=True, help="Print the raw JSON.")
+@client_options
+def explain(run_id: str, as_json: bool, home: str | None, socket_path: str | None) -> None:
+    """Say why a queued run is not claimed yet."""
+    result = invoke(home, socket_path, "runs.explain", {"id": run_id})
+    if as_json:
+        echo_json(result)
+        return
+    if result["eligible"]:
+        click.echo("eligible: it will be claimed on the next pass")
+        return
+    for blocker in result["blockers"]:
+        detail = result.get("details", {}).get(blocker)
+        click.echo(f"blocked: {blocker}" + (f" ({detail})" if detail else ""))

@@ -1,0 +1,70 @@
+"""A small synchronous client for the control socket (used by the CLI and tests)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import socket
+from pathlib import Path
+from typing import Any
+
+
+class DaemonUnavailable(Exception):
+    def __init__(self, path: Path, reason: str) -> None:
+        super().__init__(f"no kandevd is listening on {path}: {reason}")
+
+
+class RpcCallError(Exception):
+    """The daemon answered with a JSON-RPC error object."""
+
+    def __init__(self, error: dict[str, Any]) -> None:
+        super().__init__(error.get("message", "error"))
+        self.error = error
+        self.code = error.get("code")
+        self.kind = (error.get("data") or {}).get("kind")
+
+
+class Client:
+    def __init__(self, path: Path | str, *, timeout: float | None = 60.0) -> None:
+        self.path = Path(path)
+        self._ids = itertools.count(1)
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(timeout)
+        try:
+            self._sock.connect(str(self.path))
+        except OSError as exc:
+            self._sock.close()
+            raise DaemonUnavailable(self.path, exc.strerror or str(exc)) from None
+        self._reader = self._sock.makefile("rb")
+
+    def call(self, method: str, params: dict[str, Any] | None = None) -> Any:
+        request_id = next(self._ids)
+        line = json.dumps({"jsonrpc": "2.0", "id": request_id, "method": method,
+                           "params": params or {}}) + "\n"
+        try:
+            self._sock.sendall(line.encode("utf-8"))
+            raw = self._reader.readline()
+        except OSError as exc:
+            raise DaemonUnavailable(self.path, exc.strerror or str(exc)) from None
+        if not raw:
+            raise DaemonUnavailable(self.path, "connection closed before an answer")
+        response = json.loads(raw)
+        if "error" in response:
+            raise RpcCallError(response["error"])
+        return response.get("result")
+
+    def close(self) -> None:
+        self._reader.close()
+        self._sock.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+
+def call(path: Path | str, method: str, params: dict[str, Any] | None = None,
+         *, timeout: float | None = 60.0) -> Any:
+    with Client(path, timeout=timeout) as client:
+        return client.call(method, params)

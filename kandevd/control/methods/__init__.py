@@ -1,0 +1,1 @@
+"""Control methods, one module per area; each exposes ``register(registry, services)``."""

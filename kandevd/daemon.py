@@ -1,0 +1,218 @@
+"""Daemon: the composition root. It builds every component, starts them in
+order, waits for a stop request and hands the stop to the coordinator.
+
+Start order (a failure rolls back what already started, CherryPy style)::
+
+    home lock -> store (+ migrations) -> event bus -> agent runtime
+    -> restart recovery (claims of a dead instance re-queued)
+    -> loops: queue, office -> control socket (intake last)
+
+Stop order is the reverse, owned by :class:`kandevd.shutdown.ShutdownCoordinator`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+from typing import Any
+
+from kandevd import __version__
+from kandevd.bus import EventBus
+from kandevd.config import Config
+from kandevd.control.registry import Registry
+from kandevd.control.server import ControlServer, SocketInUse
+from kandevd.homelock import HomeLock, HomeLocked
+from kandevd.lifecycle import Loop, StopSignal
+from kandevd.paths import HomeLayout
+from kandevd.queue.loop import QueueLoop
+from kandevd.queue.processor import RunQueue
+from kandevd.runtime import AgentRuntime
+from kandevd.services import Services
+from kandevd.shutdown import ShutdownCoordinator, SignalWiring
+from kandevd.store.db import Store, open_store
+from kandevd.store.runs import RunRepository
+from kandevd.timeutil import rfc3339, utc_now
+
+log = logging.getLogger("kandevd.daemon")
+
+EXIT_OK = 0
+EXIT_FORCED = 1
+EXIT_TEMPFAIL = 75
+EXIT_CONFIG = 78
+
+LOOP_NAMES = ("queue", "office", "cron")
+
+
+class StartupError(Exception):
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class Daemon:
+    def __init__(self, config: Config, layout: HomeLayout) -> None:
+        self.config = config
+        self.layout = layout
+        self.boot_id = uuid.uuid4().hex
+        self.started_at = utc_now()
+        self.state = "starting"
+        self.stop_requested = threading.Event()
+        self.stop_signal = StopSignal()
+        self.loops: dict[str, Loop] = {}
+        self._lock = HomeLock(layout.lock)
+        self.store: Store | None = None
+        self.bus: EventBus | None = None
+        self.runtime: AgentRuntime | None = None
+        self.queue: RunQueue | None = None
+        self.server: ControlServer | None = None
+        self.coordinator: ShutdownCoordinator | None = None
+
+    # -- building ----------------------------------------------------------------
+    def _build(self) -> None:
+        for folder in (self.layout.run_logs, self.layout.runs):
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.store = open_store(self.layout.db)
+        self.bus = EventBus()
+        self.runtime = AgentRuntime(self.config.runtime.max_concurrent,
+                                    self.config.runtime.stop_grace_s)
+        self.queue = RunQueue(RunRepository(self.store, self.boot_id), self.runtime, self.config,
+                              self.layout, self.bus)
+        self.runtime.add_slot_listener(self.queue.signal)
+        queue_loop = QueueLoop(self.queue, safety_interval_s=self.config.queue.safety_interval_s,
+                               max_claims_per_tick=self.config.queue.max_claims_per_tick,
+                               parent=self.stop_signal)
+        self.loops = {"queue": queue_loop}
+        for name, loop in self._extra_loops().items():
+            self.loops[name] = loop
+        registry = Registry()
+        services = Services(config=self.config, layout=self.layout, store=self.store,
+                            bus=self.bus, runtime=self.runtime, queue=self.queue,
+                            status=self.status, request_shutdown=self.request_shutdown)
+        self.services = services
+        for module in self._method_modules():
+            module.register(registry, services)
+        self.server = ControlServer(self.layout.socket, registry)
+
+    def _extra_loops(self) -> dict[str, Loop]:
+        """Loops other than the queue (Office maintenance, cron), built from config."""
+        from kandevd import extensions
+
+        assert self.store is not None and self.bus is not None and self.queue is not None
+        return extensions.build_loops(self)
+
+    @staticmethod
+    def _method_modules() -> list[Any]:
+        from kandevd import extensions
+
+        return extensions.method_modules()
+
+    # -- running -----------------------------------------------------------------
+    def run(self) -> int:
+        try:
+            self.layout.prepare()
+            self._lock.acquire()
+        except HomeLocked as exc:
+            log.error("%s", exc)
+            return EXIT_TEMPFAIL
+        except OSError as exc:
+            log.error("cannot use home %s: %s", self.layout.root, exc)
+            return EXIT_TEMPFAIL
+        try:
+            started = self._start()
+        except StartupError as exc:
+            log.error("%s", exc)
+            self._lock.release()
+            return exc.exit_code
+        except BaseException:
+            self._lock.release()
+            raise
+        if not started:
+            self._lock.release()
+            return EXIT_OK
+        wiring = SignalWiring(self.stop_requested, lambda: self.state == "stopping",
+                              on_force=self._force)
+        wiring.install()
+        try:
+            log.info("kandevd %s serving %s (pid %d)", __version__, self.layout.root, os.getpid())
+            self.stop_requested.wait()
+            self.state = "stopping"
+            assert self.coordinator is not None
+            self.coordinator.shutdown()
+        finally:
+            self._lock.release()
+        return EXIT_OK
+
+    def _start(self) -> bool:
+        started: list[tuple[str, Any]] = []
+        try:
+            self._build()
+            assert self.queue is not None and self.server is not None
+            self.queue.recover_after_restart()
+            for loop in self.loops.values():
+                loop.start()
+                started.append((f"stop {loop.name} loop", loop.stop))
+            try:
+                self.server.start()
+            except SocketInUse as exc:
+                raise StartupError(str(exc), EXIT_TEMPFAIL) from None
+        except BaseException:
+            self.stop_signal.set()
+            for _name, stop in reversed(started):
+                stop()
+            if self.runtime is not None:
+                self.runtime.stop()
+            if self.store is not None:
+                self.store.close()
+            raise
+        self.coordinator = ShutdownCoordinator(self._shutdown_steps())
+        self.state = "running"
+        return True
+
+    def _shutdown_steps(self) -> list[tuple[str, Any]]:
+        assert self.server and self.runtime and self.bus and self.store
+        steps: list[tuple[str, Any]] = [("stop intake", self.server.begin_drain),
+                                        ("signal loops", self.stop_signal.set)]
+        for loop in reversed(list(self.loops.values())):
+            steps.append((f"stop {loop.name} loop", loop.stop))
+        steps += [
+            ("stop agent runtime", self.runtime.stop),
+            ("close control connections", self.server.close),
+            ("close event bus", self.bus.close),
+            ("close store", self.store.close),
+        ]
+        return steps
+
+    def request_shutdown(self) -> None:
+        """Ask for the graceful stop (``daemon.shutdown``); the main thread runs it."""
+        self.stop_requested.set()
+
+    def _force(self) -> None:
+        if self.runtime is not None:
+            self.runtime.kill_all_now()
+
+    # -- status ------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        loops = {name: "stopped" for name in LOOP_NAMES}
+        for name, loop in self.loops.items():
+            loops[name] = loop.state.value
+        runtime = self.runtime
+        result: dict[str, Any] = {
+            "version": __version__,
+            "pid": os.getpid(),
+            "state": self.state,
+            "started_at": rfc3339(self.started_at),
+            "home": str(self.layout.root),
+            "boot_id": self.boot_id,
+            "loops": loops,
+            "runtime": {"active": runtime.active if runtime else 0,
+                        "max_concurrent": self.config.runtime.max_concurrent},
+        }
+        if self.store is not None:
+            result["store"] = {"statements": self.store.statements}
+        for name, loop in self.loops.items():
+            extra = getattr(loop, "stats", None)
+            if callable(extra):
+                result.setdefault("stats", {})[name] = extra()
+        return result

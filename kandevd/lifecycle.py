@@ -1,0 +1,273 @@
+"""Loop: a periodic worker with an explicit, joinable lifecycle.
+
+Every background activity of the daemon (the run queue, Office maintenance,
+the cron scheduler) is a Loop. A Loop owns exactly one non-daemon thread and
+moves through three states::
+
+                 start()                      stop() / parent stop
+    +---------+ --------> +---------+ ------------------------------> +----------+
+    | STOPPED |           | RUNNING |                                 | STOPPING |
+    +---------+ <-------- +---------+                                 +----------+
+         ^       (thread exits after the active tick                       |
+         |        and everything it fanned out have returned)              |
+         +-----------------------------------------------------------------+
+
+Rules (the habits of huey and APScheduler, without their gaps):
+
+* The work is :meth:`Loop.tick`, a plain method ``tick(now) -> seconds until
+  the next tick``. Tests call it directly, with any ``now``, no thread needed.
+* ``start()`` while running is a no-op; ``stop()`` while stopped is a no-op.
+  Any number of threads may call ``stop()`` at once: one transition happens and
+  every caller returns only after the loop thread has exited.
+* ``stop()`` cancels the wait, then waits for the active tick and for every
+  handler the tick fanned out. It has no internal deadline: stopping means
+  the work is finished, not abandoned.
+* ``stop()`` from the loop's own thread (a tick or a handler asking its own
+  loop to stop) raises :class:`LoopSelfJoinError` instead of deadlocking.
+* A parent :class:`StopSignal` (the daemon's) takes the same path as
+  ``stop()``: the loop finishes its tick and exits; a later ``stop()`` joins.
+* ``wake()`` interrupts the wait so the next tick runs now.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
+from datetime import datetime
+from typing import Any
+
+from kandevd.timeutil import utc_now
+
+MIN_WAIT_S = 0.01
+"""Floor for the wait between ticks, so a zero interval cannot spin a core."""
+
+
+class LoopState(enum.Enum):
+    STOPPED = "stopped"
+    RUNNING = "running"
+    STOPPING = "stopping"
+
+
+class LoopError(RuntimeError):
+    """Base class for lifecycle misuse."""
+
+
+class LoopSelfJoinError(LoopError):
+    def __init__(self, name: str) -> None:
+        super().__init__(
+            f"loop {name!r}: stop() called from the loop's own thread; "
+            "a loop cannot wait for itself (request the stop from another thread)"
+        )
+
+
+class LoopStateError(LoopError):
+    pass
+
+
+class StopSignal:
+    """A one-shot stop request that fans out to the loops listening to it.
+
+    The daemon owns one; each Loop subscribes, so setting it makes every loop
+    leave its wait at once (no polling).
+    """
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._listeners: list[Callable[[], None]] = []
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._event.wait(timeout)
+
+    def subscribe(self, callback: Callable[[], None]) -> None:
+        with self._lock:
+            self._listeners.append(callback)
+            fired = self._event.is_set()
+        if fired:
+            callback()
+
+    def set(self) -> None:
+        with self._lock:
+            if self._event.is_set():
+                return
+            self._event.set()
+            listeners = list(self._listeners)
+        for callback in listeners:
+            callback()
+
+
+class FanOut:
+    """Runs handlers concurrently, isolating their failures, joinable by its owner.
+
+    Each handler runs in its own non-daemon thread. :meth:`run` returns when
+    all of them have returned; an exception in one is logged and returned as
+    its result, never raised into the caller or the other handlers.
+    :meth:`join` waits for every thread ever started here (used by
+    ``Loop.stop`` as a second line of defence).
+    """
+
+    def __init__(self, name: str, logger: logging.Logger) -> None:
+        self._name = name
+        self._log = logger
+        self._lock = threading.Lock()
+        self._threads: set[threading.Thread] = set()
+
+    def run(self, handlers: Sequence[tuple[str, Callable[[], Any]]]) -> dict[str, Any]:
+        """Run ``(name, handler)`` pairs concurrently; return ``{name: result or exception}``."""
+        futures: dict[str, Future[Any]] = {}
+        threads = []
+        for label, handler in handlers:
+            future: Future[Any] = Future()
+            futures[label] = future
+            thread = threading.Thread(
+                target=self._call, args=(label, handler, future),
+                name=f"{self._name}:{label}", daemon=False,
+            )
+            with self._lock:
+                self._threads.add(thread)
+            threads.append(thread)
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return {label: (f.exception() or f.result()) for label, f in futures.items()}
+
+    def _call(self, label: str, handler: Callable[[], Any], future: Future[Any]) -> None:
+        try:
+            future.set_result(handler())
+        except BaseException as exc:  # isolate: one handler never kills the others
+            self._log.exception("%s: handler %s failed", self._name, label)
+            future.set_exception(exc)
+        finally:
+            with self._lock:
+                self._threads.discard(threading.current_thread())
+
+    def join(self) -> None:
+        while True:
+            with self._lock:
+                pending = [t for t in self._threads if t is not threading.current_thread()]
+            if not pending:
+                return
+            for thread in pending:
+                thread.join()
+
+
+class Loop:
+    """Base class: subclasses implement :meth:`tick` and may override ``on_stopped``."""
+
+    #: wait after a tick that raised, so a persistent fault does not spin
+    error_backoff_s: float = 1.0
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        clock: Callable[[], datetime] = utc_now,
+        parent: StopSignal | None = None,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        self.name = name
+        self.log = logger or logging.getLogger(f"kandevd.{name}")
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._state = LoopState.STOPPED
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._wakeup = threading.Event()
+        self.fanout = FanOut(name, self.log)
+        self.ticks = 0
+        if parent is not None:
+            parent.subscribe(self._request_stop)
+
+    # -- the work -------------------------------------------------------------
+    def tick(self, now: datetime) -> float:
+        """Do one iteration; return how many seconds to wait before the next."""
+        raise NotImplementedError(f"{type(self).__name__} must implement tick(now)")
+
+    # -- lifecycle ------------------------------------------------------------
+    @property
+    def state(self) -> LoopState:
+        return self._state
+
+    def start(self) -> None:
+        """Start the loop thread; a no-op while running."""
+        with self._lock:
+            if self._state is LoopState.RUNNING:
+                return
+            if self._state is LoopState.STOPPING:
+                raise LoopStateError(f"loop {self.name!r}: cannot start while stopping")
+            self._stopping.clear()
+            self._wakeup.clear()
+            self._state = LoopState.RUNNING
+            self._thread = threading.Thread(target=self._run, name=f"kandevd-{self.name}")
+            self._thread.start()
+        self.log.debug("%s loop started", self.name)
+
+    def stop(self) -> None:
+        """Stop and join: returns when the active tick and its fan-out have returned."""
+        with self._lock:
+            thread = self._thread
+            if thread is None:
+                return
+            if thread is threading.current_thread():
+                raise LoopSelfJoinError(self.name)
+            if self._state is LoopState.RUNNING:
+                self._state = LoopState.STOPPING
+            self._stopping.set()
+            self._wakeup.set()
+        thread.join()
+        self.fanout.join()
+        with self._lock:
+            if self._thread is thread:
+                self._thread = None
+                self._state = LoopState.STOPPED
+        self.log.debug("%s loop stopped", self.name)
+
+    def wake(self) -> None:
+        """Interrupt the wait so the next tick runs now (cheap, never blocks)."""
+        self._wakeup.set()
+
+    def _request_stop(self) -> None:
+        with self._lock:
+            if self._state is LoopState.RUNNING:
+                self._state = LoopState.STOPPING
+            self._stopping.set()
+            self._wakeup.set()
+
+    # -- the thread -----------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                self._wakeup.clear()
+                try:
+                    delay = self.tick(self._clock())
+                except Exception:
+                    self.log.exception("%s: tick failed; retrying in %.1fs",
+                                       self.name, self.error_backoff_s)
+                    delay = self.error_backoff_s
+                self.ticks += 1
+                if self._stopping.is_set():
+                    break
+                self._wakeup.wait(max(float(delay), MIN_WAIT_S))
+        finally:
+            self.fanout.join()
+            self.on_stopped()
+
+    def on_stopped(self) -> None:
+        """Hook run in the loop thread after its last tick (e.g. release resources)."""
+
+
+def stop_all(loops: Iterable[Loop]) -> list[tuple[str, BaseException]]:
+    """Stop loops in the given order, collecting failures instead of skipping the rest."""
+    failures: list[tuple[str, BaseException]] = []
+    for loop in loops:
+        try:
+            loop.stop()
+        except BaseException as exc:  # keep stopping the others
+            failures.append((loop.name, exc))
+    return failures

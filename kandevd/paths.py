@@ -1,0 +1,72 @@
+"""Where things live: the home directory and the names inside it."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_HOME = "~/.local/share/kandevd"
+
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+def resolve_home(option: str | os.PathLike[str] | None) -> Path:
+    """``--home``, else ``$KANDEVD_HOME``, else ``~/.local/share/kandevd``."""
+    raw = option or os.environ.get("KANDEVD_HOME") or DEFAULT_HOME
+    return Path(raw).expanduser().resolve()
+
+
+def ensure_dir(path: Path) -> Path:
+    """Create ``path`` (and parents) with mode 0700 when missing."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return path
+
+
+def check_safe_name(value: str, what: str = "name") -> str:
+    """Reject names that would escape their folder when used as a path part."""
+    if not _SAFE_NAME.match(value) or value in {".", ".."}:
+        raise ValueError(
+            f"{what} {value!r} is not allowed: use letters, digits, '_', '-', '.' "
+            "(starting with a letter or digit, at most 128 characters)"
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class HomeLayout:
+    root: Path
+
+    @property
+    def db(self) -> Path:
+        return self.root / "kandevd.db"
+
+    @property
+    def socket(self) -> Path:
+        return self.root / "kandevd.sock"
+
+    @property
+    def lock(self) -> Path:
+        return self.root / "kandevd.lock"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def run_logs(self) -> Path:
+        return self.root / "logs" / "runs"
+
+    @property
+    def runs(self) -> Path:
+        return self.root / "runs"
+
+    @property
+    def workspace(self) -> Path:
+        return self.root / "workspace"
+
+    def prepare(self) -> None:
+        ensure_dir(self.root)
+        os.chmod(self.root, 0o700)
+        ensure_dir(self.logs)

@@ -1,0 +1,43 @@
+"""The retry policy: what happens to a run whose attempt failed.
+
+Pure functions of (policy, run, now, random draw) so the schedule can be
+property-tested without a database.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from datetime import datetime
+
+from kandevd.config import RetryConfig
+from kandevd.timeutil import after
+
+
+@dataclass(frozen=True)
+class RetryDecision:
+    """``action`` is ``retry`` (with ``retry_at``), ``fail`` or ``too_old``."""
+
+    action: str
+    retry_at: datetime | None = None
+    delay_s: float | None = None
+
+
+def retry_delay(policy: RetryConfig, retry_count: int, draw: float) -> float:
+    """Delay before retry number ``retry_count + 1``; ``draw`` is uniform in [0, 1).
+
+    ``delays_s[retry_count]`` (the last entry once the list runs out), plus
+    up to ``jitter`` of itself.
+    """
+    base = policy.delays_s[min(retry_count, len(policy.delays_s) - 1)]
+    return base * (1.0 + policy.jitter * draw)
+
+
+def decide_retry(policy: RetryConfig, *, retry_count: int, requested_at: datetime,
+                 now: datetime, draw: float | None = None) -> RetryDecision:
+    if (now - requested_at).total_seconds() > policy.max_age_s:
+        return RetryDecision("too_old")
+    if retry_count >= policy.max_retries:
+        return RetryDecision("fail")
+    delay = retry_delay(policy, retry_count, random.random() if draw is None else draw)
+    return RetryDecision("retry", after(now, delay), delay)

@@ -1,0 +1,33 @@
+"""Services: what the control methods may use, handed to them explicitly.
+
+The Daemon builds one and passes it to every method module's ``register``;
+no method reaches for globals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kandevd.bus import EventBus
+from kandevd.config import Config
+from kandevd.paths import HomeLayout
+from kandevd.store.db import Store
+
+if TYPE_CHECKING:
+    from kandevd.queue.processor import RunQueue
+    from kandevd.runtime import AgentRuntime
+
+
+@dataclass
+class Services:
+    config: Config
+    layout: HomeLayout
+    store: Store
+    bus: EventBus
+    runtime: AgentRuntime
+    queue: RunQueue
+    status: Callable[[], dict[str, Any]]
+    request_shutdown: Callable[[], None]
+    extras: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,104 @@
+"""ShutdownCoordinator and signal wiring.
+
+The order is the whole point (see docs/architecture.md)::
+
+    Graceful shutdown started
+    1. intake off      control socket answers shutting_down, in-flight requests
+                       finish, the listener closes
+    2. loops           stopped in reverse start order, each joined (its tick and
+                       every handler it fanned out)
+    3. agent runtime   waits stop_grace_s, then SIGTERM/SIGKILL, joins workers
+    4. connections     remaining control connections closed and joined
+    5. event bus       closed
+    6. store           closed: every user of it has joined by now
+    Graceful shutdown complete          <- the very last line
+
+A failing step is logged and recorded, and the next step still runs.
+
+Signals: the handler only records the request (an Event) for the main
+thread; a second SIGINT/SIGTERM while the stop is in progress logs
+``Received second shutdown signal, forcing exit`` and exits 1 at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable, Sequence
+from types import FrameType
+
+log = logging.getLogger("kandevd.shutdown")
+
+Step = tuple[str, Callable[[], None]]
+
+
+class ShutdownCoordinator:
+    def __init__(self, steps: Sequence[Step]) -> None:
+        self._steps = list(steps)
+        self._lock = threading.Lock()
+        self._started = threading.Event()
+        self._done = threading.Event()
+        self.failures: list[tuple[str, BaseException]] = []
+
+    @property
+    def started(self) -> bool:
+        return self._started.is_set()
+
+    def shutdown(self) -> list[tuple[str, BaseException]]:
+        """Run every step in order exactly once; later callers wait for the first."""
+        with self._lock:
+            first = not self._started.is_set()
+            self._started.set()
+        if not first:
+            self._done.wait()
+            return self.failures
+        log.info("Graceful shutdown started")
+        for name, step in self._steps:
+            log.debug("shutdown: %s", name)
+            try:
+                step()
+            except BaseException as exc:  # keep going: every later step must still run
+                self.failures.append((name, exc))
+                log.error("shutdown step %r failed: %s", name, exc, exc_info=exc)
+        if self.failures:
+            log.error("shutdown finished with %d failed step(s): %s", len(self.failures),
+                      ", ".join(name for name, _ in self.failures))
+        log.info("Graceful shutdown complete")
+        self._done.set()
+        return self.failures
+
+
+class SignalWiring:
+    """SIGINT/SIGTERM -> ``stop_requested``; a second one during the stop forces exit."""
+
+    def __init__(self, stop_requested: threading.Event,
+                 is_stopping: Callable[[], bool],
+                 on_force: Callable[[], None] | None = None) -> None:
+        self._stop_requested = stop_requested
+        self._is_stopping = is_stopping
+        self._on_force = on_force
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+        self._previous.clear()
+
+    def _handle(self, signum: int, _frame: FrameType | None) -> None:
+        if self._stop_requested.is_set() or self._is_stopping():
+            log.critical("Received second shutdown signal, forcing exit")
+            if self._on_force is not None:
+                try:
+                    self._on_force()
+                except Exception:  # forcing exit must not be stopped by cleanup
+                    pass
+            logging.shutdown()
+            os._exit(1)
+        log.info("received %s", signal.Signals(signum).name)
+        self._stop_requested.set()

@@ -1,0 +1,178 @@
+"""Versioned schema migrations.
+
+``schema_migrations`` records each applied version. A migration is a function
+of a :class:`sqlite_utils.Database` wrapping the store's connection; it runs
+inside one ``BEGIN IMMEDIATE`` transaction together with its bookkeeping row,
+so a crash half-way leaves the previous version intact. Tables are created
+with sqlite-utils; what it cannot express (partial unique indexes) is plain
+SQL next to it.
+
+Append new migrations to :data:`MIGRATIONS`; never edit an applied one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import sqlite_utils
+
+from kandevd.store.db import Store
+from kandevd.timeutil import rfc3339, utc_now
+
+log = logging.getLogger("kandevd.store.migrations")
+
+
+def _v1_workspace_model_and_runs(db: sqlite_utils.Database) -> None:
+    db["workspaces"].create(
+        {"id": str, "name": str, "office_workflow_id": str, "created_at": str, "updated_at": str},
+        pk="id", not_null={"name", "office_workflow_id", "created_at", "updated_at"},
+        defaults={"office_workflow_id": ""},
+    )
+    db["agents"].create(
+        {
+            "id": str, "workspace_id": str, "name": str, "profile": str, "cooldown_s": float,
+            "status": str, "cooldown_until": str, "last_finished_at": str,
+            "created_at": str, "updated_at": str,
+        },
+        pk="id", foreign_keys=[("workspace_id", "workspaces", "id")],
+        not_null={"workspace_id", "name", "profile", "cooldown_s", "status", "created_at",
+                  "updated_at"},
+        defaults={"profile": "default", "cooldown_s": 0.0, "status": "active"},
+    )
+    db["agents"].create_index(["workspace_id"])
+    db["workflows"].create(
+        {"id": str, "workspace_id": str, "name": str, "style": str, "created_at": str},
+        pk="id", foreign_keys=[("workspace_id", "workspaces", "id")],
+        not_null={"workspace_id", "name", "style", "created_at"},
+    )
+    db["workflow_steps"].create(
+        {"workflow_id": str, "id": str, "position": int, "name": str, "agent_id": str,
+         "on_enter": str},
+        pk=("workflow_id", "id"), foreign_keys=[("workflow_id", "workflows", "id")],
+        not_null={"workflow_id", "id", "position", "name", "on_enter"},
+        defaults={"on_enter": "[]"},
+    )
+    db["tasks"].create(
+        {
+            "id": str, "workspace_id": str, "workflow_id": str, "step_id": str, "title": str,
+            "project_id": str, "state": str, "runner_agent_id": str,
+            "created_at": str, "updated_at": str,
+        },
+        pk="id",
+        foreign_keys=[("workspace_id", "workspaces", "id"), ("workflow_id", "workflows", "id")],
+        not_null={"workspace_id", "workflow_id", "title", "project_id", "state", "created_at",
+                  "updated_at"},
+        defaults={"project_id": "", "state": "TODO"},
+    )
+    db["tasks"].create_index(["workspace_id", "state"])
+    db["office_projects"].create(
+        {"id": str, "workspace_id": str, "name": str, "created_at": str},
+        pk="id", foreign_keys=[("workspace_id", "workspaces", "id")],
+        not_null={"workspace_id", "name", "created_at"},
+    )
+    db["office_routines"].create(
+        {
+            "id": str, "workspace_id": str, "agent_id": str, "name": str,
+            "cron_expression": str, "timezone": str, "payload": str, "status": str,
+            "concurrency_policy": str, "catch_up_policy": str, "catch_up_max": int,
+            "next_run_at": str, "last_run_at": str, "created_at": str, "updated_at": str,
+        },
+        pk="id",
+        foreign_keys=[("workspace_id", "workspaces", "id"), ("agent_id", "agents", "id")],
+        not_null={"workspace_id", "agent_id", "name", "cron_expression", "timezone", "payload",
+                  "status", "concurrency_policy", "catch_up_policy", "catch_up_max",
+                  "created_at", "updated_at"},
+        defaults={"timezone": "UTC", "payload": "{}", "status": "active",
+                  "concurrency_policy": "skip_if_active", "catch_up_policy": "skip_missed",
+                  "catch_up_max": 25},
+    )
+    db["office_budget_policies"].create(
+        {
+            "id": str, "workspace_id": str, "scope_type": str, "scope_id": str,
+            "limit_cents": float, "period": str, "alert_threshold_pct": float,
+            "action_on_exceed": str, "created_at": str,
+        },
+        pk="id", foreign_keys=[("workspace_id", "workspaces", "id")],
+        not_null={"workspace_id", "scope_type", "scope_id", "limit_cents", "period",
+                  "alert_threshold_pct", "action_on_exceed", "created_at"},
+        defaults={"alert_threshold_pct": 80.0, "action_on_exceed": "notify_only"},
+    )
+    db["office_budget_alerts"].create(
+        {"policy_id": str, "period_key": str, "threshold_pct": float, "spent_cents": float,
+         "created_at": str},
+        pk=("policy_id", "period_key", "threshold_pct"),
+        foreign_keys=[("policy_id", "office_budget_policies", "id")],
+    )
+    db["runs"].create(
+        {
+            "seq": int, "id": str, "workspace_id": str, "agent_id": str, "task_id": str,
+            "reason": str, "payload": str, "status": str, "idempotency_key": str,
+            "key_active": int, "coalesced_count": int, "retry_count": int,
+            "scheduled_retry_at": str, "requested_at": str, "claimed_at": str,
+            "finished_at": str, "error_message": str, "cancel_reason": str,
+            "output_summary": str, "cost_cents": float, "log_path": str,
+            "claim_token": str, "claimed_by": str, "attempt": int, "updated_at": str,
+        },
+        pk="seq",
+        foreign_keys=[("workspace_id", "workspaces", "id"), ("agent_id", "agents", "id")],
+        not_null={"id", "workspace_id", "agent_id", "reason", "payload", "status",
+                  "key_active", "coalesced_count", "retry_count", "requested_at", "attempt",
+                  "updated_at"},
+        defaults={"payload": "{}", "key_active": 0, "coalesced_count": 0, "retry_count": 0,
+                  "attempt": 0},
+    )
+    db["runs"].create_index(["id"], unique=True)
+    db["runs"].create_index(["status", "seq"])
+    db["runs"].create_index(["agent_id", "status"])
+    db["runs"].create_index(["task_id"])
+    # At most one claimed run per agent, enforced by the database itself.
+    db.execute(
+        "CREATE UNIQUE INDEX runs_one_claim_per_agent ON runs(agent_id) WHERE status = 'claimed'"
+    )
+    # An idempotency key is unique among runs whose key is still in force (< 24 h);
+    # an expired key is switched off (key_active = 0) when it is reused, never deleted.
+    db.execute(
+        "CREATE UNIQUE INDEX runs_active_idempotency_key ON runs(idempotency_key) "
+        "WHERE idempotency_key IS NOT NULL AND key_active = 1"
+    )
+
+
+Migration = Callable[[sqlite_utils.Database], None]
+
+MIGRATIONS: list[tuple[int, str, Migration]] = [
+    (1, "workspace model and runs queue", _v1_workspace_model_and_runs),
+]
+
+
+def current_version(store: Store) -> int:
+    with store.connection() as conn:
+        conn.execute(
+            "CREATE TABLE IF NOT EXISTS schema_migrations "
+            "(version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at TEXT NOT NULL)"
+        )
+        row = conn.execute("SELECT MAX(version) FROM schema_migrations").fetchone()
+    return int(row[0] or 0)
+
+
+def migrate(store: Store) -> int:
+    """Apply every pending migration; return the resulting schema version."""
+    version = current_version(store)
+    known = MIGRATIONS[-1][0] if MIGRATIONS else 0
+    if version > known:
+        raise RuntimeError(
+            f"database schema version {version} is newer than this kandevd knows ({known}); "
+            "refusing to touch it"
+        )
+    for number, name, apply in MIGRATIONS:
+        if number <= version:
+            continue
+        with store.transaction() as conn:
+            apply(sqlite_utils.Database(conn))
+            conn.execute(
+                "INSERT INTO schema_migrations (version, name, applied_at) VALUES (?, ?, ?)",
+                (number, name, rfc3339(utc_now())),
+            )
+        log.info("database migrated to version %d (%s)", number, name)
+        version = number
+    return version

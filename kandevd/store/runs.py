@@ -1,0 +1,376 @@
+"""The runs repository: the persisted global queue.
+
+Every state change of a run is one ``BEGIN IMMEDIATE`` transaction here, so
+the rows are always the truth and memory may be lost at any moment.
+
+Claims are fenced: a claim writes a fresh ``claim_token``; finishing or
+failing an attempt names the token it was given, and a late completion from
+a superseded attempt (re-queued as stale, cancelled, or claimed again after a
+restart) matches no row and changes nothing.
+
+This is the small repository interface a PostgreSQL implementation would
+provide too (claims with ``FOR UPDATE SKIP LOCKED``): enqueue, claim_next,
+finish, fail_attempt, requeue, requeue_foreign_claims, recover_stale, cancel.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import uuid
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from kandevd.config import RetryConfig
+from kandevd.queue.retry import decide_retry
+from kandevd.store.db import Store
+from kandevd.timeutil import after, parse_rfc3339, rfc3339
+
+IDEMPOTENCY_WINDOW_S = 24 * 3600
+COALESCE_WINDOW_S = 5.0
+TERMINAL = frozenset({"finished", "failed", "cancelled"})
+STATUSES = ("queued", "claimed", "finished", "failed", "cancelled")
+
+RUN_FIELDS = (
+    "id", "seq", "workspace_id", "agent_id", "task_id", "reason", "payload", "status",
+    "idempotency_key", "coalesced_count", "retry_count", "scheduled_retry_at", "requested_at",
+    "claimed_at", "finished_at", "error_message", "cancel_reason", "output_summary",
+    "cost_cents", "log_path",
+)
+
+
+class RunNotFound(LookupError):
+    def __init__(self, run_id: str) -> None:
+        super().__init__(f"run {run_id!r} does not exist")
+
+
+class RunReferenceError(ValueError):
+    """The run names a workspace or agent that does not exist (or do not match)."""
+
+
+class RunConflict(RuntimeError):
+    pass
+
+
+def run_from_row(row: sqlite3.Row) -> dict[str, Any]:
+    """The contract's RUN object from a ``runs`` row."""
+    run = {name: row[name] for name in RUN_FIELDS}
+    run["payload"] = json.loads(row["payload"] or "{}")
+    return run
+
+
+@dataclass(frozen=True)
+class EnqueueResult:
+    run: dict[str, Any]
+    deduplicated: bool = False
+    coalesced: bool = False
+
+    @property
+    def inserted(self) -> bool:
+        return not (self.deduplicated or self.coalesced)
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A claimed run, the token that fences its attempt, and its agent's profile."""
+
+    run: dict[str, Any]
+    token: str
+    profile: str
+
+
+class RunRepository:
+    def __init__(self, store: Store, boot_id: str) -> None:
+        self.store = store
+        self.boot_id = boot_id
+
+    # -- enqueue ----------------------------------------------------------------
+    def enqueue(self, *, workspace_id: str, agent_id: str, reason: str, now: datetime,
+                task_id: str | None = None, payload: dict[str, Any] | None = None,
+                idempotency_key: str | None = None, coalesce: bool = True) -> EnqueueResult:
+        payload_json = json.dumps(payload or {}, separators=(",", ":"), sort_keys=True)
+        key = idempotency_key or None
+        now_s = rfc3339(now)
+        with self.store.transaction() as conn:
+            agent = conn.execute("SELECT workspace_id FROM agents WHERE id = ?",
+                                 (agent_id,)).fetchone()
+            if conn.execute("SELECT 1 FROM workspaces WHERE id = ?",
+                            (workspace_id,)).fetchone() is None:
+                raise RunReferenceError(f"workspace_id: workspace {workspace_id!r} does not exist")
+            if agent is None:
+                raise RunReferenceError(f"agent_id: agent {agent_id!r} does not exist")
+            if agent["workspace_id"] != workspace_id:
+                raise RunReferenceError(
+                    f"agent_id: agent {agent_id!r} belongs to workspace "
+                    f"{agent['workspace_id']!r}, not {workspace_id!r}")
+            if key is not None:
+                existing = conn.execute(
+                    "SELECT * FROM runs WHERE idempotency_key = ? AND key_active = 1",
+                    (key,)).fetchone()
+                if existing is not None:
+                    cutoff = rfc3339(after(now, -IDEMPOTENCY_WINDOW_S))
+                    if existing["requested_at"] >= cutoff:
+                        return EnqueueResult(run_from_row(existing), deduplicated=True)
+                    conn.execute("UPDATE runs SET key_active = 0 WHERE seq = ?",
+                                 (existing["seq"],))
+            if coalesce and not (key or "").startswith("task_comment:"):
+                merged = self._coalesce(conn, agent_id=agent_id, reason=reason, task_id=task_id,
+                                        key=key, payload_json=payload_json, now=now)
+                if merged is not None:
+                    return EnqueueResult(merged, coalesced=True)
+            row = conn.execute(
+                "INSERT INTO runs (id, workspace_id, agent_id, task_id, reason, payload, status,"
+                " idempotency_key, key_active, requested_at, updated_at)"
+                " VALUES (?, ?, ?, ?, ?, ?, 'queued', ?, ?, ?, ?) RETURNING *",
+                ("run_" + uuid.uuid4().hex, workspace_id, agent_id, task_id, reason,
+                 payload_json, key, 1 if key else 0, now_s, now_s),
+            ).fetchone()
+            return EnqueueResult(run_from_row(row))
+
+    @staticmethod
+    def _coalesce(conn: sqlite3.Connection, *, agent_id: str, reason: str, task_id: str | None,
+                  key: str | None, payload_json: str, now: datetime) -> dict[str, Any] | None:
+        sql = ("SELECT * FROM runs WHERE agent_id = ? AND reason = ? AND status = 'queued'"
+               " AND requested_at > ?")
+        params: list[Any] = [agent_id, reason, rfc3339(after(now, -COALESCE_WINDOW_S))]
+        if reason == "task_assigned":
+            sql += " AND task_id IS ?"
+            params.append(task_id)
+        row = conn.execute(sql + " ORDER BY seq DESC LIMIT 1", params).fetchone()
+        if row is None:
+            return None
+        if key is not None and row["idempotency_key"] not in (None, key):
+            return None  # two distinct keyed events are never merged
+        if (row["idempotency_key"] or "").startswith("task_comment:"):
+            return None
+        new_key_active = 1 if (key or row["idempotency_key"]) else 0
+        updated = conn.execute(
+            "UPDATE runs SET coalesced_count = coalesced_count + 1, payload = ?,"
+            " idempotency_key = COALESCE(idempotency_key, ?), key_active = ?, updated_at = ?"
+            " WHERE seq = ? RETURNING *",
+            (payload_json, key, new_key_active, rfc3339(now), row["seq"]),
+        ).fetchone()
+        return run_from_row(updated)
+
+    # -- claim ------------------------------------------------------------------
+    _ELIGIBLE = """
+        FROM runs r JOIN agents a ON a.id = r.agent_id
+        WHERE r.status = 'queued'
+          AND (r.scheduled_retry_at IS NULL OR r.scheduled_retry_at <= :now)
+          AND a.status = 'active'
+          AND (a.cooldown_until IS NULL OR a.cooldown_until <= :now)
+          AND NOT EXISTS (SELECT 1 FROM runs c WHERE c.agent_id = r.agent_id
+                          AND c.status = 'claimed')
+    """
+
+    def claim_next(self, now: datetime, *, exclude_agents: Collection[str] = ()) -> Claim | None:
+        """Atomically claim the oldest eligible queued run across every workspace."""
+        params: dict[str, Any] = {"now": rfc3339(now), "token": uuid.uuid4().hex,
+                                  "boot": self.boot_id}
+        exclusion = ""
+        if exclude_agents:
+            names = []
+            for i, agent in enumerate(sorted(exclude_agents)):
+                params[f"x{i}"] = agent
+                names.append(f":x{i}")
+            exclusion = f" AND r.agent_id NOT IN ({', '.join(names)})"
+        with self.store.transaction() as conn:
+            row = conn.execute(
+                "UPDATE runs SET status = 'claimed', claimed_at = :now, claim_token = :token,"
+                " claimed_by = :boot, attempt = attempt + 1, finished_at = NULL,"
+                " updated_at = :now"
+                " WHERE seq = (SELECT r.seq " + self._ELIGIBLE + exclusion +
+                " ORDER BY r.seq LIMIT 1) RETURNING *",
+                params,
+            ).fetchone()
+            if row is None:
+                return None
+            profile = conn.execute("SELECT profile FROM agents WHERE id = ?",
+                                   (row["agent_id"],)).fetchone()["profile"]
+        return Claim(run_from_row(row), params["token"], profile)
+
+    def next_due(self, now: datetime) -> datetime | None:
+        """The earliest future moment a queued run may become claimable (retry, cooldown)."""
+        now_s = rfc3339(now)
+        row = self.store.query_one(
+            "SELECT MIN(t) FROM ("
+            " SELECT MIN(scheduled_retry_at) AS t FROM runs"
+            "  WHERE status = 'queued' AND scheduled_retry_at > :now"
+            " UNION ALL"
+            " SELECT MIN(a.cooldown_until) FROM agents a WHERE a.cooldown_until > :now"
+            "  AND EXISTS (SELECT 1 FROM runs r WHERE r.agent_id = a.id AND r.status = 'queued'))",
+            {"now": now_s})
+        return parse_rfc3339(row[0]) if row and row[0] else None
+
+    # -- attempt outcomes -------------------------------------------------------
+    def finish(self, run_id: str, token: str, *, now: datetime, summary: str | None,
+               cost_cents: float | None, log_path: str | None) -> bool:
+        now_s = rfc3339(now)
+        with self.store.transaction() as conn:
+            row = conn.execute(
+                "UPDATE runs SET status = 'finished', finished_at = ?, output_summary = ?,"
+                " cost_cents = ?, log_path = ?, claim_token = NULL, error_message = NULL,"
+                " scheduled_retry_at = NULL, updated_at = ?"
+                " WHERE id = ? AND status = 'claimed' AND claim_token = ? RETURNING agent_id",
+                (now_s, summary, cost_cents, log_path, now_s, run_id, token)).fetchone()
+            if row is None:
+                return False
+            self._start_cooldown(conn, row["agent_id"], now)
+        return True
+
+    def fail_attempt(self, run_id: str, token: str, *, now: datetime, error: str,
+                     policy: RetryConfig, summary: str | None = None,
+                     cost_cents: float | None = None, log_path: str | None = None,
+                     draw: float | None = None) -> dict[str, Any] | None:
+        """Apply the retry policy to a failed attempt; None when the token is stale."""
+        now_s = rfc3339(now)
+        with self.store.transaction() as conn:
+            row = conn.execute("SELECT * FROM runs WHERE id = ? AND status = 'claimed'"
+                               " AND claim_token = ?", (run_id, token)).fetchone()
+            if row is None:
+                return None
+            decision = decide_retry(policy, retry_count=row["retry_count"],
+                                    requested_at=parse_rfc3339(row["requested_at"]),
+                                    now=now, draw=draw)
+            common = {"now": now_s, "error": error, "summary": summary, "cost": cost_cents,
+                      "log": log_path, "seq": row["seq"]}
+            if decision.action == "retry":
+                assert decision.retry_at is not None
+                sql = ("UPDATE runs SET status = 'queued', retry_count = retry_count + 1,"
+                       " scheduled_retry_at = :retry_at, claimed_at = NULL, finished_at = NULL,"
+                       " claim_token = NULL, claimed_by = NULL, error_message = :error,")
+                common["retry_at"] = rfc3339(decision.retry_at)
+            elif decision.action == "too_old":
+                sql = ("UPDATE runs SET status = 'cancelled', cancel_reason = 'run_too_old',"
+                       " finished_at = :now, claim_token = NULL, error_message = :error,")
+            else:
+                sql = ("UPDATE runs SET status = 'failed', finished_at = :now,"
+                       " claim_token = NULL, error_message = :error,")
+            updated = conn.execute(
+                sql + " output_summary = :summary, cost_cents = COALESCE(:cost, cost_cents),"
+                " log_path = COALESCE(:log, log_path), updated_at = :now"
+                " WHERE seq = :seq RETURNING *", common).fetchone()
+            self._start_cooldown(conn, row["agent_id"], now)
+        return run_from_row(updated)
+
+    @staticmethod
+    def _start_cooldown(conn: sqlite3.Connection, agent_id: str, now: datetime) -> None:
+        agent = conn.execute("SELECT cooldown_s FROM agents WHERE id = ?", (agent_id,)).fetchone()
+        cooldown = float(agent["cooldown_s"] or 0) if agent else 0.0
+        conn.execute(
+            "UPDATE agents SET last_finished_at = ?, cooldown_until = ? WHERE id = ?",
+            (rfc3339(now), rfc3339(after(now, cooldown)) if cooldown > 0 else None, agent_id))
+
+    # -- recovery ---------------------------------------------------------------
+    _REQUEUE = ("UPDATE runs SET status = 'queued', claimed_at = NULL, claim_token = NULL,"
+                " claimed_by = NULL, updated_at = :now")
+
+    def requeue(self, run_id: str, token: str, now: datetime) -> bool:
+        """Put a claimed attempt back in the queue (dispatch failed, or it was interrupted)."""
+        with self.store.transaction() as conn:
+            return conn.execute(self._REQUEUE + " WHERE id = :id AND status = 'claimed'"
+                                " AND claim_token = :token",
+                                {"now": rfc3339(now), "id": run_id, "token": token}).rowcount > 0
+
+    def requeue_foreign_claims(self, now: datetime) -> list[str]:
+        """At start-up: claims made by any earlier daemon instance go back to the queue."""
+        with self.store.transaction() as conn:
+            rows = conn.execute(
+                self._REQUEUE + " WHERE status = 'claimed'"
+                " AND (claimed_by IS NULL OR claimed_by != :boot) RETURNING id",
+                {"now": rfc3339(now), "boot": self.boot_id}).fetchall()
+        return [r["id"] for r in rows]
+
+    def recover_stale(self, now: datetime, stale_s: float, live: Iterable[str]) -> list[str]:
+        """Claims older than ``stale_s`` with no live execution here go back to the queue."""
+        live_ids = set(live)
+        cutoff = rfc3339(after(now, -stale_s))
+        with self.store.transaction() as conn:
+            stale = [r for r in conn.execute(
+                "SELECT id, claim_token FROM runs WHERE status = 'claimed' AND claimed_at < ?",
+                (cutoff,)).fetchall() if r["id"] not in live_ids]
+            for r in stale:
+                conn.execute(self._REQUEUE + " WHERE id = :id AND claim_token = :token",
+                             {"now": rfc3339(now), "id": r["id"], "token": r["claim_token"]})
+        return [r["id"] for r in stale]
+
+    # -- cancel -----------------------------------------------------------------
+    def cancel(self, run_id: str, reason: str | None, now: datetime
+               ) -> tuple[dict[str, Any], str]:
+        """Cancel a queued or claimed run; returns (run, previous status)."""
+        now_s = rfc3339(now)
+        with self.store.transaction() as conn:
+            row = conn.execute("SELECT status FROM runs WHERE id = ?", (run_id,)).fetchone()
+            if row is None:
+                raise RunNotFound(run_id)
+            previous = row["status"]
+            if previous in TERMINAL:
+                raise RunConflict(f"run {run_id!r} is already {previous}; nothing to cancel")
+            updated = conn.execute(
+                "UPDATE runs SET status = 'cancelled', cancel_reason = ?, finished_at = ?,"
+                " claim_token = NULL, updated_at = ? WHERE id = ? RETURNING *",
+                (reason or "cancelled", now_s, now_s, run_id)).fetchone()
+        return run_from_row(updated), previous
+
+    # -- reads ------------------------------------------------------------------
+    def get(self, run_id: str) -> dict[str, Any]:
+        row = self.store.query_one("SELECT * FROM runs WHERE id = ?", (run_id,))
+        if row is None:
+            raise RunNotFound(run_id)
+        return run_from_row(row)
+
+    def list(self, *, limit: int = 50, offset: int = 0, **filters: Any) -> dict[str, Any]:
+        where, params = [], []
+        for column in ("status", "agent_id", "workspace_id", "task_id", "reason"):
+            value = filters.get(column)
+            if value is not None:
+                where.append(f"{column} = ?")
+                params.append(value)
+        clause = (" WHERE " + " AND ".join(where)) if where else ""
+        total = self.store.query_one(f"SELECT COUNT(*) FROM runs{clause}", params)[0]
+        rows = self.store.query(f"SELECT * FROM runs{clause} ORDER BY seq LIMIT ? OFFSET ?",
+                                [*params, limit, offset])
+        return {"items": [run_from_row(r) for r in rows], "total": total,
+                "limit": limit, "offset": offset}
+
+    def explain(self, run_id: str, now: datetime, *, runtime_full: bool,
+                live_agents: Collection[str] = ()) -> dict[str, Any]:
+        """Why a queued run is not claimed yet: a list of blocker names plus details."""
+        now_s = rfc3339(now)
+        with self.store.connection() as conn:
+            run = conn.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone()
+            if run is None:
+                raise RunNotFound(run_id)
+            blockers: list[str] = []
+            details: dict[str, Any] = {}
+            if run["status"] != "queued":
+                return {"eligible": False, "blockers": [f"status_{run['status']}"],
+                        "details": {"status": run["status"]}}
+            agent = conn.execute("SELECT * FROM agents WHERE id = ?",
+                                 (run["agent_id"],)).fetchone()
+            if agent["status"] != "active":
+                blockers.append("agent_paused")
+            busy = conn.execute("SELECT id FROM runs WHERE agent_id = ? AND status = 'claimed'",
+                                (run["agent_id"],)).fetchone()
+            if busy is not None or run["agent_id"] in live_agents:
+                blockers.append("agent_busy")
+                if busy is not None:
+                    details["agent_busy"] = busy["id"]
+            if agent["cooldown_until"] and agent["cooldown_until"] > now_s:
+                blockers.append("cooldown_until")
+                details["cooldown_until"] = agent["cooldown_until"]
+            if run["scheduled_retry_at"] and run["scheduled_retry_at"] > now_s:
+                blockers.append("retry_at")
+                details["retry_at"] = run["scheduled_retry_at"]
+            earlier = conn.execute(
+                "SELECT id FROM runs WHERE agent_id = ? AND status = 'queued' AND seq < ?"
+                " AND (scheduled_retry_at IS NULL OR scheduled_retry_at <= ?)"
+                " ORDER BY seq LIMIT 1", (run["agent_id"], run["seq"], now_s)).fetchone()
+            if earlier is not None:
+                blockers.append("queued_behind")
+                details["queued_behind"] = earlier["id"]
+            if runtime_full:
+                blockers.append("runtime_full")
+        return {"eligible": not blockers, "blockers": blockers, "details": details}

@@ -1,0 +1,38 @@
+"""Time helpers: one place that decides how instants are written down.
+
+Every timestamp kandevd stores or returns is an RFC 3339 UTC string with
+microseconds (``2026-12-02T13:00:00.123456Z``). The fixed width makes the
+strings sort in time order, so SQLite can compare them as text.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+
+def utc_now() -> datetime:
+    """The current instant as an aware UTC datetime."""
+    return datetime.now(UTC)
+
+
+def rfc3339(moment: datetime) -> str:
+    """Format an aware datetime as fixed-width RFC 3339 UTC with microseconds."""
+    if moment.tzinfo is None:
+        raise ValueError("naive datetime: kandevd only writes aware instants")
+    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def parse_rfc3339(text: str) -> datetime:
+    """Parse an RFC 3339 timestamp (``Z`` or an offset) into an aware UTC datetime."""
+    value = text.strip()
+    if value.endswith(("Z", "z")):
+        value = value[:-1] + "+00:00"
+    moment = datetime.fromisoformat(value)
+    if moment.tzinfo is None:
+        raise ValueError(f"timestamp {text!r} has no UTC offset")
+    return moment.astimezone(UTC)
+
+
+def after(moment: datetime, seconds: float) -> datetime:
+    """``moment`` plus ``seconds`` (negative allowed)."""
+    return moment + timedelta(seconds=seconds)

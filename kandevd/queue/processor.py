@@ -105,20 +105,22 @@ class RunQueue:
     def _dispatch(self, reservation: Any, claim: Claim) -> bool:
         run = claim.run
         profile = self.config.profile(claim.profile)
-        log_path = self.layout.run_logs / f"{run['id']}.log"
-        spec = ExecutionSpec(
-            key=run["id"], kind="run",
-            argv=tuple(profile.command) if profile.command else ECHO_AGENT,
-            stdin={"kind": "run", "run_id": run["id"], "session_id": f"ses_{uuid.uuid4().hex}",
-                   "agent_id": run["agent_id"], "task_id": run["task_id"],
-                   "workspace_id": run["workspace_id"], "reason": run["reason"],
-                   "payload": run["payload"]},
-            cwd=self.layout.runs / run["id"], log_path=log_path, timeout_s=profile.timeout_s,
-            env=dict(profile.env), run_id=run["id"], home=str(self.layout.root),
-        )
+        session_id = f"ses_{uuid.uuid4().hex}"
         with self._lock:
             self._live[run["id"]] = run["agent_id"]
         try:
+            spec = ExecutionSpec(
+                key=run["id"], kind="run",
+                argv=tuple(profile.command) if profile.command else ECHO_AGENT,
+                stdin={"kind": "run", "run_id": run["id"], "session_id": session_id,
+                       "agent_id": run["agent_id"], "task_id": run["task_id"],
+                       "workspace_id": run["workspace_id"], "reason": run["reason"],
+                       "payload": run["payload"]},
+                cwd=self.layout.runs / run["id"],
+                log_path=self.layout.run_logs / f"{run['id']}.log",
+                timeout_s=profile.timeout_s, env=dict(profile.env), run_id=run["id"],
+                session_id=session_id, home=str(self.layout.root),
+            )
             self.runtime.start(reservation, spec,
                                lambda result: self._on_done(claim, result))
         except Exception as exc:

@@ -1,0 +1,358 @@
+"""AgentRuntime: the one bounded pool every agent execution goes through.
+
+Queued runs, Kanban launches and scheduled workflow turns all share
+``runtime.max_concurrent`` slots, so the bound is global. A slot is taken in
+two steps so a caller can hold one while it does other work (the queue claims
+a run in the database only once it knows a slot is free)::
+
+    try_reserve() -> Reservation --start(spec, on_done)--> running --> on_done --> free
+         |                                                                  |
+         +------------------------- release() ------------------------> free
+                                                                  (slot listeners fire)
+
+Runtime states::
+
+    accepting --stop()--> stopping: no new reservations or starts;
+                          wait up to stop_grace_s for executions to end;
+                          then interrupt the rest (SIGTERM, kill grace, SIGKILL);
+                          join every worker --> stopped
+
+Each execution gets one non-daemon worker thread, owned and joined here.
+``kill_all_now()`` is the forced-exit path: SIGKILL everything, join nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kandevd.runtime.process import (
+    ERROR,
+    INTERRUPTED,
+    STOPPED,
+    ExecutionControl,
+    ExecutionResult,
+    ExecutionSpec,
+    ProcessRunner,
+    Runner,
+)
+from kandevd.timeutil import utc_now
+
+log = logging.getLogger("kandevd.runtime")
+
+SHUTDOWN_REASON = "daemon shutting down"
+FORCED_REASON = "forced exit"
+
+
+class RuntimeFull(Exception):
+    """Every slot is taken; the caller should try again when a slot frees."""
+
+    def __init__(self, max_concurrent: int) -> None:
+        super().__init__(max_concurrent)
+        self.max_concurrent = max_concurrent
+
+    def __str__(self) -> str:
+        return f"agent runtime is full: all {self.max_concurrent} slots are in use"
+
+
+class RuntimeStopped(Exception):
+    """The runtime is stopping or stopped and accepts no new executions."""
+
+    def __str__(self) -> str:
+        return "agent runtime is stopping: no new executions are accepted"
+
+
+class Reservation:
+    """An opaque token for one reserved slot; spend it with start() or release()."""
+
+    __slots__ = ("_owner", "_state")
+
+    def __init__(self, owner: AgentRuntime) -> None:
+        self._owner = owner
+        self._state = "held"  # held -> started | released
+
+    def __repr__(self) -> str:
+        return f"<Reservation {self._state}>"
+
+
+@dataclass(eq=False)
+class _Execution:
+    spec: ExecutionSpec
+    control: ExecutionControl
+    on_done: Callable[[ExecutionResult], None]
+    thread: threading.Thread | None = None
+    finished: bool = False  # the runner returned: the child is reaped
+
+
+class AgentRuntime:
+    """A bounded pool of agent executions; see the module docstring."""
+
+    def __init__(self, max_concurrent: int, stop_grace_s: float, *,
+                 runner: Runner | None = None, kill_grace_s: float = 5.0) -> None:
+        if max_concurrent < 1:
+            raise ValueError(f"max_concurrent must be >= 1, not {max_concurrent!r}")
+        if stop_grace_s < 0:
+            raise ValueError(f"stop_grace_s must be >= 0, not {stop_grace_s!r}")
+        self._max = max_concurrent
+        self._stop_grace_s = stop_grace_s
+        self._runner: Runner = runner if runner is not None else ProcessRunner(kill_grace_s)
+        self._cond = threading.Condition()
+        self._held = 0  # reservations not yet started or released
+        self._live: dict[str, _Execution] = {}
+        self._threads: list[threading.Thread] = []
+        self._listeners: list[Callable[[], None]] = []
+        self._stopping = False  # no new reservations or starts (stop or kill_all_now)
+        self._stop_begun = False  # stop() has a first caller doing the work
+        self._stopped = False  # that caller has finished
+
+    # -- introspection -----------------------------------------------------
+
+    @property
+    def max_concurrent(self) -> int:
+        """The slot bound."""
+        return self._max
+
+    @property
+    def active(self) -> int:
+        """Slots in use: reserved plus running (including on_done still running)."""
+        with self._cond:
+            return self._held + len(self._live)
+
+    @property
+    def stopping(self) -> bool:
+        """True once stop() or kill_all_now() began."""
+        with self._cond:
+            return self._stopping
+
+    def is_live(self, key: str) -> bool:
+        """True while ``key`` holds a slot (until its on_done has returned)."""
+        with self._cond:
+            return key in self._live
+
+    def live_keys(self) -> frozenset[str]:
+        """Keys of every execution that holds a slot."""
+        with self._cond:
+            return frozenset(self._live)
+
+    def add_slot_listener(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` whenever a slot frees (the queue loop's wake-up)."""
+        with self._cond:
+            self._listeners.append(callback)
+
+    # -- slots -------------------------------------------------------------
+
+    def try_reserve(self) -> Reservation | None:
+        """Take a slot if one is free; None when full or stopping. Never blocks."""
+        with self._cond:
+            if self._stopping or self._held + len(self._live) >= self._max:
+                return None
+            self._held += 1
+            return Reservation(self)
+
+    def release(self, reservation: Reservation) -> None:
+        """Give back an unused reservation. Releasing a spent one is a no-op."""
+        with self._cond:
+            if reservation._owner is not self:
+                raise ValueError("reservation belongs to another runtime")
+            if reservation._state != "held":
+                return
+            reservation._state = "released"
+            self._held -= 1
+            self._cond.notify_all()
+        # No slot listener here: the releaser is the one who just looked for work and
+        # found none; waking it again would spin the queue loop.
+
+    def start(self, reservation: Reservation, spec: ExecutionSpec,
+              on_done: Callable[[ExecutionResult], None]) -> None:
+        """Run ``spec`` on the reserved slot in a new worker thread.
+
+        ``on_done(result)`` runs in that worker after the child is reaped; the
+        slot frees when it returns. If start() raises, the reservation has been
+        released, so the caller never leaks a slot.
+        """
+        with self._cond:
+            if reservation._owner is not self:
+                raise ValueError("reservation belongs to another runtime")
+            if reservation._state != "held":
+                raise ValueError(f"reservation already {reservation._state}")
+            problem: Exception | None = None
+            if self._stopping:
+                problem = RuntimeStopped()
+            elif spec.key in self._live:
+                problem = ValueError(f"an execution with key {spec.key!r} is already live")
+            if problem is None:
+                execution = _Execution(spec, ExecutionControl(), on_done)
+                thread = threading.Thread(
+                    target=self._work, args=(execution,), name=f"kandevd-exec-{spec.key}",
+                    daemon=False,
+                )
+                execution.thread = thread
+                reservation._state = "started"
+                self._held -= 1
+                self._live[spec.key] = execution
+                self._threads = [t for t in self._threads if t.is_alive()]
+                self._threads.append(thread)
+        if problem is not None:
+            self.release(reservation)
+            raise problem
+        log.debug("starting %s execution %s", spec.kind, spec.key)
+        try:
+            thread.start()
+        except BaseException:  # e.g. "can't start new thread": give the slot back
+            with self._cond:
+                self._live.pop(spec.key, None)
+                self._threads.remove(thread)
+                self._cond.notify_all()
+            execution.control.close()
+            self._notify_slot_listeners()
+            raise
+
+    def launch(self, spec: ExecutionSpec, on_done: Callable[[ExecutionResult], None]) -> None:
+        """Reserve and start in one step; raises RuntimeFull or RuntimeStopped."""
+        reservation = self.try_reserve()
+        if reservation is None:
+            if self.stopping:
+                raise RuntimeStopped()
+            raise RuntimeFull(self._max)
+        self.start(reservation, spec, on_done)
+
+    # -- stopping ----------------------------------------------------------
+
+    def stop_execution(self, key: str, reason: str = "cancelled") -> bool:
+        """Terminate a live execution (outcome ``stopped``).
+
+        False when no such execution is running (unknown, or its child has
+        already ended and only on_done is left).
+        """
+        with self._cond:
+            execution = self._live.get(key)
+            if execution is None or execution.finished:
+                return False
+        execution.control.request_termination(STOPPED, reason)
+        log.info("stopping execution %s: %s", key, reason)
+        return True
+
+    def stop(self) -> None:
+        """Stop accepting work, let executions finish within the grace, then end them.
+
+        Idempotent and safe from several threads: the first caller does the
+        work, the others wait for it to complete. A caller inside a worker
+        (an on_done calling stop()) is never waited for and never joins
+        itself, so it cannot deadlock; it returns once the stop has begun.
+        """
+        me = threading.current_thread()
+        with self._cond:
+            # A worker thread (on_done or a slot listener calling stop()) must
+            # never wait for the stop, which joins that very thread.
+            in_worker = me in self._threads
+            first = not self._stop_begun
+            self._stop_begun = True
+            self._stopping = True
+            if not first:
+                if in_worker:
+                    return
+                while not self._stopped:
+                    self._cond.wait()
+                # The first caller may have been a worker, which cannot wait
+                # for itself: make sure that one is gone too.
+                while self._others_live(me):
+                    self._cond.wait()
+                threads = list(self._threads)
+        if not first:
+            self._join_all(threads, me)
+            return
+        self._stop_first(me)
+
+    def _stop_first(self, me: threading.Thread) -> None:
+        """The work of stop(), done by its first caller only."""
+        with self._cond:
+            others = self._others_live(me)
+            if others:
+                log.info("runtime stopping: waiting up to %ss for %d execution(s)",
+                         self._stop_grace_s, len(others))
+            deadline = time.monotonic() + self._stop_grace_s
+            while self._others_live(me):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            leftover = [e for e in self._others_live(me) if not e.finished]
+        if leftover:
+            log.warning("runtime stopping: interrupting %d execution(s) still running: %s",
+                        len(leftover), ", ".join(sorted(e.spec.key for e in leftover)))
+            for execution in leftover:
+                execution.control.request_termination(INTERRUPTED, SHUTDOWN_REASON)
+        with self._cond:
+            # No deadline here: each runner escalates to SIGKILL after its
+            # kill grace, so every execution ends; on_done then frees the slot.
+            while self._others_live(me):
+                self._cond.wait()
+            threads = list(self._threads)
+        self._join_all(threads, me)
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        log.info("runtime stopped")
+
+    def kill_all_now(self) -> None:
+        """Forced exit: SIGKILL every live process group at once; join nothing."""
+        with self._cond:
+            self._stopping = True
+            executions = list(self._live.values())
+        for execution in executions:
+            execution.control.request_termination(INTERRUPTED, FORCED_REASON)
+            execution.control.kill_now()
+        if executions:
+            log.warning("killed %d execution(s) on forced exit", len(executions))
+
+    # -- internals ---------------------------------------------------------
+
+    def _join_all(self, threads: list[threading.Thread], me: threading.Thread) -> None:
+        for thread in threads:
+            if thread is not me:
+                thread.join()
+        with self._cond:
+            self._threads = [t for t in self._threads if t.is_alive()]
+
+    def _others_live(self, me: threading.Thread) -> list[_Execution]:
+        return [e for e in self._live.values() if e.thread is not me]
+
+    def _work(self, execution: _Execution) -> None:
+        spec = execution.spec
+        try:
+            try:
+                result = self._runner.run(spec, execution.control)
+            except Exception as exc:  # a runner bug must not kill the worker silently
+                log.exception("runner failed for execution %s", spec.key)
+                now = utc_now()
+                result = ExecutionResult(
+                    key=spec.key, outcome=ERROR, exit_code=None, summary=None,
+                    cost_cents=None, error=f"runner failed: {type(exc).__name__}: {exc}",
+                    started_at=now, ended_at=now, log_path=spec.log_path,
+                )
+            with self._cond:
+                execution.finished = True
+            execution.control.close()
+            try:
+                execution.on_done(result)
+            except Exception:
+                log.exception("on_done for execution %s raised; ignored", spec.key)
+        finally:
+            execution.control.close()
+            with self._cond:
+                if self._live.get(spec.key) is execution:
+                    del self._live[spec.key]
+                self._cond.notify_all()
+            self._notify_slot_listeners()
+
+    def _notify_slot_listeners(self) -> None:
+        with self._cond:
+            listeners = list(self._listeners)
+        for callback in listeners:
+            try:
+                callback()
+            except Exception:
+                log.exception("slot listener %r raised; ignored", callback)

@@ -1,0 +1,38 @@
+"""Shared fixtures: real daemons on temp homes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.harness import DaemonProcess
+
+# Small, fast defaults for integration tests; a test overrides what it exercises.
+FAST_CONFIG: dict[str, Any] = {
+    "queue": {"safety_interval_s": 5},
+    "runtime": {"max_concurrent": 4, "stop_grace_s": 5},
+    "office": {"interval_s": 30},
+}
+
+
+@pytest.fixture
+def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., DaemonProcess]]:
+    """``make(config=None, home=None, env=None, start=True) -> DaemonProcess``; killed at teardown."""
+    made: list[DaemonProcess] = []
+
+    def make(config: dict[str, Any] | None = None, *, home: Path | None = None,
+             env: dict[str, str] | None = None, start: bool = True,
+             args: list[str] | None = None) -> DaemonProcess:
+        daemon = DaemonProcess(home or tmp_path / "home", config if config is not None
+                               else FAST_CONFIG, env=env, args=args)
+        made.append(daemon)
+        if start:
+            daemon.start()
+        return daemon
+
+    yield make
+    for daemon in made:
+        daemon.cleanup()

@@ -1,0 +1,178 @@
+"""A real ``kandevd serve`` subprocess on a temp home, for integration tests.
+
+The harness waits on events the daemon itself reports (its log lines, read
+from its real stderr by a reader thread), never on fixed sleeps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kandevd.control.client import Client, call
+
+READY_LINE = "control socket listening on"
+
+
+class DaemonProcess:
+    def __init__(self, home: Path, config: dict[str, Any] | None = None, *,
+                 env: dict[str, str] | None = None, args: list[str] | None = None) -> None:
+        self.home = Path(home)
+        self.home.mkdir(parents=True, exist_ok=True)
+        if config is not None:
+            (self.home / "kandevd.yaml").write_text(yaml.safe_dump(config))
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.args = args or []
+        self.proc: subprocess.Popen[str] | None = None
+        self.lines: list[str] = []
+        self._cond = threading.Condition()
+        self._reader: threading.Thread | None = None
+
+    # -- process ----------------------------------------------------------------
+    def start(self, *, wait_ready: bool = True, timeout: float = 30.0) -> DaemonProcess:
+        self.lines = []
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kandevd", "serve", "--home", str(self.home), *self.args],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            text=True, env=self.env, start_new_session=True,
+        )
+        self._reader = threading.Thread(target=self._read, args=(self.proc,), daemon=True)
+        self._reader.start()
+        if wait_ready:
+            self.wait_for_line(READY_LINE, timeout=timeout)
+        return self
+
+    def _read(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            with self._cond:
+                self.lines.append(line.rstrip("\n"))
+                self._cond.notify_all()
+        with self._cond:
+            self._cond.notify_all()
+
+    def wait_for_line(self, text: str, *, timeout: float = 30.0, after: int = 0) -> str:
+        """Block until a log line containing ``text`` appears (index >= ``after``)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for line in self.lines[after:]:
+                    if text in line:
+                        return line
+                if self.proc is not None and self.proc.poll() is not None and \
+                        (self._reader is None or not self._reader.is_alive()):
+                    raise AssertionError(f"daemon exited ({self.proc.returncode}) before "
+                                         f"logging {text!r}:\n{self.log_text}")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise AssertionError(f"timed out waiting for {text!r}:\n{self.log_text}")
+                self._cond.wait(remaining)
+
+    def count_lines(self, text: str) -> int:
+        with self._cond:
+            return sum(text in line for line in self.lines)
+
+    def mark(self) -> int:
+        with self._cond:
+            return len(self.lines)
+
+    @property
+    def log_text(self) -> str:
+        with self._cond:
+            return "\n".join(self.lines)
+
+    def send_signal(self, sig: int = signal.SIGINT) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float = 60.0) -> int:
+        assert self.proc is not None
+        code = self.proc.wait(timeout)
+        if self._reader is not None:
+            self._reader.join(timeout)
+        return code
+
+    def stop(self, sig: int = signal.SIGINT, timeout: float = 60.0) -> int:
+        self.send_signal(sig)
+        return self.wait(timeout)
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGKILL)  # the daemon and its agents' session
+        self.wait()
+
+    def cleanup(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(30)
+
+    # -- talking ----------------------------------------------------------------
+    @property
+    def socket(self) -> Path:
+        return self.home / "kandevd.sock"
+
+    def call(self, method: str, params: dict[str, Any] | None = None) -> Any:
+        return call(self.socket, method, params or {})
+
+    def client(self) -> Client:
+        return Client(self.socket)
+
+    def db(self) -> sqlite3.Connection:
+        """A separate read connection to the daemon's database (WAL allows it)."""
+        conn = sqlite3.connect(self.home / "kandevd.db", timeout=10)
+        conn.row_factory = sqlite3.Row
+        return conn
+
+    def wait_until(self, predicate: Callable[[], Any], *, timeout: float = 30.0,
+                   what: str = "condition") -> Any:
+        """Re-check ``predicate`` each time the daemon logs a line (or every 50 ms)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            value = predicate()
+            if value:
+                return value
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise AssertionError(f"timed out waiting for {what}:\n{self.log_text}")
+            with self._cond:
+                self._cond.wait(min(remaining, 0.05))
+
+
+def run_cli(home: Path, *args: str, env: dict[str, str] | None = None,
+            timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kandevd", *args, "--home", str(home)],
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def seed_agents(daemon: DaemonProcess, workspace: str, agents: list[str], **agent_fields: Any
+                ) -> None:
+    """Create a workspace and agents directly in SQLite when no model methods exist yet."""
+    with daemon.db() as conn:
+        now = "2026-01-01T00:00:00.000000Z"
+        conn.execute("INSERT OR IGNORE INTO workspaces (id, name, office_workflow_id, created_at,"
+                     " updated_at) VALUES (?, ?, '', ?, ?)", (workspace, workspace, now, now))
+        for agent in agents:
+            conn.execute("INSERT INTO agents (id, workspace_id, name, profile, cooldown_s, status,"
+                         " created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                         (agent, workspace, agent, agent_fields.get("profile", "default"),
+                          agent_fields.get("cooldown_s", 0), agent_fields.get("status", "active"),
+                          now, now))
+
+
+def dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"))

@@ -1,0 +1,479 @@
+"""AgentRuntime and ProcessRunner against real child processes and real files.
+
+Nothing here sleeps to wait for something to happen: tests wait on the
+runtime's own signals (on_done, slot listeners) or on a child announcing
+itself over a unix socket. Children asked to sleep are the only sleepers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import stat
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import kandevd
+from kandevd.agents import echo_argv
+from kandevd.runtime import (
+    AgentRuntime,
+    ExecutionResult,
+    ExecutionSpec,
+    InProcessRunner,
+    RuntimeFull,
+    RuntimeStopped,
+)
+from kandevd.runtime.process import parse_summary_line
+
+REPO_ROOT = str(Path(kandevd.__file__).resolve().parent.parent)
+CHILD_ENV = {"PYTHONPATH": REPO_ROOT}
+WAIT_S = 15.0  # generous upper bound for any single event; tests end far sooner
+
+# A child that (optionally) ignores SIGTERM, then tells the test its pid over a
+# unix socket, then sleeps: the test knows exactly when the child is running.
+READY_CHILD = r"""
+import json, os, signal, socket, sys, time
+opts = json.load(sys.stdin)["payload"]
+if opts.get("ignore_sigterm"):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print("ready child", os.getpid(), flush=True)
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect(opts["ready"])
+s.sendall(str(os.getpid()).encode())
+s.close()
+time.sleep(60)
+"""
+
+
+class Recorder:
+    """Collects on_done results and lets a test wait for one key."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self.results: dict[str, ExecutionResult] = {}
+        self.order: list[str] = []
+        self.threads: dict[str, str] = {}
+
+    def __call__(self, result: ExecutionResult) -> None:
+        with self._cond:
+            self.results[result.key] = result
+            self.order.append(f"done:{result.key}")
+            self.threads[result.key] = threading.current_thread().name
+            self._cond.notify_all()
+
+    def wait(self, key: str) -> ExecutionResult:
+        with self._cond:
+            assert self._cond.wait_for(lambda: key in self.results, WAIT_S), f"{key} never ended"
+            return self.results[key]
+
+
+class SlotCounter:
+    """A slot listener that counts how often a slot freed."""
+
+    def __init__(self, recorder: Recorder | None = None) -> None:
+        self._cond = threading.Condition()
+        self.count = 0
+        self._recorder = recorder
+
+    def __call__(self) -> None:
+        with self._cond:
+            self.count += 1
+            if self._recorder is not None:
+                self._recorder.order.append("slot")
+            self._cond.notify_all()
+
+    def wait_for(self, count: int) -> None:
+        with self._cond:
+            assert self._cond.wait_for(lambda: self.count >= count, WAIT_S)
+
+
+class ReadyListener:
+    """A unix socket a READY_CHILD connects to; accept() returns the child's pid."""
+
+    def __init__(self, directory: Path) -> None:
+        self.path = str(directory / "ready.sock")
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.bind(self.path)
+        self._sock.listen(8)
+        self._sock.settimeout(WAIT_S)
+
+    def accept(self) -> int:
+        conn, _ = self._sock.accept()
+        with conn:
+            conn.settimeout(WAIT_S)
+            data = b""
+            while chunk := conn.recv(64):
+                data += chunk
+        return int(data)
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+@pytest.fixture
+def ready(tmp_path: Path) -> Iterator[ReadyListener]:
+    # unix socket paths are limited to ~108 bytes; pytest's tmp_path can be long.
+    directory = Path(tempfile.mkdtemp(prefix="kd-rt-", dir="/tmp"))
+    listener = ReadyListener(directory)
+    try:
+        yield listener
+    finally:
+        listener.close()
+        os.unlink(listener.path)
+        directory.rmdir()
+
+
+@pytest.fixture
+def make_runtime() -> Iterator[Any]:
+    """Build runtimes that are always stopped (and verified clean) at teardown."""
+    made: list[AgentRuntime] = []
+
+    def make(max_concurrent: int = 4, stop_grace_s: float = 5.0, **kwargs: Any) -> AgentRuntime:
+        runtime = AgentRuntime(max_concurrent, stop_grace_s, **kwargs)
+        made.append(runtime)
+        return runtime
+
+    yield make
+    for runtime in made:
+        runtime.stop()
+        assert runtime.active == 0
+        assert runtime.live_keys() == frozenset()
+    assert not [t for t in threading.enumerate() if t.name.startswith("kandevd-exec-")]
+
+
+def spec_for(tmp_path: Path, key: str, payload: dict[str, Any] | None = None, *,
+             argv: tuple[str, ...] | list[str] | None = None, timeout_s: float = 30.0,
+             kind: str = "run") -> ExecutionSpec:
+    return ExecutionSpec(
+        key=key,
+        kind=kind,
+        argv=argv if argv is not None else echo_argv(),
+        stdin={"kind": kind, "run_id": key, "session_id": f"sess-{key}", "payload": payload or {}},
+        cwd=tmp_path / "runs" / key,
+        log_path=tmp_path / "logs" / f"{key}.log",
+        timeout_s=timeout_s,
+        env=CHILD_ENV,
+        run_id=key,
+        session_id=f"sess-{key}",
+        home=str(tmp_path),
+    )
+
+
+def ready_spec(tmp_path: Path, key: str, listener: ReadyListener, **opts: Any) -> ExecutionSpec:
+    return spec_for(tmp_path, key, {"ready": listener.path, **opts},
+                    argv=(sys.executable, "-c", READY_CHILD))
+
+
+def assert_gone(pid: int) -> None:
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+# -- process runner through the runtime ------------------------------------
+
+
+def test_success_records_summary_cost_env_and_private_files(tmp_path: Path, make_runtime):
+    runtime = make_runtime()
+    done = Recorder()
+    spec = spec_for(tmp_path, "run-ok", {"summary": "all good", "cost_cents": 12.5})
+    runtime.launch(spec, done)
+    result = done.wait("run-ok")
+
+    assert result.outcome == "succeeded" and result.succeeded
+    assert result.exit_code == 0
+    assert result.summary == "all good"
+    assert result.cost_cents == 12.5
+    assert result.error is None
+    assert result.started_at <= result.ended_at
+    assert result.log_path == spec.log_path
+    assert done.threads["run-ok"] == "kandevd-exec-run-ok"
+    text = spec.log_path.read_text()
+    assert "echo: run run-ok" in text
+    assert f"KANDEVD_RUN_ID=run-ok KANDEVD_SESSION_ID=sess-run-ok KANDEVD_HOME={tmp_path}" in text
+    assert stat.S_IMODE(spec.log_path.stat().st_mode) == 0o600
+    for directory in (spec.cwd, spec.cwd.parent, spec.log_path.parent):
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+
+
+def test_non_zero_exit_is_failed_and_stderr_is_logged(tmp_path: Path, make_runtime):
+    runtime = make_runtime()
+    done = Recorder()
+    spec = spec_for(tmp_path, "run-fail", {"exit_code": 3})
+    runtime.launch(spec, done)
+    result = done.wait("run-fail")
+
+    assert result.outcome == "failed" and not result.succeeded
+    assert result.exit_code == 3
+    assert result.error == "exit code 3"
+    assert result.summary is None
+    assert "exiting 3 as asked" in spec.log_path.read_text()  # the child's stderr
+
+
+def test_timeout_escalates_to_sigkill_when_sigterm_is_ignored(tmp_path: Path, make_runtime):
+    runtime = make_runtime(kill_grace_s=0.3)
+    done = Recorder()
+    spec = spec_for(tmp_path, "run-slow", {"sleep_s": 30, "ignore_sigterm": True}, timeout_s=1.0)
+    began = time.monotonic()
+    runtime.launch(spec, done)
+    result = done.wait("run-slow")
+
+    assert result.outcome == "timed_out"
+    assert result.error == "timed out after 1.0s"
+    assert result.exit_code == -signal.SIGKILL
+    assert time.monotonic() - began < 10
+    text = spec.log_path.read_text()
+    assert "sending SIGTERM" in text and "sending SIGKILL" in text
+
+
+def test_stop_execution_terminates_a_silent_child(tmp_path: Path, make_runtime, ready):
+    runtime = make_runtime()
+    done = Recorder()
+    runtime.launch(ready_spec(tmp_path, "run-stop", ready), done)
+    pid = ready.accept()
+    assert runtime.is_live("run-stop")
+
+    assert runtime.stop_execution("run-stop") is True
+    result = done.wait("run-stop")
+    assert result.outcome == "stopped"
+    assert result.error == "stopped: cancelled"
+    assert result.exit_code == -signal.SIGTERM
+    assert_gone(pid)
+    assert runtime.stop_execution("no-such-key") is False
+
+
+def test_kill_all_now_sigkills_without_grace(tmp_path: Path, make_runtime, ready):
+    runtime = make_runtime(kill_grace_s=30.0)  # a grace this long would show
+    done = Recorder()
+    runtime.launch(ready_spec(tmp_path, "run-kill", ready, ignore_sigterm=True), done)
+    pid = ready.accept()
+    began = time.monotonic()
+
+    runtime.kill_all_now()
+    result = done.wait("run-kill")
+    assert result.outcome == "interrupted"
+    assert result.exit_code == -signal.SIGKILL
+    assert time.monotonic() - began < 10
+    assert_gone(pid)
+    assert runtime.try_reserve() is None  # nothing new after a forced exit
+
+
+def test_missing_executable_is_an_error_outcome(tmp_path: Path, make_runtime):
+    runtime = make_runtime()
+    done = Recorder()
+    spec = spec_for(tmp_path, "run-missing", argv=[str(tmp_path / "no-such-agent"), "--flag"])
+    runtime.launch(spec, done)
+    result = done.wait("run-missing")
+
+    assert result.outcome == "error"
+    assert result.exit_code is None
+    assert result.error is not None and "executable not found" in result.error
+    assert "no-such-agent" in result.error
+    assert "executable not found" in spec.log_path.read_text()
+
+
+def test_last_stdout_line_decides_summary(tmp_path: Path, make_runtime):
+    runtime = make_runtime()
+    done = Recorder()
+    no_newline = ('import sys; print("noise"); '
+                  'sys.stdout.write(\'{"summary": "tail", "cost_cents": 2}\')')
+    not_last = 'print(\'{"summary": "early"}\'); print("plain text last"); print("   ")'
+    runtime.launch(spec_for(tmp_path, "tail", argv=(sys.executable, "-c", no_newline)), done)
+    runtime.launch(spec_for(tmp_path, "early", argv=(sys.executable, "-c", not_last)), done)
+
+    tail = done.wait("tail")
+    assert (tail.summary, tail.cost_cents) == ("tail", 2.0)
+    early = done.wait("early")
+    assert early.succeeded and (early.summary, early.cost_cents) == (None, None)
+
+
+def test_large_stdin_is_written_without_blocking(tmp_path: Path, make_runtime):
+    runtime = make_runtime()
+    done = Recorder()
+    blob = "x" * 300_000  # several pipe buffers
+    reads = "import json, sys; d = json.load(sys.stdin); print(len(d['payload']['blob']))"
+    runtime.launch(spec_for(tmp_path, "reads", {"blob": blob},
+                            argv=(sys.executable, "-c", reads)), done)
+    runtime.launch(spec_for(tmp_path, "ignores", {"blob": blob},
+                            argv=(sys.executable, "-c", "pass")), done)
+
+    assert done.wait("reads").succeeded
+    assert "300000" in (tmp_path / "logs" / "reads.log").read_text()
+    assert done.wait("ignores").succeeded
+
+
+def test_parse_summary_line():
+    assert parse_summary_line('{"summary": "s", "cost_cents": 3}') == ("s", 3.0)
+    assert parse_summary_line('{"summary": 5, "cost_cents": "3"}') == (None, None)
+    assert parse_summary_line('{"cost_cents": true}') == (None, None)
+    assert parse_summary_line("[1, 2]") == (None, None)
+    assert parse_summary_line("not json") == (None, None)
+    assert parse_summary_line(None) == (None, None)
+
+
+def test_spec_rejects_shell_strings_and_unknown_kinds(tmp_path: Path):
+    with pytest.raises(TypeError):
+        spec_for(tmp_path, "k", argv="echo hi")  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        spec_for(tmp_path, "k", kind="batch")
+    assert spec_for(tmp_path, "k", argv=["a", "b"]).argv == ("a", "b")
+
+
+# -- the bounded pool -------------------------------------------------------
+
+
+def test_bound_reservations_and_slot_listener(tmp_path: Path, make_runtime):
+    runtime = make_runtime(max_concurrent=2)
+    done = Recorder()
+    slots = SlotCounter(done)
+    runtime.add_slot_listener(slots)
+
+    first, second = runtime.try_reserve(), runtime.try_reserve()
+    assert first is not None and second is not None
+    assert runtime.try_reserve() is None
+    assert runtime.active == 2 and runtime.max_concurrent == 2
+    with pytest.raises(RuntimeFull, match="all 2 slots"):
+        runtime.launch(spec_for(tmp_path, "too-many"), done)
+
+    runtime.release(first)
+    slots.wait_for(1)
+    assert runtime.active == 1
+    runtime.release(first)  # releasing twice is harmless
+    assert runtime.active == 1
+
+    runtime.start(second, spec_for(tmp_path, "bounded"), done)
+    slots.wait_for(2)
+    assert done.results["bounded"].succeeded
+    assert done.order == ["slot", "done:bounded", "slot"]  # listener after on_done
+    assert runtime.active == 0
+    assert not runtime.is_live("bounded")
+    with pytest.raises(ValueError):
+        runtime.start(second, spec_for(tmp_path, "reuse"), done)  # a spent reservation
+
+
+def test_duplicate_live_key_is_refused_and_slot_returned(tmp_path: Path, make_runtime):
+    gate = threading.Event()
+    runtime = make_runtime(runner=InProcessRunner(lambda spec: (0 if gate.wait(WAIT_S) else 1,
+                                                                None, None)))
+    done = Recorder()
+    runtime.launch(spec_for(tmp_path, "dup"), done)
+    with pytest.raises(ValueError, match="already live"):
+        runtime.launch(spec_for(tmp_path, "dup"), done)
+    assert runtime.active == 1
+    assert runtime.live_keys() == frozenset({"dup"})
+    gate.set()
+    assert done.wait("dup").succeeded
+
+
+def test_in_process_runner(tmp_path: Path, make_runtime):
+    def agent(spec: ExecutionSpec) -> tuple[int, str | None, float | None]:
+        if spec.key == "boom":
+            raise RuntimeError("kaboom")
+        return (0, f"did {spec.key}", 1.5) if spec.key == "ok" else (2, None, None)
+
+    runtime = make_runtime(runner=InProcessRunner(agent))
+    done = Recorder()
+    for key in ("ok", "bad", "boom"):
+        runtime.launch(spec_for(tmp_path, key), done)
+
+    ok, bad, boom = done.wait("ok"), done.wait("bad"), done.wait("boom")
+    assert (ok.outcome, ok.summary, ok.cost_cents) == ("succeeded", "did ok", 1.5)
+    assert (bad.outcome, bad.exit_code, bad.error) == ("failed", 2, "exit code 2")
+    assert boom.outcome == "error" and "kaboom" in (boom.error or "")
+    assert done.threads["ok"] == "kandevd-exec-ok"
+    assert not (tmp_path / "runs").exists()  # no child, no files
+
+
+def test_on_done_exceptions_are_logged_not_propagated(tmp_path: Path, make_runtime, caplog):
+    runtime = make_runtime(runner=InProcessRunner(lambda spec: (0, None, None)))
+    slots = SlotCounter()
+    runtime.add_slot_listener(slots)
+
+    def explode(result: ExecutionResult) -> None:
+        raise RuntimeError("on_done bug")
+
+    with caplog.at_level(logging.ERROR, logger="kandevd.runtime"):
+        runtime.launch(spec_for(tmp_path, "explodes"), explode)
+        slots.wait_for(1)
+    assert runtime.active == 0
+    assert any("on_done for execution explodes raised" in r.getMessage() for r in caplog.records)
+
+
+def test_stop_called_from_on_done_does_not_deadlock(tmp_path: Path, make_runtime):
+    runtime = make_runtime(runner=InProcessRunner(lambda spec: (0, None, None)))
+    returned = threading.Event()
+
+    def stop_from_worker(result: ExecutionResult) -> None:
+        runtime.stop()
+        returned.set()
+
+    runtime.launch(spec_for(tmp_path, "self-stop"), stop_from_worker)
+    assert returned.wait(WAIT_S)
+    runtime.stop()  # joins the worker that began the stop
+    with pytest.raises(RuntimeStopped):
+        runtime.launch(spec_for(tmp_path, "late"), stop_from_worker)
+
+
+# -- shutdown -----------------------------------------------------------------
+
+
+def test_stop_waits_for_short_runs_and_interrupts_long_ones(tmp_path: Path, make_runtime, ready):
+    runtime = make_runtime(max_concurrent=2, stop_grace_s=1.5, kill_grace_s=2.0)
+    done = Recorder()
+    runtime.launch(spec_for(tmp_path, "short", {"sleep_s": 0.2}), done)
+    runtime.launch(ready_spec(tmp_path, "long", ready), done)
+    pid = ready.accept()
+
+    # Several threads stop at once; every one returns only when all is done.
+    returned: list[str] = []
+    stoppers = [threading.Thread(target=lambda n=n: (runtime.stop(), returned.append(n)))
+                for n in ("a", "b")]
+    for thread in stoppers:
+        thread.start()
+    runtime.stop()
+    for thread in stoppers:
+        thread.join(WAIT_S)
+        assert not thread.is_alive()
+
+    assert sorted(returned) == ["a", "b"]
+    assert done.results["short"].outcome == "succeeded"  # finished inside the grace
+    long = done.results["long"]
+    assert long.outcome == "interrupted"
+    assert long.error == "interrupted: daemon shutting down"
+    assert_gone(pid)
+    assert runtime.active == 0 and runtime.live_keys() == frozenset()
+    assert not [t for t in threading.enumerate() if t.name.startswith("kandevd-exec-")]
+    assert runtime.try_reserve() is None
+    with pytest.raises(RuntimeStopped, match="stopping"):
+        runtime.launch(spec_for(tmp_path, "after-stop"), done)
+    runtime.stop()  # idempotent
+
+
+def test_reservation_cannot_start_after_stop(tmp_path: Path, make_runtime):
+    runtime = make_runtime(runner=InProcessRunner(lambda spec: (0, None, None)))
+    reservation = runtime.try_reserve()
+    assert reservation is not None
+    runtime.stop()
+    with pytest.raises(RuntimeStopped):
+        runtime.start(reservation, spec_for(tmp_path, "late"), Recorder())
+    assert runtime.active == 0  # the failed start gave the slot back
+
+
+def test_stdin_object_arrives_as_one_json_line(tmp_path: Path, make_runtime):
+    runtime = make_runtime()
+    done = Recorder()
+    dump = "import sys; print(sys.stdin.read().strip())"
+    spec = spec_for(tmp_path, "stdin", {"a": [1, 2]}, argv=(sys.executable, "-c", dump))
+    runtime.launch(spec, done)
+    assert done.wait("stdin").succeeded
+    first = spec.log_path.read_text().splitlines()[0]
+    assert json.loads(first) == dict(spec.stdin)

@@ -16,9 +16,9 @@ if TYPE_CHECKING:
 
 
 def method_modules() -> list[ModuleType]:
-    from kandevd.control.methods import daemon, runs
+    from kandevd.control.methods import daemon, runs, workspace
 
-    return [daemon, runs]
+    return [daemon, runs, workspace]
 
 
 def build_loops(daemon: Daemon) -> dict[str, Loop]:

@@ -1,0 +1,236 @@
+"""SQL for the workspace model: workspaces, agents, workflows (+ ordered steps), tasks.
+
+Every function takes the connection it runs on, so the service can put a
+reference check and the write that depends on it into one ``BEGIN
+IMMEDIATE`` transaction. Nothing here validates references or publishes
+events (that is :mod:`kandevd.model.service`); what comes out are plain
+dicts, the objects the control socket returns.
+
+A task's effective runner is defined once, here, in both languages:
+:data:`RUNNER_SQL` for queries that join ``tasks t`` with its current step
+``workflow_steps s``, and :func:`effective_runner` for Python.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+
+class ModelError(Exception):
+    """Base of the model's errors; the message is meant for the caller."""
+
+
+class NotFoundError(ModelError, LookupError):
+    """The object the request names (its ``id``) does not exist."""
+
+
+class ConflictError(ModelError):
+    """The object cannot be created as asked (e.g. its id is taken)."""
+
+
+class InvalidReference(ModelError, ValueError):
+    """A field refers to something that does not exist or does not fit; names the field."""
+
+
+class LaunchRefused(ModelError):
+    """The runtime cannot start the launch now (full, or the agent is paused)."""
+
+
+#: The effective runner of ``tasks t`` joined with its current step ``workflow_steps s``.
+RUNNER_SQL = "COALESCE(NULLIF(t.runner_agent_id, ''), NULLIF(s.agent_id, ''))"
+
+#: Tasks with their current step's agent, the input of the effective runner.
+TASK_SELECT = (
+    "SELECT t.*, s.agent_id AS step_agent_id FROM tasks t"
+    " LEFT JOIN workflow_steps s ON s.workflow_id = t.workflow_id AND s.id = t.step_id"
+)
+
+WORKSPACE_FIELDS = ("id", "name", "office_workflow_id", "created_at", "updated_at")
+AGENT_FIELDS = ("id", "workspace_id", "name", "profile", "cooldown_s", "status",
+                "cooldown_until", "last_finished_at", "created_at", "updated_at")
+TASK_COLUMNS = ("id", "workspace_id", "workflow_id", "step_id", "title", "project_id", "state",
+                "runner_agent_id", "created_at", "updated_at")
+
+
+def effective_runner(runner_agent_id: str | None, step_agent_id: str | None) -> str | None:
+    """The task's ``runner_agent_id`` when set, else its step's ``agent_id``, else None."""
+    return runner_agent_id or step_agent_id or None
+
+
+# -- row -> object ---------------------------------------------------------------
+
+def workspace_from_row(row: Mapping[str, Any]) -> dict[str, Any]:
+    return {name: row[name] for name in WORKSPACE_FIELDS}
+
+
+def agent_from_row(row: Mapping[str, Any]) -> dict[str, Any]:
+    agent = {name: row[name] for name in AGENT_FIELDS}
+    agent["cooldown_s"] = float(agent["cooldown_s"] or 0)
+    return agent
+
+
+def step_from_row(row: Mapping[str, Any]) -> dict[str, Any]:
+    return {"id": row["id"], "name": row["name"], "agent_id": row["agent_id"] or None,
+            "on_enter": json.loads(row["on_enter"] or "[]")}
+
+
+def task_from_row(row: Mapping[str, Any]) -> dict[str, Any]:
+    """TASK: the row plus ``runner`` (needs :data:`TASK_SELECT`'s ``step_agent_id``)."""
+    task = {name: row[name] for name in TASK_COLUMNS}
+    task["runner_agent_id"] = task["runner_agent_id"] or None
+    task["runner"] = effective_runner(task["runner_agent_id"], row["step_agent_id"])
+    return task
+
+
+def _page(conn: sqlite3.Connection, select: str, count: str, where: Sequence[str],
+          params: Sequence[Any], order: str, limit: int, offset: int,
+          mapper: Callable[[sqlite3.Row], dict[str, Any]]) -> dict[str, Any]:
+    clause = (" WHERE " + " AND ".join(where)) if where else ""
+    total = conn.execute(count + clause, list(params)).fetchone()[0]
+    rows = conn.execute(f"{select}{clause} ORDER BY {order} LIMIT ? OFFSET ?",
+                        [*params, limit, offset]).fetchall()
+    return {"items": [mapper(r) for r in rows], "total": total, "limit": limit,
+            "offset": offset}
+
+
+def _filters(values: Mapping[str, Any], columns: Mapping[str, str]
+             ) -> tuple[list[str], list[Any]]:
+    where, params = [], []
+    for name, column in columns.items():
+        if values.get(name) is not None:
+            where.append(f"{column} = ?")
+            params.append(values[name])
+    return where, params
+
+
+def _update(conn: sqlite3.Connection, table: str, key: str, fields: Mapping[str, Any]) -> None:
+    if not fields:
+        return
+    names = list(fields)
+    conn.execute(f"UPDATE {table} SET {', '.join(f'{n} = ?' for n in names)} WHERE id = ?",
+                 [*(fields[n] for n in names), key])
+
+
+# -- workspaces --------------------------------------------------------------------
+
+def get_workspace(conn: sqlite3.Connection, workspace_id: str) -> dict[str, Any] | None:
+    row = conn.execute("SELECT * FROM workspaces WHERE id = ?", (workspace_id,)).fetchone()
+    return workspace_from_row(row) if row is not None else None
+
+
+def insert_workspace(conn: sqlite3.Connection, workspace: Mapping[str, Any]) -> None:
+    conn.execute("INSERT INTO workspaces (id, name, office_workflow_id, created_at, updated_at)"
+                 " VALUES (:id, :name, :office_workflow_id, :created_at, :updated_at)",
+                 dict(workspace))
+
+
+def update_workspace(conn: sqlite3.Connection, workspace_id: str,
+                     fields: Mapping[str, Any]) -> None:
+    _update(conn, "workspaces", workspace_id, fields)
+
+
+def list_workspaces(conn: sqlite3.Connection, *, limit: int, offset: int) -> dict[str, Any]:
+    return _page(conn, "SELECT * FROM workspaces", "SELECT COUNT(*) FROM workspaces", [], [],
+                 "rowid", limit, offset, workspace_from_row)
+
+
+# -- agents ------------------------------------------------------------------------
+
+def get_agent(conn: sqlite3.Connection, agent_id: str) -> dict[str, Any] | None:
+    row = conn.execute("SELECT * FROM agents WHERE id = ?", (agent_id,)).fetchone()
+    return agent_from_row(row) if row is not None else None
+
+
+def insert_agent(conn: sqlite3.Connection, agent: Mapping[str, Any]) -> None:
+    conn.execute("INSERT INTO agents (id, workspace_id, name, profile, cooldown_s, status,"
+                 " created_at, updated_at) VALUES (:id, :workspace_id, :name, :profile,"
+                 " :cooldown_s, :status, :created_at, :updated_at)", dict(agent))
+
+
+def update_agent(conn: sqlite3.Connection, agent_id: str, fields: Mapping[str, Any]) -> None:
+    _update(conn, "agents", agent_id, fields)
+
+
+def list_agents(conn: sqlite3.Connection, *, limit: int, offset: int,
+                **filters: Any) -> dict[str, Any]:
+    where, params = _filters(filters, {"workspace_id": "workspace_id", "status": "status"})
+    return _page(conn, "SELECT * FROM agents", "SELECT COUNT(*) FROM agents", where, params,
+                 "rowid", limit, offset, agent_from_row)
+
+
+# -- workflows and steps -------------------------------------------------------------
+
+def get_steps(conn: sqlite3.Connection, workflow_id: str) -> list[dict[str, Any]]:
+    rows = conn.execute("SELECT * FROM workflow_steps WHERE workflow_id = ? ORDER BY position",
+                        (workflow_id,)).fetchall()
+    return [step_from_row(r) for r in rows]
+
+
+def get_step(conn: sqlite3.Connection, workflow_id: str, step_id: str) -> dict[str, Any] | None:
+    row = conn.execute("SELECT * FROM workflow_steps WHERE workflow_id = ? AND id = ?",
+                       (workflow_id, step_id)).fetchone()
+    return step_from_row(row) if row is not None else None
+
+
+def _workflow_from_row(conn: sqlite3.Connection, row: sqlite3.Row) -> dict[str, Any]:
+    return {"id": row["id"], "workspace_id": row["workspace_id"], "name": row["name"],
+            "style": row["style"], "steps": get_steps(conn, row["id"]),
+            "created_at": row["created_at"]}
+
+
+def get_workflow(conn: sqlite3.Connection, workflow_id: str) -> dict[str, Any] | None:
+    row = conn.execute("SELECT * FROM workflows WHERE id = ?", (workflow_id,)).fetchone()
+    return _workflow_from_row(conn, row) if row is not None else None
+
+
+def insert_workflow(conn: sqlite3.Connection, workflow: Mapping[str, Any],
+                    steps: Sequence[Mapping[str, Any]]) -> None:
+    """The workflow and its steps; ``position`` is the step's index in ``steps``."""
+    conn.execute("INSERT INTO workflows (id, workspace_id, name, style, created_at)"
+                 " VALUES (:id, :workspace_id, :name, :style, :created_at)", dict(workflow))
+    conn.executemany(
+        "INSERT INTO workflow_steps (workflow_id, id, position, name, agent_id, on_enter)"
+        " VALUES (?, ?, ?, ?, ?, ?)",
+        [(workflow["id"], step["id"], position, step["name"], step.get("agent_id") or None,
+          json.dumps(step.get("on_enter") or [], separators=(",", ":"), sort_keys=True))
+         for position, step in enumerate(steps)])
+
+
+def list_workflows(conn: sqlite3.Connection, *, limit: int, offset: int,
+                   **filters: Any) -> dict[str, Any]:
+    where, params = _filters(filters, {"workspace_id": "workspace_id", "style": "style"})
+    return _page(conn, "SELECT * FROM workflows", "SELECT COUNT(*) FROM workflows", where,
+                 params, "rowid", limit, offset, lambda row: _workflow_from_row(conn, row))
+
+
+# -- tasks ---------------------------------------------------------------------------
+
+def get_task(conn: sqlite3.Connection, task_id: str) -> dict[str, Any] | None:
+    row = conn.execute(TASK_SELECT + " WHERE t.id = ?", (task_id,)).fetchone()
+    return task_from_row(row) if row is not None else None
+
+
+def insert_task(conn: sqlite3.Connection, task: Mapping[str, Any]) -> None:
+    conn.execute(f"INSERT INTO tasks ({', '.join(TASK_COLUMNS)})"
+                 f" VALUES ({', '.join(':' + c for c in TASK_COLUMNS)})", dict(task))
+
+
+def update_task(conn: sqlite3.Connection, task_id: str, fields: Mapping[str, Any]) -> None:
+    _update(conn, "tasks", task_id, fields)
+
+
+def list_tasks(conn: sqlite3.Connection, *, limit: int, offset: int,
+               **filters: Any) -> dict[str, Any]:
+    where, params = _filters(filters, {
+        "workspace_id": "t.workspace_id", "workflow_id": "t.workflow_id",
+        "step_id": "t.step_id", "state": "t.state", "project_id": "t.project_id"})
+    if filters.get("runner") is not None:
+        where.append(f"{RUNNER_SQL} = ?")
+        params.append(filters["runner"])
+    count = ("SELECT COUNT(*) FROM tasks t LEFT JOIN workflow_steps s"
+             " ON s.workflow_id = t.workflow_id AND s.id = t.step_id")
+    return _page(conn, TASK_SELECT, count, where, params, "t.rowid", limit, offset,
+                 task_from_row)

@@ -16,11 +16,20 @@ if TYPE_CHECKING:
 
 
 def method_modules() -> list[ModuleType]:
-    from kandevd.control.methods import daemon, runs, workspace
+    from kandevd.control.methods import daemon, office, runs, workspace
 
-    return [daemon, runs, workspace]
+    return [daemon, runs, workspace, office]
 
 
 def build_loops(daemon: Daemon) -> dict[str, Loop]:
     """Loops started after the queue loop, in start order."""
-    return {}
+    loops: dict[str, Loop] = {}
+    if daemon.config.office.enabled:
+        # office.enabled false: no assignment subscribers and no Office loop at all.
+        from kandevd.office.loop import OfficeLoop
+        from kandevd.office.subscribers import AssignmentSubscriber
+
+        AssignmentSubscriber(daemon.store, daemon.queue).attach(daemon.bus)
+        loops["office"] = OfficeLoop(daemon.store, daemon.queue, daemon.bus, daemon.config.office,
+                                     parent=daemon.stop_signal)
+    return loops

@@ -1,0 +1,140 @@
+"""Office budgets: spend alerts, and pausing an agent that went over its limit.
+
+A policy covers a scope (``agent``: the runs of that agent; ``workspace``:
+the runs of that workspace) over a period (``monthly``: from the 1st of the
+month 00:00 UTC; ``lifetime``). Spend is the sum of ``cost_cents`` of the
+scope's runs whose cost was recorded in the period (``finished_at``, else
+``requested_at``, is inside it).
+
+Each tick, for every policy, every threshold crossed (``alert_threshold_pct``
+and 100 %) is recorded once per period in ``office_budget_alerts`` (primary
+key policy, period, threshold) - the ``INSERT OR IGNORE`` that succeeds is
+the one that publishes ``budget.alert`` on the bus and logs a warning, so an
+alert is never repeated within its period, across ticks or restarts.
+
+At 100 % with ``action_on_exceed: pause_agent`` the scope's agents (the
+agent, or every agent of the workspace) become ``paused`` in the same
+transaction as the alert row. Their queued runs stay queued (the claim query
+skips paused agents), nothing is failed or cancelled, and a run already
+executing finishes. The pause happens at the crossing only, so an operator
+who resumes the agent (``agents.update {status: "active"}``) is not
+overruled by the next tick; the next period's crossing pauses it again.
+
+Gate: without a policy a tick costs one tiny existence query.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+from kandevd.bus import EventBus
+from kandevd.office.predicate import PROBE_TAG
+from kandevd.store.db import Store
+from kandevd.timeutil import rfc3339
+
+from . import HandlerResult
+
+log = logging.getLogger("kandevd.office.budgets")
+
+SCOPE_TYPES = ("agent", "workspace")
+PERIODS = ("monthly", "lifetime")
+ACTIONS = ("notify_only", "pause_agent")
+ALERT_TOPIC = "budget.alert"
+
+_PROBE_SQL = f"{PROBE_TAG} SELECT EXISTS(SELECT 1 FROM office_budget_policies)"
+_SCOPE_COLUMN = {"agent": "agent_id", "workspace": "workspace_id"}
+
+
+def period_of(period: str, now: datetime) -> tuple[str, datetime | None]:
+    """``(period_key, start)`` of the period holding ``now``; lifetime has no start."""
+    if period == "monthly":
+        moment = now.astimezone(UTC)
+        return f"{moment.year:04d}-{moment.month:02d}", datetime(moment.year, moment.month, 1,
+                                                                 tzinfo=UTC)
+    return "lifetime", None
+
+
+def spent_cents(conn: sqlite3.Connection, scope_type: str, scope_id: str,
+                start: datetime | None) -> float:
+    """Sum of ``cost_cents`` of the scope's runs recorded since ``start`` (None: ever)."""
+    sql = (f"/* office:budget-scan */ SELECT COALESCE(SUM(cost_cents), 0) FROM runs"
+           f" WHERE {_SCOPE_COLUMN[scope_type]} = ? AND cost_cents IS NOT NULL")
+    params: list[Any] = [scope_id]
+    if start is not None:
+        sql += " AND COALESCE(finished_at, requested_at) >= ?"
+        params.append(rfc3339(start))
+    return float(conn.execute(sql, params).fetchone()[0])
+
+
+def thresholds(policy: Mapping[str, Any]) -> list[float]:
+    return sorted({float(policy["alert_threshold_pct"]), 100.0})
+
+
+class BudgetGuard:
+    name = "budgets"
+
+    def __init__(self, store: Store, bus: EventBus) -> None:
+        self.store = store
+        self.bus = bus
+
+    def active(self) -> bool:
+        return bool(self.store.query_one(_PROBE_SQL)[0])
+
+    def tick(self, now: datetime) -> HandlerResult:
+        if not self.active():
+            return HandlerResult(scanned=False)
+        policies = self.store.query(
+            "/* office:budget-scan */ SELECT * FROM office_budget_policies ORDER BY created_at, id")
+        alerts = 0
+        for policy in policies:
+            alerts += self.evaluate(policy, now)
+        return HandlerResult(scanned=True, acted=alerts)
+
+    def evaluate(self, policy: Mapping[str, Any], now: datetime) -> int:
+        """Record and publish the thresholds this policy newly crossed; return how many."""
+        period_key, start = period_of(policy["period"], now)
+        events: list[dict[str, Any]] = []
+        with self.store.transaction() as conn:
+            spent = spent_cents(conn, policy["scope_type"], policy["scope_id"], start)
+            limit = float(policy["limit_cents"])
+            for pct in thresholds(policy):
+                if spent < limit * pct / 100.0:
+                    break
+                inserted = conn.execute(
+                    "INSERT OR IGNORE INTO office_budget_alerts (policy_id, period_key,"
+                    " threshold_pct, spent_cents, created_at) VALUES (?, ?, ?, ?, ?)",
+                    (policy["id"], period_key, pct, spent, rfc3339(now))).rowcount
+                if not inserted:
+                    continue
+                paused: list[str] = []
+                if pct >= 100.0 and policy["action_on_exceed"] == "pause_agent":
+                    paused = self._pause(conn, policy, now)
+                events.append({
+                    "policy_id": policy["id"], "workspace_id": policy["workspace_id"],
+                    "scope_type": policy["scope_type"], "scope_id": policy["scope_id"],
+                    "period": policy["period"], "period_key": period_key,
+                    "threshold_pct": pct, "spent_cents": spent, "limit_cents": limit,
+                    "action_on_exceed": policy["action_on_exceed"], "paused_agents": paused,
+                })
+        for event in events:
+            log.warning("budget %s: %s %s spent %.2f of %.2f cents in %s (%g%% threshold "
+                        "crossed)%s", event["policy_id"], event["scope_type"], event["scope_id"],
+                        event["spent_cents"], event["limit_cents"], event["period_key"],
+                        event["threshold_pct"],
+                        f"; paused agent(s) {', '.join(event['paused_agents'])}"
+                        if event["paused_agents"] else "")
+            self.bus.publish(ALERT_TOPIC, event)
+        return len(events)
+
+    @staticmethod
+    def _pause(conn: sqlite3.Connection, policy: Mapping[str, Any], now: datetime
+               ) -> list[str]:
+        column = "id" if policy["scope_type"] == "agent" else "workspace_id"
+        rows = conn.execute(
+            f"UPDATE agents SET status = 'paused', updated_at = ? WHERE {column} = ?"
+            " AND status = 'active' RETURNING id", (rfc3339(now), policy["scope_id"])).fetchall()
+        return sorted(r["id"] for r in rows)

@@ -112,10 +112,24 @@ def _schema() -> dict[str, Any]:
     return json.loads(text)
 
 
-def format_validation_error(error: jsonschema.ValidationError, prefix: str = "") -> str:
-    """``a.b.c: message`` for a jsonschema error; the root is named ``<root>``."""
+def format_validation_error(error: jsonschema.ValidationError, prefix: str = "",
+                            noun: str = "key") -> str:
+    """``a.b.c: message`` for a jsonschema error; the root is named ``<root>``.
+
+    An unknown key is reported at its own path (``queue.bogus: unknown key``),
+    not at its parent's, so the message always names the offending key.
+    """
     parts = [prefix] if prefix else []
     parts.extend(str(p) for p in error.absolute_path)
+    if error.validator == "additionalProperties" and isinstance(error.instance, dict) \
+            and error.validator_value is False:
+        known = set(error.schema.get("properties", {}))
+        unknown = sorted(str(k) for k in error.instance if k not in known)
+        if unknown:
+            where = ".".join([*parts, unknown[0]])
+            allowed = ", ".join(sorted(known)) or "none"
+            more = f" (also unknown: {', '.join(unknown[1:])})" if unknown[1:] else ""
+            return f"{where}: unknown {noun}; allowed here: {allowed}{more}"
     where = ".".join(parts) or "<root>"
     return f"{where}: {error.message}"
 

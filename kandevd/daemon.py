@@ -30,7 +30,7 @@ from kandevd.queue.loop import QueueLoop
 from kandevd.queue.processor import RunQueue
 from kandevd.runtime import AgentRuntime
 from kandevd.services import Services
-from kandevd.shutdown import ShutdownCoordinator, SignalWiring
+from kandevd.shutdown import MainThreadWaiter, ShutdownCoordinator, SignalWiring
 from kandevd.store.db import Store, open_store
 from kandevd.store.runs import RunRepository
 from kandevd.timeutil import rfc3339, utc_now
@@ -59,6 +59,7 @@ class Daemon:
         self.started_at = utc_now()
         self.state = "starting"
         self.stop_requested = threading.Event()
+        self._waiter = MainThreadWaiter()
         self.stop_signal = StopSignal()
         self.loops: dict[str, Loop] = {}
         self._lock = HomeLock(layout.lock)
@@ -119,6 +120,13 @@ class Daemon:
         except OSError as exc:
             log.error("cannot use home %s: %s", self.layout.root, exc)
             return EXIT_TEMPFAIL
+        # Signals are wired before the start, so a SIGINT/SIGTERM during it only
+        # records the request (the stop then runs as soon as the start is done)
+        # instead of raising KeyboardInterrupt half-way through building.
+        wiring = SignalWiring(self.stop_requested, lambda: self.state == "stopping",
+                              on_force=self._force)
+        wiring.install()
+        self._waiter.install()
         try:
             started = self._start()
         except StartupError as exc:
@@ -131,18 +139,40 @@ class Daemon:
         if not started:
             self._lock.release()
             return EXIT_OK
-        wiring = SignalWiring(self.stop_requested, lambda: self.state == "stopping",
-                              on_force=self._force)
-        wiring.install()
         try:
             log.info("kandevd %s serving %s (pid %d)", __version__, self.layout.root, os.getpid())
-            self.stop_requested.wait()
+            # A plain Event.wait() here could miss a signal the kernel hands to another
+            # thread; the waiter's select() on the wakeup fd cannot (see kandevd.shutdown).
+            self._waiter.wait(self.stop_requested)
             self.state = "stopping"
             assert self.coordinator is not None
-            self.coordinator.shutdown()
+            self._shutdown_off_main_thread(self.coordinator)
         finally:
             self._lock.release()
+            self._waiter.close()
         return EXIT_OK
+
+    def _shutdown_off_main_thread(self, coordinator: ShutdownCoordinator) -> None:
+        """Run the graceful stop in a joined worker; the main thread stays signal-ready.
+
+        The stop joins loops and workers with no deadline. Done on the main thread,
+        such a join is an untimed lock wait, and a second SIGINT/SIGTERM delivered to
+        another thread would not be handled until it returned: the forced exit would
+        wait for the very stop it is meant to cut short.
+        """
+        done = threading.Event()
+
+        def work() -> None:
+            try:
+                coordinator.shutdown()
+            finally:
+                done.set()
+                self._waiter.poke()
+
+        worker = threading.Thread(target=work, name="kandevd-shutdown")
+        worker.start()
+        self._waiter.wait(done)
+        worker.join()
 
     def _start(self) -> bool:
         started: list[tuple[str, Any]] = []
@@ -153,11 +183,17 @@ class Daemon:
             for loop in self.loops.values():
                 loop.start()
                 started.append((f"stop {loop.name} loop", loop.stop))
+            # Intake opens last, and the daemon is "running" (with its coordinator ready)
+            # before it does: the first request can arrive the instant the socket listens.
+            self.coordinator = ShutdownCoordinator(self._shutdown_steps())
+            self.state = "running"
             try:
                 self.server.start()
             except SocketInUse as exc:
                 raise StartupError(str(exc), EXIT_TEMPFAIL) from None
         except BaseException:
+            self.state = "stopping"
+            self.coordinator = None
             self.stop_signal.set()
             for _name, stop in reversed(started):
                 stop()
@@ -166,8 +202,6 @@ class Daemon:
             if self.store is not None:
                 self.store.close()
             raise
-        self.coordinator = ShutdownCoordinator(self._shutdown_steps())
-        self.state = "running"
         return True
 
     def _shutdown_steps(self) -> list[tuple[str, Any]]:
@@ -187,6 +221,7 @@ class Daemon:
     def request_shutdown(self) -> None:
         """Ask for the graceful stop (``daemon.shutdown``); the main thread runs it."""
         self.stop_requested.set()
+        self._waiter.poke()
 
     def _force(self) -> None:
         if self.runtime is not None:

@@ -22,11 +22,15 @@ Rules (the habits of huey and APScheduler, without their gaps):
 * ``stop()`` cancels the wait, then waits for the active tick and for every
   handler the tick fanned out. It has no internal deadline: stopping means
   the work is finished, not abandoned.
-* ``stop()`` from the loop's own thread (a tick or a handler asking its own
-  loop to stop) raises :class:`LoopSelfJoinError` instead of deadlocking.
+* ``stop()`` from the loop's own thread, or from a handler its tick fanned
+  out (a tick or a handler asking its own loop to stop), raises
+  :class:`LoopSelfJoinError` instead of deadlocking.
 * A parent :class:`StopSignal` (the daemon's) takes the same path as
   ``stop()``: the loop finishes its tick and exits; a later ``stop()`` joins.
-* ``wake()`` interrupts the wait so the next tick runs now.
+  Once the parent is set, ``start()`` refuses (the daemon is going down).
+* ``wake()`` interrupts the wait so the next tick runs now. A wake during a
+  tick (even from the tick itself) makes the next tick follow at once, so a
+  tick must not wake its own loop on every pass or the loop spins.
 """
 
 from __future__ import annotations
@@ -44,6 +48,9 @@ from kandevd.timeutil import utc_now
 MIN_WAIT_S = 0.01
 """Floor for the wait between ticks, so a zero interval cannot spin a core."""
 
+MAX_WAIT_S = 86_400.0
+"""Cap for the wait (an infinite delay would overflow ``Event.wait``); wake() still works."""
+
 
 class LoopState(enum.Enum):
     STOPPED = "stopped"
@@ -58,7 +65,8 @@ class LoopError(RuntimeError):
 class LoopSelfJoinError(LoopError):
     def __init__(self, name: str) -> None:
         super().__init__(
-            f"loop {name!r}: stop() called from the loop's own thread; "
+            f"loop {name!r}: stop() called from the loop's own thread (its tick or a "
+            "handler it fanned out); "
             "a loop cannot wait for itself (request the stop from another thread)"
         )
 
@@ -131,8 +139,15 @@ class FanOut:
             )
             with self._lock:
                 self._threads.add(thread)
+            try:
+                thread.start()
+            except BaseException:  # e.g. "can't start new thread": join what did start
+                with self._lock:
+                    self._threads.discard(thread)
+                for started in threads:
+                    started.join()
+                raise
             threads.append(thread)
-            thread.start()
         for thread in threads:
             thread.join()
         return {label: (f.exception() or f.result()) for label, f in futures.items()}
@@ -147,7 +162,13 @@ class FanOut:
             with self._lock:
                 self._threads.discard(threading.current_thread())
 
+    def owns(self, thread: threading.Thread) -> bool:
+        """True when ``thread`` is one of this fan-out's live handler threads."""
+        with self._lock:
+            return thread in self._threads
+
     def join(self) -> None:
+        """Wait for every handler thread started here (except the caller's own)."""
         while True:
             with self._lock:
                 pending = [t for t in self._threads if t is not threading.current_thread()]
@@ -181,6 +202,7 @@ class Loop:
         self._wakeup = threading.Event()
         self.fanout = FanOut(name, self.log)
         self.ticks = 0
+        self._parent = parent
         if parent is not None:
             parent.subscribe(self._request_stop)
 
@@ -201,11 +223,20 @@ class Loop:
                 return
             if self._state is LoopState.STOPPING:
                 raise LoopStateError(f"loop {self.name!r}: cannot start while stopping")
+            if self._parent is not None and self._parent.is_set():
+                raise LoopStateError(
+                    f"loop {self.name!r}: cannot start after its parent stop signal was set")
             self._stopping.clear()
             self._wakeup.clear()
+            thread = threading.Thread(target=self._run, name=f"kandevd-{self.name}")
+            self._thread = thread
             self._state = LoopState.RUNNING
-            self._thread = threading.Thread(target=self._run, name=f"kandevd-{self.name}")
-            self._thread.start()
+            try:
+                thread.start()
+            except BaseException:  # e.g. "can't start new thread": stay STOPPED, no thread
+                self._thread = None
+                self._state = LoopState.STOPPED
+                raise
         self.log.debug("%s loop started", self.name)
 
     def stop(self) -> None:
@@ -214,7 +245,8 @@ class Loop:
             thread = self._thread
             if thread is None:
                 return
-            if thread is threading.current_thread():
+            me = threading.current_thread()
+            if thread is me or self.fanout.owns(me):
                 raise LoopSelfJoinError(self.name)
             if self._state is LoopState.RUNNING:
                 self._state = LoopState.STOPPING
@@ -245,7 +277,7 @@ class Loop:
             while not self._stopping.is_set():
                 self._wakeup.clear()
                 try:
-                    delay = self.tick(self._clock())
+                    delay = _wait_seconds(self.tick(self._clock()))
                 except Exception:
                     self.log.exception("%s: tick failed; retrying in %.1fs",
                                        self.name, self.error_backoff_s)
@@ -253,13 +285,21 @@ class Loop:
                 self.ticks += 1
                 if self._stopping.is_set():
                     break
-                self._wakeup.wait(max(float(delay), MIN_WAIT_S))
+                self._wakeup.wait(delay)
         finally:
             self.fanout.join()
             self.on_stopped()
 
     def on_stopped(self) -> None:
         """Hook run in the loop thread after its last tick (e.g. release resources)."""
+
+
+def _wait_seconds(value: object) -> float:
+    """A tick's return value as a usable wait: floored at MIN_WAIT_S, capped for Event.wait."""
+    delay = float(value)  # type: ignore[arg-type]  # None or junk raises: a tick bug
+    if delay != delay:  # NaN
+        raise ValueError("tick returned NaN")
+    return min(max(delay, MIN_WAIT_S), MAX_WAIT_S)
 
 
 def stop_all(loops: Iterable[Loop]) -> list[tuple[str, BaseException]]:

@@ -17,13 +17,21 @@ A failing step is logged and recorded, and the next step still runs.
 
 Signals: the handler only records the request (an Event) for the main
 thread; a second SIGINT/SIGTERM while the stop is in progress logs
-``Received second shutdown signal, forcing exit`` and exits 1 at once.
+``Received second shutdown signal, forcing exit`` and exits 1 at once. For
+that to hold, the main thread must never sit in a wait a signal cannot end:
+the kernel may hand a process-directed signal to any thread, and the Python
+handler only runs when the main thread next executes bytecode. So the main
+thread waits in :class:`MainThreadWaiter` (``select`` on a self-pipe that is
+also the interpreter's ``signal.set_wakeup_fd``: every signal, whichever
+thread receives it, makes the pipe readable), and the daemon runs
+:meth:`ShutdownCoordinator.shutdown` in a joined worker thread.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import select
 import signal
 import threading
 from collections.abc import Callable, Sequence
@@ -102,3 +110,48 @@ class SignalWiring:
             os._exit(1)
         log.info("received %s", signal.Signals(signum).name)
         self._stop_requested.set()
+
+
+class MainThreadWaiter:
+    """Blocks the main thread until an Event is set, without polling, yet signal-safe.
+
+    The write end of a self-pipe is registered with ``signal.set_wakeup_fd``:
+    the C-level handler writes to it whichever thread the kernel chose, so the
+    main thread's ``select`` returns and the Python signal handler runs. Other
+    threads that set an awaited Event call :meth:`poke`.
+    """
+
+    def __init__(self) -> None:
+        self._read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._read_fd, False)
+        os.set_blocking(self._write_fd, False)
+        self._previous_fd: int | None = None
+
+    def install(self) -> None:
+        """Register the pipe as the wakeup fd (main thread only)."""
+        self._previous_fd = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
+
+    def poke(self) -> None:
+        try:
+            os.write(self._write_fd, b"\0")
+        except (BlockingIOError, OSError):
+            pass  # the pipe is full (a wake-up is pending anyway) or closed
+
+    def wait(self, event: threading.Event) -> None:
+        while not event.is_set():
+            select.select([self._read_fd], [], [])
+            try:
+                while os.read(self._read_fd, 512):
+                    pass
+            except BlockingIOError:
+                pass
+
+    def close(self) -> None:
+        if self._previous_fd is not None:
+            signal.set_wakeup_fd(self._previous_fd)
+            self._previous_fd = None
+        for fd in (self._read_fd, self._write_fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass

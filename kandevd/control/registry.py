@@ -14,6 +14,7 @@ from typing import Any
 
 import jsonschema
 
+from kandevd.config import format_validation_error
 from kandevd.control.protocol import InvalidParams, MethodNotFound
 
 Handler = Callable[[dict[str, Any]], Any]
@@ -74,5 +75,4 @@ class Registry:
         errors = sorted(method.validator.iter_errors(params), key=lambda e: list(e.absolute_path))
         if errors:
             error = jsonschema.exceptions.best_match(errors) or errors[0]
-            where = ".".join(["params", *(str(p) for p in error.absolute_path)])
-            raise InvalidParams(f"{where}: {error.message}")
+            raise InvalidParams(format_validation_error(error, prefix="params", noun="parameter"))

@@ -178,7 +178,15 @@ class ControlServer:
                 if exc.errno in (errno.EINTR, errno.ECONNABORTED):
                     continue
                 return  # listener shut down
-            self._admit(conn)
+            try:
+                self._admit(conn)
+            except Exception:  # e.g. "can't start new thread": drop this one, keep accepting
+                log.exception("could not admit a control connection")
+                with self._lock:
+                    for thread, sock in list(self._connections.items()):
+                        if sock is conn and not thread.is_alive():
+                            del self._connections[thread]
+                conn.close()
 
     def _admit(self, conn: socket.socket) -> None:
         try:
@@ -194,17 +202,16 @@ class ControlServer:
             if self._closed:
                 conn.close()
                 return
-            if len(self._connections) >= self.max_connections:
-                full = True
-            else:
-                full = False
+            full = len(self._connections) >= self.max_connections
+            if not full:
                 thread = threading.Thread(target=self._serve, args=(conn,),
                                           name="kandevd-control-conn")
                 self._connections[thread] = conn
+                # Started under the lock: close() snapshots the connections under it
+                # too, and joining a registered-but-unstarted thread would raise.
+                thread.start()
         if full:
             self._reject(conn, "too many control connections")
-            return
-        thread.start()
 
     @staticmethod
     def _reject(conn: socket.socket, message: str) -> None:

@@ -29,7 +29,11 @@ log = logging.getLogger("kandevd.store")
 BUSY_TIMEOUT_MS = 10_000
 
 
-class StoreClosedError(RuntimeError):
+class StoreError(RuntimeError):
+    """Misuse of the store (a bug in the caller, not a database problem)."""
+
+
+class StoreClosedError(StoreError):
     def __init__(self) -> None:
         super().__init__(
             "the store was used after Store.close(); every user of the store must be "
@@ -93,11 +97,15 @@ class Store:
             conn.execute("BEGIN IMMEDIATE")
             try:
                 yield conn
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
-            else:
                 conn.execute("COMMIT")
+            except BaseException:
+                # Also when COMMIT itself failed: never leave a transaction open, or every
+                # later transaction() would silently "join" it. SQLite may already have
+                # rolled back on its own (e.g. SQLITE_FULL); a second ROLLBACK would then
+                # raise and hide the real error.
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
 
     def query(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> list[sqlite3.Row]:
         with self.connection() as conn:
@@ -119,6 +127,10 @@ class Store:
         with self._lock:
             if self._closed:
                 return
+            if self._conn.in_transaction:
+                # Only this thread can be inside a transaction now (we hold the lock):
+                # closing under it would break the transaction's own COMMIT.
+                raise StoreError("Store.close() called inside an open transaction")
             self._closed = True
             try:
                 self._conn.execute("PRAGMA optimize")

@@ -1,0 +1,159 @@
+"""The command line: exit codes of CONTRACT.md section 1, status output, init, validate, help.
+
+The commands run as real subprocesses (``python -m kandevd ...``) against a
+real daemon; only the help walk uses click's in-process runner, since it
+checks documentation, not behaviour.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import stat
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from kandevd import __version__
+from kandevd.cli import cli
+from tests.harness import DaemonProcess, run_cli
+
+pytestmark = pytest.mark.integration
+
+EXIT_UNAVAILABLE = 69
+
+
+def walk(group: click.Group, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...],
+                                                                           click.Command]]:
+    """Every command reachable from ``group``, with the words that invoke it."""
+    for name, command in sorted(group.commands.items()):
+        yield (*path, name), command
+        if isinstance(command, click.Group):
+            yield from walk(command, (*path, name))
+
+
+def test_every_command_is_documented_and_its_help_exits_0() -> None:
+    runner = CliRunner()
+    commands = list(walk(cli))
+    assert {path[0] for path, _ in commands} >= {"serve", "init", "validate", "call", "status"}
+    for path, command in [((), cli), *commands]:
+        shown = " ".join(path) or "kandevd"
+        assert command.help and command.help.strip(), f"{shown} has no help text"
+        result = runner.invoke(cli, [*path, "--help"])
+        assert result.exit_code == 0, (shown, result.output)
+        assert command.help.strip().splitlines()[0] in result.output
+        for param in command.params:
+            if isinstance(param, click.Option) and not param.hidden:
+                assert param.help, f"{shown} {param.opts[0]} has no help text"
+
+
+def test_version() -> None:
+    result = CliRunner().invoke(cli, ["--version"])
+    assert result.exit_code == 0 and __version__ in result.output
+
+
+def test_status_prints_every_loop_with_its_state(
+        daemon_factory: Callable[..., DaemonProcess]) -> None:
+    daemon = daemon_factory()
+    expected = daemon.call("daemon.status")
+    result = run_cli(daemon.home, "status")
+    assert result.returncode == 0, result.stderr
+    assert f"pid {expected['pid']}" in result.stdout and "state running" in result.stdout
+    loops_line = next(line for line in result.stdout.splitlines() if line.startswith("loops"))
+    for name, state in expected["loops"].items():
+        assert f"{name}={state}" in loops_line
+    raw = run_cli(daemon.home, "status", "--json")
+    assert raw.returncode == 0 and json.loads(raw.stdout)["loops"] == expected["loops"]
+
+
+def test_call_exit_codes_0_and_1(daemon_factory: Callable[..., DaemonProcess]) -> None:
+    daemon = daemon_factory()
+    ok = run_cli(daemon.home, "call", "daemon.status")
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["pid"] == daemon.proc.pid
+
+    unknown = run_cli(daemon.home, "call", "no.such.method")
+    assert unknown.returncode == 1 and unknown.stdout == ""
+    assert json.loads(unknown.stderr)["code"] == -32601
+
+    bad_params = run_cli(daemon.home, "call", "runs.get", '{"id": 5}')
+    assert bad_params.returncode == 1
+    error = json.loads(bad_params.stderr)
+    assert error["code"] == -32602 and error["data"]["kind"] == "invalid_params"
+
+    missing = run_cli(daemon.home, "call", "runs.get", '{"id": "run-that-does-not-exist"}')
+    assert missing.returncode == 1
+    assert json.loads(missing.stderr)["data"]["kind"] == "not_found"
+
+    via_socket = run_cli(daemon.home, "call", "daemon.status", "--socket", str(daemon.socket))
+    assert via_socket.returncode == 0
+
+    not_json = run_cli(daemon.home, "call", "daemon.status", "{oops")
+    assert not_json.returncode == 2 and "not valid JSON" in not_json.stderr  # a usage error
+
+
+def test_call_exits_69_when_no_daemon_listens(tmp_path: Path) -> None:
+    home = tmp_path / "nobody-home"
+    home.mkdir(mode=0o700)
+    result = run_cli(home, "call", "daemon.status")
+    assert result.returncode == EXIT_UNAVAILABLE
+    assert "no kandevd is listening" in result.stderr
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(home / "kandevd.sock"))
+    stale.close()  # a socket file nobody listens on, as a kill -9 leaves it
+    for args in (("call", "daemon.status"), ("status",)):
+        assert run_cli(home, *args).returncode == EXIT_UNAVAILABLE
+
+
+def test_validate_exits_0_for_a_good_config_and_1_for_a_bad_one(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    defaults = run_cli(home, "validate")
+    assert defaults.returncode == 0 and "built-in defaults" in defaults.stdout
+
+    (home / "kandevd.yaml").write_text("queue:\n  safety_interval_s: 1\n")
+    good = run_cli(home, "validate")
+    assert good.returncode == 0 and str(home / "kandevd.yaml") in good.stdout
+
+    (home / "kandevd.yaml").write_text("queue:\n  safety_interval_s: -1\n")
+    bad = run_cli(home, "validate")
+    assert bad.returncode == 1
+    assert "queue.safety_interval_s: -1 is less than the minimum of 0" in bad.stderr
+
+    other = tmp_path / "other.yaml"
+    other.write_text("retry:\n  unknown_knob: true\n")
+    explicit = run_cli(home, "validate", "--config", str(other))
+    assert explicit.returncode == 1 and "retry.unknown_knob" in explicit.stderr
+
+
+def test_serve_with_a_bad_config_exits_78(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "kandevd.yaml").write_text("office:\n  interval_s: -1\n")
+    result = run_cli(home, "serve")
+    assert result.returncode == 78
+    assert "office.interval_s" in result.stderr
+
+
+def test_init_lays_out_a_home_and_copies_an_example(tmp_path: Path) -> None:
+    home = tmp_path / "fresh"
+    result = run_cli(home, "init")
+    assert result.returncode == 0, result.stderr
+    for folder in (home, home / "logs", home / "workspace"):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
+
+    demo = tmp_path / "demo-home"
+    result = run_cli(demo, "init", "--example", "demo")
+    assert result.returncode == 0, result.stderr
+    example = Path(__file__).resolve().parents[2] / "examples" / "demo"
+    copied = {p.relative_to(example) for p in example.rglob("*")
+              if p.is_file() and "__pycache__" not in p.parts}
+    assert copied and all((demo / rel).is_file() for rel in copied)
+    assert run_cli(demo, "validate").returncode == 0  # the example's config is valid
+
+    for name in ("no-such-example", "../etc"):
+        refused = run_cli(tmp_path / "x", "init", "--example", name)
+        assert refused.returncode == 1 and name in refused.stderr

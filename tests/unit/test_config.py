@@ -1,0 +1,193 @@
+"""Config: the contract's defaults, key-path error messages, env overrides, immutability."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kandevd.config import DEFAULTS, Config, ConfigError, build_config, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+# CONTRACT.md section 2, verbatim: "Every key is optional; these are the defaults."
+CONTRACT_DEFAULTS: dict[str, Any] = {
+    "queue": {"safety_interval_s": 5, "max_claims_per_tick": 10, "stale_claim_s": 1800},
+    "retry": {"max_retries": 4, "delays_s": [120, 600, 1800, 7200], "jitter": 0.25,
+              "max_age_s": 86400},
+    "runtime": {"max_concurrent": 4, "stop_grace_s": 20},
+    "office": {"enabled": True, "interval_s": 30, "recovery_lookback_hours": 24},
+    "scheduler": {"enabled": True, "root": None, "history_retention_days": 90},
+    "agents": {"default": {"command": None, "timeout_s": 3600, "env": {}}},
+}
+
+
+def as_document(config: Config) -> dict[str, Any]:
+    """The Config back in the shape of kandevd.yaml, to compare with a document."""
+    def section(obj: Any, drop: tuple[str, ...] = ()) -> dict[str, Any]:
+        values = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)
+                  if f.name not in drop}
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
+
+    return {
+        "queue": section(config.queue), "retry": section(config.retry),
+        "runtime": section(config.runtime), "office": section(config.office),
+        "scheduler": section(config.scheduler, drop=("disabled_via_env",)),
+        "agents": {name: {"command": None if p.command is None else list(p.command),
+                          "timeout_s": p.timeout_s, "env": dict(p.env)}
+                   for name, p in config.agents.items()},
+    }
+
+
+def error_for(document: Any) -> str:
+    with pytest.raises(ConfigError) as info:
+        build_config(document, environ={})
+    return str(info.value)
+
+
+# -- defaults ----------------------------------------------------------------------------
+
+
+def test_defaults_are_the_contracts() -> None:
+    assert DEFAULTS == CONTRACT_DEFAULTS
+    config = build_config(None, environ={})
+    assert as_document(config) == CONTRACT_DEFAULTS
+    assert config.source is None
+    assert config.scheduler.disabled_via_env is False
+
+
+def test_the_shipped_annotated_config_matches_the_defaults() -> None:
+    document = yaml.safe_load((REPO / "conf" / "kandevd.yaml").read_text())
+    assert document == CONTRACT_DEFAULTS
+    assert build_config(document, environ={}).queue == build_config(None, environ={}).queue
+
+
+def test_every_key_is_optional_and_a_partial_file_keeps_the_other_defaults() -> None:
+    config = build_config({"queue": {"safety_interval_s": 0.5},
+                           "agents": {"fast": {"timeout_s": 10}}}, environ={})
+    assert config.queue.safety_interval_s == 0.5
+    assert config.queue.max_claims_per_tick == CONTRACT_DEFAULTS["queue"]["max_claims_per_tick"]
+    assert config.retry.delays_s == tuple(CONTRACT_DEFAULTS["retry"]["delays_s"])
+    assert set(config.agents) == {"default", "fast"}  # `default` always exists
+    assert config.agents["fast"].command is None and config.agents["fast"].timeout_s == 10
+    assert config.profile("fast").name == "fast"
+    assert config.profile("unknown-profile").name == "default"
+
+
+def test_config_is_immutable_and_building_never_touches_the_defaults() -> None:
+    config = build_config({"agents": {"default": {"env": {"A": "1"}}}}, environ={})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.queue.safety_interval_s = 1  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        config.agents["x"] = config.agents["default"]  # type: ignore[index]
+    with pytest.raises(TypeError):
+        config.agents["default"].env["B"] = "2"  # type: ignore[index]
+    assert DEFAULTS == CONTRACT_DEFAULTS
+
+
+# -- errors name the key path -------------------------------------------------------------
+
+
+def test_a_value_below_the_minimum_names_its_key_path() -> None:
+    assert error_for({"queue": {"safety_interval_s": -1}}) == \
+        "queue.safety_interval_s: -1 is less than the minimum of 0"
+
+
+@pytest.mark.parametrize(("document", "path"), [
+    ({"bogus": 1}, "bogus"),
+    ({"queue": {"safety_interval": 5}}, "queue.safety_interval"),
+    ({"agents": {"default": {"cmd": ["x"]}}}, "agents.default.cmd"),
+])
+def test_an_unknown_key_is_named_at_its_own_path(document: dict[str, Any], path: str) -> None:
+    message = error_for(document)
+    assert message.startswith(f"{path}: unknown key"), message
+
+
+@pytest.mark.parametrize(("document", "path"), [
+    ({"runtime": {"max_concurrent": "four"}}, "runtime.max_concurrent"),
+    ({"runtime": {"max_concurrent": 0}}, "runtime.max_concurrent"),
+    ({"retry": {"delays_s": [120, -5]}}, "retry.delays_s.1"),
+    ({"retry": {"max_retries": 1.5}}, "retry.max_retries"),
+    ({"office": {"enabled": "yes"}}, "office.enabled"),
+    ({"scheduler": {"root": 7}}, "scheduler.root"),
+    ({"agents": {"default": {"command": "echo hi"}}}, "agents.default.command"),
+    ({"agents": {"default": {"env": {"N": 1}}}}, "agents.default.env.N"),
+    ({"queue": None}, "queue"),
+])
+def test_a_wrong_type_or_range_names_its_key_path(document: dict[str, Any], path: str) -> None:
+    message = error_for(document)
+    assert message.startswith(f"{path}: "), message
+
+
+@pytest.mark.parametrize("key", ["queue.safety_interval_s", "queue.stale_claim_s",
+                                 "retry.max_age_s", "runtime.stop_grace_s", "office.interval_s",
+                                 "agents.default.timeout_s"])
+def test_every_duration_rejects_a_negative_value_by_path(key: str) -> None:
+    document: dict[str, Any] = {}
+    cursor = document
+    *parents, leaf = key.split(".")
+    for part in parents:
+        cursor = cursor.setdefault(part, {})
+    cursor[leaf] = -1
+    assert error_for(document).startswith(f"{key}: -1 is less than ")
+
+
+def test_a_document_that_is_not_a_mapping_is_rejected() -> None:
+    assert error_for([1, 2]).startswith("<root>: ")
+
+
+def test_load_config_prefixes_the_file_and_reports_bad_yaml(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("queue:\n  safety_interval_s: -1\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: queue\.safety_interval_s: -1 is less"):
+        load_config(bad, environ={})
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("queue: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(broken, environ={})
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(tmp_path / "missing.yaml", environ={})
+
+
+def test_load_config_finds_the_home_file_and_an_explicit_file_wins(tmp_path: Path) -> None:
+    assert load_config(None, home=tmp_path, environ={}).source is None  # no file: defaults
+    (tmp_path / "kandevd.yaml").write_text("runtime:\n  max_concurrent: 2\n")
+    from_home = load_config(None, home=tmp_path, environ={})
+    assert from_home.runtime.max_concurrent == 2
+    assert from_home.source == str(tmp_path / "kandevd.yaml")
+    explicit = tmp_path / "other.yaml"
+    explicit.write_text("runtime:\n  max_concurrent: 3\n")
+    assert load_config(explicit, home=tmp_path, environ={}).runtime.max_concurrent == 3
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")  # an empty file is "every key left at its default"
+    assert load_config(empty, environ={}).runtime.max_concurrent == 4
+
+
+# -- environment -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["false", "FALSE", "0", "no", "off", " False "])
+def test_scheduler_enabled_false_turns_automatic_execution_off(value: str) -> None:
+    config = build_config(None, environ={"SCHEDULER_ENABLED": value})
+    assert config.scheduler.enabled is False
+    assert config.scheduler.disabled_via_env is True
+
+
+@pytest.mark.parametrize("environ", [{}, {"SCHEDULER_ENABLED": "true"},
+                                     {"SCHEDULER_ENABLED": "1"}])
+def test_scheduler_stays_on_unless_the_env_says_false(environ: dict[str, str]) -> None:
+    config = build_config(None, environ=environ)
+    assert config.scheduler.enabled is True and config.scheduler.disabled_via_env is False
+
+
+def test_the_env_wins_over_the_file_but_never_turns_a_disabled_scheduler_on() -> None:
+    on_in_file = build_config({"scheduler": {"enabled": True}},
+                              environ={"SCHEDULER_ENABLED": "false"})
+    assert on_in_file.scheduler.enabled is False
+    off_in_file = build_config({"scheduler": {"enabled": False}},
+                               environ={"SCHEDULER_ENABLED": "true"})
+    assert off_in_file.scheduler.enabled is False
+    assert off_in_file.scheduler.disabled_via_env is False

@@ -1,0 +1,307 @@
+"""JSON-RPC envelope, error codes, the method registry, and the server's drain.
+
+The last tests run a real ControlServer on a unix socket in tmp_path (no
+daemon around it) to pin the two-step shutdown down deterministically: a
+request in progress finishes, new requests answer ``shutting_down``, the
+status method still answers, and the listener closes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import stat
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+
+from kandevd.control import protocol
+from kandevd.control.client import Client, DaemonUnavailable, RpcCallError
+from kandevd.control.protocol import (
+    AlreadyRunning,
+    Conflict,
+    InternalError,
+    InvalidParams,
+    InvalidRequest,
+    MethodNotFound,
+    NotFound,
+    NotRunning,
+    ParseError,
+    Refused,
+    RpcError,
+    ShuttingDown,
+    encode,
+    failure,
+    parse_request,
+    success,
+)
+from kandevd.control.registry import Registry, object_schema, paging_properties
+from kandevd.control.server import ControlServer, SocketInUse, socket_is_live
+
+TIMEOUT = 10.0
+
+
+def request(**fields: Any) -> bytes:
+    return (json.dumps({"jsonrpc": "2.0", **fields}) + "\n").encode()
+
+
+# -- parse_request ----------------------------------------------------------------------
+
+
+def test_a_valid_request_and_a_notification() -> None:
+    assert parse_request(request(id=7, method="daemon.status", params={"a": 1})) == \
+        (7, "daemon.status", {"a": 1}, False)
+    assert parse_request(request(id="x", method="m")) == ("x", "m", {}, False)
+    assert parse_request(request(id=None, method="m", params=None)) == (None, "m", {}, False)
+    assert parse_request(request(method="m")) == (None, "m", {}, True)
+
+
+@pytest.mark.parametrize("line", [b"{not json\n", b'{"jsonrpc": "2.0",\n', b"\xff\xfe\n"])
+def test_unparsable_lines_are_parse_errors(line: bytes) -> None:
+    with pytest.raises(ParseError) as info:
+        parse_request(line)
+    assert info.value.code == -32700
+
+
+@pytest.mark.parametrize("line", [b"[1]\n", b'"x"\n', b"1\n", b"null\n", b"[]\n"])
+def test_a_json_value_that_is_not_an_object_is_an_invalid_request(line: bytes) -> None:
+    with pytest.raises(InvalidRequest, match="must be a JSON object") as info:
+        parse_request(line)
+    assert info.value.code == -32600
+
+
+@pytest.mark.parametrize(("message", "fragment"), [
+    ({"jsonrpc": "1.0", "id": 1, "method": "m"}, '"jsonrpc" must be "2.0"'),
+    ({"id": 1, "method": "m"}, '"jsonrpc" must be "2.0"'),
+    ({"jsonrpc": "2.0", "id": 1}, '"method" must be a non-empty string'),
+    ({"jsonrpc": "2.0", "id": 1, "method": ""}, '"method" must be a non-empty string'),
+    ({"jsonrpc": "2.0", "id": 1, "method": 5}, '"method" must be a non-empty string'),
+    ({"jsonrpc": "2.0", "id": True, "method": "m"}, "id must be"),
+    ({"jsonrpc": "2.0", "id": {"a": 1}, "method": "m"}, "id must be"),
+    ({"jsonrpc": "2.0", "id": 1, "method": "m", "extra": 1}, "unknown member"),
+])
+def test_malformed_envelopes_are_invalid_requests(message: dict[str, Any], fragment: str) -> None:
+    with pytest.raises(InvalidRequest, match=fragment):
+        parse_request(json.dumps(message).encode())
+
+
+def test_the_id_is_kept_when_it_was_readable() -> None:
+    with pytest.raises(InvalidRequest) as info:
+        parse_request(json.dumps({"jsonrpc": "1.0", "id": 42, "method": "m"}).encode())
+    assert info.value.extra == {"id": 42}
+
+
+def test_positional_params_are_invalid_params() -> None:
+    with pytest.raises(InvalidParams, match="params must be a JSON object") as info:
+        parse_request(request(id=1, method="m", params=[1, 2]))
+    assert info.value.code == -32602
+
+
+# -- the envelope and the error set -----------------------------------------------------
+
+
+@pytest.mark.parametrize(("cls", "code", "kind"), [
+    (ParseError, -32700, "parse_error"), (InvalidRequest, -32600, "invalid_request"),
+    (MethodNotFound, -32601, "method_not_found"), (InvalidParams, -32602, "invalid_params"),
+    (InternalError, -32603, "internal"), (NotFound, -32000, "not_found"),
+    (Conflict, -32000, "conflict"), (Refused, -32000, "refused"),
+    (ShuttingDown, -32000, "shutting_down"), (NotRunning, -32000, "not_running"),
+    (AlreadyRunning, -32000, "already_running"),
+])
+def test_every_error_class_has_its_contract_code_and_kind(
+        cls: type[RpcError], code: int, kind: str) -> None:
+    error = cls("something", data={"id_hint": 3})
+    assert error.to_error() == {"code": code, "message": "something",
+                                "data": {"kind": kind, "id_hint": 3}}
+    assert failure(9, error) == {"jsonrpc": "2.0", "id": 9, "error": error.to_error()}
+
+
+def test_success_and_encode_frame_one_compact_line() -> None:
+    line = encode(success(1, {"name": "café", "n": [1, 2]}))
+    assert line.endswith(b"\n") and line.count(b"\n") == 1
+    assert json.loads(line) == {"jsonrpc": "2.0", "id": 1, "result": {"name": "café", "n": [1, 2]}}
+    assert "café".encode() in line  # UTF-8, not \\u escapes
+    assert protocol.MAX_LINE_BYTES == 1024 * 1024
+
+
+# -- the registry ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def registry() -> Registry:
+    reg = Registry()
+    reg.add("things.get", lambda p: {"got": p["id"]},
+            object_schema({"id": {"type": "string"}, **paging_properties()}, ("id",)))
+    return reg
+
+
+def test_unknown_method_and_duplicate_registration(registry: Registry) -> None:
+    with pytest.raises(MethodNotFound, match="unknown method: nope"):
+        registry.get("nope")
+    with pytest.raises(ValueError, match="registered twice"):
+        registry.add("things.get", lambda p: p)
+    with pytest.raises(jsonschema.SchemaError):
+        registry.add("bad.schema", lambda p: p, {"type": "no-such-type"})
+    assert registry.names() == ["things.get"]
+
+
+@pytest.mark.parametrize(("params", "fragment"), [
+    ({"id": "a", "bogus": 1}, "params.bogus: unknown parameter"),
+    ({"id": 5}, "params.id: 5 is not of type 'string'"),
+    ({}, "'id' is a required property"),
+    ({"id": "a", "limit": 501}, "params.limit: 501 is greater than the maximum of 500"),
+    ({"id": "a", "offset": -1}, "params.offset: -1 is less than the minimum of 0"),
+])
+def test_params_are_checked_against_the_schema(registry: Registry, params: dict[str, Any],
+                                               fragment: str) -> None:
+    with pytest.raises(InvalidParams) as info:
+        registry.check_params(registry.get("things.get"), params)
+    assert fragment in info.value.message
+
+
+# -- a real ControlServer: drain, listener, errors ---------------------------------------------
+
+
+class Blocking:
+    """A handler that parks until released, so a request is 'in progress'."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def __call__(self, _params: dict[str, Any]) -> dict[str, Any]:
+        self.entered.set()
+        assert self.release.wait(TIMEOUT)
+        return {"slow": "done"}
+
+
+@pytest.fixture
+def server(tmp_path: Path):
+    registry = Registry()
+    slow = Blocking()
+    registry.add("test.status", lambda p: {"ok": True}, allowed_while_stopping=True)
+    registry.add("test.slow", slow)
+    registry.add("test.other", lambda p: {"other": True})
+
+    def broken(_params: dict[str, Any]) -> None:
+        raise KeyError("secret detail")
+
+    registry.add("test.broken", broken)
+    srv = ControlServer(tmp_path / "t.sock", registry)
+    srv.start()
+    srv.slow = slow  # type: ignore[attr-defined]
+    yield srv
+    slow.release.set()
+    srv.close()
+
+
+def test_socket_is_0600_and_a_live_one_is_never_stolen(server: ControlServer,
+                                                       tmp_path: Path) -> None:
+    assert stat.S_ISSOCK(server.path.stat().st_mode)
+    assert stat.S_IMODE(server.path.stat().st_mode) == 0o600
+    assert socket_is_live(server.path)
+    with pytest.raises(SocketInUse):
+        ControlServer(server.path, Registry()).start()
+    assert not list(tmp_path.glob(".t.sock.*.tmp"))  # the temp name was renamed away
+
+
+def test_a_stale_socket_file_is_replaced(tmp_path: Path) -> None:
+    path = tmp_path / "stale.sock"
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(str(path))
+    dead.close()  # the file stays, nothing listens: what a kill -9 leaves behind
+    assert path.exists() and not socket_is_live(path)
+    srv = ControlServer(path, Registry())
+    srv.start()
+    try:
+        assert socket_is_live(path)
+    finally:
+        srv.close()
+    assert not path.exists()
+
+
+def test_an_internal_error_never_leaks_a_traceback(server: ControlServer,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    with Client(server.path) as client, pytest.raises(RpcCallError) as info:
+        client.call("test.broken")
+    assert info.value.error == {"code": -32603, "message": "internal error",
+                                "data": {"kind": "internal"}}
+    assert any("method test.broken failed" in r.getMessage() and r.exc_info
+               for r in caplog.records)
+
+
+def test_drain_finishes_work_in_progress_then_answers_shutting_down(
+        server: ControlServer) -> None:
+    slow = server.slow  # type: ignore[attr-defined]
+    early = Client(server.path)  # connected before the drain
+    busy = Client(server.path)
+    answers: list[Any] = []
+    caller = threading.Thread(target=lambda: answers.append(busy.call("test.slow")))
+    caller.start()
+    assert slow.entered.wait(TIMEOUT)
+
+    drainer = threading.Thread(target=server.begin_drain)
+    drainer.start()
+    drainer.join(0.2)
+    assert drainer.is_alive()  # it waits for the request in progress
+    assert server.draining
+    with pytest.raises(RpcCallError) as info:
+        early.call("test.other")
+    assert info.value.code == -32000 and info.value.kind == "shutting_down"
+    assert early.call("test.status") == {"ok": True}  # status still answers
+
+    slow.release.set()
+    caller.join(TIMEOUT)
+    drainer.join(TIMEOUT)
+    assert answers == [{"slow": "done"}] and not drainer.is_alive()
+    with pytest.raises(DaemonUnavailable):
+        Client(server.path)  # the listener is closed: no new connections
+    assert early.call("test.status") == {"ok": True}  # open connections live until close()
+    server.close()
+    with pytest.raises(DaemonUnavailable):
+        early.call("test.status")
+    early.close()
+    busy.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("kandevd-control")]
+
+
+PEER_SCRIPT = """
+import socket, sys
+conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+conn.connect(sys.argv[1])
+print(conn.makefile("r").readline(), end="")  # refused at once, before any request
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not Path("/usr/bin/python3").exists(),
+                    reason="needs root to run a client as another uid")
+def test_a_connection_from_another_uid_is_refused() -> None:
+    """SO_PEERCRED: even with the socket file opened up, a foreign uid gets `refused`."""
+    folder = Path(tempfile.mkdtemp(prefix="kandevd-peer-"))
+    try:
+        folder.chmod(0o755)
+        registry = Registry()
+        registry.add("test.status", lambda p: {"ok": True}, allowed_while_stopping=True)
+        srv = ControlServer(folder / "peer.sock", registry)
+        srv.start()
+        try:
+            srv.path.chmod(0o666)  # loosened on purpose, to reach the uid check behind it
+            child = subprocess.run(["/usr/bin/python3", "-I", "-c", PEER_SCRIPT, str(srv.path)],
+                                   user=65534, group=65534, cwd="/", env={},
+                                   capture_output=True, text=True, timeout=TIMEOUT)
+            assert child.returncode == 0, child.stderr
+            error = json.loads(child.stdout)["error"]
+            assert error["data"]["kind"] == "refused" and "uid" in error["message"]
+            with Client(srv.path) as mine:  # the owner is still served
+                assert mine.call("test.status") == {"ok": True}
+        finally:
+            srv.close()
+    finally:
+        shutil.rmtree(folder)

@@ -20,7 +20,10 @@ FAST_CONFIG: dict[str, Any] = {
 
 @pytest.fixture
 def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., DaemonProcess]]:
-    """``make(config=None, home=None, env=None, start=True) -> DaemonProcess``; killed at teardown."""
+    """``make(config=None, home=None, env=None, start=True)`` -> a DaemonProcess.
+
+    Every daemon made is killed at teardown if a test left it running.
+    """
     made: list[DaemonProcess] = []
 
     def make(config: dict[str, Any] | None = None, *, home: Path | None = None,

@@ -8,6 +8,7 @@ from typing import Any
 import click
 
 from kandevd.cli_common import client_options, echo_json, invoke
+from kandevd.store.runs import STATUSES
 
 COLUMNS = ("seq", "id", "status", "agent_id", "reason", "retry_count", "requested_at")
 
@@ -66,21 +67,24 @@ def enqueue(workspace_id: str, agent_id: str, reason: str, task_id: str | None, 
 
 
 @runs.command("list")
-@click.option("--status", default=None, help="Only runs in this status.")
+@click.option("--status", type=click.Choice(STATUSES), default=None,
+              help="Only runs in this status.")
 @click.option("--agent", "agent_id", default=None, help="Only this agent's runs.")
 @click.option("--workspace", "workspace_id", default=None, help="Only this workspace's runs.")
 @click.option("--task", "task_id", default=None, help="Only this task's runs.")
+@click.option("--reason", default=None, help="Only runs requested for this reason.")
 @click.option("--limit", type=int, default=50, show_default=True, help="Page size (max 500).")
 @click.option("--offset", type=int, default=0, show_default=True, help="Rows to skip.")
 @click.option("--json", "as_json", is_flag=True, help="Print the raw JSON.")
 @client_options
 def list_runs(status: str | None, agent_id: str | None, workspace_id: str | None,
-              task_id: str | None, limit: int, offset: int, as_json: bool,
+              task_id: str | None, reason: str | None, limit: int, offset: int, as_json: bool,
               home: str | None, socket_path: str | None) -> None:
     """List runs in request order."""
     params = {k: v for k, v in {"status": status, "agent_id": agent_id,
                                 "workspace_id": workspace_id, "task_id": task_id,
-                                "limit": limit, "offset": offset}.items() if v is not None}
+                                "reason": reason, "limit": limit,
+                                "offset": offset}.items() if v is not None}
     result = invoke(home, socket_path, "runs.list", params)
     if as_json:
         echo_json(result)

@@ -107,9 +107,47 @@ class DaemonProcess:
         self.send_signal(sig)
         return self.wait(timeout)
 
+    def agent_pids(self) -> list[int]:
+        """Live agent processes of this home (their environment names it in KANDEVD_HOME).
+
+        Each agent runs in its own session (its own process group), so killing
+        the daemon's group does not reach them.
+        """
+        marker = f"KANDEVD_HOME={self.home.resolve()}".encode()
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                environ = (entry / "environ").read_bytes()
+            except OSError:
+                continue
+            if marker in environ.split(b"\0"):
+                found.append(int(entry.name))
+        return sorted(found)
+
+    def _kill_agents(self, timeout: float = 10.0) -> None:
+        """SIGKILL every agent of this home and wait until none is left.
+
+        Re-scans until a scan finds nothing: SIGKILL takes a moment to land,
+        and a child forked just before the daemon died may exec only now.
+        """
+        deadline = time.monotonic() + timeout
+        while pids := self.agent_pids():
+            for pid in pids:
+                try:
+                    os.killpg(pid, signal.SIGKILL)  # an agent leads its own process group
+                except (ProcessLookupError, PermissionError):
+                    pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"agent processes {pids} survived SIGKILL")
+            time.sleep(0.01)
+
     def kill9(self) -> None:
+        """SIGKILL the daemon's process group, then every agent it left behind."""
         assert self.proc is not None
-        os.killpg(self.proc.pid, signal.SIGKILL)  # the daemon and its agents' session
+        os.killpg(self.proc.pid, signal.SIGKILL)  # dead first: it can start no new agent
+        self._kill_agents()
         self.wait()
 
     def cleanup(self) -> None:
@@ -119,6 +157,7 @@ class DaemonProcess:
             except ProcessLookupError:
                 pass
             self.proc.wait(30)
+        self._kill_agents()
 
     # -- talking ----------------------------------------------------------------
     @property

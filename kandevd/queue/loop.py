@@ -7,6 +7,18 @@ finished run, a freed runtime slot) and otherwise runs a safety pass every
 run inserted by another process, or a restart. Bursts of signals coalesce
 naturally: a signal during a tick only re-arms the wake event, so a burst
 costs one extra tick, not one per signal.
+
+One tick::
+
+    drain: reserve free runtime slots -> one transaction writes the outcomes
+           of executions that ended since the last tick and claims up to as
+           many runs as slots were reserved (oldest first, one per agent)
+           -> start each execution
+    stale claims: at most once per safety interval, claims older than
+           queue.stale_claim_s with no live execution here are re-queued
+    wait:  0 when the tick used its whole claim budget or re-queued something,
+           else until the next scheduled retry or cooldown end, at most the
+           safety interval
 """
 
 from __future__ import annotations
@@ -16,6 +28,7 @@ from typing import Any
 
 from kandevd.lifecycle import Loop
 from kandevd.queue.processor import RunQueue
+from kandevd.timeutil import after
 
 
 class QueueLoop(Loop):
@@ -25,15 +38,46 @@ class QueueLoop(Loop):
         self.queue = queue
         self.safety_interval_s = float(safety_interval_s)
         self.max_claims_per_tick = int(max_claims_per_tick)
+        self._next_stale_check: datetime | None = None
         queue.set_waker(self.wake)
+
+    def start(self) -> None:
+        """Start the loop thread; while it runs, outcomes are written by its drains."""
+        self.queue.defer_outcomes(True)
+        try:
+            super().start()
+        except BaseException:
+            self.queue.defer_outcomes(False)
+            raise
+
+    def on_stopped(self) -> None:
+        # The last act of the loop thread: what it has not written yet is written now,
+        # and from here on every outcome is recorded by the execution that produced it.
+        self.queue.defer_outcomes(False)
 
     def tick(self, now: datetime) -> float:
         started = self.queue.drain(now, self.max_claims_per_tick)
-        self.queue.recover_stale(now)
-        if started >= self.max_claims_per_tick:
+        recovered = self._recover_stale(now)
+        if started >= self.max_claims_per_tick or recovered:
             return 0.0  # there may be more eligible work right now
         wait = self.safety_interval_s
         due = self.queue.repo.next_due(now)
         if due is not None:
             wait = min(wait, max((due - now).total_seconds(), 0.0))
         return wait
+
+    def _recover_stale(self, now: datetime) -> int:
+        """Re-queue stale claims, at most once per safety interval (claims go stale slowly)."""
+        check = self._next_stale_check
+        interval = self.safety_interval_s
+        # A clock that jumped back more than one interval must not postpone the check.
+        if check is not None and after(check, -interval) <= now < check:
+            return 0
+        self._next_stale_check = after(now, interval)
+        return len(self.queue.recover_stale(now))
+
+    def stats(self) -> dict[str, int]:
+        """Counters for ``daemon.status``."""
+        commits = self.queue.commits
+        return {"ticks": self.ticks, "claimed": self.queue.claimed_total,
+                "outcome_commits": commits.commits, "outcomes": commits.operations}

@@ -5,32 +5,51 @@ only decides *when* :meth:`RunQueue.drain` runs. Everything that changes a
 run goes through :class:`kandevd.store.runs.RunRepository` so the database
 stays the truth.
 
-Dispatch order for one claim: reserve a runtime slot (never blocks) ->
-claim the oldest eligible run in one transaction -> start the execution. If
-there is no slot nothing is claimed; if there is no eligible run the slot is
-given back; if the execution cannot be started the claim is re-queued.
+One drain: reserve the free runtime slots (never blocks) -> claim at most
+that many runs in one transaction (the oldest eligible run of each eligible
+agent, oldest first) -> start each execution; unused slots are given back.
+If the execution of a claim cannot be started, the claim goes back to the
+queue while the runtime is stopping, and is otherwise a failed attempt under
+the retry policy (so a broken profile backs off instead of spinning).
+
+An execution's outcome is recorded from the runtime's worker thread through
+:class:`kandevd.queue.groupcommit.GroupCommit`: outcomes that arrive together
+share one durable commit. Then the agent is free and the loop is signalled.
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import uuid
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
+from kandevd.agents import echo_argv
 from kandevd.bus import EventBus
 from kandevd.config import Config
 from kandevd.paths import HomeLayout
-from kandevd.runtime import AgentRuntime, ExecutionResult, ExecutionSpec
+from kandevd.queue.groupcommit import GroupCommit
+from kandevd.runtime import (
+    INTERRUPTED,
+    STOPPED,
+    AgentRuntime,
+    ExecutionResult,
+    ExecutionSpec,
+    Reservation,
+    RuntimeStopped,
+)
 from kandevd.store.runs import Claim, EnqueueResult, RunRepository
 from kandevd.timeutil import utc_now
 
 log = logging.getLogger("kandevd.queue")
 
-ECHO_AGENT = (sys.executable, "-m", "kandevd.agents.echo")
+ECHO_AGENT = echo_argv()
+
+#: Outcomes that leave the run as it is: interrupted by the shutdown (it stays
+#: ``claimed`` for the next start) or stopped by a cancel (already ``cancelled``).
+_NO_WRITE = frozenset({INTERRUPTED, STOPPED})
 
 
 class RunQueue:
@@ -43,11 +62,17 @@ class RunQueue:
         self.layout = layout
         self.bus = bus
         self.clock = clock
+        self._runs_dir, self._logs_dir = layout.runs, layout.run_logs
+        self._home = str(layout.root)
         self._lock = threading.Lock()
         self._live: dict[str, str] = {}  # run id -> agent id of executions started here
         self._waker: Callable[[], None] | None = None
+        self._defer = False  # outcomes go to the loop's next drain (see defer_outcomes)
+        self._outcomes: list[tuple[Claim, ExecutionResult]] = []
         self.signals_enabled = True
         self.claimed_total = 0
+        # Outcomes of executions that end together share one commit (one fsync).
+        self.commits = GroupCommit(repo.store)
 
     # -- signal -----------------------------------------------------------------
     def set_waker(self, waker: Callable[[], None] | None) -> None:
@@ -83,100 +108,229 @@ class RunQueue:
             return frozenset(self._live)
 
     def drain(self, now: datetime, limit: int) -> int:
-        """Claim and dispatch up to ``limit`` runs; return how many were started."""
-        started = 0
-        while started < limit:
+        """Record pending outcomes, claim and dispatch up to ``limit`` runs.
+
+        Slots are reserved first (never blocking), then one transaction writes
+        the outcomes handed over by finished executions and claims at most as
+        many runs as slots were reserved: the oldest eligible run of each
+        eligible agent, oldest first. Unused slots are given back. Returns how
+        many runs were started. A run whose execution cannot even start is
+        failed through the retry policy, so nothing here can spin.
+        """
+        outcomes = self._take_outcomes()
+        if not outcomes and not self.repo.has_queued():
+            return 0  # idle: touch neither the runtime's slots nor the write lock
+        reservations: list[Reservation] = []
+        while len(reservations) < limit:
             reservation = self.runtime.try_reserve()
             if reservation is None:
                 break
-            try:
-                claim = self.repo.claim_next(now, exclude_agents=self.live_agents())
-            except BaseException:
+            reservations.append(reservation)
+        try:
+            if outcomes:
+                claims = self._record_and_claim(outcomes, now, len(reservations))
+            elif reservations:
+                claims = self.repo.claim_batch(now, len(reservations),
+                                               exclude_agents=self.live_agents())
+            else:
+                claims = []
+        except BaseException:
+            for reservation in reservations:
                 self.runtime.release(reservation)
-                raise
-            if claim is None:
-                self.runtime.release(reservation)
-                break
+            raise
+        for reservation in reservations[len(claims):]:
+            self.runtime.release(reservation)
+        started = 0
+        for reservation, claim in zip(reservations, claims, strict=False):
             if self._dispatch(reservation, claim):
                 started += 1
         self.claimed_total += started
         return started
 
-    def _dispatch(self, reservation: Any, claim: Claim) -> bool:
+    def _record_and_claim(self, outcomes: list[tuple[Claim, ExecutionResult]], now: datetime,
+                          slots: int) -> list[Claim]:
+        """Write ``outcomes`` and claim up to ``slots`` runs in one durable commit."""
+        ended = {claim.run["id"] for claim, _result in outcomes}
+        with self._lock:
+            busy = {agent for run_id, agent in self._live.items() if run_id not in ended}
+        try:
+            with self.repo.store.transaction():
+                effects = [self._apply(claim, result) for claim, result in outcomes]
+                claims = (self.repo.claim_batch(now, slots, exclude_agents=busy)
+                          if slots else [])
+            self.commits.commits += 1
+            self.commits.operations += len(outcomes)
+        except Exception as exc:
+            # One bad outcome must not hold the others (or the claims) back.
+            log.warning("recording %d outcome(s) together failed (%s); one by one",
+                        len(outcomes), exc)
+            for claim, result in outcomes:
+                try:
+                    self._record(claim, result)
+                except Exception:
+                    log.exception("run %s: its outcome could not be recorded",
+                                  claim.run["id"])
+            return self.repo.claim_batch(now, slots, exclude_agents=self.live_agents()) \
+                if slots else []
+        with self._lock:
+            for run_id in ended:
+                self._live.pop(run_id, None)
+        for (claim, result), effect in zip(outcomes, effects, strict=True):
+            self._announce(claim, result, effect)
+        return claims
+
+    def _spec(self, claim: Claim) -> ExecutionSpec:
+        """The execution of a claimed run (CONTRACT.md section 5)."""
         run = claim.run
+        run_id = run["id"]
         profile = self.config.profile(claim.profile)
         session_id = f"ses_{uuid.uuid4().hex}"
+        return ExecutionSpec(
+            key=run_id, kind="run",
+            argv=tuple(profile.command) if profile.command else ECHO_AGENT,
+            stdin={"kind": "run", "run_id": run_id, "session_id": session_id,
+                   "agent_id": run["agent_id"], "task_id": run["task_id"],
+                   "workspace_id": run["workspace_id"], "reason": run["reason"],
+                   "payload": run["payload"]},
+            cwd=self._runs_dir / run_id, log_path=self._logs_dir / f"{run_id}.log",
+            timeout_s=profile.timeout_s, env=dict(profile.env), session_id=session_id,
+            run_id=run_id, home=self._home,
+        )
+
+    def _dispatch(self, reservation: Any, claim: Claim) -> bool:
+        """Start the claimed run's execution; False (and the claim settled) when it cannot."""
+        run = claim.run
         with self._lock:
             self._live[run["id"]] = run["agent_id"]
         try:
-            spec = ExecutionSpec(
-                key=run["id"], kind="run",
-                argv=tuple(profile.command) if profile.command else ECHO_AGENT,
-                stdin={"kind": "run", "run_id": run["id"], "session_id": session_id,
-                       "agent_id": run["agent_id"], "task_id": run["task_id"],
-                       "workspace_id": run["workspace_id"], "reason": run["reason"],
-                       "payload": run["payload"]},
-                cwd=self.layout.runs / run["id"],
-                log_path=self.layout.run_logs / f"{run['id']}.log",
-                timeout_s=profile.timeout_s, env=dict(profile.env), run_id=run["id"],
-                session_id=session_id, home=str(self.layout.root),
-            )
+            spec = self._spec(claim)
             self.runtime.start(reservation, spec,
                                lambda result: self._on_done(claim, result))
         except Exception as exc:
             with self._lock:
                 self._live.pop(run["id"], None)
-            self.runtime.release(reservation)
-            self.repo.requeue(run["id"], claim.token, self.clock())
-            log.error("run %s: could not start its agent (%s); re-queued", run["id"], exc)
+            self.runtime.release(reservation)  # a no-op when start() already gave it back
+            self._not_started(claim, exc)
             return False
         log.info("run %s claimed (agent %s, reason %s, seq %d)", run["id"], run["agent_id"],
                  run["reason"], run["seq"])
         self.bus.publish("run.claimed", {"run": run})
         return True
 
-    def _on_done(self, claim: Claim, result: ExecutionResult) -> None:
-        """Record an attempt's outcome (runs in the runtime's worker thread)."""
-        run_id = claim.run["id"]
-        try:
-            self._record(claim, result)
-        finally:
-            with self._lock:
-                self._live.pop(run_id, None)
-            self.signal()
+    def _not_started(self, claim: Claim, exc: Exception) -> None:
+        """A claim whose execution could not start: back to the queue, or a failed attempt.
 
-    def _record(self, claim: Claim, result: ExecutionResult) -> None:
+        While the runtime is stopping that is nobody's fault: the run simply
+        goes back to the queue. Anything else (a profile that cannot be run)
+        is a failed attempt under the retry policy, so it backs off instead of
+        being claimed again at once.
+        """
         run_id = claim.run["id"]
         now = self.clock()
+        if isinstance(exc, RuntimeStopped):
+            self.repo.requeue(run_id, claim.token, now)
+            log.info("run %s: runtime is stopping; re-queued", run_id)
+            return
+        error = f"could not start the agent: {exc}"
+        log.error("run %s: %s", run_id, error)
+        updated = self.repo.fail_attempt(run_id, claim.token, now=now, error=error,
+                                         policy=self.config.retry)
+        if updated is not None:
+            self._announce_failure(updated, error)
+
+    # -- outcomes ---------------------------------------------------------------
+    def defer_outcomes(self, enabled: bool) -> None:
+        """Hand outcomes to the queue loop (True) or record them in the worker (False).
+
+        The loop turns deferral on while its thread runs: the next drain then
+        writes every outcome that arrived together with the claims it makes,
+        in one durable commit. Turning it off (the loop's last act) records
+        whatever is still pending, so after the loop has stopped (e.g. the
+        agents interrupted by the shutdown) nothing waits for it.
+        """
+        with self._lock:
+            self._defer = enabled
+            pending: list[tuple[Claim, ExecutionResult]] = []
+            if not enabled:
+                pending, self._outcomes = self._outcomes, []
+        if pending:
+            for claim, result in pending:
+                self._record(claim, result)
+
+    def _on_done(self, claim: Claim, result: ExecutionResult) -> None:
+        """An execution ended (in the runtime's worker thread)."""
+        with self._lock:
+            deferred = self._defer
+            if deferred:
+                self._outcomes.append((claim, result))
+        try:
+            if not deferred:
+                self._record(claim, result)
+        finally:
+            self.signal()  # the agent is free (or its outcome waits for the loop)
+
+    def _take_outcomes(self) -> list[tuple[Claim, ExecutionResult]]:
+        with self._lock:
+            pending, self._outcomes = self._outcomes, []
+        return pending
+
+    def _record(self, claim: Claim, result: ExecutionResult) -> None:
+        """Write one outcome in its own (group) commit, then announce it."""
+        try:
+            effect = (None if result.outcome in _NO_WRITE
+                      else self.commits.submit(lambda: self._apply(claim, result)))
+        finally:
+            with self._lock:
+                self._live.pop(claim.run["id"], None)
+        self._announce(claim, result, effect)
+
+    def _apply(self, claim: Claim, result: ExecutionResult) -> Any:
+        """The database side of an outcome; returns what :meth:`_announce` reports.
+
+        ``True``/``False`` for a success (False: a superseded attempt), the
+        updated run (or None when superseded) for a failure, and ``None`` for
+        an execution that was interrupted or stopped, which writes nothing.
+        """
+        run_id = claim.run["id"]
+        if result.outcome in _NO_WRITE:
+            return None
+        now = self.clock()
         log_path = str(result.log_path)
-        if result.outcome == "interrupted":
-            log.info("run %s interrupted by shutdown; stays claimed for the next start", run_id)
-            return
-        if result.outcome == "stopped":
-            log.info("run %s: agent process stopped (%s)", run_id, result.error)
-            return
         if result.succeeded:
-            if self.repo.finish(run_id, claim.token, now=now, summary=result.summary,
-                                cost_cents=result.cost_cents, log_path=log_path):
+            return self.repo.finish(run_id, claim.token, now=now, summary=result.summary,
+                                    cost_cents=result.cost_cents, log_path=log_path)
+        return self.repo.fail_attempt(
+            run_id, claim.token, now=now, error=result.error or result.outcome,
+            policy=self.config.retry, summary=result.summary, cost_cents=result.cost_cents,
+            log_path=log_path)
+
+    def _announce(self, claim: Claim, result: ExecutionResult, effect: Any) -> None:
+        run_id = claim.run["id"]
+        if result.outcome == INTERRUPTED:
+            log.info("run %s interrupted by shutdown; stays claimed for the next start", run_id)
+        elif result.outcome == STOPPED:
+            log.info("run %s: agent process stopped (%s)", run_id, result.error)
+        elif result.succeeded:
+            if effect:
                 log.info("run %s finished", run_id)
                 self.bus.publish("run.finished", {"run_id": run_id,
                                                   "agent_id": claim.run["agent_id"],
                                                   "cost_cents": result.cost_cents})
             else:
                 log.warning("run %s: completion of a superseded attempt ignored", run_id)
-            return
-        updated = self.repo.fail_attempt(run_id, claim.token, now=now,
-                                         error=result.error or result.outcome,
-                                         policy=self.config.retry, summary=result.summary,
-                                         cost_cents=result.cost_cents, log_path=log_path)
-        if updated is None:
+        elif effect is None:
             log.warning("run %s: failure of a superseded attempt ignored", run_id)
-        elif updated["status"] == "queued":
-            log.info("run %s failed (%s); retry %d at %s", run_id, result.error,
+        else:
+            self._announce_failure(effect, result.error)
+
+    def _announce_failure(self, updated: dict[str, Any], error: str | None) -> None:
+        run_id = updated["id"]
+        if updated["status"] == "queued":
+            log.info("run %s failed (%s); retry %d at %s", run_id, error,
                      updated["retry_count"], updated["scheduled_retry_at"])
             self.bus.publish("run.retry_scheduled", {"run": updated})
         else:
-            log.warning("run %s %s: %s", run_id, updated["status"], result.error)
+            log.warning("run %s %s: %s", run_id, updated["status"], error)
             self.bus.publish(f"run.{updated['status']}", {"run": updated})
 
     # -- recovery / control -------------------------------------------------------

@@ -138,10 +138,20 @@ def _v1_workspace_model_and_runs(db: sqlite_utils.Database) -> None:
     )
 
 
+def _v2_runs_retry_index(db: sqlite_utils.Database) -> None:
+    # The queue loop asks every tick when the next scheduled retry is due; without
+    # this it would read every queued row to find out.
+    db.execute(
+        "CREATE INDEX runs_queued_retry_at ON runs(scheduled_retry_at) "
+        "WHERE status = 'queued' AND scheduled_retry_at IS NOT NULL"
+    )
+
+
 Migration = Callable[[sqlite_utils.Database], None]
 
 MIGRATIONS: list[tuple[int, str, Migration]] = [
     (1, "workspace model and runs queue", _v1_workspace_model_and_runs),
+    (2, "runs: index of scheduled retries", _v2_runs_retry_index),
 ]
 
 

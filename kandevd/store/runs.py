@@ -1,7 +1,9 @@
 """The runs repository: the persisted global queue.
 
-Every state change of a run is one ``BEGIN IMMEDIATE`` transaction here, so
-the rows are always the truth and memory may be lost at any moment.
+Every state change of a run happens inside a ``BEGIN IMMEDIATE`` transaction
+here (outcomes that arrive together may share one, see
+:mod:`kandevd.queue.groupcommit`), so the rows are always the truth and
+memory may be lost at any moment.
 
 Claims are fenced: a claim writes a fresh ``claim_token``; finishing or
 failing an attempt names the token it was given, and a late completion from
@@ -9,8 +11,9 @@ a superseded attempt (re-queued as stale, cancelled, or claimed again after a
 restart) matches no row and changes nothing.
 
 This is the small repository interface a PostgreSQL implementation would
-provide too (claims with ``FOR UPDATE SKIP LOCKED``): enqueue, claim_next,
-finish, fail_attempt, requeue, requeue_foreign_claims, recover_stale, cancel.
+provide too (claims with ``FOR UPDATE SKIP LOCKED``): enqueue, claim_next /
+claim_batch, finish, fail_attempt, requeue, requeue_foreign_claims,
+recover_stale, cancel.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from __future__ import annotations
 import json
 import sqlite3
 import uuid
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -85,6 +89,7 @@ class RunRepository:
     def __init__(self, store: Store, boot_id: str) -> None:
         self.store = store
         self.boot_id = boot_id
+        self._sync_level: int | None = None  # the store's PRAGMA synchronous, read once
 
     # -- enqueue ----------------------------------------------------------------
     def enqueue(self, *, workspace_id: str, agent_id: str, reason: str, now: datetime,
@@ -94,17 +99,18 @@ class RunRepository:
         key = idempotency_key or None
         now_s = rfc3339(now)
         with self.store.transaction() as conn:
-            agent = conn.execute("SELECT workspace_id FROM agents WHERE id = ?",
-                                 (agent_id,)).fetchone()
-            if conn.execute("SELECT 1 FROM workspaces WHERE id = ?",
-                            (workspace_id,)).fetchone() is None:
+            refs = conn.execute(
+                "SELECT EXISTS (SELECT 1 FROM workspaces WHERE id = :ws) AS workspace,"
+                " (SELECT workspace_id FROM agents WHERE id = :agent) AS agent_workspace",
+                {"ws": workspace_id, "agent": agent_id}).fetchone()
+            if not refs["workspace"]:
                 raise RunReferenceError(f"workspace_id: workspace {workspace_id!r} does not exist")
-            if agent is None:
+            if refs["agent_workspace"] is None:
                 raise RunReferenceError(f"agent_id: agent {agent_id!r} does not exist")
-            if agent["workspace_id"] != workspace_id:
+            if refs["agent_workspace"] != workspace_id:
                 raise RunReferenceError(
                     f"agent_id: agent {agent_id!r} belongs to workspace "
-                    f"{agent['workspace_id']!r}, not {workspace_id!r}")
+                    f"{refs['agent_workspace']!r}, not {workspace_id!r}")
             if key is not None:
                 existing = conn.execute(
                     "SELECT * FROM runs WHERE idempotency_key = ? AND key_active = 1",
@@ -155,49 +161,110 @@ class RunRepository:
         return run_from_row(updated)
 
     # -- claim ------------------------------------------------------------------
-    _ELIGIBLE = """
-        FROM runs r JOIN agents a ON a.id = r.agent_id
-        WHERE r.status = 'queued'
-          AND (r.scheduled_retry_at IS NULL OR r.scheduled_retry_at <= :now)
-          AND a.status = 'active'
-          AND (a.cooldown_until IS NULL OR a.cooldown_until <= :now)
-          AND NOT EXISTS (SELECT 1 FROM runs c WHERE c.agent_id = r.agent_id
-                          AND c.status = 'claimed')
+    #: Each eligible agent's oldest due queued run, oldest first. Eligible: active,
+    #: cooled down, no claimed run. Driven by the agents (one index probe each on
+    #: runs(agent_id, status), whose rowid order is the request order), so a busy
+    #: agent's backlog is never walked, however deep it is.
+    _HEADS = """
+        SELECT s FROM (
+          SELECT (SELECT q.seq FROM runs q
+                  WHERE q.agent_id = a.id AND q.status = 'queued'
+                    AND (q.scheduled_retry_at IS NULL OR q.scheduled_retry_at <= :now)
+                  ORDER BY q.seq LIMIT 1) AS s
+          FROM agents a
+          WHERE a.status = 'active'
+            AND (a.cooldown_until IS NULL OR a.cooldown_until <= :now)
+            AND NOT EXISTS (SELECT 1 FROM runs c WHERE c.agent_id = a.id
+                            AND c.status = 'claimed')
+            {exclusion})
+        WHERE s IS NOT NULL ORDER BY s LIMIT :limit
     """
 
     def claim_next(self, now: datetime, *, exclude_agents: Collection[str] = ()) -> Claim | None:
         """Atomically claim the oldest eligible queued run across every workspace."""
-        params: dict[str, Any] = {"now": rfc3339(now), "token": uuid.uuid4().hex,
-                                  "boot": self.boot_id}
+        claims = self.claim_batch(now, 1, exclude_agents=exclude_agents)
+        return claims[0] if claims else None
+
+    def claim_batch(self, now: datetime, limit: int, *,
+                    exclude_agents: Collection[str] = ()) -> list[Claim]:
+        """Claim up to ``limit`` runs in one statement, oldest first, one per agent.
+
+        This is what ``limit`` successive :meth:`claim_next` calls would claim
+        (each claim makes its agent busy, so the next one takes the next
+        agent's oldest run), in one transaction. ``exclude_agents`` are agents
+        that still have an execution running here (e.g. a cancelled run whose
+        process is being stopped).
+
+        A claim made in its own transaction does not wait for fsync
+        (``synchronous=NORMAL`` for it alone): a claim lost to a power cut
+        leaves its run ``queued``, which is exactly what start-up recovery
+        makes of a claim that did reach the disk, so durability of the claim
+        buys nothing. The outcome written afterwards is committed with full
+        sync and carries the claim to disk with it. Inside a caller's
+        transaction (the queue loop writing outcomes together with its
+        claims) the claim simply shares that commit.
+        """
+        if limit < 1:
+            return []
+        token = uuid.uuid4().hex
+        params: dict[str, Any] = {"now": rfc3339(now), "token": token, "boot": self.boot_id,
+                                  "limit": int(limit)}
         exclusion = ""
         if exclude_agents:
             names = []
             for i, agent in enumerate(sorted(exclude_agents)):
                 params[f"x{i}"] = agent
                 names.append(f":x{i}")
-            exclusion = f" AND r.agent_id NOT IN ({', '.join(names)})"
-        with self.store.transaction() as conn:
-            row = conn.execute(
-                "UPDATE runs SET status = 'claimed', claimed_at = :now, claim_token = :token,"
-                " claimed_by = :boot, attempt = attempt + 1, finished_at = NULL,"
-                " updated_at = :now"
-                " WHERE seq = (SELECT r.seq " + self._ELIGIBLE + exclusion +
-                " ORDER BY r.seq LIMIT 1) RETURNING *",
-                params,
-            ).fetchone()
-            if row is None:
-                return None
-            profile = conn.execute("SELECT profile FROM agents WHERE id = ?",
-                                   (row["agent_id"],)).fetchone()["profile"]
-        return Claim(run_from_row(row), params["token"], profile)
+            exclusion = f"AND a.id NOT IN ({', '.join(names)})"
+        sql = (
+            "UPDATE runs SET status = 'claimed', claimed_at = :now,"
+            " claim_token = :token || '.' || seq, claimed_by = :boot, attempt = attempt + 1,"
+            " finished_at = NULL, updated_at = :now"
+            " WHERE seq IN (" + self._HEADS.format(exclusion=exclusion) + ") RETURNING *"
+        )
+        # (No subquery in RETURNING: SQLite evaluates it with a full scan of its table.)
+        with self._relaxed_sync(), self.store.transaction() as conn:
+            rows = conn.execute(sql, params).fetchall()
+            if not rows:
+                return []
+            agents = sorted({r["agent_id"] for r in rows})
+            profiles = dict(conn.execute(
+                f"SELECT id, profile FROM agents WHERE id IN ({', '.join('?' * len(agents))})",
+                agents).fetchall())
+        rows.sort(key=lambda r: r["seq"])
+        return [Claim(run_from_row(r), r["claim_token"], profiles[r["agent_id"]]) for r in rows]
+
+    @contextmanager
+    def _relaxed_sync(self) -> Iterator[None]:
+        """``synchronous=NORMAL`` on the store's connection for the enclosed transaction."""
+        with self.store.connection() as conn:
+            if self._sync_level is None:
+                self._sync_level = int(conn.execute("PRAGMA synchronous").fetchone()[0])
+            level = self._sync_level
+            # Already NORMAL or OFF: nothing to relax. Inside a caller's transaction the
+            # level cannot change (SQLite refuses); that transaction decides.
+            if level <= 1 or conn.in_transaction:
+                yield
+                return
+            conn.execute("PRAGMA synchronous=NORMAL")
+            try:
+                yield
+            finally:
+                conn.execute(f"PRAGMA synchronous={level}")
+
+    def has_queued(self) -> bool:
+        """Is any run queued at all? (A cheap read before trying to claim.)"""
+        return self.store.query_one(
+            "SELECT EXISTS (SELECT 1 FROM runs WHERE status = 'queued')")[0] == 1
 
     def next_due(self, now: datetime) -> datetime | None:
         """The earliest future moment a queued run may become claimable (retry, cooldown)."""
         now_s = rfc3339(now)
         row = self.store.query_one(
             "SELECT MIN(t) FROM ("
-            " SELECT MIN(scheduled_retry_at) AS t FROM runs"
-            "  WHERE status = 'queued' AND scheduled_retry_at > :now"
+            " SELECT MIN(scheduled_retry_at) AS t FROM runs INDEXED BY runs_queued_retry_at"
+            "  WHERE status = 'queued' AND scheduled_retry_at IS NOT NULL"
+            "  AND scheduled_retry_at > :now"
             " UNION ALL"
             " SELECT MIN(a.cooldown_until) FROM agents a WHERE a.cooldown_until > :now"
             "  AND EXISTS (SELECT 1 FROM runs r WHERE r.agent_id = a.id AND r.status = 'queued'))",
@@ -257,6 +324,7 @@ class RunRepository:
 
     @staticmethod
     def _start_cooldown(conn: sqlite3.Connection, agent_id: str, now: datetime) -> None:
+        """The agent's last run ended now: record it and start its cooldown."""
         agent = conn.execute("SELECT cooldown_s FROM agents WHERE id = ?", (agent_id,)).fetchone()
         cooldown = float(agent["cooldown_s"] or 0) if agent else 0.0
         conn.execute(
@@ -284,17 +352,27 @@ class RunRepository:
         return [r["id"] for r in rows]
 
     def recover_stale(self, now: datetime, stale_s: float, live: Iterable[str]) -> list[str]:
-        """Claims older than ``stale_s`` with no live execution here go back to the queue."""
+        """Claims older than ``stale_s`` with no live execution here go back to the queue.
+
+        Runs every tick, so it first looks without the write lock; only when
+        there is something to re-queue does it take a transaction (and each
+        re-queue is fenced by the token it saw).
+        """
         live_ids = set(live)
         cutoff = rfc3339(after(now, -stale_s))
+        sql = "SELECT id, claim_token FROM runs WHERE status = 'claimed' AND claimed_at < ?"
+        if not [r for r in self.store.query(sql, (cutoff,)) if r["id"] not in live_ids]:
+            return []
+        recovered = []
         with self.store.transaction() as conn:
-            stale = [r for r in conn.execute(
-                "SELECT id, claim_token FROM runs WHERE status = 'claimed' AND claimed_at < ?",
-                (cutoff,)).fetchall() if r["id"] not in live_ids]
-            for r in stale:
-                conn.execute(self._REQUEUE + " WHERE id = :id AND claim_token = :token",
-                             {"now": rfc3339(now), "id": r["id"], "token": r["claim_token"]})
-        return [r["id"] for r in stale]
+            for r in conn.execute(sql, (cutoff,)).fetchall():
+                if r["id"] in live_ids:
+                    continue
+                if conn.execute(self._REQUEUE + " WHERE id = :id AND claim_token = :token",
+                                {"now": rfc3339(now), "id": r["id"],
+                                 "token": r["claim_token"]}).rowcount:
+                    recovered.append(r["id"])
+        return recovered
 
     # -- cancel -----------------------------------------------------------------
     def cancel(self, run_id: str, reason: str | None, now: datetime

@@ -39,8 +39,9 @@ from kandevd.model.repository import (
     NotFoundError,
 )
 from kandevd.paths import HomeLayout
-from kandevd.queue.processor import ECHO_AGENT, RunQueue
-from kandevd.runtime import AgentRuntime, ExecutionResult, ExecutionSpec, RuntimeFull
+from kandevd.queue.processor import RunQueue
+from kandevd.runtime import AgentRuntime, ExecutionResult, RuntimeFull
+from kandevd.runtime.specs import agent_execution
 from kandevd.store.db import Store
 from kandevd.timeutil import rfc3339, utc_now
 
@@ -419,13 +420,8 @@ class WorkspaceService:
                                  "task_id": task_id, "workspace_id": task["workspace_id"]}
         if prompt is not None:
             stdin["message"] = prompt
-        spec = ExecutionSpec(
-            key=session_id, kind="launch",
-            argv=tuple(profile.command) if profile.command else ECHO_AGENT, stdin=stdin,
-            cwd=self.layout.runs / session_id,
-            log_path=self.layout.run_logs / f"{session_id}.log",
-            timeout_s=profile.timeout_s, env=dict(profile.env), session_id=session_id,
-            home=str(self.layout.root))
+        spec = agent_execution(profile, self.layout, kind="launch", key=session_id,
+                               stdin=stdin, session_id=session_id)
         try:
             self.runtime.launch(spec, lambda result: self._launch_done(task, runner, result))
         except RuntimeFull:

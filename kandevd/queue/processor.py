@@ -26,7 +26,6 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
-from kandevd.agents import echo_argv
 from kandevd.bus import EventBus
 from kandevd.config import Config
 from kandevd.paths import HomeLayout
@@ -40,12 +39,11 @@ from kandevd.runtime import (
     Reservation,
     RuntimeStopped,
 )
+from kandevd.runtime.specs import agent_execution
 from kandevd.store.runs import Claim, EnqueueResult, RunRepository
 from kandevd.timeutil import utc_now
 
 log = logging.getLogger("kandevd.queue")
-
-ECHO_AGENT = echo_argv()
 
 #: Outcomes that leave the run as it is: interrupted by the shutdown (it stays
 #: ``claimed`` for the next start) or stopped by a cancel (already ``cancelled``).
@@ -62,8 +60,6 @@ class RunQueue:
         self.layout = layout
         self.bus = bus
         self.clock = clock
-        self._runs_dir, self._logs_dir = layout.runs, layout.run_logs
-        self._home = str(layout.root)
         self._lock = threading.Lock()
         self._live: dict[str, str] = {}  # run id -> agent id of executions started here
         self._waker: Callable[[], None] | None = None
@@ -185,17 +181,12 @@ class RunQueue:
         run_id = run["id"]
         profile = self.config.profile(claim.profile)
         session_id = f"ses_{uuid.uuid4().hex}"
-        return ExecutionSpec(
-            key=run_id, kind="run",
-            argv=tuple(profile.command) if profile.command else ECHO_AGENT,
+        return agent_execution(
+            profile, self.layout, kind="run", key=run_id, run_id=run_id, session_id=session_id,
             stdin={"kind": "run", "run_id": run_id, "session_id": session_id,
                    "agent_id": run["agent_id"], "task_id": run["task_id"],
                    "workspace_id": run["workspace_id"], "reason": run["reason"],
-                   "payload": run["payload"]},
-            cwd=self._runs_dir / run_id, log_path=self._logs_dir / f"{run_id}.log",
-            timeout_s=profile.timeout_s, env=dict(profile.env), session_id=session_id,
-            run_id=run_id, home=self._home,
-        )
+                   "payload": run["payload"]})
 
     def _dispatch(self, reservation: Any, claim: Claim) -> bool:
         """Start the claimed run's execution; False (and the claim settled) when it cannot."""

@@ -28,8 +28,9 @@ from kandevd.model import (
 )
 from kandevd.model.actions import ActionError, action_digest, validate_action
 from kandevd.paths import HomeLayout
-from kandevd.queue.processor import ECHO_AGENT, RunQueue
+from kandevd.queue.processor import RunQueue
 from kandevd.runtime import AgentRuntime, ExecutionSpec, InProcessRunner
+from kandevd.runtime.specs import ECHO_AGENT
 from kandevd.store.db import Store, open_store
 from kandevd.store.runs import RunRepository
 

@@ -1,0 +1,31 @@
+"""How an agent profile becomes an execution: one place for every source.
+
+Queued runs, Kanban launches (and later scheduled turns) all execute an agent
+the same way (CONTRACT.md section 5): the profile's argv (the built-in echo
+agent when it has none), its timeout and extra environment, a working folder
+``<home>/runs/<key>/`` and a log ``<home>/logs/runs/<key>.log``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kandevd.agents import echo_argv
+from kandevd.config import AgentProfile
+from kandevd.paths import HomeLayout
+from kandevd.runtime.process import ExecutionSpec
+
+ECHO_AGENT = echo_argv()
+
+
+def agent_execution(profile: AgentProfile, layout: HomeLayout, *, kind: str, key: str,
+                    stdin: Mapping[str, Any], session_id: str, run_id: str = "") -> ExecutionSpec:
+    """The ExecutionSpec that runs ``profile`` for one run, launch or turn."""
+    return ExecutionSpec(
+        key=key, kind=kind,
+        argv=tuple(profile.command) if profile.command else ECHO_AGENT,
+        stdin=stdin, cwd=layout.runs / key, log_path=layout.run_logs / f"{key}.log",
+        timeout_s=profile.timeout_s, env=dict(profile.env), session_id=session_id,
+        run_id=run_id, home=str(layout.root),
+    )

@@ -145,6 +145,10 @@ class Daemon:
             # thread; the waiter's select() on the wakeup fd cannot (see kandevd.shutdown).
             self._waiter.wait(self.stop_requested)
             self.state = "stopping"
+            # Refuse intake before "Graceful shutdown started" is logged, so nobody who
+            # saw that line can still get work accepted.
+            assert self.server is not None
+            self.server.refuse_new_requests()
             assert self.coordinator is not None
             self._shutdown_off_main_thread(self.coordinator)
         finally:

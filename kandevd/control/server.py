@@ -123,6 +123,11 @@ class ControlServer:
         log.info("control socket listening on %s", self.path)
 
     # -- shutdown ------------------------------------------------------------
+    def refuse_new_requests(self) -> None:
+        """From now on every method but ``daemon.status`` answers ``shutting_down``."""
+        with self._lock:
+            self._draining = True
+
     def begin_drain(self) -> None:
         """Refuse new work, let requests in progress finish, close the listener."""
         with self._lock:

@@ -7,6 +7,7 @@ Exit codes follow sysexits where the contract says so: 0 ok, 1 error answer
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -58,6 +59,18 @@ def serve(home: str | None, config_path: str | None, log_format: str, log_level:
     sys.exit(Daemon(config, HomeLayout(root)).run())
 
 
+def restrict_tree(root: Path) -> None:
+    """copytree keeps the example's modes; a home is private: folders 0700, files 0600."""
+    os.chmod(root, 0o700)
+    for folder, dirs, files in os.walk(root):
+        for name in dirs:
+            os.chmod(os.path.join(folder, name), 0o700)
+        for name in files:
+            path = os.path.join(folder, name)
+            if not os.path.islink(path):
+                os.chmod(path, 0o600)
+
+
 @cli.command()
 @home_option
 @click.option("--example", default=None, help="Copy examples/NAME into the home (e.g. demo).")
@@ -80,6 +93,7 @@ def init(home: str | None, example: str | None) -> None:
             raise click.ClickException(f"no example named {example!r} (known: {known})")
         shutil.copytree(source, root, dirs_exist_ok=True,
                         ignore=shutil.ignore_patterns("__pycache__"))
+        restrict_tree(root)
     click.echo(f"home ready: {root}")
 
 

@@ -46,6 +46,13 @@ class ConfigError(Exception):
     """A configuration file that cannot be used; the message names the key path."""
 
 
+class UnknownProfile(LookupError):
+    def __init__(self, name: str, known: list[str]) -> None:
+        super().__init__(f"agent profile {name!r} is not configured (configured: "
+                         f"{', '.join(known)})")
+        self.name = name
+
+
 @dataclass(frozen=True)
 class QueueConfig:
     safety_interval_s: float
@@ -103,8 +110,15 @@ class Config:
     source: str | None = None
 
     def profile(self, name: str) -> AgentProfile:
-        """The named agent profile; unknown names fall back to ``default``."""
-        return self.agents.get(name) or self.agents["default"]
+        """The named agent profile.
+
+        An agent whose profile was removed from the config must not quietly run
+        something else: :class:`UnknownProfile` makes its attempt fail visibly.
+        """
+        try:
+            return self.agents[name]
+        except KeyError:
+            raise UnknownProfile(name, sorted(self.agents)) from None
 
 
 def _schema() -> dict[str, Any]:
@@ -144,8 +158,22 @@ def _deep_merge(base: dict[str, Any], overlay: Mapping[str, Any]) -> dict[str, A
     return merged
 
 
+def _check_keys(node: Any, path: tuple[str, ...] = ()) -> None:
+    """YAML allows keys like ``true`` or ``1``; JSON Schema only sees string keys."""
+    if isinstance(node, Mapping):
+        for key, value in node.items():
+            if not isinstance(key, str):
+                where = ".".join(path) or "<root>"
+                raise ConfigError(f"{where}: key {key!r} must be a string (quote it in YAML)")
+            _check_keys(value, (*path, key))
+    elif isinstance(node, list):
+        for index, value in enumerate(node):
+            _check_keys(value, (*path, str(index)))
+
+
 def validate_document(document: Any) -> None:
     """Raise ConfigError for the first (most relevant) schema violation."""
+    _check_keys(document)
     validator = jsonschema.Draft202012Validator(_schema())
     errors = sorted(validator.iter_errors(document), key=lambda e: list(e.absolute_path))
     if errors:

@@ -4,7 +4,8 @@ order, waits for a stop request and hands the stop to the coordinator.
 Start order (a failure rolls back what already started, CherryPy style)::
 
     home lock -> store (+ migrations) -> event bus -> agent runtime
-    -> restart recovery (claims of a dead instance re-queued)
+    -> restart recovery (agents a dead instance left behind stopped, then its
+       claims re-queued)
     -> loops: queue, office -> control socket (intake last)
 
 Stop order is the reverse, owned by :class:`kandevd.shutdown.ShutdownCoordinator`.
@@ -22,13 +23,14 @@ from kandevd import __version__
 from kandevd.bus import EventBus
 from kandevd.config import Config
 from kandevd.control.registry import Registry
-from kandevd.control.server import ControlServer, SocketInUse
+from kandevd.control.server import ControlServer, NotASocket, SocketInUse
 from kandevd.homelock import HomeLock, HomeLocked
 from kandevd.lifecycle import Loop, StopSignal
 from kandevd.paths import HomeLayout
 from kandevd.queue.loop import QueueLoop
 from kandevd.queue.processor import RunQueue
 from kandevd.runtime import AgentRuntime
+from kandevd.runtime.orphans import stop_orphan_agents
 from kandevd.services import Services
 from kandevd.shutdown import MainThreadWaiter, ShutdownCoordinator, SignalWiring
 from kandevd.store.db import Store, open_store
@@ -39,10 +41,13 @@ log = logging.getLogger("kandevd.daemon")
 
 EXIT_OK = 0
 EXIT_FORCED = 1
+EXIT_CANTCREAT = 73
 EXIT_TEMPFAIL = 75
 EXIT_CONFIG = 78
 
 LOOP_NAMES = ("queue", "office", "cron")
+#: Orphaned agents get at most this long to obey SIGTERM: their runs will run again anyway.
+ORPHAN_GRACE_CAP_S = 10.0
 
 
 class StartupError(Exception):
@@ -119,7 +124,7 @@ class Daemon:
             return EXIT_TEMPFAIL
         except OSError as exc:
             log.error("cannot use home %s: %s", self.layout.root, exc)
-            return EXIT_TEMPFAIL
+            return EXIT_CANTCREAT
         # Signals are wired before the start, so a SIGINT/SIGTERM during it only
         # records the request (the stop then runs as soon as the start is done)
         # instead of raising KeyboardInterrupt half-way through building.
@@ -183,6 +188,10 @@ class Daemon:
         try:
             self._build()
             assert self.queue is not None and self.server is not None
+            # Agents of a killed instance may still be executing the runs about to be
+            # re-queued: stop them first, or a run would execute twice at once.
+            stop_orphan_agents(self.layout.root,
+                               min(self.config.runtime.stop_grace_s, ORPHAN_GRACE_CAP_S))
             self.queue.recover_after_restart()
             for loop in self.loops.values():
                 loop.start()
@@ -195,6 +204,8 @@ class Daemon:
                 self.server.start()
             except SocketInUse as exc:
                 raise StartupError(str(exc), EXIT_TEMPFAIL) from None
+            except NotASocket as exc:
+                raise StartupError(str(exc), EXIT_CANTCREAT) from None
         except BaseException:
             self.state = "stopping"
             self.coordinator = None

@@ -19,8 +19,20 @@ def resolve_home(option: str | os.PathLike[str] | None) -> Path:
 
 
 def ensure_dir(path: Path) -> Path:
-    """Create ``path`` (and parents) with mode 0700 when missing."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    """Create ``path`` and every missing parent with mode 0700 (existing ones are left as is).
+
+    ``Path.mkdir(parents=True, mode=...)`` applies the mode to the leaf only.
+    """
+    missing = []
+    current = path
+    while not current.exists():
+        missing.append(current)
+        current = current.parent
+    for folder in reversed(missing):
+        try:
+            folder.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
     return path
 
 

@@ -150,6 +150,12 @@ class DaemonProcess:
         self._kill_agents()
         self.wait()
 
+    def kill_daemon_only(self) -> int:
+        """SIGKILL the daemon process alone and reap it; its agents keep running."""
+        assert self.proc is not None
+        self.proc.kill()
+        return self.wait()
+
     def cleanup(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             try:

@@ -100,6 +100,8 @@ def parse_request(line: bytes) -> tuple[Any, str, dict[str, Any], bool]:
         message = json.loads(line.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise ParseError(f"parse error: {exc}") from None
+    except RecursionError:
+        raise ParseError("parse error: the JSON is nested too deeply") from None
     if not isinstance(message, dict):
         raise InvalidRequest("invalid request: a request must be a JSON object")
     request_id = message.get("id")

@@ -34,10 +34,14 @@ def object_schema(properties: dict[str, Any], required: tuple[str, ...] = ()) ->
             "additionalProperties": False}
 
 
+MAX_OFFSET = 10**12
+"""Far beyond any real table, and well inside SQLite's 64-bit integers."""
+
+
 def paging_properties() -> dict[str, Any]:
     return {
         "limit": {"type": "integer", "minimum": 1, "maximum": 500},
-        "offset": {"type": "integer", "minimum": 0},
+        "offset": {"type": "integer", "minimum": 0, "maximum": MAX_OFFSET},
     }
 
 
@@ -76,3 +80,8 @@ class Registry:
         if errors:
             error = jsonschema.exceptions.best_match(errors) or errors[0]
             raise InvalidParams(format_validation_error(error, prefix="params", noun="parameter"))
+        # JSON Schema counts 2.0 as an integer; hand handlers the int they expect.
+        for name in ("limit", "offset"):
+            value = params.get(name)
+            if isinstance(value, float):
+                params[name] = int(value)

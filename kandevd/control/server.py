@@ -27,6 +27,7 @@ import errno
 import logging
 import os
 import socket
+import stat
 import struct
 import threading
 from pathlib import Path
@@ -53,6 +54,12 @@ _UCRED = struct.Struct("3i")
 class SocketInUse(RuntimeError):
     def __init__(self, path: Path) -> None:
         super().__init__(f"another process is serving {path}")
+
+
+class NotASocket(RuntimeError):
+    def __init__(self, path: Path) -> None:
+        super().__init__(f"{path} exists and is not a socket; refusing to replace it "
+                         "(move it away to start the daemon)")
 
 
 def socket_is_live(path: Path) -> bool:
@@ -91,6 +98,8 @@ class ControlServer:
     # -- start ---------------------------------------------------------------
     def start(self) -> None:
         if self.path.exists() or self.path.is_symlink():
+            if not stat.S_ISSOCK(self.path.lstat().st_mode):
+                raise NotASocket(self.path)
             if socket_is_live(self.path):
                 raise SocketInUse(self.path)
             log.info("replacing stale control socket %s", self.path)

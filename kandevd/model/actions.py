@@ -116,7 +116,10 @@ def run_queue_run(action: Mapping[str, Any], task: Mapping[str, Any], step_id: s
     try:
         result = enqueue(workspace_id=task["workspace_id"], agent_id=agent_id,
                          reason=action.get("reason") or DEFAULT_REASON, task_id=task["id"],
-                         payload=payload, idempotency_key=key)
+                         payload=payload, idempotency_key=key,
+                         # Each task's step entry is its own piece of work: merging it into
+                         # another task's queued run would drop this task's payload.
+                         coalesce=False)
     except RunReferenceError as exc:
         log.warning("task %s entered step %s: queue_run skipped: %s", task["id"], step_id, exc)
         return {**entry, "agent_id": agent_id, "skipped": "unknown_agent"}

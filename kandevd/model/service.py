@@ -29,7 +29,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from kandevd.bus import EventBus
-from kandevd.config import Config
+from kandevd.config import Config, UnknownProfile
 from kandevd.model import repository as sql
 from kandevd.model.actions import ActionError, run_queue_run, target_agent_id, validate_action
 from kandevd.model.repository import (
@@ -132,12 +132,15 @@ class WorkspaceService:
                      "created_at": now, "updated_at": now}
         with self.store.transaction() as conn:
             self._free_id(conn, "workspaces", "workspace", workspace["id"])
-            if workspace["office_workflow_id"]:
-                # A new workspace owns no workflow yet: set it with workspaces.update.
-                raise InvalidReference(
-                    f"office_workflow_id: workflow {workspace['office_workflow_id']!r} is not a "
-                    f"workflow of workspace {workspace['id']!r} (create the workflow first, "
-                    "then set it with workspaces.update)")
+            office = workspace["office_workflow_id"]
+            if office:
+                # A new workspace owns no workflow yet, so this names the workflow that
+                # will be its Office workflow once created; it must not be another's.
+                existing = sql.get_workflow(conn, office)
+                if existing is not None:
+                    raise InvalidReference(
+                        f"office_workflow_id: workflow {office!r} belongs to workspace "
+                        f"{existing['workspace_id']!r}")
             sql.insert_workspace(conn, workspace)
             created = self._need(sql.get_workspace(conn, workspace["id"]), "workspace",
                                  workspace["id"])
@@ -414,7 +417,10 @@ class WorkspaceService:
             raise InvalidReference(f"id: the runner {runner!r} of task {task_id!r} does not exist")
         if agent["status"] != "active":
             raise LaunchRefused(f"agent {runner!r} is {agent['status']}")
-        profile = self.config.profile(agent["profile"])
+        try:
+            profile = self.config.profile(agent["profile"])
+        except UnknownProfile as exc:
+            raise LaunchRefused(f"agent {runner!r}: {exc}") from None
         session_id = new_id("ses")
         stdin: dict[str, Any] = {"kind": "launch", "session_id": session_id, "agent_id": runner,
                                  "task_id": task_id, "workspace_id": task["workspace_id"]}

@@ -152,7 +152,10 @@ class RunQueue:
         try:
             with self.repo.store.transaction():
                 effects = [self._apply(claim, result) for claim, result in outcomes]
-                claims = (self.repo.claim_batch(now, slots, exclude_agents=busy)
+                # The outcomes were stamped with the clock just now: claim no earlier,
+                # so an agent's next claimed_at never precedes its last finished_at.
+                claim_now = max(now, self.clock())
+                claims = (self.repo.claim_batch(claim_now, slots, exclude_agents=busy)
                           if slots else [])
             self.commits.commits += 1
             self.commits.operations += len(outcomes)

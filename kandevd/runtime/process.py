@@ -264,8 +264,8 @@ def parse_summary_line(line: str | None) -> tuple[str | None, float | None]:
     cost_value: float | None = None
     if isinstance(cost, int | float) and not isinstance(cost, bool):
         cost_value = float(cost)
-        if not math.isfinite(cost_value):
-            cost_value = None
+        if not math.isfinite(cost_value) or cost_value < 0:
+            cost_value = None  # a cost cannot be negative: it would hide spend from budgets
     return summary_value, cost_value
 
 

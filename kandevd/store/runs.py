@@ -37,6 +37,10 @@ COALESCE_WINDOW_S = 5.0
 TERMINAL = frozenset({"finished", "failed", "cancelled"})
 STATUSES = ("queued", "claimed", "finished", "failed", "cancelled")
 
+#: An attempt's reported cost is added to what earlier attempts of the run cost,
+#: so budgets see every attempt; an attempt that reports nothing adds nothing.
+_ADD_COST = "CASE WHEN :cost IS NULL THEN cost_cents ELSE COALESCE(cost_cents, 0) + :cost END"
+
 RUN_FIELDS = (
     "id", "seq", "workspace_id", "agent_id", "task_id", "reason", "payload", "status",
     "idempotency_key", "coalesced_count", "retry_count", "scheduled_retry_at", "requested_at",
@@ -147,8 +151,9 @@ class RunRepository:
         row = conn.execute(sql + " ORDER BY seq DESC LIMIT 1", params).fetchone()
         if row is None:
             return None
-        if key is not None and row["idempotency_key"] not in (None, key):
-            return None  # two distinct keyed events are never merged
+        # As the contract says: any recent queued run of the agent and reason absorbs the
+        # request, keyed or not (the absorbing run keeps its own key); only comment events,
+        # each of which must be seen, are never merged.
         if (row["idempotency_key"] or "").startswith("task_comment:"):
             return None
         new_key_active = 1 if (key or row["idempotency_key"]) else 0
@@ -277,11 +282,14 @@ class RunRepository:
         now_s = rfc3339(now)
         with self.store.transaction() as conn:
             row = conn.execute(
-                "UPDATE runs SET status = 'finished', finished_at = ?, output_summary = ?,"
-                " cost_cents = ?, log_path = ?, claim_token = NULL, error_message = NULL,"
-                " scheduled_retry_at = NULL, updated_at = ?"
-                " WHERE id = ? AND status = 'claimed' AND claim_token = ? RETURNING agent_id",
-                (now_s, summary, cost_cents, log_path, now_s, run_id, token)).fetchone()
+                "UPDATE runs SET status = 'finished', finished_at = :now,"
+                " output_summary = :summary,"
+                " cost_cents = " + _ADD_COST + ", log_path = :log, claim_token = NULL,"
+                " error_message = NULL, scheduled_retry_at = NULL, updated_at = :now"
+                " WHERE id = :id AND status = 'claimed' AND claim_token = :token"
+                " RETURNING agent_id",
+                {"now": now_s, "summary": summary, "cost": cost_cents, "log": log_path,
+                 "id": run_id, "token": token}).fetchone()
             if row is None:
                 return False
             self._start_cooldown(conn, row["agent_id"], now)
@@ -311,12 +319,13 @@ class RunRepository:
                 common["retry_at"] = rfc3339(decision.retry_at)
             elif decision.action == "too_old":
                 sql = ("UPDATE runs SET status = 'cancelled', cancel_reason = 'run_too_old',"
-                       " finished_at = :now, claim_token = NULL, error_message = :error,")
+                       " finished_at = :now, claim_token = NULL, error_message = :error,"
+                       " scheduled_retry_at = NULL,")
             else:
                 sql = ("UPDATE runs SET status = 'failed', finished_at = :now,"
-                       " claim_token = NULL, error_message = :error,")
+                       " claim_token = NULL, error_message = :error, scheduled_retry_at = NULL,")
             updated = conn.execute(
-                sql + " output_summary = :summary, cost_cents = COALESCE(:cost, cost_cents),"
+                sql + " output_summary = :summary, cost_cents = " + _ADD_COST + ","
                 " log_path = COALESCE(:log, log_path), updated_at = :now"
                 " WHERE seq = :seq RETURNING *", common).fetchone()
             self._start_cooldown(conn, row["agent_id"], now)

@@ -9,7 +9,14 @@ from typing import Any
 import pytest
 import yaml
 
-from kandevd.config import DEFAULTS, Config, ConfigError, build_config, load_config
+from kandevd.config import (
+    DEFAULTS,
+    Config,
+    ConfigError,
+    UnknownProfile,
+    build_config,
+    load_config,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -74,7 +81,13 @@ def test_every_key_is_optional_and_a_partial_file_keeps_the_other_defaults() -> 
     assert set(config.agents) == {"default", "fast"}  # `default` always exists
     assert config.agents["fast"].command is None and config.agents["fast"].timeout_s == 10
     assert config.profile("fast").name == "fast"
-    assert config.profile("unknown-profile").name == "default"
+    with pytest.raises(UnknownProfile, match="'unknown-profile' is not configured"):
+        config.profile("unknown-profile")  # never silently another agent
+
+
+def test_yaml_keys_that_are_not_strings_are_rejected_with_their_path() -> None:
+    with pytest.raises(ConfigError, match=r"agents: key True must be a string"):
+        build_config({"agents": {True: {"timeout_s": 1}}}, environ={})
 
 
 def test_config_is_immutable_and_building_never_touches_the_defaults() -> None:

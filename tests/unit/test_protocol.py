@@ -305,3 +305,12 @@ def test_a_connection_from_another_uid_is_refused() -> None:
             srv.close()
     finally:
         shutil.rmtree(folder)
+
+
+def test_deeply_nested_json_is_a_parse_error_not_a_crash() -> None:
+    from kandevd.control.protocol import ParseError, parse_request
+
+    line = b'{"jsonrpc":"2.0","id":1,"method":"x","params":{"a":' + b"[" * 100_000 + b"]" * \
+        100_000 + b"}}"
+    with pytest.raises(ParseError, match="nested too deeply"):
+        parse_request(line)

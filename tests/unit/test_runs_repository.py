@@ -603,3 +603,46 @@ def test_concurrent_claimers_on_two_connections_never_share_an_agent(tmp_path: P
     finally:
         first.close()
         second.close()
+
+
+# -- costs and stale fields ------------------------------------------------------------
+
+
+def test_cost_of_every_attempt_is_kept_and_terminal_runs_keep_no_retry_time(
+        repo: RunRepository, store: Store) -> None:
+    run = enqueue(repo, "a1")
+    for attempt, cost in enumerate((3.0, None, 4.5)):
+        now = after(T0, 100 * (attempt + 1))
+        claim = repo.claim_next(now)
+        assert claim is not None and claim.run["id"] == run["id"]
+        repo.fail_attempt(run["id"], claim.token, now=now, error="boom", policy=POLICY,
+                          cost_cents=cost, draw=0.0)
+    final = row(store, run["id"])
+    assert final["status"] == "failed"
+    assert final["cost_cents"] == 7.5  # budgets see what all three attempts cost
+    assert final["scheduled_retry_at"] is None
+
+    second = enqueue(repo, "a2")
+    claim = repo.claim_next(T0)
+    assert claim is not None and claim.run["id"] == second["id"]
+    repo.fail_attempt(second["id"], claim.token, now=T0, error="x", policy=POLICY,
+                      cost_cents=2.0, draw=0.0)
+    retry = repo.claim_next(after(T0, 100))
+    assert retry is not None
+    assert repo.finish(second["id"], retry.token, now=after(T0, 100), summary="ok",
+                       cost_cents=1.0, log_path=None)
+    assert row(store, second["id"])["cost_cents"] == 3.0
+
+
+def test_coalescing_absorbs_a_request_with_another_key_but_not_task_comments(
+        repo: RunRepository, store: Store) -> None:
+    first = repo.enqueue(workspace_id="ws1", agent_id="a1", reason="ping", now=T0,
+                         idempotency_key="k1")
+    second = repo.enqueue(workspace_id="ws1", agent_id="a1", reason="ping",
+                          now=after(T0, 1), idempotency_key="k2", payload={"n": 2})
+    assert second.coalesced and second.run["id"] == first.run["id"]
+    assert second.run["payload"] == {"n": 2} and second.run["coalesced_count"] == 1
+    comment = repo.enqueue(workspace_id="ws1", agent_id="a1", reason="ping",
+                           now=after(T0, 2), idempotency_key="task_comment:c1")
+    assert comment.inserted
+    assert count_runs(store) == 2

@@ -1,8 +1,8 @@
 """Office routines: cron-scheduled ``routine_trigger`` runs for an agent.
 
-Cron expressions (5 fields) and time zones are parsed, and fire times
-computed, only by APScheduler 3.x's ``CronTrigger`` (:func:`parse_schedule`);
-there is no second cron implementation here.
+Cron expressions (standard 5 fields, 0 and 7 = Sunday) and time zones are
+parsed by :func:`kandevd.cron.parse_cron`, and fire times computed only by the
+APScheduler 3.x trigger it returns; there is no second cron implementation here.
 
 Persisted state is the truth: each routine row holds ``next_run_at``. A tick
 reads the active routines whose ``next_run_at`` is due and, for each, claims
@@ -41,10 +41,8 @@ import sqlite3
 from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any
-from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from apscheduler.triggers.cron import CronTrigger
-
+from kandevd.cron import CronError, CronSchedule, parse_cron
 from kandevd.office.predicate import PROBE_TAG
 from kandevd.queue.processor import RunQueue
 from kandevd.store.db import Store
@@ -66,46 +64,20 @@ _DUE_SQL = ("/* office:routine-scan */ SELECT * FROM office_routines WHERE statu
 _ONE_MICROSECOND = timedelta(microseconds=1)
 
 
-class ScheduleError(ValueError):
-    """A cron expression or time zone that cannot be used; the message names the field."""
+# -- fire times, from the APScheduler trigger of kandevd.cron --------------------------
 
-
-# -- cron, through APScheduler only ------------------------------------------------
-
-def parse_timezone(name: str) -> ZoneInfo:
-    try:
-        return ZoneInfo(name)
-    except (ZoneInfoNotFoundError, ValueError):
-        raise ScheduleError(f"timezone: unknown time zone {name!r} (use an IANA name such as "
-                            "'UTC' or 'Europe/Paris')") from None
-
-
-def parse_schedule(cron_expression: str, timezone: str = "UTC") -> CronTrigger:
-    """The CronTrigger of a 5-field expression in ``timezone``; ScheduleError when unusable."""
-    zone = parse_timezone(timezone)
-    try:
-        trigger = CronTrigger.from_crontab(cron_expression, timezone=zone)
-    except ValueError as exc:
-        raise ScheduleError(f"cron_expression: {cron_expression!r} is not a valid 5-field "
-                            f"cron expression: {exc}") from None
-    probe = datetime(2000, 1, 1, tzinfo=UTC)
-    if fire_at_or_after(trigger, probe) is None:
-        raise ScheduleError(f"cron_expression: {cron_expression!r} never fires")
-    return trigger
-
-
-def fire_at_or_after(trigger: CronTrigger, moment: datetime) -> datetime | None:
+def fire_at_or_after(trigger: CronSchedule, moment: datetime) -> datetime | None:
     """The first fire time ``>= moment`` (UTC), or None when there is none."""
     found = trigger.get_next_fire_time(None, moment)
     return found.astimezone(UTC) if found is not None else None
 
 
-def fire_after(trigger: CronTrigger, moment: datetime) -> datetime | None:
+def fire_after(trigger: CronSchedule, moment: datetime) -> datetime | None:
     """The first fire time strictly after ``moment`` (UTC)."""
     return fire_at_or_after(trigger, moment + _ONE_MICROSECOND)
 
 
-def fire_at_or_before(trigger: CronTrigger, moment: datetime, not_before: datetime
+def fire_at_or_before(trigger: CronSchedule, moment: datetime, not_before: datetime
                       ) -> datetime | None:
     """The latest fire time in ``[not_before, moment]``, by bisection (O(log range) calls)."""
     lo = fire_at_or_after(trigger, not_before)
@@ -125,7 +97,7 @@ def fire_at_or_before(trigger: CronTrigger, moment: datetime, not_before: dateti
             hi = mid
 
 
-def due_fire_times(trigger: CronTrigger, first_due: datetime, now: datetime, keep: int
+def due_fire_times(trigger: CronSchedule, first_due: datetime, now: datetime, keep: int
                    ) -> tuple[list[datetime], bool]:
     """The fire times due at ``now``: ``first_due`` (the persisted ``next_run_at``, due by
     definition) and every cron fire time after it up to ``now``; only the last ``keep`` of
@@ -161,7 +133,7 @@ def routine_key(routine_id: str, scheduled_for: datetime) -> str:
 
 def first_next_run_at(cron_expression: str, timezone: str, now: datetime) -> str | None:
     """``next_run_at`` of a routine created (or rescheduled) at ``now``."""
-    found = fire_after(parse_schedule(cron_expression, timezone), now)
+    found = fire_after(parse_cron(cron_expression, timezone), now)
     return rfc3339(found) if found is not None else None
 
 
@@ -190,7 +162,7 @@ class RoutineScheduler:
                          routine["next_run_at"])
             try:
                 fired += self.fire(routine, now)
-            except ScheduleError as exc:
+            except CronError as exc:
                 log.error("routine %s: %s; not scheduled", routine["id"], exc)
         return HandlerResult(scanned=True, acted=fired)
 
@@ -199,7 +171,7 @@ class RoutineScheduler:
 
         Returns the number of runs enqueued; 0 when another tick won the claim.
         """
-        trigger = parse_schedule(routine["cron_expression"], routine["timezone"])
+        trigger = parse_cron(routine["cron_expression"], routine["timezone"])
         following = fire_after(trigger, now)
         next_s = rfc3339(following) if following is not None else None
         with self.store.transaction() as conn:
@@ -216,7 +188,7 @@ class RoutineScheduler:
             return self._enqueue_due(conn, routine, trigger, now, next_s)
 
     def _enqueue_due(self, conn: sqlite3.Connection, routine: Mapping[str, Any],
-                     trigger: CronTrigger, now: datetime, next_s: str | None) -> int:
+                     trigger: CronSchedule, now: datetime, next_s: str | None) -> int:
         first_due = parse_rfc3339(routine["next_run_at"])
         capped = routine["catch_up_policy"] == "enqueue_missed_with_cap"
         keep = max(int(routine["catch_up_max"]), 1) if capped else 1

@@ -15,14 +15,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kandevd.cron import CronError, parse_cron
 from kandevd.office.routines import (
     RoutineScheduler,
-    ScheduleError,
     due_fire_times,
     fire_after,
     fire_at_or_after,
     fire_at_or_before,
-    parse_schedule,
     routine_key,
 )
 from kandevd.timeutil import parse_rfc3339, rfc3339
@@ -54,7 +53,7 @@ def minute(moment: datetime) -> str:
     return rfc3339(moment.replace(second=0, microsecond=0))
 
 
-# -- parsing, with APScheduler only -----------------------------------------------------
+# -- parsing (kandevd.cron), fire times from APScheduler ---------------------------
 
 @pytest.mark.parametrize(("expr", "tz", "message"), [
     ("* * * *", "UTC", r"^cron_expression: '\* \* \* \*' is not a valid 5-field cron "
@@ -66,12 +65,12 @@ def minute(moment: datetime) -> str:
     ("* * * * *", "../etc/passwd", r"^timezone: unknown time zone"),
 ])
 def test_bad_schedules_name_the_field(expr: str, tz: str, message: str) -> None:
-    with pytest.raises(ScheduleError, match=message):
-        parse_schedule(expr, tz)
+    with pytest.raises(CronError, match=message):
+        parse_cron(expr, tz)
 
 
 def test_time_zone_and_dst() -> None:
-    paris = parse_schedule("30 9 * * *", "Europe/Paris")
+    paris = parse_cron("30 9 * * *", "Europe/Paris")
     winter = datetime(2026, 3, 28, 12, tzinfo=UTC)
     assert fire_after(paris, winter) == datetime(2026, 3, 29, 7, 30, tzinfo=UTC)  # CEST now
     assert fire_after(paris, datetime(2026, 3, 27, 12, tzinfo=UTC)) == \
@@ -79,7 +78,7 @@ def test_time_zone_and_dst() -> None:
 
 
 CRONS = ["* * * * *", "*/7 * * * *", "0 * * * *", "15 3 * * 1-5", "0 0 1 * *",
-         "5,35 9-17 * * *", "0 12 29 2 *"]
+         "5,35 9-17 * * *", "0 12 29 2 *", "0 9 1,15 * sun"]
 
 
 @settings(max_examples=60, deadline=None)
@@ -89,7 +88,7 @@ CRONS = ["* * * * *", "*/7 * * * *", "0 * * * *", "15 3 * * 1-5", "0 0 1 * *",
        span_min=st.integers(min_value=0, max_value=60 * 24 * 3))
 def test_fire_at_or_before_matches_a_forward_walk(expr: str, start: datetime,
                                                   span_min: int) -> None:
-    trigger = parse_schedule(expr, "UTC")
+    trigger = parse_cron(expr, "UTC")
     end = start + timedelta(minutes=span_min)
     walked = None
     current = fire_at_or_after(trigger, start)
@@ -100,7 +99,7 @@ def test_fire_at_or_before_matches_a_forward_walk(expr: str, start: datetime,
 
 
 def test_catch_up_after_a_year_is_bounded_and_exact() -> None:
-    trigger = parse_schedule("* * * * *", "UTC")
+    trigger = parse_cron("* * * * *", "UTC")
     first = datetime(2025, 3, 1, tzinfo=UTC)
     now = datetime(2026, 3, 1, 0, 0, 30, tzinfo=UTC)
     began = time.perf_counter()
@@ -115,6 +114,17 @@ def test_catch_up_after_a_year_is_bounded_and_exact() -> None:
 def test_new_routine_is_due_at_the_next_fire_time(env: OfficeEnv) -> None:
     assert env.insert_routine() == "2026-03-10T12:01:00.000000Z"
     assert RoutineScheduler(env.store, env.queue).tick(env.clock()).acted == 0
+
+
+@pytest.mark.parametrize(("cron", "timezone", "expected"), [
+    ("0 9 * * 0", "UTC", "2026-03-15T09:00:00.000000Z"),            # T0 is a Tuesday
+    ("0 9 * * 7", "Europe/Berlin", "2026-03-15T08:00:00.000000Z"),
+    ("0 9 * * 1-5", "UTC", "2026-03-11T09:00:00.000000Z"),
+])
+def test_a_routine_weekday_is_standard_cron(env: OfficeEnv, cron: str, timezone: str,
+                                            expected: str) -> None:
+    assert env.clock().strftime("%a") == "Tue"
+    assert env.insert_routine(cron=cron, timezone=timezone) == expected
 
 
 def test_every_minute_fires_once_per_minute_across_many_ticks(env: OfficeEnv) -> None:
@@ -271,7 +281,7 @@ def test_the_persisted_next_run_at_is_the_truth_even_off_the_cron_grid(env: Offi
 
 
 def test_due_fire_times_counts_the_persisted_time_as_the_first() -> None:
-    trigger = parse_schedule("*/10 * * * *", "UTC")
+    trigger = parse_cron("*/10 * * * *", "UTC")
     first = datetime(2026, 1, 1, 0, 3, tzinfo=UTC)
     now = datetime(2026, 1, 1, 0, 31, tzinfo=UTC)
     assert due_fire_times(trigger, first, now, 25) == (

@@ -2,8 +2,8 @@
 
 These rows are what gates the Office loop: a first project (adoption),
 active routine or budget policy created here takes effect on the loop's
-next tick, without a restart. Cron expressions and time zones are checked
-with APScheduler's CronTrigger (:func:`kandevd.office.routines.parse_schedule`);
+next tick, without a restart. Cron expressions (standard 5 fields) and time
+zones are checked by :func:`kandevd.cron.parse_cron`;
 a bad one, or a reference to an unknown workspace or agent (or an agent of
 another workspace), is ``invalid_params`` with a message naming the field.
 A taken id is ``conflict``, an unknown id to update ``not_found``.
@@ -25,12 +25,12 @@ from typing import Any
 
 from kandevd.control.protocol import Conflict, InvalidParams, NotFound
 from kandevd.control.registry import Registry, object_schema, paging_properties
+from kandevd.cron import CronError
 from kandevd.office.budgets import ACTIONS, PERIODS, SCOPE_TYPES
 from kandevd.office.routines import (
     CATCH_UP_POLICIES,
     CONCURRENCY_POLICIES,
     STATUSES,
-    ScheduleError,
     first_next_run_at,
 )
 from kandevd.services import Services
@@ -124,7 +124,7 @@ def _free_id(conn: sqlite3.Connection, table: str, what: str, ident: str) -> Non
 def _next_run_at(cron_expression: str, timezone: str, now: datetime) -> str | None:
     try:
         return first_next_run_at(cron_expression, timezone, now)
-    except ScheduleError as exc:
+    except CronError as exc:
         raise InvalidParams(str(exc)) from None
 
 

@@ -35,6 +35,7 @@ Rules (the habits of huey and APScheduler, without their gaps):
 
 from __future__ import annotations
 
+import abc
 import enum
 import logging
 import threading
@@ -178,7 +179,7 @@ class FanOut:
                 thread.join()
 
 
-class Loop:
+class Loop(abc.ABC):
     """Base class: subclasses implement :meth:`tick` and may override ``on_stopped``."""
 
     #: wait after a tick that raised, so a persistent fault does not spin
@@ -207,9 +208,9 @@ class Loop:
             parent.subscribe(self._request_stop)
 
     # -- the work -------------------------------------------------------------
+    @abc.abstractmethod
     def tick(self, now: datetime) -> float:
         """Do one iteration; return how many seconds to wait before the next."""
-        raise NotImplementedError(f"{type(self).__name__} must implement tick(now)")
 
     # -- lifecycle ------------------------------------------------------------
     @property
@@ -290,7 +291,7 @@ class Loop:
             self.fanout.join()
             self.on_stopped()
 
-    def on_stopped(self) -> None:
+    def on_stopped(self) -> None:  # noqa: B027 - an optional hook, empty by design
         """Hook run in the loop thread after its last tick (e.g. release resources)."""
 
 

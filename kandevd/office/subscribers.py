@@ -29,7 +29,10 @@ from kandevd.bus import EventBus
 from kandevd.office.predicate import is_office_task
 from kandevd.queue.processor import RunQueue
 from kandevd.store.db import Store
-from kandevd.store.runs import RunReferenceError
+from kandevd.store.runs import EnqueueResult, RunConflict, RunNotFound, RunReferenceError
+
+#: Statuses of an earlier assignment run that do not stand for the work being done.
+VOID = frozenset({"cancelled", "failed"})
 
 log = logging.getLogger("kandevd.office.assign")
 
@@ -86,17 +89,47 @@ class AssignmentSubscriber:
         if agent is None:
             return
         previous = event.get("previous")
-        if topic == "task.updated" and isinstance(previous, Mapping) \
-                and assignment_target(previous, office_workflow_id) == agent:
+        before = (assignment_target(previous, office_workflow_id)
+                  if topic == "task.updated" and isinstance(previous, Mapping) else None)
+        if before == agent:
             return  # it was already assigned to this agent; nothing new happened
         self.enqueue(task, agent)
+        if before is not None:
+            self.withdraw(task["id"], before)
+
+    def _enqueue(self, task: Mapping[str, Any], agent: str, *, attempt: int) -> EnqueueResult:
+        return self.queue.enqueue(
+            workspace_id=task["workspace_id"], agent_id=agent, reason=REASON,
+            task_id=task["id"], payload={"task_id": task["id"]},
+            idempotency_key=task_assigned_key(task["id"], agent, attempt))
+
+    def withdraw(self, task_id: str, agent: str) -> None:
+        """A reassigned task: the old runner's assignment run that has not started is void.
+
+        Only ``queued`` runs are cancelled (reason ``reassigned``); one already
+        claimed is work in progress and is left to finish.
+        """
+        rows = self.store.query(
+            "SELECT id FROM runs WHERE task_id = ? AND agent_id = ? AND reason = ?"
+            " AND status = 'queued'", (task_id, agent, REASON))
+        for row in rows:
+            try:
+                self.queue.cancel(row["id"], "reassigned", only_queued=True)
+            except (RunConflict, RunNotFound):
+                continue  # claimed or finished meanwhile: nothing to withdraw
+            log.info("task %s reassigned: %s run %s of %s cancelled", task_id, REASON,
+                     row["id"], agent)
 
     def enqueue(self, task: Mapping[str, Any], agent: str) -> None:
         try:
-            result = self.queue.enqueue(
-                workspace_id=task["workspace_id"], agent_id=agent, reason=REASON,
-                task_id=task["id"], payload={"task_id": task["id"]},
-                idempotency_key=task_assigned_key(task["id"], agent))
+            result = self._enqueue(task, agent, attempt=0)
+            if result.deduplicated and result.run["status"] in VOID:
+                # Assigned to this agent before, and that run was withdrawn or failed: a new
+                # assignment is new work (the same attempt-numbered key recovery uses).
+                attempt = self.store.query_one(
+                    "SELECT COUNT(*) FROM runs WHERE task_id = ? AND agent_id = ?"
+                    " AND reason = ?", (task["id"], agent, REASON))[0]
+                result = self._enqueue(task, agent, attempt=attempt)
         except RunReferenceError as exc:
             log.warning("task %s: cannot queue %s for %s: %s", task["id"], REASON, agent, exc)
             return

@@ -341,8 +341,9 @@ class RunQueue:
             log.info("re-queued %d run(s) claimed by a previous daemon instance", len(recovered))
         return recovered
 
-    def cancel(self, run_id: str, reason: str | None = None) -> dict[str, Any]:
-        run, previous = self.repo.cancel(run_id, reason, self.clock())
+    def cancel(self, run_id: str, reason: str | None = None, *,
+               only_queued: bool = False) -> dict[str, Any]:
+        run, previous = self.repo.cancel(run_id, reason, self.clock(), only_queued=only_queued)
         if previous == "claimed":
             self.runtime.stop_execution(run_id, reason or "cancelled")
         log.info("run %s cancelled (was %s)", run_id, previous)

@@ -384,16 +384,19 @@ class RunRepository:
         return recovered
 
     # -- cancel -----------------------------------------------------------------
-    def cancel(self, run_id: str, reason: str | None, now: datetime
-               ) -> tuple[dict[str, Any], str]:
-        """Cancel a queued or claimed run; returns (run, previous status)."""
+    def cancel(self, run_id: str, reason: str | None, now: datetime, *,
+               only_queued: bool = False) -> tuple[dict[str, Any], str]:
+        """Cancel a queued or claimed run (only a queued one with ``only_queued``).
+
+        Returns (run, previous status); a run not in a cancellable status is RunConflict.
+        """
         now_s = rfc3339(now)
         with self.store.transaction() as conn:
             row = conn.execute("SELECT status FROM runs WHERE id = ?", (run_id,)).fetchone()
             if row is None:
                 raise RunNotFound(run_id)
             previous = row["status"]
-            if previous in TERMINAL:
+            if previous in TERMINAL or (only_queued and previous != "queued"):
                 raise RunConflict(f"run {run_id!r} is already {previous}; nothing to cancel")
             updated = conn.execute(
                 "UPDATE runs SET status = 'cancelled', cancel_reason = ?, finished_at = ?,"

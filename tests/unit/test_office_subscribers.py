@@ -75,9 +75,25 @@ def test_reassignment_queues_for_the_new_agent_and_replays_dedupe(env: OfficeEnv
     runs = env.runs()
     assert [(r["agent_id"], r["idempotency_key"]) for r in runs] == [
         ("a1", "task_assigned:t1:a1"), ("a2", "task_assigned:t1:a2")]
-    env.model.update_task({"id": "t1", "runner_agent_id": "a1"})   # back: the key dedupes
+    # The old runner's assignment that had not started is withdrawn.
+    assert [(r["agent_id"], r["status"], r["cancel_reason"]) for r in env.runs()] == [
+        ("a1", "cancelled", "reassigned"), ("a2", "queued", None)]
+    env.model.update_task({"id": "t1", "runner_agent_id": "a1"})   # back to a1: new work
+    runs = env.runs()
+    assert [(r["agent_id"], r["status"], r["idempotency_key"]) for r in runs] == [
+        ("a1", "cancelled", "task_assigned:t1:a1"), ("a2", "cancelled", "task_assigned:t1:a2"),
+        ("a1", "queued", "task_assigned:t1:a1:attempt:1")]
+    env.model.update_task({"id": "t1", "title": "renamed"})  # replays and edits add nothing
+    assert len(env.runs()) == 3
+
+
+def test_reassignment_leaves_a_started_assignment_to_finish(env: OfficeEnv) -> None:
+    _task(env, "t1", "office")
+    (first,) = env.runs()
+    env.set_status(first["id"], "claimed")
     env.model.update_task({"id": "t1", "runner_agent_id": "a2"})
-    assert len(env.runs()) == 2
+    assert [(r["agent_id"], r["status"]) for r in env.runs()] == [
+        ("a1", "claimed"), ("a2", "queued")]
 
 
 def test_unrelated_edit_of_an_assigned_task_queues_nothing_new(env: OfficeEnv) -> None:

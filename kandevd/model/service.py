@@ -124,6 +124,16 @@ class WorkspaceService:
         if conn.execute(f"SELECT 1 FROM {table} WHERE id = ?", (ident,)).fetchone():
             raise ConflictError(f"{what} {ident!r} already exists")
 
+    def _announce_update(self, kind: str, before: Mapping[str, Any],
+                         after: Mapping[str, Any]) -> list[str]:
+        """Log and publish ``<kind>.updated`` with what changed (nothing when nothing did)."""
+        changes = changed_fields(before, after)
+        if changes:
+            log.info("%s %s updated (%s)", kind, after["id"], ", ".join(changes))
+            self.bus.publish(f"{kind}.updated", {kind: after, "previous": before,
+                                                 "changes": changes})
+        return changes
+
     # -- workspaces ------------------------------------------------------------------
     def create_workspace(self, params: Mapping[str, Any]) -> dict[str, Any]:
         now = self._now()
@@ -167,11 +177,7 @@ class WorkspaceService:
             fields["updated_at"] = self._now()
             sql.update_workspace(conn, workspace_id, fields)
             after = self._need(sql.get_workspace(conn, workspace_id), "workspace", workspace_id)
-        changes = changed_fields(before, after)
-        if changes:
-            log.info("workspace %s updated (%s)", workspace_id, ", ".join(changes))
-            self.bus.publish("workspace.updated", {"workspace": after, "previous": before,
-                                                   "changes": changes})
+        self._announce_update("workspace", before, after)
         return after
 
     def get_workspace(self, workspace_id: str) -> dict[str, Any]:
@@ -351,11 +357,7 @@ class WorkspaceService:
             fields["updated_at"] = self._now()
             sql.update_task(conn, task_id, fields)
             after = self._need(sql.get_task(conn, task_id), "task", task_id)
-        changes = changed_fields(before, after)
-        if changes:
-            log.info("task %s updated (%s)", task_id, ", ".join(changes))
-            self.bus.publish("task.updated", {"task": after, "previous": before,
-                                              "changes": changes})
+        self._announce_update("task", before, after)
         return after
 
     def move_task(self, task_id: str, step_id: str) -> dict[str, Any]:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -156,3 +158,14 @@ class OfficeEnv:
         before = self.store.statements
         action()
         return self.store.statements - before
+
+
+@contextmanager
+def seeded_env(tmp_path: Path, clock: Clock | None = None) -> Iterator[OfficeEnv]:
+    """An OfficeEnv with the standard seed, closed afterwards (each test file's fixture)."""
+    made = OfficeEnv(tmp_path, clock) if clock is not None else OfficeEnv(tmp_path)
+    made.seed()
+    try:
+        yield made
+    finally:
+        made.close()

@@ -9,15 +9,13 @@ from pathlib import Path
 import pytest
 
 from kandevd.office.budgets import BudgetGuard, period_of
-from tests.unit.office_env import Clock, OfficeEnv
+from tests.unit.office_env import Clock, OfficeEnv, seeded_env
 
 
 @pytest.fixture
 def env(tmp_path: Path) -> Iterator[OfficeEnv]:
-    made = OfficeEnv(tmp_path, Clock(datetime(2026, 3, 30, 22, 0, tzinfo=UTC)))
-    made.seed()
-    yield made
-    made.close()
+    with seeded_env(tmp_path, Clock(datetime(2026, 3, 30, 22, 0, tzinfo=UTC))) as made:
+        yield made
 
 
 def agent_status(env: OfficeEnv, agent_id: str) -> str:

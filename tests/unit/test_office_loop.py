@@ -13,7 +13,7 @@ from kandevd.config import OfficeConfig
 from kandevd.lifecycle import LoopState
 from kandevd.office import HandlerResult
 from kandevd.office.loop import OfficeLoop
-from tests.unit.office_env import OfficeEnv
+from tests.unit.office_env import OfficeEnv, seeded_env
 
 WAIT_S = 10.0
 CONFIG = OfficeConfig(enabled=True, interval_s=30, recovery_lookback_hours=24)
@@ -21,11 +21,9 @@ CONFIG = OfficeConfig(enabled=True, interval_s=30, recovery_lookback_hours=24)
 
 @pytest.fixture
 def env(tmp_path: Path) -> Iterator[OfficeEnv]:
-    made = OfficeEnv(tmp_path)
-    made.seed()
-    made.model.update_workspace({"id": "ws1", "office_workflow_id": ""})  # no adoption yet
-    yield made
-    made.close()
+    with seeded_env(tmp_path) as made:
+        made.model.update_workspace({"id": "ws1", "office_workflow_id": ""})  # no adoption yet
+        yield made
 
 
 def office_loop(env: OfficeEnv, **kwargs: object) -> OfficeLoop:

@@ -13,7 +13,7 @@ from kandevd.control.protocol import Conflict, InvalidParams, NotFound, RpcError
 from kandevd.control.registry import Registry
 from kandevd.services import Services
 from kandevd.timeutil import parse_rfc3339, utc_now
-from tests.unit.office_env import OfficeEnv
+from tests.unit.office_env import OfficeEnv, seeded_env
 
 
 class Methods:
@@ -31,12 +31,10 @@ class Methods:
 
 @pytest.fixture
 def env(tmp_path: Path) -> Iterator[OfficeEnv]:
-    made = OfficeEnv(tmp_path)
-    made.seed()
-    made.model.create_workspace({"id": "ws2", "name": "Two"})
-    made.model.create_agent({"id": "b1", "workspace_id": "ws2", "name": "b1"})
-    yield made
-    made.close()
+    with seeded_env(tmp_path) as made:
+        made.model.create_workspace({"id": "ws2", "name": "Two"})
+        made.model.create_agent({"id": "b1", "workspace_id": "ws2", "name": "b1"})
+        yield made
 
 
 @pytest.fixture

@@ -10,15 +10,13 @@ import pytest
 
 from kandevd.office.recovery import MAX_PER_TICK, UnstartedTaskRecovery
 from kandevd.office.subscribers import AssignmentSubscriber
-from tests.unit.office_env import OfficeEnv
+from tests.unit.office_env import OfficeEnv, seeded_env
 
 
 @pytest.fixture
 def env(tmp_path: Path) -> Iterator[OfficeEnv]:
-    made = OfficeEnv(tmp_path)
-    made.seed()
-    yield made
-    made.close()
+    with seeded_env(tmp_path) as made:
+        yield made
 
 
 def recovery(env: OfficeEnv, lookback_hours: float = 24) -> UnstartedTaskRecovery:

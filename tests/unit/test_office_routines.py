@@ -25,15 +25,13 @@ from kandevd.office.routines import (
     routine_key,
 )
 from kandevd.timeutil import parse_rfc3339, rfc3339
-from tests.unit.office_env import T0, OfficeEnv
+from tests.unit.office_env import T0, OfficeEnv, seeded_env
 
 
 @pytest.fixture
 def env(tmp_path: Path) -> Iterator[OfficeEnv]:
-    made = OfficeEnv(tmp_path)
-    made.seed()
-    yield made
-    made.close()
+    with seeded_env(tmp_path) as made:
+        yield made
 
 
 def routine_runs(env: OfficeEnv) -> list[dict]:

@@ -8,16 +8,14 @@ from pathlib import Path
 import pytest
 
 from kandevd.office.subscribers import AssignmentSubscriber, task_assigned_key
-from tests.unit.office_env import OfficeEnv
+from tests.unit.office_env import OfficeEnv, seeded_env
 
 
 @pytest.fixture
 def env(tmp_path: Path) -> Iterator[OfficeEnv]:
-    made = OfficeEnv(tmp_path)
-    made.seed()
-    AssignmentSubscriber(made.store, made.queue).attach(made.bus)
-    yield made
-    made.close()
+    with seeded_env(tmp_path) as made:
+        AssignmentSubscriber(made.store, made.queue).attach(made.bus)
+        yield made
 
 
 def _task(env: OfficeEnv, task_id: str, workflow_id: str, **fields: object) -> dict:

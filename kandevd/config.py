@@ -87,6 +87,7 @@ class SchedulerConfig:
     root: str | None
     history_retention_days: float
     disabled_via_env: bool = False
+    configured_enabled: bool = True  # scheduler.enabled as the file says (env aside)
 
 
 @dataclass(frozen=True)
@@ -219,6 +220,7 @@ def build_config(
             root=sched["root"],
             history_retention_days=sched["history_retention_days"],
             disabled_via_env=disabled_via_env,
+            configured_enabled=bool(sched["enabled"]),
         ),
         agents=MappingProxyType(agents),
         source=source,

@@ -64,6 +64,7 @@ class Daemon:
         self.started_at = utc_now()
         self.state = "starting"
         self.stop_requested = threading.Event()
+        self.reload_requested = threading.Event()
         self._waiter = MainThreadWaiter()
         self.stop_signal = StopSignal()
         self.loops: dict[str, Loop] = {}
@@ -95,7 +96,8 @@ class Daemon:
         registry = Registry()
         services = Services(config=self.config, layout=self.layout, store=self.store,
                             bus=self.bus, runtime=self.runtime, queue=self.queue,
-                            status=self.status, request_shutdown=self.request_shutdown)
+                            status=self.status, request_shutdown=self.request_shutdown,
+                            extras=dict(self.loops))
         self.services = services
         for module in self._method_modules():
             module.register(registry, services)
@@ -129,7 +131,7 @@ class Daemon:
         # records the request (the stop then runs as soon as the start is done)
         # instead of raising KeyboardInterrupt half-way through building.
         wiring = SignalWiring(self.stop_requested, lambda: self.state == "stopping",
-                              on_force=self._force)
+                              on_force=self._force, reload_requested=self.reload_requested)
         wiring.install()
         self._waiter.install()
         try:
@@ -148,7 +150,12 @@ class Daemon:
             log.info("kandevd %s serving %s (pid %d)", __version__, self.layout.root, os.getpid())
             # A plain Event.wait() here could miss a signal the kernel hands to another
             # thread; the waiter's select() on the wakeup fd cannot (see kandevd.shutdown).
-            self._waiter.wait(self.stop_requested)
+            while True:
+                self._waiter.wait(self.stop_requested, self.reload_requested)
+                if self.stop_requested.is_set():
+                    break
+                self.reload_requested.clear()
+                self.reload()
             self.state = "stopping"
             # Refuse intake before "Graceful shutdown started" is logged, so nobody who
             # saw that line can still get work accepted.
@@ -233,6 +240,12 @@ class Daemon:
         ]
         return steps
 
+    def reload(self) -> None:
+        """SIGHUP: rescan workflow files (the cron loop does it on its next tick)."""
+        cron = self.loops.get("cron")
+        if cron is not None:
+            cron.request_reload()  # type: ignore[attr-defined]
+
     def request_shutdown(self) -> None:
         """Ask for the graceful stop (``daemon.shutdown``); the main thread runs it."""
         self.stop_requested.set()
@@ -261,6 +274,9 @@ class Daemon:
         }
         if self.store is not None:
             result["store"] = {"statements": self.store.statements}
+        cron = self.loops.get("cron")
+        if cron is not None:
+            result["scheduler"] = cron.status()  # type: ignore[attr-defined]
         for name, loop in self.loops.items():
             extra = getattr(loop, "stats", None)
             if callable(extra):

@@ -16,9 +16,9 @@ if TYPE_CHECKING:
 
 
 def method_modules() -> list[ModuleType]:
-    from kandevd.control.methods import daemon, office, runs, workspace
+    from kandevd.control.methods import daemon, office, runs, scheduler, workspace
 
-    return [daemon, runs, workspace, office]
+    return [daemon, runs, workspace, office, scheduler]
 
 
 def build_loops(daemon: Daemon) -> dict[str, Loop]:
@@ -32,4 +32,8 @@ def build_loops(daemon: Daemon) -> dict[str, Loop]:
         AssignmentSubscriber(daemon.store, daemon.queue).attach(daemon.bus)
         loops["office"] = OfficeLoop(daemon.store, daemon.queue, daemon.bus, daemon.config.office,
                                      parent=daemon.stop_signal)
+    from kandevd.scheduler.build import build_cron_loop
+
+    loops["cron"] = build_cron_loop(daemon.config, daemon.layout, daemon.runtime,
+                                    parent=daemon.stop_signal)
     return loops

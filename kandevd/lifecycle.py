@@ -153,6 +153,23 @@ class FanOut:
             thread.join()
         return {label: (f.exception() or f.result()) for label, f in futures.items()}
 
+    def spawn(self, label: str, handler: Callable[[], Any]) -> threading.Thread:
+        """Start one handler without waiting for it; :meth:`join` (and so the owning
+        loop's ``stop()``) waits for it. For work that outlives the tick that began it,
+        such as a scheduled session."""
+        future: Future[Any] = Future()
+        thread = threading.Thread(target=self._call, args=(label, handler, future),
+                                  name=f"{self._name}:{label}", daemon=False)
+        with self._lock:
+            self._threads.add(thread)
+        try:
+            thread.start()
+        except BaseException:
+            with self._lock:
+                self._threads.discard(thread)
+            raise
+        return thread
+
     def _call(self, label: str, handler: Callable[[], Any], future: Future[Any]) -> None:
         try:
             future.set_result(handler())
@@ -288,8 +305,15 @@ class Loop(abc.ABC):
                     break
                 self._wakeup.wait(delay)
         finally:
-            self.fanout.join()
-            self.on_stopped()
+            try:
+                self.on_stopping()
+            finally:
+                self.fanout.join()
+                self.on_stopped()
+
+    def on_stopping(self) -> None:  # noqa: B027 - an optional hook, empty by design
+        """Hook run in the loop thread after its last tick, before the fan-out is joined:
+        the place to tell long-running handlers (spawned work) to wind down."""
 
     def on_stopped(self) -> None:  # noqa: B027 - an optional hook, empty by design
         """Hook run in the loop thread after its last tick (e.g. release resources)."""

@@ -79,19 +79,31 @@ class ShutdownCoordinator:
 
 
 class SignalWiring:
-    """SIGINT/SIGTERM -> ``stop_requested``; a second one during the stop forces exit."""
+    """SIGINT/SIGTERM -> ``stop_requested``; a second one during the stop forces exit.
+
+    SIGHUP -> ``reload_requested`` (when given): reload what can be reloaded, never stop.
+    """
 
     def __init__(self, stop_requested: threading.Event,
                  is_stopping: Callable[[], bool],
-                 on_force: Callable[[], None] | None = None) -> None:
+                 on_force: Callable[[], None] | None = None,
+                 reload_requested: threading.Event | None = None) -> None:
         self._stop_requested = stop_requested
         self._is_stopping = is_stopping
         self._on_force = on_force
+        self._reload_requested = reload_requested
         self._previous: dict[int, object] = {}
 
     def install(self) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             self._previous[sig] = signal.signal(sig, self._handle)
+        if self._reload_requested is not None:
+            self._previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, self._handle_hup)
+
+    def _handle_hup(self, _signum: int, _frame: FrameType | None) -> None:
+        assert self._reload_requested is not None
+        log.info("received SIGHUP: reloading")
+        self._reload_requested.set()
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():
@@ -137,8 +149,9 @@ class MainThreadWaiter:
         except (BlockingIOError, OSError):
             pass  # the pipe is full (a wake-up is pending anyway) or closed
 
-    def wait(self, event: threading.Event) -> None:
-        while not event.is_set():
+    def wait(self, *events: threading.Event) -> None:
+        """Return once any of ``events`` is set."""
+        while not any(event.is_set() for event in events):
             select.select([self._read_fd], [], [])
             try:
                 while os.read(self._read_fd, 512):

@@ -107,6 +107,9 @@ class AgentRuntime:
         self._stopping = False  # no new reservations or starts (stop or kill_all_now)
         self._stop_begun = False  # stop() has a first caller doing the work
         self._stopped = False  # that caller has finished
+        self._waiting: list[int] = []  # launch_when_free callers, in arrival order
+        self._next_ticket = 0
+        self._waiter_slots = 0  # slots held by executions started by launch_when_free
 
     # -- introspection -----------------------------------------------------
 
@@ -219,6 +222,56 @@ class AgentRuntime:
             raise RuntimeFull(self._max)
         self.start(reservation, spec, on_done)
 
+    def launch_when_free(self, spec: ExecutionSpec, on_done: Callable[[ExecutionResult], None],
+                         cancelled: Callable[[], bool]) -> bool:
+        """Wait for a slot, then start ``spec`` on it; False when cancelled or stopping.
+
+        The path of scheduled turns, which must never fail for lack of a slot.
+        They wait here in arrival order while the queue claims with
+        :meth:`try_reserve`; so that a burst of sessions cannot starve the run
+        queue, waiting executions together hold at most ``max_concurrent - 1``
+        slots (all of them when there is only one). ``cancelled`` is re-checked
+        whenever a slot frees or :meth:`wake_waiters` is called.
+        """
+        cap = max(1, self._max - 1)
+        with self._cond:
+            ticket = self._next_ticket
+            self._next_ticket += 1
+            self._waiting.append(ticket)
+            try:
+                while True:
+                    if self._stopping or cancelled():
+                        return False
+                    if self._waiting[0] == ticket and self._waiter_slots < cap \
+                            and self._held + len(self._live) < self._max:
+                        break
+                    self._cond.wait()
+                self._held += 1
+                self._waiter_slots += 1
+                reservation = Reservation(self)
+            finally:
+                self._waiting.remove(ticket)
+                self._cond.notify_all()
+
+        def done(result: ExecutionResult) -> None:
+            with self._cond:
+                self._waiter_slots -= 1
+            on_done(result)
+
+        try:
+            self.start(reservation, spec, done)
+        except BaseException:
+            with self._cond:
+                self._waiter_slots -= 1
+                self._cond.notify_all()
+            raise
+        return True
+
+    def wake_waiters(self) -> None:
+        """Make every :meth:`launch_when_free` re-check its ``cancelled``."""
+        with self._cond:
+            self._cond.notify_all()
+
     # -- stopping ----------------------------------------------------------
 
     def stop_execution(self, key: str, reason: str = "cancelled") -> bool:
@@ -251,6 +304,7 @@ class AgentRuntime:
             first = not self._stop_begun
             self._stop_begun = True
             self._stopping = True
+            self._cond.notify_all()  # launch_when_free waiters give up
             if not first:
                 if in_worker:
                     return

@@ -9,6 +9,7 @@ agent when it has none), its timeout and extra environment, a working folder
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from kandevd.agents import echo_argv
@@ -20,12 +21,18 @@ ECHO_AGENT = echo_argv()
 
 
 def agent_execution(profile: AgentProfile, layout: HomeLayout, *, kind: str, key: str,
-                    stdin: Mapping[str, Any], session_id: str, run_id: str = "") -> ExecutionSpec:
-    """The ExecutionSpec that runs ``profile`` for one run, launch or turn."""
+                    stdin: Mapping[str, Any], session_id: str, run_id: str = "",
+                    cwd: Path | None = None, log_path: Path | None = None) -> ExecutionSpec:
+    """The ExecutionSpec that runs ``profile`` for one run, launch or turn.
+
+    Runs and launches work in ``<home>/runs/<key>/``; a workflow turn passes its
+    run folder as ``cwd`` and its session's log as ``log_path``.
+    """
     return ExecutionSpec(
         key=key, kind=kind,
         argv=tuple(profile.command) if profile.command else ECHO_AGENT,
-        stdin=stdin, cwd=layout.runs / key, log_path=layout.run_logs / f"{key}.log",
+        stdin=stdin, cwd=cwd if cwd is not None else layout.runs / key,
+        log_path=log_path if log_path is not None else layout.run_logs / f"{key}.log",
         timeout_s=profile.timeout_s, env=dict(profile.env), session_id=session_id,
         run_id=run_id, home=str(layout.root),
     )

@@ -42,7 +42,7 @@ def as_document(config: Config) -> dict[str, Any]:
     return {
         "queue": section(config.queue), "retry": section(config.retry),
         "runtime": section(config.runtime), "office": section(config.office),
-        "scheduler": section(config.scheduler, drop=("disabled_via_env",)),
+        "scheduler": section(config.scheduler, drop=("disabled_via_env", "configured_enabled")),
         "agents": {name: {"command": None if p.command is None else list(p.command),
                           "timeout_s": p.timeout_s, "env": dict(p.env)}
                    for name, p in config.agents.items()},

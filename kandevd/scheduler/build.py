@@ -1,0 +1,40 @@
+"""Assembling the file-backed scheduler: root, switches, registry, runner, loop."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kandevd.config import Config
+from kandevd.lifecycle import StopSignal
+from kandevd.paths import HomeLayout
+from kandevd.scheduler.loop import CronLoop
+from kandevd.scheduler.registry import JobRegistry
+from kandevd.scheduler.runner import SessionRunner
+from kandevd.scheduler.settings import Switches
+from kandevd.timeutil import utc_now
+
+
+def scheduler_root(config: Config, home: Path) -> Path:
+    """``scheduler.root`` (relative to the home when relative), else ``<home>/workspace``."""
+    if config.scheduler.root:
+        root = Path(config.scheduler.root).expanduser()
+        return root if root.is_absolute() else home / root
+    return HomeLayout(home).workspace
+
+
+def build_cron_loop(config: Config, layout: HomeLayout, runtime: Any, *,
+                    parent: StopSignal | None = None) -> CronLoop:
+    """The cron loop over the home's workflow root, its jobs loaded (histories a dead
+    daemon left ``running`` are closed here, before anything can start a session)."""
+    registry = JobRegistry(scheduler_root(config, layout.root),
+                           switches=Switches.from_config(config.scheduler),
+                           retention_days=config.scheduler.history_retention_days)
+    registry.load_at_start(utc_now())
+
+    def runner(loop: CronLoop) -> SessionRunner:
+        return SessionRunner(registry, config=config, layout=layout, runtime=runtime,
+                             spawn=loop.fanout.spawn)
+
+    return CronLoop(registry, runner_factory=runner,
+                    stop_grace_s=config.runtime.stop_grace_s, parent=parent)

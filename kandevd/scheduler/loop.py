@@ -1,0 +1,148 @@
+"""CronLoop: fires workflow schedules at their times.
+
+Why a Loop and not APScheduler's own scheduler main loop: the fire times come
+from APScheduler's CronTrigger (through :mod:`kandevd.cron`), but the decision
+of what fires at a given ``now`` is :meth:`CronLoop.tick`, a plain method a
+test calls with any clock and no thread; and the Loop gives the lifecycle the
+rest of the daemon has (idempotent start/stop, a parent stop signal, the
+session fan-out joined by ``stop()``). APScheduler's BackgroundScheduler would
+bring a second thread model, its own executors and a ``shutdown()`` that is
+not idempotent.
+
+One tick: rescan the root when a reload was asked for, take the jobs whose
+next fire is due (each gets its following fire at once, so a fire is decided
+once and a late tick never replays a backlog), decide each with
+:func:`decide_fire`, and return the wait until the earliest next fire.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from collections.abc import Callable
+from datetime import datetime
+
+from kandevd.lifecycle import Loop, StopSignal
+from kandevd.scheduler.registry import Job, JobRegistry
+from kandevd.scheduler.runner import AlreadyRunning, RunnerClosed, SessionRunner
+from kandevd.timeutil import utc_now
+
+log = logging.getLogger("kandevd.scheduler")
+
+#: Longest sleep between ticks, so a wall-clock change is noticed within a minute.
+MAX_WAIT_S = 60.0
+
+
+class Decision(enum.Enum):
+    RUN = "run"
+    BUFFER = "buffer"
+    SKIP_OVERLAP = "skip_overlap"
+    SKIP_PAUSED = "skip_paused"
+    SKIP_DISABLED = "skip_disabled"
+
+
+def decide_fire(*, execution_enabled: bool, workflow_allowed: bool, paused: bool,
+                running: bool, buffered: bool, overlap_policy: str) -> Decision:
+    """What a due cron fire does. Pure: the whole policy in one place.
+
+    Execution switched off (config, environment) or the workflow kept out by the
+    allow/block lists: skipped as disabled. Globally paused: skipped as paused.
+    Otherwise it runs, unless the schedule's previous session still runs: then
+    ``skip`` skips it, ``buffer_one`` keeps it for when that session ends (one at
+    most: a further fire while one waits is skipped).
+    """
+    if not execution_enabled or not workflow_allowed:
+        return Decision.SKIP_DISABLED
+    if paused:
+        return Decision.SKIP_PAUSED
+    if not running:
+        return Decision.RUN
+    if overlap_policy == "buffer_one" and not buffered:
+        return Decision.BUFFER
+    return Decision.SKIP_OVERLAP
+
+
+class CronLoop(Loop):
+    def __init__(self, registry: JobRegistry, *, runner_factory: Callable[[CronLoop],
+                 SessionRunner], stop_grace_s: float, parent: StopSignal | None = None,
+                 clock: Callable[[], datetime] = utc_now) -> None:
+        super().__init__("cron", clock=clock, parent=parent,
+                         logger=logging.getLogger("kandevd.scheduler"))
+        self.registry = registry
+        self.runner = runner_factory(self)
+        self._stop_grace_s = stop_grace_s
+        self._reload = threading.Event()
+        self.fires = 0
+
+    def request_reload(self) -> None:
+        """Rescan the root on the next tick (SIGHUP, ``scheduler.reload``)."""
+        self._reload.set()
+        self.wake()
+
+    def tick(self, now: datetime) -> float:
+        if self._reload.is_set():
+            self._reload.clear()
+            self.registry.rescan(now)
+        due = self.registry.due(now)
+        if due:
+            paused = self.registry.pause.get()["globally_paused"]
+            for job in due:
+                self.fire(job, now, paused=paused)
+        following = self.registry.next_wake()
+        if following is None:
+            return MAX_WAIT_S
+        return min(MAX_WAIT_S, (following - now).total_seconds())
+
+    def fire(self, job: Job, now: datetime, *, paused: bool) -> Decision:
+        """Act on one due cron fire of ``job``."""
+        self.fires += 1
+        switches = self.registry.switches
+        allowed = switches.workflow_verdict(job.workflow.aliases) is None
+        decision = decide_fire(
+            execution_enabled=switches.execution_enabled, workflow_allowed=allowed,
+            paused=paused, running=self.runner.is_running(job.id),
+            buffered=self.runner.is_buffered(job.id),
+            overlap_policy=job.schedule.overlap_policy)
+        state = job.state
+        if decision is Decision.RUN:
+            try:
+                self.runner.start(job, "cron")
+            except AlreadyRunning:  # a manual trigger won the race
+                state.skipped_overlap += 1
+                log.info("%s: cron fire skipped: a session is already running", job.id)
+                return Decision.SKIP_OVERLAP
+            except RunnerClosed:
+                return decision
+        elif decision is Decision.BUFFER:
+            self.runner.buffer(job.id)
+            log.info("%s: cron fire buffered: it starts when the running session ends",
+                     job.id)
+        elif decision is Decision.SKIP_OVERLAP:
+            state.skipped_overlap += 1
+            log.info("%s: cron fire skipped: the previous session is still running%s", job.id,
+                     " and one fire already waits" if job.schedule.overlap_policy ==
+                     "buffer_one" else "")
+        elif decision is Decision.SKIP_PAUSED:
+            state.skipped_paused += 1
+            log.info("%s: cron fire skipped: the scheduler is globally paused", job.id)
+        else:
+            state.skipped_disabled += 1
+            log.info("%s: cron fire skipped: %s", job.id,
+                     self.registry.ineligible_reason(job, paused=False))
+        return decision
+
+    def on_stopping(self) -> None:
+        self.runner.close(self._stop_grace_s)
+
+    def status(self) -> dict[str, object]:
+        """The ``scheduler`` member of ``daemon.status``."""
+        pause = self.registry.pause.get()
+        return {**self.registry.counts(), "running": sorted(self.runner.running_ids()),
+                "execution_enabled": self.registry.switches.execution_enabled,
+                "globally_paused": pause["globally_paused"],
+                "root": str(self.registry.root), "errors": self.registry.problems()}
+
+    def stats(self) -> dict[str, object]:
+        return {"fires": self.fires, **self.registry.counts(),
+                "running": len(self.runner.running_ids())}

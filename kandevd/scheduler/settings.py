@@ -1,0 +1,131 @@
+"""Whether automatic (cron) execution happens on this server.
+
+Three layers, all of which stop cron fires only (a manual ``trigger`` always runs):
+
+* the persisted global pause, ``<root>/config/scheduler.json``
+  (``globally_paused, paused_at, paused_by, updated_at``; nothing else is stored);
+* the execution switches: ``scheduler.enabled: false`` in kandevd.yaml or
+  ``SCHEDULER_ENABLED=false`` in the environment;
+* the allow/block lists, comma lists from ``SCHEDULER_ALLOWED_WORKFLOWS``,
+  ``SCHEDULER_BLOCKED_WORKFLOWS``, ``SCHEDULER_ALLOWED_USERS``,
+  ``SCHEDULER_BLOCKED_USERS`` (entries trimmed, empty ones ignored, matched
+  case-insensitively). A workflow matches an entry by folder name, manifest
+  ``id`` or ``label``. Allowed = the allow list is empty or matches, and the
+  block list does not match (block wins).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from kandevd.config import SchedulerConfig
+from kandevd.jsonfile import CorruptReporter, JsonFile
+from kandevd.timeutil import rfc3339
+
+PAUSE_FILE = Path("config") / "scheduler.json"
+PERSISTED = ("globally_paused", "paused_at", "paused_by", "updated_at")
+ENV_LISTS = {
+    "allowed_workflows": "SCHEDULER_ALLOWED_WORKFLOWS",
+    "blocked_workflows": "SCHEDULER_BLOCKED_WORKFLOWS",
+    "allowed_users": "SCHEDULER_ALLOWED_USERS",
+    "blocked_users": "SCHEDULER_BLOCKED_USERS",
+}
+
+
+def parse_list(value: str | None) -> tuple[str, ...]:
+    """A comma list: entries trimmed, empty ones dropped."""
+    if not value:
+        return ()
+    return tuple(item.strip() for item in value.split(",") if item.strip())
+
+
+def list_verdict(names: Iterable[str], allowed: Iterable[str], blocked: Iterable[str]
+                 ) -> str | None:
+    """None when allowed; else the reason. ``names`` are the candidate's aliases."""
+    lowered = {n.lower() for n in names if n}
+    blocked_hits = [b for b in blocked if b.lower() in lowered]
+    if blocked_hits:
+        return f"blocked by the block list ({blocked_hits[0]})"
+    allowed = list(allowed)
+    if allowed and not any(a.lower() in lowered for a in allowed):
+        return "not in the allow list"
+    return None
+
+
+@dataclass(frozen=True)
+class Switches:
+    """The execution switches and allow/block lists, read once at start."""
+
+    configured_enabled: bool = True
+    disabled_via_env: bool = False
+    allowed_workflows: tuple[str, ...] = ()
+    blocked_workflows: tuple[str, ...] = ()
+    allowed_users: tuple[str, ...] = ()
+    blocked_users: tuple[str, ...] = ()
+
+    @classmethod
+    def from_config(cls, config: SchedulerConfig,
+                    environ: Mapping[str, str] | None = None) -> Switches:
+        environ = os.environ if environ is None else environ
+        return cls(configured_enabled=config.configured_enabled,
+                   disabled_via_env=config.disabled_via_env,
+                   **{field: parse_list(environ.get(var)) for field, var in ENV_LISTS.items()})
+
+    @property
+    def execution_enabled(self) -> bool:
+        return self.configured_enabled and not self.disabled_via_env
+
+    @property
+    def disabled_reason(self) -> str | None:
+        if self.disabled_via_env:
+            return "SCHEDULER_ENABLED=false in the environment"
+        if not self.configured_enabled:
+            return "scheduler.enabled is false in the config"
+        return None
+
+    def workflow_verdict(self, aliases: Iterable[str]) -> str | None:
+        verdict = list_verdict(aliases, self.allowed_workflows, self.blocked_workflows)
+        return None if verdict is None else f"workflow {verdict}"
+
+    def user_verdict(self, user_id: str) -> str | None:
+        verdict = list_verdict([user_id], self.allowed_users, self.blocked_users)
+        return None if verdict is None else f"user {verdict}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"execution_enabled": self.execution_enabled,
+                "disabled_via_env": self.disabled_via_env,
+                "disabled_reason": self.disabled_reason,
+                **{field: list(getattr(self, field)) for field in ENV_LISTS}}
+
+
+def _default_pause() -> dict[str, Any]:
+    return {"globally_paused": False, "paused_at": None, "paused_by": None, "updated_at": None}
+
+
+class PauseState:
+    """The persisted global pause (``config/scheduler.json``)."""
+
+    def __init__(self, root: Path, *, on_corrupt: CorruptReporter | None = None) -> None:
+        self.file = JsonFile(root / PAUSE_FILE, on_corrupt=on_corrupt)
+
+    def get(self) -> dict[str, Any]:
+        stored = self.file.read({}, expect=dict)
+        state = _default_pause()
+        state.update({k: stored[k] for k in PERSISTED if k in stored})
+        state["globally_paused"] = stored.get("globally_paused") is True
+        return state
+
+    def put(self, paused: bool, paused_by: str | None, now: datetime) -> dict[str, Any]:
+        def change(stored: dict[str, Any]) -> dict[str, Any]:
+            state = _default_pause()
+            state["globally_paused"] = paused
+            state["paused_at"] = rfc3339(now) if paused else None
+            state["paused_by"] = paused_by if paused else None
+            state["updated_at"] = rfc3339(now)
+            return state
+        return self.file.update(change, {}, expect=dict)

@@ -1,0 +1,1 @@
+"""The files of a workflow folder: manifest, variables, run history, decisions."""

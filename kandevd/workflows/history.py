@@ -1,0 +1,138 @@
+"""Run history: ``Workflow/<name>/schedule-runs.json``, newest first.
+
+One entry per scheduled session (a cron fire or a manual trigger)::
+
+    {id, schedule_id, run_folder, session_id, status, error, duration_ms, group_ids,
+     started_at, completed_at, trigger_source: "cron"|"manual",
+     turns: [{kind, message, workshop_mode, status, duration_ms, log_path, cost_cents}],
+     cost_cents}
+
+``status`` is ``running`` while the session runs, then ``success``, ``error`` or
+``stopped``. Entries are written through :class:`kandevd.jsonfile.JsonFile`
+(atomic, locked), so another process appending at the same time loses nothing.
+Terminal entries older than the retention are pruned whenever a new run is
+recorded; ``running`` entries and entries without a readable date are kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from kandevd.jsonfile import CorruptReporter, JsonFile
+from kandevd.timeutil import parse_rfc3339, rfc3339
+
+HISTORY = "schedule-runs.json"
+RUNNING, SUCCESS, ERROR, STOPPED = "running", "success", "error", "stopped"
+TERMINAL = frozenset({SUCCESS, ERROR, STOPPED})
+RESTART_ERROR = "interrupted: server restarted"
+SHUTDOWN_ERROR = "interrupted: server shutting down"
+
+
+def entry_time(entry: Any) -> datetime | None:
+    """When an entry ended (else started); None when it carries no readable date."""
+    if not isinstance(entry, dict):
+        return None
+    for key in ("completed_at", "started_at"):
+        value = entry.get(key)
+        if isinstance(value, str):
+            try:
+                return parse_rfc3339(value)
+            except ValueError:
+                continue
+    return None
+
+
+def prune(entries: list[Any], now: datetime, retention_days: float) -> list[Any]:
+    """Drop terminal entries older than ``retention_days``; keep running and undated ones."""
+    cutoff = now - timedelta(days=retention_days)
+    kept = []
+    for entry in entries:
+        status = entry.get("status") if isinstance(entry, dict) else None
+        moment = entry_time(entry)
+        if status in TERMINAL and moment is not None and moment < cutoff:
+            continue
+        kept.append(entry)
+    return kept
+
+
+def page(entries: list[Any], *, schedule_id: str | None, limit: int, offset: int
+         ) -> dict[str, Any]:
+    """One page of the entries of ``schedule_id`` (all when None), newest first."""
+    chosen = [e for e in entries if isinstance(e, dict)
+              and (schedule_id is None or e.get("schedule_id") == schedule_id)]
+    return {"items": chosen[offset:offset + limit], "total": len(chosen), "limit": limit,
+            "offset": offset}
+
+
+def interrupt(entries: list[Any], now: datetime, error: str) -> int:
+    """Turn every ``running`` entry into ``error`` with ``error`` (in place); how many."""
+    fixed = 0
+    for entry in entries:
+        if isinstance(entry, dict) and entry.get("status") == RUNNING:
+            entry["status"] = ERROR
+            entry["error"] = error
+            entry["completed_at"] = rfc3339(now)
+            started = entry_time({"started_at": entry.get("started_at")})
+            if started is not None and entry.get("duration_ms") is None:
+                entry["duration_ms"] = max(0, int((now - started).total_seconds() * 1000))
+            fixed += 1
+    return fixed
+
+
+class History:
+    """The history file of one workflow."""
+
+    def __init__(self, folder: Path, *, retention_days: float,
+                 on_corrupt: CorruptReporter | None = None) -> None:
+        self.file = JsonFile(folder / HISTORY, on_corrupt=on_corrupt)
+        self.retention_days = retention_days
+
+    def entries(self) -> list[Any]:
+        return self.file.read([], expect=list)
+
+    def _update(self, mutate: Callable[[list[Any]], Any]) -> list[Any]:
+        def apply(entries: list[Any]) -> list[Any]:
+            mutate(entries)
+            return entries
+        return self.file.update(apply, [], expect=list)
+
+    def record_start(self, entry: dict[str, Any], now: datetime) -> None:
+        """Add a new (running) entry at the top, pruning what the retention drops."""
+        def add(entries: list[Any]) -> None:
+            entries[:] = [entry, *prune(entries, now, self.retention_days)]
+        self._update(add)
+
+    def update_entry(self, entry_id: str, fields: dict[str, Any]) -> None:
+        """Merge ``fields`` into the entry ``entry_id``; re-add it if someone removed it."""
+        def merge(entries: list[Any]) -> None:
+            for entry in entries:
+                if isinstance(entry, dict) and entry.get("id") == entry_id:
+                    entry.update(fields)
+                    return
+            entries.insert(0, {"id": entry_id, **fields})
+        self._update(merge)
+
+    def interrupt_running(self, now: datetime, error: str = RESTART_ERROR) -> int:
+        """At start: entries a dead daemon left ``running`` become ``error``."""
+        if not self.file.path.exists():
+            return 0
+        count = 0
+
+        def fix(entries: list[Any]) -> None:
+            nonlocal count
+            count = interrupt(entries, now, error)
+        if any(isinstance(e, dict) and e.get("status") == RUNNING for e in self.entries()):
+            self._update(fix)
+        return count
+
+
+def latest_by_schedule(entries: Iterable[Any]) -> dict[str, list[dict[str, Any]]]:
+    """Entries grouped by schedule id, newest first (the file's order)."""
+    grouped: dict[str, list[dict[str, Any]]] = {}
+    for entry in entries:
+        if isinstance(entry, dict) and isinstance(entry.get("schedule_id"), str):
+            grouped.setdefault(entry["schedule_id"], []).append(entry)
+    return grouped

@@ -1,0 +1,335 @@
+"""Workflow manifests: ``Workflow/<name>/workflow.json`` and its ``variables.json``.
+
+Reading turns a workflow folder into a :class:`Workflow` (its schedules validated
+and normalized) or into :class:`Problem` s, one per thing wrong, each naming the
+file, the schedule and the field. A workflow with any problem loads no schedule:
+a half-understood manifest must not run unattended.
+
+Writing (:func:`edit_schedules`) changes only the ``schedules`` list; every other
+key of the file (capabilities, ownership, execution defaults, ``pending_upgrades``)
+is kept exactly as it was. It happens atomically under the file's lock, and never
+over a file that does not parse.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+
+from kandevd.config import format_validation_error
+from kandevd.cron import CronError, CronSchedule, parse_cron, parse_timezone
+from kandevd.jsonfile import JsonFile, JsonFileError
+
+WORKFLOW_DIR = "Workflow"
+MANIFEST = "workflow.json"
+VARIABLES = Path("variables") / "variables.json"
+DEFAULT_PROFILE = "default"
+
+_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+
+SCHEDULE_FIELDS = ("id", "name", "description", "cron_expression", "timezone", "enabled",
+                   "trigger_payload", "group_ids", "mode", "messages", "workshop_mode", "pulse",
+                   "overlap_policy")
+MODE_ALIASES = {"workflow": "workshop"}
+WORKSHOP_MODE_ALIASES = {"runner": "run"}
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a file, as ``validate`` prints it: ``path: message``."""
+
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.message}"
+
+    def as_dict(self) -> dict[str, str]:
+        return {"path": self.path, "message": self.message}
+
+
+class ManifestError(ValueError):
+    """A schedule or manifest that cannot be used; the message says where and why."""
+
+
+class ManifestUnusable(ManifestError):
+    """The manifest itself is missing or does not parse: kandevd will not rewrite it."""
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """One validated, normalized schedule of a workflow."""
+
+    id: str
+    cron_expression: str
+    timezone: str
+    group_ids: tuple[str, ...]
+    name: str = ""
+    description: str = ""
+    enabled: bool = True
+    trigger_payload: Mapping[str, Any] = field(default_factory=dict)
+    mode: str = "workshop"
+    messages: tuple[str, ...] = ()
+    workshop_mode: str = "run"
+    pulse: bool = False
+    overlap_policy: str = "skip"
+
+    @property
+    def trigger(self) -> CronSchedule:
+        return _trigger(self.cron_expression, self.timezone)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "name": self.name, "description": self.description,
+                "cron_expression": self.cron_expression, "timezone": self.timezone,
+                "enabled": self.enabled, "group_ids": list(self.group_ids), "mode": self.mode,
+                "messages": list(self.messages), "workshop_mode": self.workshop_mode,
+                "trigger_payload": json.loads(json.dumps(self.trigger_payload)),
+                "overlap_policy": self.overlap_policy, "pulse": self.pulse}
+
+
+@dataclass(frozen=True)
+class Workflow:
+    """A workflow folder whose manifest loaded without a problem."""
+
+    name: str
+    folder: Path
+    manifest_id: str
+    label: str
+    agent_profile: str
+    pending_upgrades: bool
+    schedules: tuple[Schedule, ...]
+    enabled_groups: frozenset[str]
+
+    @property
+    def aliases(self) -> frozenset[str]:
+        """Names an allow/block list entry may use: folder, manifest id, label (lowercase)."""
+        return frozenset(n.lower() for n in (self.name, self.manifest_id, self.label) if n)
+
+
+# -- schemas --------------------------------------------------------------------------
+
+@cache
+def _validator(name: str) -> jsonschema.Draft202012Validator:
+    text = resources.files("kandevd.schemas").joinpath(f"{name}.json").read_text("utf-8")
+    return jsonschema.Draft202012Validator(json.loads(text))
+
+
+@cache
+def _trigger(cron_expression: str, timezone: str) -> CronSchedule:
+    return parse_cron(cron_expression, timezone)
+
+
+def _schema_problems(name: str, document: Any, prefix: str = "") -> list[str]:
+    errors = sorted(_validator(name).iter_errors(document), key=lambda e: list(e.absolute_path))
+    return [format_validation_error(e, prefix=prefix, noun="field") for e in errors]
+
+
+# -- names ----------------------------------------------------------------------------
+
+def check_workflow_name(name: str) -> str:
+    """A workflow name is a folder name: letters, digits, '.', '_', '-'; never '..'."""
+    if not isinstance(name, str) or not _NAME.match(name) or set(name) == {"."}:
+        raise ManifestError(
+            f"workflow name {name!r} is not allowed: use letters, digits, '.', '_' and '-' "
+            "(at most 128 characters, not '.' or '..', no path separators)")
+    return name
+
+
+def workflow_root(root: Path) -> Path:
+    return root / WORKFLOW_DIR
+
+
+def workflow_folder(root: Path, name: str) -> Path:
+    return workflow_root(root) / check_workflow_name(name)
+
+
+def manifest_file(folder: Path) -> JsonFile:
+    return JsonFile(folder / MANIFEST)
+
+
+# -- schedules ------------------------------------------------------------------------
+
+def parse_schedule(raw: Any, groups: Mapping[str, bool], *, index: int | None = None
+                   ) -> Schedule:
+    """Validate and normalize one schedule; ManifestError lists every problem at once."""
+    where = f"schedules[{index}]" if index is not None else "schedule"
+    if isinstance(raw, Mapping) and isinstance(raw.get("id"), str) and raw.get("id"):
+        where = f"schedule {raw['id']!r}"
+    problems = _schema_problems("schedule", raw)
+    if problems:
+        raise ManifestError("; ".join(f"{where}: {p}" for p in problems))
+    problems = []
+    timezone = raw.get("timezone", "UTC")
+    try:
+        parse_timezone(timezone)
+    except CronError as exc:
+        problems.append(str(exc))
+    else:
+        try:
+            _trigger(raw["cron_expression"], timezone)
+        except CronError as exc:
+            problems.append(str(exc))
+    group_ids = raw.get("group_ids") or []
+    available = ", ".join(sorted(groups)) or "none: variables/variables.json defines no group"
+    if not group_ids:
+        problems.append(f"group_ids: at least one group is required (available: {available})")
+    else:
+        unknown = [g for g in group_ids if g not in groups]
+        if unknown:
+            problems.append(f"group_ids: unknown group(s) {', '.join(map(repr, unknown))} "
+                            f"(available: {available})")
+        if len(set(group_ids)) != len(group_ids):
+            problems.append("group_ids: a group is listed twice")
+    if problems:
+        raise ManifestError("; ".join(f"{where}: {p}" for p in problems))
+    return Schedule(
+        id=raw["id"], cron_expression=" ".join(raw["cron_expression"].split()),
+        timezone=timezone, group_ids=tuple(group_ids), name=raw.get("name", ""),
+        description=raw.get("description", ""), enabled=raw.get("enabled", True),
+        trigger_payload=raw.get("trigger_payload", {}),
+        mode=MODE_ALIASES.get(raw.get("mode", "workshop"), raw.get("mode", "workshop")),
+        messages=tuple(raw.get("messages", ())),
+        workshop_mode=WORKSHOP_MODE_ALIASES.get(raw.get("workshop_mode", "run"),
+                                                raw.get("workshop_mode", "run")),
+        pulse=raw.get("pulse", False), overlap_policy=raw.get("overlap_policy", "skip"),
+    )
+
+
+# -- variables ------------------------------------------------------------------------
+
+def read_groups(folder: Path) -> tuple[dict[str, bool], list[Problem]]:
+    """``{group_id: enabled}`` from variables.json (absent file: no groups)."""
+    path = folder / VARIABLES
+    try:
+        document = JsonFile(path).read_strict()
+    except FileNotFoundError:
+        return {}, []
+    except JsonFileError as exc:
+        return {}, [Problem(str(path), str(exc).removeprefix(f"{path}: "))]
+    problems = [Problem(str(path), p) for p in _schema_problems("variables", document)]
+    if problems:
+        return {}, problems
+    groups: dict[str, bool] = {}
+    for group in document.get("groups", []):
+        if group["group_id"] in groups:
+            problems.append(Problem(str(path), f"groups: group_id {group['group_id']!r} "
+                                               "is defined twice"))
+        groups[group["group_id"]] = group.get("enabled", True)
+    return groups, problems
+
+
+# -- workflows ------------------------------------------------------------------------
+
+def load_workflow(folder: Path) -> tuple[Workflow | None, list[Problem]]:
+    """The workflow in ``folder`` and its problems; None when it cannot be used."""
+    path = folder / MANIFEST
+    try:
+        check_workflow_name(folder.name)
+    except ManifestError as exc:
+        return None, [Problem(str(folder), str(exc))]
+    try:
+        document = JsonFile(path).read_strict()
+    except FileNotFoundError:
+        return None, [Problem(str(path), "missing: a workflow folder needs a workflow.json")]
+    except JsonFileError as exc:
+        return None, [Problem(str(path), str(exc).removeprefix(f"{path}: "))]
+    problems = [Problem(str(path), p) for p in _schema_problems("workflow", document)]
+    if problems:
+        return None, problems
+    groups, problems = read_groups(folder)
+    schedules: list[Schedule] = []
+    seen: set[str] = set()
+    for index, raw in enumerate(document.get("schedules", [])):
+        try:
+            schedule = parse_schedule(raw, groups, index=index)
+        except ManifestError as exc:
+            problems.append(Problem(str(path), str(exc)))
+            continue
+        if schedule.id in seen:
+            problems.append(Problem(str(path), f"schedule {schedule.id!r}: id: used twice "
+                                               "in this workflow"))
+            continue
+        seen.add(schedule.id)
+        schedules.append(schedule)
+    if problems:
+        return None, problems
+    return Workflow(
+        name=folder.name, folder=folder, manifest_id=str(document.get("id", "")),
+        label=str(document.get("label", "")),
+        agent_profile=document.get("agent_profile", DEFAULT_PROFILE),
+        pending_upgrades=bool(document.get("pending_upgrades")),
+        schedules=tuple(schedules),
+        enabled_groups=frozenset(g for g, enabled in groups.items() if enabled),
+    ), []
+
+
+def workflow_folders(root: Path) -> list[Path]:
+    """Every folder under ``<root>/Workflow``, sorted by name (none when it is missing)."""
+    base = workflow_root(root)
+    try:
+        return sorted((p for p in base.iterdir() if p.is_dir()), key=lambda p: p.name)
+    except FileNotFoundError:
+        return []
+
+
+def scan(root: Path) -> tuple[list[Workflow], list[Problem]]:
+    """Load every workflow under the root; problems of one never stop the others."""
+    workflows: list[Workflow] = []
+    problems: list[Problem] = []
+    for folder in workflow_folders(root):
+        workflow, found = load_workflow(folder)
+        problems.extend(found)
+        if workflow is not None:
+            workflows.append(workflow)
+    return workflows, problems
+
+
+def edit_schedules(folder: Path, edit: Callable[[list[Any]], list[Any]]) -> Workflow:
+    """Rewrite the manifest's ``schedules`` with ``edit(schedules)``; keep every other key.
+
+    The result is validated (with the workflow's groups) before anything is written:
+    ManifestError leaves the file as it was. A manifest that does not parse is never
+    rewritten (ManifestError names it).
+    """
+    handle = manifest_file(folder)
+    with handle.lock():
+        try:
+            document = handle.read_strict()
+        except FileNotFoundError:
+            raise ManifestUnusable(f"{handle.path}: missing") from None
+        except JsonFileError as exc:
+            raise ManifestUnusable(f"{exc}; fix the file first (kandevd never rewrites it)"
+                                   ) from None
+        if not isinstance(document, dict):
+            raise ManifestUnusable(f"{handle.path}: must be a JSON object; fix the file first")
+        document["schedules"] = edit(list(document.get("schedules", [])))
+        groups, problems = read_groups(folder)
+        if problems:
+            raise ManifestUnusable("; ".join(str(p) for p in problems))
+        seen: set[str] = set()
+        for index, raw in enumerate(document["schedules"]):
+            parse_schedule(raw, groups, index=index)
+            if raw["id"] in seen:
+                raise ManifestError(f"schedule {raw['id']!r}: id: used twice in this workflow")
+            seen.add(raw["id"])
+        handle.write_locked(document)
+    workflow, problems = load_workflow(folder)
+    if workflow is None:
+        raise ManifestError("; ".join(str(p) for p in problems))
+    return workflow
+
+
+def find_schedule(schedules: Iterable[Any], schedule_id: str) -> int:
+    """Index of the raw schedule with ``schedule_id``; -1 when absent."""
+    for index, raw in enumerate(schedules):
+        if isinstance(raw, Mapping) and raw.get("id") == schedule_id:
+            return index
+    return -1

@@ -1,0 +1,87 @@
+"""JsonFile: atomic replace, corrupt files moved aside (never lost), locked updates."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+from pathlib import Path
+
+import pytest
+
+from kandevd.jsonfile import CorruptFile, JsonFile, JsonFileError
+
+
+def test_write_then_read_round_trips_and_leaves_no_temp_file(tmp_path: Path) -> None:
+    handle = JsonFile(tmp_path / "sub" / "data.json")
+    handle.write({"a": [1, 2, "é"]})
+    assert handle.read({}) == {"a": [1, 2, "é"]}
+    assert sorted(p.name for p in (tmp_path / "sub").iterdir()) == ["data.json",
+                                                                    "data.json.lock"]
+
+
+def test_a_missing_file_reads_as_a_copy_of_the_default(tmp_path: Path) -> None:
+    default: list[int] = []
+    value = JsonFile(tmp_path / "absent.json").read(default)
+    value.append(1)
+    assert default == []
+    assert not (tmp_path / "absent.json").exists()
+
+
+@pytest.mark.parametrize("content", [b"{not json", b"\xff\xfe", b"[NaN]", b"[1e999]x"])
+def test_a_corrupt_file_is_moved_aside_with_its_bytes_and_reported(tmp_path: Path,
+                                                                   content: bytes) -> None:
+    path = tmp_path / "history.json"
+    path.write_bytes(content)
+    reports: list[CorruptFile] = []
+    handle = JsonFile(path, on_corrupt=reports.append)
+    assert handle.update(lambda v: [*v, "new"], [], expect=list) == ["new"]
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("history.json.corrupt-")]
+    assert len(aside) == 1
+    assert aside[0].read_bytes() == content
+    assert json.loads(path.read_text()) == ["new"]
+    assert len(reports) == 1 and reports[0].moved_to == str(aside[0])
+
+
+def test_a_file_of_the_wrong_json_type_is_moved_aside_too(tmp_path: Path) -> None:
+    path = tmp_path / "h.json"
+    path.write_text('{"an": "object"}')
+    assert JsonFile(path).read([], expect=list) == []
+    assert [p.name for p in tmp_path.iterdir() if "corrupt" in p.name]
+    assert not path.exists()
+
+
+def test_read_strict_raises_instead_of_moving(tmp_path: Path) -> None:
+    path = tmp_path / "workflow.json"
+    path.write_text("{broken")
+    with pytest.raises(JsonFileError, match=r"workflow\.json: not valid JSON"):
+        JsonFile(path).read_strict()
+    assert path.read_text() == "{broken"
+
+
+def test_non_json_values_are_never_written(tmp_path: Path) -> None:
+    handle = JsonFile(tmp_path / "x.json")
+    handle.write([1])
+    with pytest.raises(ValueError):
+        handle.write([float("nan")])
+    assert handle.read([]) == [1]
+
+
+def _append_many(path: str, tag: str, count: int) -> None:
+    handle = JsonFile(Path(path))
+    for i in range(count):
+        handle.update(lambda entries, i=i: [f"{tag}-{i}", *entries], [], expect=list)
+
+
+def test_two_processes_appending_to_one_file_lose_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "schedule-runs.json"
+    context = multiprocessing.get_context("spawn")
+    workers = [context.Process(target=_append_many, args=(str(path), tag, 60))
+               for tag in ("a", "b")]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(120)
+        assert worker.exitcode == 0
+    entries = json.loads(path.read_text())
+    assert sorted(entries) == sorted([f"a-{i}" for i in range(60)] +
+                                     [f"b-{i}" for i in range(60)])

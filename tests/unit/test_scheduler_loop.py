@@ -1,0 +1,253 @@
+"""CronLoop.tick with an injected clock, real files and a real AgentRuntime.
+
+Sessions run in-process (InProcessRunner) so the fire decision, overlap,
+pause and the turn sequence are tested without child processes.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kandevd.config import build_config
+from kandevd.paths import HomeLayout
+from kandevd.runtime import AgentRuntime, ExecutionSpec, InProcessRunner
+from kandevd.scheduler.loop import CronLoop, Decision, decide_fire
+from kandevd.scheduler.registry import JobRegistry
+from kandevd.scheduler.runner import SessionRunner
+from kandevd.scheduler.settings import Switches
+from kandevd.workflows.history import SHUTDOWN_ERROR
+from tests.workflows import history, schedule, write_workflow
+
+T0 = datetime(2026, 12, 3, 10, 0, 30, tzinfo=UTC)
+
+
+@dataclass
+class Agent:
+    """An in-process agent: records each stdin; a message containing FAIL fails;
+    ``gate`` (when set) makes every turn wait for it."""
+
+    seen: list[dict[str, Any]] = field(default_factory=list)
+    gate: threading.Event | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __call__(self, spec: ExecutionSpec) -> tuple[int, str | None, float | None]:
+        with self.lock:
+            self.seen.append(dict(spec.stdin))
+        if self.gate is not None:
+            self.gate.wait(30)
+        return (1 if "FAIL" in spec.stdin.get("message", "") else 0), "ok", 2
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> HomeLayout:
+    return HomeLayout(tmp_path)
+
+
+@pytest.fixture
+def build(home: HomeLayout) -> Iterator[Callable[..., tuple[CronLoop, Agent]]]:
+    made: list[tuple[CronLoop, AgentRuntime]] = []
+
+    def make(agent: Agent | None = None, *, env: dict[str, str] | None = None,
+             max_concurrent: int = 4) -> tuple[CronLoop, Agent]:
+        agent = agent or Agent()
+        config = build_config({"runtime": {"max_concurrent": max_concurrent}},
+                              environ=env or {})
+        runtime = AgentRuntime(max_concurrent, 1, runner=InProcessRunner(agent))
+        registry = JobRegistry(home.workspace,
+                               switches=Switches.from_config(config.scheduler, env or {}),
+                               retention_days=90)
+        registry.load_at_start(T0)
+
+        def runner(loop: CronLoop) -> SessionRunner:
+            return SessionRunner(registry, config=config, layout=home, runtime=runtime,
+                                 spawn=loop.fanout.spawn)
+        loop = CronLoop(registry, runner_factory=runner, stop_grace_s=0)
+        made.append((loop, runtime))
+        return loop, agent
+
+    yield make
+    for loop, runtime in made:
+        loop.runner.close(0)
+        loop.fanout.join()
+        runtime.stop()
+
+
+def folder_of(home: HomeLayout, name: str = "w") -> Path:
+    return home.workspace / "Workflow" / name
+
+
+# -- the decision ----------------------------------------------------------------------
+
+@given(st.booleans(), st.booleans(), st.booleans(), st.booleans(), st.booleans(),
+       st.sampled_from(["skip", "buffer_one"]))
+def test_decide_fire_policy(enabled: bool, allowed: bool, paused: bool, running: bool,
+                            buffered: bool, policy: str) -> None:
+    decision = decide_fire(execution_enabled=enabled, workflow_allowed=allowed, paused=paused,
+                           running=running, buffered=buffered, overlap_policy=policy)
+    if not (enabled and allowed):
+        assert decision is Decision.SKIP_DISABLED
+    elif paused:
+        assert decision is Decision.SKIP_PAUSED
+    elif not running:
+        assert decision is Decision.RUN
+    elif policy == "buffer_one" and not buffered:
+        assert decision is Decision.BUFFER
+    else:
+        assert decision is Decision.SKIP_OVERLAP
+
+
+# -- ticks -----------------------------------------------------------------------------
+
+def test_nothing_fires_before_the_time_and_the_wait_points_at_it(build, home) -> None:
+    write_workflow(home.workspace, "w", [schedule("s", "*/5 * * * *")])
+    loop, agent = build()
+    assert loop.tick(T0) == 60  # capped, so a wall-clock change is noticed
+    assert loop.tick(datetime(2026, 12, 3, 10, 4, 45, tzinfo=UTC)) == 15
+    assert loop.fires == 0 and agent.seen == []
+
+
+def test_a_due_fire_runs_one_cron_session_and_a_late_tick_replays_nothing(build, home) -> None:
+    write_workflow(home.workspace, "w", [schedule("s", "*/5 * * * *")])
+    loop, _agent = build()
+    loop.tick(T0 + timedelta(hours=1))  # twelve fire times passed: one fire
+    loop.fanout.join()
+    assert loop.fires == 1
+    [entry] = history(folder_of(home))
+    assert entry["trigger_source"] == "cron" and entry["status"] == "success"
+    job = loop.registry.resolve("s")
+    assert job.state.next_fire == datetime(2026, 12, 3, 11, 5, tzinfo=UTC)
+    assert job.state.run_count == 1 and job.state.last_status == "success"
+
+
+def test_paused_and_disabled_fires_are_counted_not_run(build, home) -> None:
+    write_workflow(home.workspace, "w", [schedule("s", "* * * * *")])
+    loop, agent = build()
+    loop.registry.pause.put(True, "ops", T0)
+    loop.tick(T0 + timedelta(minutes=1))
+    assert loop.registry.resolve("s").state.skipped_paused == 1
+    off, _ = build(env={"SCHEDULER_ENABLED": "false"})
+    off.tick(T0 + timedelta(minutes=1))
+    assert off.registry.resolve("s").state.skipped_disabled == 1
+    blocked, _ = build(env={"SCHEDULER_BLOCKED_WORKFLOWS": "W"})
+    blocked.tick(T0 + timedelta(minutes=1))
+    job = blocked.registry.resolve("s")
+    assert job.state.skipped_disabled == 1
+    assert blocked.registry.as_dict(job, running=False, paused=False)[
+        "cron_ineligible_reason"] == "workflow blocked by the block list (W)"
+    assert agent.seen == [] and history(folder_of(home)) == []
+
+
+@pytest.mark.parametrize(("policy", "sessions", "skipped"), [("skip", 1, 2),
+                                                             ("buffer_one", 2, 1)])
+def test_overlap_policies(build, home, policy: str, sessions: int, skipped: int) -> None:
+    write_workflow(home.workspace, "w", [schedule("s", "* * * * *", overlap_policy=policy)])
+    gate = threading.Event()
+    loop, _agent = build(Agent(gate=gate))
+    for minute in (1, 2, 3):
+        loop.tick(T0 + timedelta(minutes=minute))
+    job = loop.registry.resolve("s")
+    assert job.state.skipped_overlap == skipped
+    gate.set()
+    loop.fanout.join()
+    entries = history(folder_of(home))
+    assert len(entries) == sessions
+    assert all(e["status"] == "success" and e["trigger_source"] == "cron" for e in entries)
+
+
+# -- the session -----------------------------------------------------------------------
+
+def run_manual(loop: CronLoop, job_id: str = "s") -> None:
+    loop.runner.start(loop.registry.resolve(job_id), "manual")
+    loop.fanout.join()
+
+
+def test_turn_sequence_preflight_messages_reports_and_pulse(build, home) -> None:
+    folder = write_workflow(home.workspace, "w", [schedule(
+        "s", group_ids=["g1", "g2", "off"], messages=["one", "two"], pulse=True,
+        trigger_payload={"k": 1})], groups={"g1": True, "g2": True, "off": False},
+        pending_upgrades=["x"])
+    (folder / "decisions.json").write_text(json.dumps([
+        {"id": 1, "question": "q", "answer": "a", "status": "answered"},
+        {"id": 2, "question": "q2", "answer": None, "status": "open"}]))
+    loop, agent = build()
+    run_manual(loop)
+    kinds = [(s["turn"]["kind"], s["message"][:20], s["workshop_mode"],
+              s["execution_options"]["selected_run_folder"]) for s in agent.seen]
+    assert kinds == [
+        ("preflight", "Apply the answered d", "workshop", "iteration-0"),
+        ("message", "one", "run", "iteration-0"),
+        ("message", "two", "run", "iteration-0"),
+        ("report", "Generate the final r", "run", "iteration-0/g1"),
+        ("report", "Generate the final r", "run", "iteration-0/g2"),
+        ("pulse", "Pulse: scheduled run", "workshop", "iteration-0"),
+    ]
+    first = agent.seen[0]
+    assert first["decisions"] == [{"id": 1, "question": "q", "answer": "a",
+                                   "status": "answered"}]
+    assert first["execution_options"]["contract_upgrades_pending"] is True
+    assert first["execution_options"]["enabled_group_ids"] == ["g1", "g2"]
+    assert first["payload"] == {"k": 1} and first["triggered_by"] == "manual"
+    assert (first["agent_mode"], first["phase_id"]) == ("workflow_phase", "workflow-builder")
+    [entry] = history(folder)
+    assert entry["status"] == "success" and entry["cost_cents"] == 12
+    assert [t["kind"] for t in entry["turns"]] == ["preflight", "message", "message",
+                                                   "report", "report", "pulse"]
+    assert agent.seen[-1]["message"].find(entry["id"]) > 0
+    decisions = json.loads((folder / "decisions.json").read_text())
+    assert decisions[0]["status"] == "applied"
+    assert decisions[0]["applied_session_id"] == entry["session_id"]
+    assert decisions[1]["status"] == "open"
+    assert (folder / "runs" / "iteration-0" / "g2").is_dir()
+
+
+def test_a_failing_message_ends_the_session_and_sends_nothing_more(build, home) -> None:
+    folder = write_workflow(home.workspace, "w", [schedule(
+        "s", messages=["one", "FAIL two", "three"], pulse=True)])
+    loop, agent = build()
+    run_manual(loop)
+    assert [s["message"] for s in agent.seen][:2] == ["one", "FAIL two"]
+    assert agent.seen[2]["turn"]["kind"] == "pulse" and len(agent.seen) == 3
+    [entry] = history(folder)
+    assert entry["status"] == "error"
+    assert entry["error"] == "message turn 1 failed: exit code 1"
+    assert loop.registry.resolve("s").state.consecutive_failures == 1
+
+
+def test_no_report_when_a_message_runs_the_report_itself(build, home) -> None:
+    write_workflow(home.workspace, "w", [schedule("s", messages=["do run_full_report now"])])
+    loop, agent = build()
+    run_manual(loop)
+    assert [s["turn"]["kind"] for s in agent.seen] == ["message"]
+
+
+def test_default_message_and_workshop_mode_without_report(build, home) -> None:
+    write_workflow(home.workspace, "w", [schedule("s", workshop_mode="workshop")])
+    loop, agent = build()
+    run_manual(loop)
+    assert [(s["turn"]["kind"], s["message"]) for s in agent.seen] == [
+        ("message", "Run the full workflow using run_full_workflow tool.")]
+
+
+def test_closing_records_the_session_in_flight_as_stopped(build, home) -> None:
+    folder = write_workflow(home.workspace, "w", [schedule("s", messages=["a", "b"])])
+    gate = threading.Event()
+    loop, agent = build(Agent(gate=gate))
+    loop.runner.start(loop.registry.resolve("s"), "manual")
+    while not agent.seen:
+        gate.wait(0.01)
+    loop.runner.close(0)
+    gate.set()  # an in-process turn cannot be interrupted: it ends, no further turn starts
+    loop.fanout.join()
+    [entry] = history(folder)
+    assert entry["status"] == "stopped" and entry["error"] == SHUTDOWN_ERROR
+    assert len(agent.seen) == 1

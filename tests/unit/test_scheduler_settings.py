@@ -1,0 +1,62 @@
+"""Execution switches, the allow/block lists and the persisted global pause."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from pathlib import Path
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kandevd.config import build_config
+from kandevd.scheduler.settings import PauseState, Switches, list_verdict, parse_list
+
+NAMES = st.sampled_from(["reports", "Reports", "REP", "rep", "other", "x"])
+
+
+def test_parse_list_trims_and_drops_empty_entries() -> None:
+    assert parse_list(" a, ,b ,,c ") == ("a", "b", "c")
+    assert parse_list("") == () and parse_list(None) == ()
+
+
+@given(st.lists(NAMES, max_size=3), st.lists(NAMES, max_size=3), st.lists(NAMES, max_size=3))
+def test_block_wins_and_an_empty_allow_list_allows(aliases: list[str], allowed: list[str],
+                                                   blocked: list[str]) -> None:
+    verdict = list_verdict(aliases, allowed, blocked)
+    lowered = {a.lower() for a in aliases}
+    if any(b.lower() in lowered for b in blocked):
+        assert verdict is not None and verdict.startswith("blocked")
+    elif allowed and not any(a.lower() in lowered for a in allowed):
+        assert verdict == "not in the allow list"
+    else:
+        assert verdict is None
+
+
+def test_switches_from_the_environment_and_config() -> None:
+    env = {"SCHEDULER_ENABLED": "false", "SCHEDULER_ALLOWED_WORKFLOWS": "Reports, daily ",
+           "SCHEDULER_BLOCKED_USERS": "bob"}
+    switches = Switches.from_config(build_config(None, environ=env).scheduler, env)
+    assert not switches.execution_enabled and switches.disabled_via_env
+    assert switches.disabled_reason == "SCHEDULER_ENABLED=false in the environment"
+    assert switches.allowed_workflows == ("Reports", "daily")
+    assert switches.workflow_verdict({"reports"}) is None
+    assert switches.workflow_verdict({"other"}) == "workflow not in the allow list"
+    assert switches.user_verdict("bob") == "user blocked by the block list (bob)"
+    by_config = Switches.from_config(
+        build_config({"scheduler": {"enabled": False}}, environ={}).scheduler, {})
+    assert by_config.disabled_reason == "scheduler.enabled is false in the config"
+    assert by_config.as_dict()["disabled_via_env"] is False
+
+
+def test_pause_state_persists_only_its_fields(tmp_path: Path) -> None:
+    pause = PauseState(tmp_path)
+    assert pause.get() == {"globally_paused": False, "paused_at": None, "paused_by": None,
+                           "updated_at": None}
+    now = datetime(2026, 12, 3, 10, tzinfo=UTC)
+    pause.put(True, "ops", now)
+    stored = json.loads((tmp_path / "config" / "scheduler.json").read_text())
+    assert stored == {"globally_paused": True, "paused_at": "2026-12-03T10:00:00.000000Z",
+                      "paused_by": "ops", "updated_at": "2026-12-03T10:00:00.000000Z"}
+    pause.put(False, None, now)
+    assert pause.get()["globally_paused"] is False and pause.get()["paused_by"] is None

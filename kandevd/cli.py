@@ -16,6 +16,7 @@ import click
 
 from kandevd import __version__
 from kandevd.cli_common import client_options, echo_json, home_option, invoke
+from kandevd.cli_jobs import check_workflows, jobs, scheduler
 from kandevd.cli_runs import runs
 from kandevd.config import ConfigError, load_config
 from kandevd.paths import HomeLayout, resolve_home
@@ -31,7 +32,8 @@ def cli() -> None:
     """kandevd schedules autonomous AI-agent work reliably.
 
     Start the daemon with `kandevd serve`; talk to it with `kandevd status`,
-    `kandevd runs ...` or the raw `kandevd call METHOD PARAMS_JSON`.
+    `kandevd runs ...`, `kandevd jobs ...`, `kandevd scheduler ...` or the raw
+    `kandevd call METHOD PARAMS_JSON`.
     """
 
 
@@ -102,14 +104,27 @@ def init(home: str | None, example: str | None) -> None:
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
               help="Config file to check.")
 def validate(home: str | None, config_path: str | None) -> None:
-    """Check the config file; exit 0 when valid, 1 otherwise."""
+    """Check the config and every workflow; exit 0 when all are valid, 1 otherwise.
+
+    Checks the config file, then every Workflow/<name>/workflow.json (with its
+    variables/variables.json) under the scheduler root. Each problem is printed
+    on stderr as one `path: problem` line; stdout gets `config ok: ...` and a
+    summary (`N workflow(s), M schedule(s) ok in ROOT`, or the problem count).
+    Workflows are not checked while the config itself is invalid (their root
+    comes from it). Nothing is written.
+    """
+    from kandevd.scheduler.build import scheduler_root
+
     root = resolve_home(home)
     try:
         config = load_config(Path(config_path) if config_path else None, home=root)
     except ConfigError as exc:
         click.echo(f"invalid: {exc}", err=True)
+        click.echo("workflows not checked: the config is invalid", err=True)
         sys.exit(EXIT_ERROR)
     click.echo(f"config ok: {config.source or 'built-in defaults'}")
+    if not check_workflows(scheduler_root(config, root)):
+        sys.exit(EXIT_ERROR)
 
 
 @cli.command()
@@ -146,6 +161,8 @@ def status(home: str | None, socket_path: str | None, as_json: bool) -> None:
 
 
 cli.add_command(runs)
+cli.add_command(jobs)
+cli.add_command(scheduler)
 
 
 def main() -> None:

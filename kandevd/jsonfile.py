@@ -23,6 +23,8 @@ import json
 import logging
 import os
 import tempfile
+import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,16 +68,91 @@ def loads(text: str) -> Any:
     return json.loads(text, parse_constant=_strict_constant)
 
 
-def dumps(value: Any) -> str:
-    return json.dumps(value, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
+def dumps(value: Any, indent: int | None = 2) -> str:
+    return json.dumps(value, indent=indent, ensure_ascii=False, allow_nan=False) + "\n"
+
+
+_MISS = object()
+
+#: ``{id(item): (item, its JSON text)}`` for the items of a cached list.
+ItemTexts = dict[int, tuple[Any, str]]
+
+
+class _ParsedCache:
+    """The last content of a few large list files, parsed and encoded item by item.
+
+    Keyed by what ``stat`` says: every write renames a new file into place, so a
+    write by anyone (this process or another) changes the inode and the cached
+    value no longer matches. A value is *taken* out while an update mutates it, so
+    no two users ever share one object. Item texts are reused for items that are
+    the very same objects as last time, which is why the owner of a cached file
+    must replace an item to change it, never mutate it in place.
+    """
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._lock = threading.Lock()
+        self._items: OrderedDict[Path, tuple[tuple[int, int, int], Any, ItemTexts]] = \
+            OrderedDict()
+
+    def take(self, path: Path) -> tuple[Any, ItemTexts]:
+        with self._lock:
+            item = self._items.pop(path, None)
+        if item is None or item[0] != _stat_key(path):
+            return _MISS, {}
+        return item[1], item[2]
+
+    def put(self, path: Path, value: Any, texts: ItemTexts) -> None:
+        key = _stat_key(path)
+        if key is None:
+            return
+        with self._lock:
+            self._items[path] = (key, value, texts)
+            self._items.move_to_end(path)
+            while len(self._items) > self._size:
+                self._items.popitem(last=False)
+
+
+def _stat_key(path: Path) -> tuple[int, int, int] | None:
+    try:
+        info = path.stat()
+    except OSError:
+        return None
+    return (info.st_ino, info.st_mtime_ns, info.st_size)
+
+
+_ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False)
+
+
+def _encode_items(items: list[Any], previous: ItemTexts) -> tuple[str, ItemTexts]:
+    """A list as JSON, one item per line, re-encoding only items not seen before."""
+    texts: ItemTexts = {}
+    parts = []
+    for item in items:
+        hit = previous.get(id(item))
+        text = hit[1] if hit is not None and hit[0] is item else _ENCODER.encode(item)
+        texts[id(item)] = (item, text)
+        parts.append(text)
+    return ("[\n" + ",\n".join(parts) + "\n]\n") if parts else "[]\n", texts
+
+
+_CACHE = _ParsedCache(size=8)
 
 
 class JsonFile:
     """One JSON file: atomic writes, a lock beside it, corrupt content moved aside."""
 
-    def __init__(self, path: Path, *, on_corrupt: CorruptReporter | None = None) -> None:
+    def __init__(self, path: Path, *, on_corrupt: CorruptReporter | None = None,
+                 indent: int | None = 2, cache: bool = False) -> None:
+        """``indent`` None writes compact JSON. ``cache`` (for large, machine-kept
+        lists such as run history) keeps the parsed and encoded content between
+        updates, so recording into a large file neither parses nor re-encodes all of
+        it; such a list is written one item per line, and its owner replaces an item
+        to change it (see :class:`_ParsedCache`)."""
         self.path = Path(path)
         self._on_corrupt = on_corrupt
+        self._indent = indent
+        self._cache = cache
 
     @property
     def lock_path(self) -> Path:
@@ -141,14 +218,27 @@ class JsonFile:
         return it.
         """
         with self.lock():
-            value = self._read_locked(default, expect)
+            if not self._cache:
+                new = mutate(self._read_locked(default, expect))
+                self.write_locked(new)
+                return new
+            value, texts = _CACHE.take(self.path)
+            if value is _MISS:
+                value = self._read_locked(default, expect)
             new = mutate(value)
-            self.write_locked(new)
+            if isinstance(new, list):
+                text, texts = _encode_items(new, texts)
+                self._replace(text)
+                _CACHE.put(self.path, new, texts)
+            else:
+                self.write_locked(new)
             return new
 
     def write_locked(self, value: Any) -> None:
         """Replace the content atomically; the caller holds :meth:`lock`."""
-        text = dumps(value)
+        self._replace(dumps(value, self._indent))
+
+    def _replace(self, text: str) -> None:
         folder = self.path.parent
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         fd, temp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=folder)

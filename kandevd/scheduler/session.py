@@ -22,6 +22,7 @@ runtime (SIGTERM, grace, SIGKILL); the entry is recorded ``stopped``.
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -209,7 +210,7 @@ class Session:
         ended = self._clock()
         self.entry["completed_at"] = rfc3339(ended)
         self.entry["duration_ms"] = max(0, int((ended - started).total_seconds() * 1000))
-        self._history.update_entry(self.plan.entry_id, dict(self.entry))
+        self._history.update_entry(self.plan.entry_id, copy.deepcopy(self.entry))
 
     # -- one turn -------------------------------------------------------------------
     def _turn(self, turn: TurnSpec) -> dict[str, Any]:
@@ -217,12 +218,13 @@ class Session:
         self._turn_index += 1
         record: dict[str, Any] = {"index": index, "kind": turn.kind, "message": turn.message,
                                   "workshop_mode": turn.workshop_mode, "status": hist.RUNNING,
-                                  "duration_ms": None, "log_path": None, "cost_cents": 0,
-                                  "error": None}
+                                  "started_at": None, "duration_ms": None, "log_path": None,
+                                  "cost_cents": 0, "error": None}
         self.entry["turns"].append(record)
-        self._history.update_entry(self.plan.entry_id, dict(self.entry))
+        self._history.update_entry(self.plan.entry_id, copy.deepcopy(self.entry))
         result = self._execute(turn, index, record)
         if result is not None:
+            record["started_at"] = rfc3339(result.started_at)
             record["duration_ms"] = int(result.duration_s * 1000)
             record["cost_cents"] = result.cost_cents or 0
             record["log_path"] = str(result.log_path)
@@ -235,7 +237,7 @@ class Session:
                 record["status"] = hist.ERROR
                 record["error"] = result.error or result.outcome
         self.entry["cost_cents"] = sum(t.get("cost_cents") or 0 for t in self.entry["turns"])
-        self._history.update_entry(self.plan.entry_id, dict(self.entry))
+        self._history.update_entry(self.plan.entry_id, copy.deepcopy(self.entry))
         return record
 
     def _execute(self, turn: TurnSpec, index: int, record: dict[str, Any]

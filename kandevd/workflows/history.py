@@ -48,14 +48,24 @@ def entry_time(entry: Any) -> datetime | None:
 def prune(entries: list[Any], now: datetime, retention_days: float) -> list[Any]:
     """Drop terminal entries older than ``retention_days``; keep running and undated ones."""
     cutoff = now - timedelta(days=retention_days)
+    cutoff_text = rfc3339(cutoff)
     kept = []
     for entry in entries:
-        status = entry.get("status") if isinstance(entry, dict) else None
-        moment = entry_time(entry)
-        if status in TERMINAL and moment is not None and moment < cutoff:
+        if not isinstance(entry, dict) or entry.get("status") not in TERMINAL:
+            kept.append(entry)
             continue
-        kept.append(entry)
+        stamp = entry.get("completed_at") or entry.get("started_at")
+        if isinstance(stamp, str) and len(stamp) == _STAMP_LEN and stamp.endswith("Z"):
+            old = stamp < cutoff_text  # kandevd's own fixed-width stamps sort as text
+        else:
+            moment = entry_time(entry)
+            old = moment is not None and moment < cutoff
+        if not old:
+            kept.append(entry)
     return kept
+
+
+_STAMP_LEN = len("2026-12-02T13:00:00.123456Z")
 
 
 def page(entries: list[Any], *, schedule_id: str | None, limit: int, offset: int
@@ -68,16 +78,17 @@ def page(entries: list[Any], *, schedule_id: str | None, limit: int, offset: int
 
 
 def interrupt(entries: list[Any], now: datetime, error: str) -> int:
-    """Turn every ``running`` entry into ``error`` with ``error`` (in place); how many."""
+    """Turn every ``running`` entry into ``error`` with ``error``; how many.
+
+    The list is changed in place, its entries are replaced (never mutated)."""
     fixed = 0
-    for entry in entries:
+    for index, entry in enumerate(entries):
         if isinstance(entry, dict) and entry.get("status") == RUNNING:
-            entry["status"] = ERROR
-            entry["error"] = error
-            entry["completed_at"] = rfc3339(now)
+            changed = {**entry, "status": ERROR, "error": error, "completed_at": rfc3339(now)}
             started = entry_time({"started_at": entry.get("started_at")})
             if started is not None and entry.get("duration_ms") is None:
-                entry["duration_ms"] = max(0, int((now - started).total_seconds() * 1000))
+                changed["duration_ms"] = max(0, int((now - started).total_seconds() * 1000))
+            entries[index] = changed  # replaced, never mutated: see JsonFile(cache=True)
             fixed += 1
     return fixed
 
@@ -87,7 +98,7 @@ class History:
 
     def __init__(self, folder: Path, *, retention_days: float,
                  on_corrupt: CorruptReporter | None = None) -> None:
-        self.file = JsonFile(folder / HISTORY, on_corrupt=on_corrupt)
+        self.file = JsonFile(folder / HISTORY, on_corrupt=on_corrupt, indent=None, cache=True)
         self.retention_days = retention_days
 
     def entries(self) -> list[Any]:
@@ -108,9 +119,9 @@ class History:
     def update_entry(self, entry_id: str, fields: dict[str, Any]) -> None:
         """Merge ``fields`` into the entry ``entry_id``; re-add it if someone removed it."""
         def merge(entries: list[Any]) -> None:
-            for entry in entries:
+            for index, entry in enumerate(entries):
                 if isinstance(entry, dict) and entry.get("id") == entry_id:
-                    entry.update(fields)
+                    entries[index] = {**entry, **fields}  # replaced, never mutated in place
                     return
             entries.insert(0, {"id": entry_id, **fields})
         self._update(merge)

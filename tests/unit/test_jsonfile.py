@@ -66,16 +66,17 @@ def test_non_json_values_are_never_written(tmp_path: Path) -> None:
     assert handle.read([]) == [1]
 
 
-def _append_many(path: str, tag: str, count: int) -> None:
-    handle = JsonFile(Path(path))
+def _append_many(path: str, tag: str, count: int, cache: bool) -> None:
+    handle = JsonFile(Path(path), cache=cache)
     for i in range(count):
         handle.update(lambda entries, i=i: [f"{tag}-{i}", *entries], [], expect=list)
 
 
-def test_two_processes_appending_to_one_file_lose_nothing(tmp_path: Path) -> None:
+@pytest.mark.parametrize("cache", [False, True])
+def test_two_processes_appending_to_one_file_lose_nothing(tmp_path: Path, cache: bool) -> None:
     path = tmp_path / "schedule-runs.json"
     context = multiprocessing.get_context("spawn")
-    workers = [context.Process(target=_append_many, args=(str(path), tag, 60))
+    workers = [context.Process(target=_append_many, args=(str(path), tag, 60, cache))
                for tag in ("a", "b")]
     for worker in workers:
         worker.start()
@@ -85,3 +86,25 @@ def test_two_processes_appending_to_one_file_lose_nothing(tmp_path: Path) -> Non
     entries = json.loads(path.read_text())
     assert sorted(entries) == sorted([f"a-{i}" for i in range(60)] +
                                      [f"b-{i}" for i in range(60)])
+
+
+def test_a_cached_file_sees_writes_made_by_anyone_else(tmp_path: Path) -> None:
+    path = tmp_path / "runs.json"
+    cached = JsonFile(path, cache=True)
+    cached.update(lambda v: [{"id": 1}, *v], [], expect=list)
+    JsonFile(path).write([{"id": "external"}])  # another writer (another process, say)
+    cached.update(lambda v: [{"id": 2}, *v], [], expect=list)
+    assert json.loads(path.read_text()) == [{"id": 2}, {"id": "external"}]
+
+
+def test_a_cached_list_is_written_one_item_per_line_and_replaced_items_are_re_encoded(
+        tmp_path: Path) -> None:
+    path = tmp_path / "runs.json"
+    cached = JsonFile(path, cache=True)
+    cached.update(lambda v: [{"id": 1, "s": "running"}, {"id": 0}], [], expect=list)
+
+    def finish(items: list) -> list:
+        items[0] = {**items[0], "s": "done"}
+        return items
+    cached.update(finish, [], expect=list)
+    assert path.read_text().splitlines() == ["[", '{"id": 1, "s": "done"},', '{"id": 0}', "]"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -152,11 +152,11 @@ class JobRegistry:
         jobs: dict[str, Job] = {}
         for workflow in workflows:
             history = self.history(workflow)
-            fixed = history.interrupt_running(now)
+            entries, fixed = history.repair_after_restart(now)
             if fixed:
                 log.warning("%s: %d run(s) left running by a previous daemon marked "
                             "'error' (%s)", history.file.path, fixed, hist.RESTART_ERROR)
-            grouped = hist.latest_by_schedule(history.entries()) if workflow.schedules else {}
+            grouped = hist.latest_by_schedule(entries)
             for schedule in workflow.schedules:
                 job = Job(workflow_job_id(workflow.name, schedule.id), workflow, schedule)
                 entries = grouped.get(schedule.id, [])
@@ -232,7 +232,9 @@ class JobRegistry:
         if previous is None:
             job.state.next_fire = next_fire(schedule, now)
             return job
-        job.state = replace(previous.state)
+        # The state object itself carries over (not a copy), so a session that ends
+        # during the reload records into the job either way.
+        job.state = previous.state
         timing = (schedule.cron_expression, schedule.timezone, schedule.enabled)
         before = (previous.schedule.cron_expression, previous.schedule.timezone,
                   previous.schedule.enabled)

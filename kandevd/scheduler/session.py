@@ -154,7 +154,11 @@ class Session:
         self._history.record_start(self.entry, started)
         log.info("session %s of %s started (%s)", plan.session_id, plan.job_id,
                  plan.trigger_source)
-        status, error = self._turns()
+        try:
+            status, error = self._turns()
+        except Exception as exc:  # a bug or a broken file must not leave the entry running
+            log.exception("session %s of %s failed", plan.session_id, plan.job_id)
+            status, error = hist.ERROR, f"internal error: {type(exc).__name__}: {exc}"
         if schedule.pulse and status in (hist.SUCCESS, hist.ERROR) \
                 and not self.control.stop_requested:
             message = (f"Pulse: scheduled run {plan.entry_id} of schedule {schedule.id} "

@@ -102,6 +102,8 @@ class History:
         self.retention_days = retention_days
 
     def entries(self) -> list[Any]:
+        if not self.file.path.exists():  # the common case at start: no lock file made
+            return []
         return self.file.read([], expect=list)
 
     def _update(self, mutate: Callable[[list[Any]], Any]) -> list[Any]:
@@ -126,18 +128,21 @@ class History:
             entries.insert(0, {"id": entry_id, **fields})
         self._update(merge)
 
-    def interrupt_running(self, now: datetime, error: str = RESTART_ERROR) -> int:
-        """At start: entries a dead daemon left ``running`` become ``error``."""
-        if not self.file.path.exists():
-            return 0
+    def repair_after_restart(self, now: datetime) -> tuple[list[Any], int]:
+        """At start: entries a dead daemon left ``running`` become ``error``.
+
+        Returns the entries (after the repair) and how many were repaired; the file
+        is read once and written only when something was left running.
+        """
+        entries = self.entries()
+        if not any(isinstance(e, dict) and e.get("status") == RUNNING for e in entries):
+            return entries, 0
         count = 0
 
-        def fix(entries: list[Any]) -> None:
+        def fix(current: list[Any]) -> None:
             nonlocal count
-            count = interrupt(entries, now, error)
-        if any(isinstance(e, dict) and e.get("status") == RUNNING for e in self.entries()):
-            self._update(fix)
-        return count
+            count = interrupt(current, now, RESTART_ERROR)
+        return self._update(fix), count
 
 
 def latest_by_schedule(entries: Iterable[Any]) -> dict[str, list[dict[str, Any]]]:

@@ -67,11 +67,12 @@ def test_record_start_prunes_and_puts_the_new_entry_first(tmp_path: Path) -> Non
     assert [e["id"] for e in history.entries()] == ["new", "recent", "r", "undated"]
 
 
-def test_interrupt_running_marks_error_with_the_restart_message(tmp_path: Path) -> None:
+def test_repair_after_restart_marks_error_with_the_restart_message(tmp_path: Path) -> None:
     history = hist.History(tmp_path, retention_days=90)
     history.file.write([{"id": "x", "status": "running", "started_at": rfc3339(NOW)},
                         {"id": "y", "status": "success"}])
-    assert history.interrupt_running(NOW + timedelta(seconds=3)) == 1
+    entries, fixed = history.repair_after_restart(NOW + timedelta(seconds=3))
+    assert fixed == 1 and entries == history.entries()
     first, second = history.entries()
     assert first["status"] == "error" and first["error"] == "interrupted: server restarted"
     assert first["completed_at"] == rfc3339(NOW + timedelta(seconds=3))

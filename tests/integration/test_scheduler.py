@@ -52,6 +52,12 @@ def terminal(daemon: DaemonProcess, job_id: str, count: int = 1, timeout: float 
                              timeout=timeout)
 
 
+def started_turns(daemon: DaemonProcess, job_id: str) -> list[dict[str, Any]]:
+    """The turns of the newest session of ``job_id`` that the history shows started."""
+    items = daemon.call("scheduler.jobs.runs", {"id": job_id, "limit": 1})["items"]
+    return items[0]["turns"] if items else []
+
+
 @pytest.fixture
 def setup(tmp_path: Path, daemon_factory: Callable[..., DaemonProcess]
           ) -> Callable[..., tuple[DaemonProcess, Path]]:
@@ -117,8 +123,7 @@ def test_failing_message_stop_already_running_and_default_message(setup) -> None
     with pytest.raises(RpcCallError) as busy:
         daemon.call("scheduler.jobs.trigger", {"id": "sleeps"})
     assert busy.value.error["data"]["kind"] == "already_running"
-    daemon.wait_until(lambda: any("SLEEP" in r["stdin"]["message"] for r in records(record))
-                      or daemon.count_lines("turn-") > 0, what="the sleeping turn")
+    daemon.wait_until(lambda: started_turns(daemon, "sleeps"), what="the sleeping turn")
     assert daemon.call("scheduler.jobs.get", {"id": "sleeps"})["running"] is True
     daemon.call("scheduler.jobs.stop", {"id": "sleeps"})
     [stopped] = terminal(daemon, "sleeps")
@@ -235,9 +240,7 @@ def test_sigint_records_the_session_in_flight_stopped_before_the_last_line(setup
     daemon, record = setup({"w": [schedule("s", messages=["SLEEP", "never"])]},
                            stop_grace_s=0.2)
     daemon.call("scheduler.jobs.trigger", {"id": "s"})
-    daemon.wait_until(lambda: daemon.call("scheduler.jobs.runs", {"id": "s"})["items"] and
-                      daemon.call("scheduler.jobs.runs", {"id": "s"})["items"][0]["turns"],
-                      what="the first turn")
+    daemon.wait_until(lambda: started_turns(daemon, "s"), what="the first turn")
     assert daemon.stop(signal.SIGINT) == 0
     lines = daemon.lines
     assert lines[-1].endswith("Graceful shutdown complete")

@@ -7,7 +7,8 @@ the file system does.
 
 Life of one :meth:`ProcessRunner.run`::
 
-    prepare (cwd, log file, stdin JSON)  --fail-->  outcome "error" (no child)
+    prepare (cwd, log file, stdin JSON and its copy              --fail-->  outcome "error"
+             <log>.input.json, named by $KANDEVD_INPUT)                         (no child)
         |
     spawn (own session = own process group)  --fail-->  outcome "error"
         |
@@ -419,6 +420,14 @@ class ProcessRunner:
         except (TypeError, ValueError) as exc:
             return fail_to_start(f"stdin object is not JSON serializable: {exc}")
 
+        input_path = spec.log_path.with_name(spec.log_path.stem + ".input.json")
+        try:  # the same JSON as stdin, complete on disk before the agent starts
+            fd = os.open(input_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(stdin_bytes)
+        except OSError as exc:
+            return fail_to_start(f"cannot write agent input {input_path}: {exc}")
+
         request = control.requested
         if request is not None:  # stopped before it even started: start nothing
             outcome, reason = request
@@ -430,6 +439,7 @@ class ProcessRunner:
         env["KANDEVD_RUN_ID"] = spec.run_id
         env["KANDEVD_SESSION_ID"] = spec.session_id
         env["KANDEVD_HOME"] = spec.home
+        env["KANDEVD_INPUT"] = str(input_path)
         try:
             proc = subprocess.Popen(
                 list(spec.argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,

@@ -103,6 +103,7 @@ def test_trigger_runs_messages_in_order_and_records_the_session(setup) -> None:
         "enabled_group_ids": ["g1", "g2"]}
     assert seen[0]["env"]["KANDEVD_RUN_ID"] == entry["id"]
     assert seen[0]["env"]["KANDEVD_SESSION_ID"] == entry["session_id"]
+    assert json.loads(Path(seen[0]["env"]["KANDEVD_INPUT"]).read_text()) == first
     job = daemon.call("scheduler.jobs.get", {"id": "workflow:reports:daily"})
     assert (job["last_status"], job["run_count"], job["running"]) == ("success", 1, False)
     assert job["last_session_id"] == entry["session_id"] and job["last_duration_ms"] >= 0

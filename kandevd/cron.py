@@ -1,7 +1,7 @@
-"""Standard 5-field cron expressions, turned into APScheduler 3 triggers.
+"""Standard 5-field cron expressions, and their fire times in an IANA time zone.
 
-The one place kandevd reads a cron expression. Fire times are still computed
-by APScheduler's ``CronTrigger``; this module only validates the expression
+The one place kandevd reads a cron expression. Matching wall-clock times are
+found by APScheduler's ``CronTrigger``; this module validates the expression
 and translates it, because ``CronTrigger.from_crontab`` is not standard cron:
 it numbers the days of the week from 0 = Monday, so ``0 9 * * 0`` would fire
 on Mondays and ``7`` (Sunday) would be rejected.
@@ -26,12 +26,30 @@ APScheduler ``OrTrigger`` of two ``CronTrigger`` s. As in Vixie cron, a field
 counts as unrestricted when it starts with ``*`` (so ``*/2`` in one of them
 means "both must match"); when either is unrestricted the other alone decides.
 
-Time zones are IANA names; the fields match the zone's wall clock, as
-APScheduler documents: a wall time skipped by a spring-forward does not fire
-that day (``30 2 * * *`` in Europe/Berlin skips the last Sunday of March), one
-repeated by a fall-back fires at both of its instants. Fire times are
-APScheduler's, through a CronTrigger subclass that corrects two DST slips of
-APScheduler 3.11 (see :class:`_WallClockCronTrigger`).
+Time zones are IANA names, and the fields match the zone's wall clock. Across
+daylight-saving changes a wall time fires at the first instant the clock
+reaches it:
+
+* a wall time that a fall-back repeats fires once, at its first instant:
+  ``30 2 * * *`` in Europe/Berlin fires at 02:30 CEST on the last Sunday of
+  October, not again at 02:30 CET;
+* a wall time that a spring-forward skips fires once, at the instant the clock
+  jumps: ``30 2 * * *`` in Europe/Berlin fires at 03:00 CEST on the last
+  Sunday of March. Every skipped wall time that matches collapses into that
+  one fire, as does one due at the jump itself: ``*/15 2 * * *`` fires once
+  that day, at 03:00 CEST, and so does ``0 2,3 * * *``.
+
+This is Vixie cron's rule for its fixed-time jobs, applied to every
+expression: unlike Vixie, an expression with ``*`` in its minute or hour field
+does not fire again during a repeated hour (``*/10 * * * *`` is silent for
+the hour of a fall-back's second pass) and does fire at the jump for a
+skipped one (``*/15 2 * * *`` above).
+
+How: the ``CronTrigger`` s are built in UTC, a zone without DST, and used only
+to search the wall clock (a naive wall time read as UTC); each wall time found
+is mapped to its instant in the schedule's zone by the rule above, and a
+match whose instant lies before the one asked about (the second pass of a
+fall-back) is passed over. No APScheduler internals are involved.
 """
 
 from __future__ import annotations
@@ -43,10 +61,6 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from apscheduler.triggers.combining import OrTrigger
 from apscheduler.triggers.cron import CronTrigger
-from apscheduler.util import normalize
-
-CronSchedule = CronTrigger | OrTrigger
-"""What :func:`parse_cron` returns; both answer ``get_next_fire_time(None, now)``."""
 
 _ONE_MICROSECOND = timedelta(microseconds=1)
 _MONTHS = ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec")
@@ -54,54 +68,73 @@ _WEEKDAYS = ("sun", "mon", "tue", "wed", "thu", "fri", "sat")  # standard number
 _MAX_DAYS = (31, 29, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31)   # a leap year's, per month
 
 
-class _WallClockCronTrigger(CronTrigger):
-    """APScheduler's CronTrigger, held to its documented wall-clock semantics across DST.
+class CronSchedule:
+    """A parsed cron expression in its time zone (what :func:`parse_cron` returns).
 
-    APScheduler 3.11 slips in two ways this corrects, leaving the search its own:
-
-    * it moves to the next day (hour, month...) by adding the wall-clock difference in
-      UTC; across a spring-forward that lands an hour late, so ``0 0 * * *`` in
-      Europe/Berlin skips the midnight after the change: such a forward drift is stepped
-      back onto the wall time that was meant;
-    * depending on the path of its search, it returns a wall time the spring-forward
-      skipped (``02:37+01:00``): such a time never fires, the search resumes where the
-      clock resumes.
+    Answers ``get_next_fire_time(previous_fire_time, now)`` as an APScheduler trigger
+    does, with the DST rule of this module.
     """
 
-    def _increment_field_value(self, dateval: datetime, fieldnum: int) -> tuple[datetime, int]:
-        moved, fieldnum = super()._increment_field_value(dateval, fieldnum)
-        drift = moved.utcoffset() - dateval.utcoffset()
-        if drift > timedelta(0):
-            moved = normalize((moved.replace(tzinfo=None) - drift).replace(tzinfo=self.timezone))
-        return moved, fieldnum
+    __slots__ = ("_wall_clock", "expression", "timezone")
+
+    def __init__(self, expression: str, timezone: ZoneInfo,
+                 wall_clock: CronTrigger | OrTrigger) -> None:
+        self.expression = expression
+        self.timezone = timezone
+        self._wall_clock = wall_clock  # in UTC: matches naive wall times read as UTC
+
+    def __repr__(self) -> str:
+        return f"CronSchedule({self.expression!r}, {self.timezone.key!r})"
 
     def get_next_fire_time(self, previous_fire_time: datetime | None, now: datetime
                            ) -> datetime | None:
-        found = super().get_next_fire_time(previous_fire_time, now)
-        while found is not None and not _exists(found):
-            found = super().get_next_fire_time(None, _clock_resumes(found))
-        return found
+        """The first fire instant at or after ``now`` (aware), in the schedule's zone; None
+        when the schedule ends. As in APScheduler, a ``previous_fire_time`` moves the start
+        back to just after it when that is earlier than ``now``."""
+        start = now.astimezone(UTC)
+        if previous_fire_time is not None:
+            start = min(start, previous_fire_time.astimezone(UTC) + _ONE_MICROSECOND)
+        zone = self.timezone
+        # Every wall time up to the clock's reading just before ``start`` first came earlier.
+        wall = _wall_time(start - _ONE_MICROSECOND, zone) + _ONE_MICROSECOND
+        while (found := self._wall_clock.get_next_fire_time(None, wall.replace(tzinfo=UTC))
+               ) is not None:
+            wall = found.replace(tzinfo=None)
+            instant = _first_instant(wall, zone)
+            if instant >= start:
+                return instant.astimezone(zone)
+            wall += _ONE_MICROSECOND  # the second pass of a fall-back: fired on the first
+        return None
 
 
-def _exists(moment: datetime) -> bool:
-    """Whether an aware local time is a real reading of its zone's clock."""
-    return moment.astimezone(UTC).astimezone(moment.tzinfo).replace(tzinfo=None) == \
-        moment.replace(tzinfo=None)
+def _wall_time(moment: datetime, zone: ZoneInfo) -> datetime:
+    """What the clock of ``zone`` reads at the aware ``moment`` (naive)."""
+    return moment.astimezone(zone).replace(tzinfo=None)
+
+
+def _first_instant(wall: datetime, zone: ZoneInfo) -> datetime:
+    """The first instant (UTC) the clock of ``zone`` reads the naive ``wall`` time or later:
+    its only instant, the earlier of a fall-back's two, or a spring-forward's jump."""
+    earlier = min(wall.replace(tzinfo=zone, fold=fold).astimezone(UTC) for fold in (0, 1))
+    if _wall_time(earlier, zone) == wall:
+        return earlier
+    return _clock_resumes(wall.replace(tzinfo=zone))
 
 
 def _clock_resumes(skipped: datetime) -> datetime:
-    """The instant a spring-forward that skipped the wall time ``skipped`` ends (UTC).
+    """The instant (UTC) a spring-forward that skipped the aware local wall time ``skipped``
+    ends: the first instant the clock reads a later time.
 
     Read with the offset after the jump the wall time falls before it, with the offset
     before the jump after it; bisect (whole seconds, as zone data is) for the change.
     """
+    zone = skipped.tzinfo
     early, late = sorted(skipped.replace(fold=f).astimezone(UTC) for f in (0, 1))
-    offset = skipped.tzinfo.utcoffset(early)
+    offset = early.astimezone(zone).utcoffset()
     lo, hi = math.floor(early.timestamp()), math.ceil(late.timestamp())
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        probe = datetime.fromtimestamp(mid, UTC)
-        if skipped.tzinfo.utcoffset(probe) == offset:
+        if datetime.fromtimestamp(mid, zone).utcoffset() == offset:
             lo = mid
         else:
             hi = mid
@@ -141,7 +174,7 @@ def parse_timezone(name: str) -> ZoneInfo:
 
 
 def parse_cron(expr: str, timezone: str = "UTC") -> CronSchedule:
-    """The APScheduler trigger of the standard 5-field cron ``expr`` in ``timezone``.
+    """The schedule of the standard 5-field cron ``expr`` in ``timezone``.
 
     Raises CronError naming the field (``timezone: ...`` or ``cron_expression: ...``)
     when the zone is unknown, the expression malformed, or it can never fire.
@@ -159,15 +192,17 @@ def parse_cron(expr: str, timezone: str = "UTC") -> CronSchedule:
     days_restricted = not fields[2].startswith("*")
     weekdays_restricted = not fields[4].startswith("*")
     common = {"minute": _list(minutes, 0, 59), "hour": _list(hours, 0, 23),
-              "month": _list(months, 1, 12), "timezone": zone}
+              "month": _list(months, 1, 12), "timezone": UTC}
     by_day = {"day": _list(days, 1, 31)}
     by_weekday = {"day_of_week": _weekday_list(weekdays)}
     if days_restricted and weekdays_restricted:  # standard cron: either one matches
-        return OrTrigger([_WallClockCronTrigger(**common, **by_day),
-                          _WallClockCronTrigger(**common, **by_weekday)])
-    if not any(day <= _MAX_DAYS[month - 1] for month in months for day in days):
+        wall_clock: CronTrigger | OrTrigger = OrTrigger(
+            [CronTrigger(**common, **by_day), CronTrigger(**common, **by_weekday)])
+    elif not any(day <= _MAX_DAYS[month - 1] for month in months for day in days):
         raise CronError(f"cron_expression: {expr!r} never fires")
-    return _WallClockCronTrigger(**common, **by_day, **by_weekday)
+    else:
+        wall_clock = CronTrigger(**common, **by_day, **by_weekday)
+    return CronSchedule(expr, zone, wall_clock)
 
 
 def next_fire_times(trigger: CronSchedule, after: datetime, count: int) -> list[datetime]:

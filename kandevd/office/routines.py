@@ -2,7 +2,8 @@
 
 Cron expressions (standard 5 fields, 0 and 7 = Sunday) and time zones are
 parsed by :func:`kandevd.cron.parse_cron`, and fire times computed only by the
-APScheduler 3.x trigger it returns; there is no second cron implementation here.
+schedule it returns (APScheduler 3.x wall-clock matching plus kandevd.cron's DST
+rule, shared with workflow schedules); there is no second cron implementation here.
 
 Persisted state is the truth: each routine row holds ``next_run_at``. A tick
 reads the active routines whose ``next_run_at`` is due and, for each, claims

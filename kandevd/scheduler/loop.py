@@ -1,7 +1,8 @@
 """CronLoop: fires workflow schedules at their times.
 
-Why a Loop and not APScheduler's own scheduler main loop: the fire times come
-from APScheduler's CronTrigger (through :mod:`kandevd.cron`), but the decision
+Why a Loop and not APScheduler's own scheduler main loop: fire times come from
+:mod:`kandevd.cron` (APScheduler's CronTrigger finds the matching wall times,
+kandevd.cron applies the DST rule), but the decision
 of what fires at a given ``now`` is :meth:`CronLoop.tick`, a plain method a
 test calls with any clock and no thread; and the Loop gives the lifecycle the
 rest of the daemon has (idempotent start/stop, a parent stop signal, the

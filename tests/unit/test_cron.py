@@ -3,17 +3,22 @@
 The evaluator below knows nothing of kandevd.cron or APScheduler: the
 hypothesis strategy builds each field as a structure, renders it to text and
 computes its value set independently; the evaluator then walks every local
-wall-clock minute of the window and says which instants must fire.
+wall-clock minute of the window and says which instants must fire, by the
+definition of the DST rule: a wall time fires at the first instant the zone's
+clock reads it or a later time (once in a fall-back fold, at the jump for a
+time a spring-forward skips).
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 from dataclasses import dataclass
-from datetime import UTC, date, datetime, timedelta
-from zoneinfo import ZoneInfo
+from datetime import UTC, date, datetime, time, timedelta
+from zoneinfo import ZoneInfo, available_timezones
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from kandevd.cron import CronError, next_fire_times, parse_cron
@@ -66,20 +71,32 @@ class Spec:
                                       for d in self.dom.values)
 
 
-def instants(wall: datetime, zone: ZoneInfo) -> set[datetime]:
-    """The UTC instants of a local wall time: two in a fall-back fold, one normally, none
-    when a spring-forward skips it."""
-    found = set()
-    for fold in (0, 1):
-        moment = wall.replace(tzinfo=zone, fold=fold).astimezone(UTC)
-        if moment.astimezone(zone).replace(tzinfo=None) == wall:
-            found.add(moment)
-    return found
+def reads(moment: datetime, zone: ZoneInfo) -> datetime:
+    """The naive wall time the clock of ``zone`` shows at ``moment``."""
+    return moment.astimezone(zone).replace(tzinfo=None)
+
+
+def first_reached(wall: datetime, zone: ZoneInfo) -> datetime:
+    """The first instant (UTC) the clock of ``zone`` reads ``wall`` or later: the instant of
+    a normal wall time, the first of the two of one a fall-back repeats, the jump of one a
+    spring-forward skips (found by a search over whole minutes, as every change is)."""
+    lo, hi = sorted(wall.replace(tzinfo=zone, fold=fold).astimezone(UTC) for fold in (0, 1))
+    if reads(lo, zone) >= wall:
+        return lo
+    minutes = (hi - lo) // timedelta(minutes=1)   # reads(lo) < wall <= reads(hi)
+    below, above = 0, minutes
+    while above - below > 1:
+        mid = (below + above) // 2
+        if reads(lo + timedelta(minutes=mid), zone) >= wall:
+            above = mid
+        else:
+            below = mid
+    return lo + timedelta(minutes=above)
 
 
 def brute_force(spec: Spec, zone: ZoneInfo, after: datetime, until: datetime) -> list[datetime]:
-    """Every instant in ``(after, until]`` whose local wall time matches, walking every wall
-    minute: twice in a fall-back fold, never for a time a spring-forward skips."""
+    """Every fire instant in ``(after, until]``, walking every wall minute: each matching wall
+    time fires at :func:`first_reached` (so skipped ones collapse into the jump)."""
     first_day = (after.astimezone(zone) - timedelta(days=1)).date()
     last_day = (until.astimezone(zone) + timedelta(days=1)).date()
     fires: set[datetime] = set()
@@ -89,9 +106,78 @@ def brute_force(spec: Spec, zone: ZoneInfo, after: datetime, until: datetime) ->
             for minute in range(60) if hour in spec.hour.values else ():
                 if minute in spec.minute.values:
                     wall = datetime(day.year, day.month, day.day, hour, minute)
-                    fires.update(instants(wall, zone))
+                    fires.add(first_reached(wall, zone))
         day += timedelta(days=1)
     return sorted(t for t in fires if after < t <= until)
+
+
+# -- the zones' changes of UTC offset --------------------------------------------------------
+
+DST_ZONES = (
+    "Europe/Berlin", "Europe/London", "Europe/Dublin", "Europe/Chisinau", "Atlantic/Azores",
+    "America/New_York", "America/Havana", "America/St_Johns", "America/Goose_Bay",
+    "America/Santiago", "America/Sao_Paulo", "America/Asuncion", "America/Scoresbysund",
+    "America/Mexico_City", "Australia/Lord_Howe", "Australia/Sydney", "Pacific/Auckland",
+    "Pacific/Chatham", "Pacific/Apia", "Pacific/Norfolk", "Asia/Tehran", "Asia/Jerusalem",
+    "Asia/Gaza", "Asia/Beirut", "Asia/Amman", "Africa/Casablanca", "Africa/Cairo",
+    "Antarctica/Troll", "Antarctica/Casey")
+FIXED_ZONES = ("UTC", "Asia/Tokyo", "Asia/Kolkata", "Asia/Kathmandu", "Pacific/Kiritimati",
+               "America/Phoenix", "Etc/GMT+12", "Africa/Abidjan")
+ALL_ZONES = tuple(sorted(available_timezones()))
+
+
+@dataclass(frozen=True)
+class Change:
+    """A change of a zone's UTC offset: a gap (spring-forward) or a fold (fall-back)."""
+    zone: str
+    at: datetime  # UTC
+    before: timedelta
+    after: timedelta
+
+    @property
+    def gap(self) -> bool:
+        return self.after > self.before
+
+    @property
+    def walls(self) -> tuple[datetime, datetime]:
+        """The naive wall times ``[start, end)`` the change skips (gap) or repeats (fold)."""
+        start, end = sorted((self.at + self.before, self.at + self.after))
+        return start.replace(tzinfo=None), end.replace(tzinfo=None)
+
+
+@functools.cache
+def changes(zone_name: str, year: int) -> tuple[Change, ...]:
+    """The offset changes of ``zone_name`` in ``year``: 6-hour probes (no zone changes twice
+    within 6 hours in 2000-2040), each change bisected to its second."""
+    zone = ZoneInfo(zone_name)
+
+    def offset(second: int) -> timedelta:
+        return datetime.fromtimestamp(second, zone).utcoffset()
+
+    step = 6 * 3600
+    second = int(datetime(year, 1, 1, tzinfo=UTC).timestamp())
+    end = int(datetime(year + 1, 1, 1, tzinfo=UTC).timestamp())
+    found = []
+    while second < end:
+        if offset(second) != offset(second + step):
+            lo, hi = second, second + step
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if offset(mid) == offset(second) else (lo, mid)
+            found.append(Change(zone_name, datetime.fromtimestamp(hi, UTC), offset(lo),
+                                offset(hi)))
+        second += step
+    return tuple(found)
+
+
+@st.composite
+def dst_changes(draw: st.DrawFn, kind: str = "any") -> Change:
+    """An offset change of a DST zone in 2000-2040; ``kind``: "gap", "fold" or "any"."""
+    zone = draw(st.sampled_from(DST_ZONES))
+    year = draw(st.integers(min_value=2000, max_value=2040))
+    found = [c for c in changes(zone, year) if kind == "any" or c.gap == (kind == "gap")]
+    assume(found)
+    return draw(st.sampled_from(found))
 
 
 # -- strategies ----------------------------------------------------------------------------
@@ -148,27 +234,23 @@ specs = st.builds(
 )
 
 
-def last_sunday(year: int, month: int) -> datetime:
-    day = date(year, month, 31)
-    return datetime.combine(day - timedelta(days=(day.weekday() + 1) % 7), datetime.min.time(),
-                            tzinfo=UTC) + timedelta(hours=1)  # EU DST changes at 01:00 UTC
-
-
-anywhere = st.datetimes(min_value=datetime(2025, 1, 1), max_value=datetime(2028, 12, 1),
+anywhere = st.datetimes(min_value=datetime(2000, 1, 1), max_value=datetime(2040, 12, 1),
                         timezones=st.just(UTC))
-near_dst = st.builds(
-    lambda year, month, back: last_sunday(year, month) - back,
-    st.integers(min_value=2025, max_value=2028), st.sampled_from([3, 10]),
+near_a_change = st.builds(
+    lambda change, back: (change.zone, change.at - back), dst_changes(),
     st.timedeltas(min_value=timedelta(0), max_value=WINDOW - timedelta(hours=2)))
+zone_and_start = st.one_of(st.tuples(st.sampled_from(DST_ZONES + FIXED_ZONES), anywhere),
+                           near_a_change)
 
 
-# -- the property ----------------------------------------------------------------------------
+# -- the properties ----------------------------------------------------------------------------
 
-@settings(max_examples=150, deadline=None)
-@given(spec=specs, zone_name=st.sampled_from(["UTC", "Europe/Berlin"]),
-       start=st.one_of(anywhere, near_dst))
-def test_fire_times_match_a_brute_force_standard_cron(spec: Spec, zone_name: str,
-                                                      start: datetime) -> None:
+@settings(max_examples=100, deadline=None)
+@given(spec=specs, zone_and_start=zone_and_start)
+def test_fire_times_match_a_brute_force_standard_cron(spec: Spec,
+                                                      zone_and_start: tuple[str, datetime]
+                                                      ) -> None:
+    zone_name, start = zone_and_start
     end = start + WINDOW
     try:
         trigger = parse_cron(spec.text, zone_name)
@@ -180,6 +262,88 @@ def test_fire_times_match_a_brute_force_standard_cron(spec: Spec, zone_name: str
     produced = [t for t in next_fire_times(trigger, start, CAP) if t <= end]
     horizon = produced[-1] if len(produced) == CAP else end
     assert produced == brute_force(spec, ZoneInfo(zone_name), start, horizon), spec.text
+
+
+@settings(max_examples=60, deadline=None)
+@given(spec=specs, zone_and_start=st.one_of(st.tuples(st.sampled_from(ALL_ZONES), anywhere),
+                                            near_a_change),
+       probes=st.lists(st.timedeltas(min_value=timedelta(microseconds=1),
+                                     max_value=timedelta(days=3)), max_size=5))
+def test_fire_times_increase_and_each_is_the_first_at_or_after_a_moment(
+        spec: Spec, zone_and_start: tuple[str, datetime], probes: list[timedelta]) -> None:
+    zone_name, start = zone_and_start
+    assume(spec.can_fire())
+    trigger = parse_cron(spec.text, zone_name)
+    assert trigger.timezone is ZoneInfo(zone_name)
+    times = next_fire_times(trigger, start, 60)
+    assert all(a < b for a, b in itertools.pairwise(times))
+    assert all(t > start for t in times)
+    for fire in times[:10]:
+        found = trigger.get_next_fire_time(None, fire)
+        assert found == fire
+        assert found.tzinfo is trigger.timezone
+        assert trigger.get_next_fire_time(None, fire - timedelta(microseconds=1)) == fire
+    if times:
+        for moment in (start + p for p in probes if start + p <= times[-1]):
+            assert trigger.get_next_fire_time(None, moment) == min(t for t in times if t >= moment)
+
+
+@settings(max_examples=60, deadline=None)
+@given(where=st.one_of(dst_changes().map(lambda c: (c.zone, c.at)),
+                       st.tuples(st.sampled_from(FIXED_ZONES), anywhere)),
+       hour=st.integers(min_value=0, max_value=23), minute=st.integers(min_value=0, max_value=59))
+def test_a_daily_schedule_fires_once_per_local_day(where: tuple[str, datetime], hour: int,
+                                                  minute: int) -> None:
+    zone_name, center = where
+    zone = ZoneInfo(zone_name)
+    after, until = center - timedelta(days=4), center + timedelta(days=4)
+    # a zone that skips a whole calendar day fires its time at the jump, the next day
+    assume(all(c.after - c.before < timedelta(hours=12) for c in changes(zone_name, center.year)))
+    fires = [t for t in next_fire_times(parse_cron(f"{minute} {hour} * * *", zone_name), after,
+                                        12) if t <= until]
+    days = [reads(t, zone).date() for t in fires]
+    first, last = reads(after, zone).date() + timedelta(days=1), reads(until, zone).date()
+    assert [d for d in days if first <= d < last] == \
+        [first + timedelta(days=n) for n in range((last - first).days)]
+    for fire in fires:  # at hour:minute, or at the jump over it
+        wall = datetime.combine(reads(fire, zone).date(), time(hour, minute))
+        if reads(fire, zone) != wall:
+            assert reads(fire - timedelta(minutes=1), zone) < wall < reads(fire, zone)
+
+
+@settings(max_examples=50, deadline=None)
+@given(change=dst_changes("fold"), data=st.data())
+def test_a_time_a_fall_back_repeats_fires_once_at_its_first_instant(change: Change,
+                                                                    data: st.DataObject) -> None:
+    start, end = change.walls
+    repeats = (end - start) // timedelta(minutes=1)
+    wall = start + timedelta(minutes=data.draw(st.integers(min_value=0, max_value=repeats - 1)))
+    trigger = parse_cron(f"{wall.minute} {wall.hour} * * *", change.zone)
+    first = (wall - change.before).replace(tzinfo=UTC)   # read with the offset before
+    second = (wall - change.after).replace(tzinfo=UTC)   # read with the offset after
+    assert first < change.at <= second
+    fires = next_fire_times(trigger, first - timedelta(minutes=1), 2)
+    assert fires[0] == first
+    assert fires[1] > second
+    assert trigger.get_next_fire_time(None, first + timedelta(seconds=1)) == fires[1]
+    assert trigger.get_next_fire_time(None, second) == fires[1]
+
+
+@settings(max_examples=50, deadline=None)
+@given(change=dst_changes("gap"), data=st.data())
+def test_a_time_a_spring_forward_skips_fires_once_at_the_jump(change: Change,
+                                                             data: st.DataObject) -> None:
+    start, end = change.walls
+    skipped = (end - start) // timedelta(minutes=1)
+    wall = start + timedelta(minutes=data.draw(st.integers(min_value=0, max_value=skipped - 1)))
+    zone = ZoneInfo(change.zone)
+    trigger = parse_cron(f"{wall.minute} {wall.hour} * * *", change.zone)
+    fires = next_fire_times(trigger, change.at - timedelta(microseconds=1), 2)
+    assert fires[0] == change.at
+    assert reads(fires[0], zone) == end                   # what the clock jumps to
+    assert reads(fires[1], zone) > wall + timedelta(hours=12)
+    assert trigger.get_next_fire_time(None, change.at) == change.at
+    assert trigger.get_next_fire_time(None, change.at + timedelta(microseconds=1)) == fires[1]
 
 
 # -- explicit cases ------------------------------------------------------------------------
@@ -250,20 +414,64 @@ def test_month_names_and_explicit_lists() -> None:
         "01 Jul 22:05", "01 Jul 22:35", "01 Jul 23:05", "01 Jul 23:35", "01 Jan 22:05"]
 
 
-def test_dst_fold_fires_twice_and_a_skipped_time_not_at_all() -> None:
+def test_a_repeated_time_fires_once_and_a_skipped_time_at_the_jump() -> None:
+    berlin = ZoneInfo("Europe/Berlin")
     daily = parse_cron("30 2 * * *", "Europe/Berlin")
-    autumn = next_fire_times(daily, datetime(2026, 10, 24, 12, tzinfo=UTC), 3)
-    assert autumn == [datetime(2026, 10, 25, 0, 30, tzinfo=UTC),   # 02:30 CEST
-                      datetime(2026, 10, 25, 1, 30, tzinfo=UTC),   # 02:30 CET
+    assert daily.timezone is berlin
+    autumn = next_fire_times(daily, datetime(2026, 10, 24, 12, tzinfo=UTC), 2)
+    assert autumn == [datetime(2026, 10, 25, 0, 30, tzinfo=UTC),   # 02:30 CEST, not at CET
                       datetime(2026, 10, 26, 1, 30, tzinfo=UTC)]
     spring = next_fire_times(daily, datetime(2026, 3, 28, 12, tzinfo=UTC), 2)
-    assert spring == [datetime(2026, 3, 30, 0, 30, tzinfo=UTC),     # none on the 29th
-                      datetime(2026, 3, 31, 0, 30, tzinfo=UTC)]
+    assert spring == [datetime(2026, 3, 29, 1, 0, tzinfo=UTC),      # 03:00 CEST, the jump
+                      datetime(2026, 3, 30, 0, 30, tzinfo=UTC)]
+    jump = datetime(2026, 3, 29, 1, 0, tzinfo=UTC)
+    found = daily.get_next_fire_time(None, jump)
+    assert found == jump
+    assert found.tzinfo is berlin
+    assert str(found) == "2026-03-29 03:00:00+02:00"
     busy = parse_cron("10,37 1,2,3 * * *", "Europe/Berlin")
     assert next_fire_times(busy, datetime(2026, 3, 29, 0, 30, tzinfo=UTC), 3) == [
         datetime(2026, 3, 29, 0, 37, tzinfo=UTC),                   # 01:37 CET
-        datetime(2026, 3, 29, 1, 10, tzinfo=UTC),                   # 03:10 CEST
-        datetime(2026, 3, 29, 1, 37, tzinfo=UTC)]                   # 03:37 CEST
+        datetime(2026, 3, 29, 1, 0, tzinfo=UTC),                    # 03:00 CEST: 02:10, 02:37
+        datetime(2026, 3, 29, 1, 10, tzinfo=UTC)]                   # 03:10 CEST
+
+
+def test_nothing_repeats_in_the_second_pass_of_a_fall_back() -> None:
+    every_ten = parse_cron("*/10 * * * *", "Europe/Berlin")
+    times = next_fire_times(every_ten, datetime(2026, 10, 25, 0, 45, tzinfo=UTC), 3)
+    assert [str(t.astimezone(every_ten.timezone)) for t in times] == [
+        "2026-10-25 02:50:00+02:00", "2026-10-25 03:00:00+01:00", "2026-10-25 03:10:00+01:00"]
+    in_second_pass = datetime(2026, 10, 25, 1, 5, tzinfo=UTC)       # 02:05 CET
+    assert every_ten.get_next_fire_time(None, in_second_pass) == times[1]
+
+
+@pytest.mark.parametrize(("zone", "expr", "after", "expected"), [
+    ("Europe/Berlin", "*/15 2 * * *", datetime(2026, 3, 28, 12, tzinfo=UTC),
+     ["2026-03-29 03:00:00+02:00", "2026-03-30 02:00:00+02:00"]),
+    ("America/New_York", "*/15 2 * * *", datetime(2026, 3, 7, 12, tzinfo=UTC),
+     ["2026-03-08 03:00:00-04:00", "2026-03-09 02:00:00-04:00"]),
+    ("Pacific/Auckland", "*/15 2 * * *", datetime(2026, 9, 26, tzinfo=UTC),
+     ["2026-09-27 03:00:00+13:00", "2026-09-28 02:00:00+13:00"]),
+    ("Europe/Berlin", "0 2,3 * * *", datetime(2026, 3, 28, 12, tzinfo=UTC),
+     ["2026-03-29 03:00:00+02:00", "2026-03-30 02:00:00+02:00"]),
+    ("Australia/Lord_Howe", "*/15 2 * * *", datetime(2026, 10, 3, tzinfo=UTC),   # 02:00->02:30
+     ["2026-10-04 02:30:00+11:00", "2026-10-04 02:45:00+11:00", "2026-10-05 02:00:00+11:00"]),
+    ("America/Santiago", "*/15 0 * * *", datetime(2026, 9, 5, 12, tzinfo=UTC),   # 00:00->01:00
+     ["2026-09-06 01:00:00-03:00", "2026-09-07 00:00:00-03:00"]),
+])
+def test_skipped_times_collapse_into_one_fire_at_the_jump(zone: str, expr: str, after: datetime,
+                                                           expected: list[str]) -> None:
+    trigger = parse_cron(expr, zone)
+    times = next_fire_times(trigger, after, len(expected))
+    assert [str(t.astimezone(trigger.timezone)) for t in times] == expected
+
+
+def test_a_skipped_calendar_day_fires_at_the_jump() -> None:
+    """Samoa skipped 2011-12-30: its noon fires when the clock jumps to the 31st."""
+    noon = parse_cron("0 12 * * *", "Pacific/Apia")
+    times = next_fire_times(noon, datetime(2011, 12, 29, 12, tzinfo=UTC), 3)
+    assert [str(t.astimezone(noon.timezone)) for t in times] == [
+        "2011-12-29 12:00:00-10:00", "2011-12-31 00:00:00+14:00", "2011-12-31 12:00:00+14:00"]
 
 
 def test_the_midnight_after_a_spring_forward_fires() -> None:

@@ -229,6 +229,7 @@ class Daemon:
     def _shutdown_steps(self) -> list[tuple[str, Any]]:
         assert self.server and self.runtime and self.bus and self.store
         steps: list[tuple[str, Any]] = [("stop intake", self.server.begin_drain),
+                                        ("start the agents' grace", self.runtime.begin_grace),
                                         ("signal loops", self.stop_signal.set)]
         for loop in reversed(list(self.loops.values())):
             steps.append((f"stop {loop.name} loop", loop.stop))

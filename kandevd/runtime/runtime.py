@@ -110,6 +110,7 @@ class AgentRuntime:
         self._waiting: list[int] = []  # launch_when_free callers, in arrival order
         self._next_ticket = 0
         self._waiter_slots = 0  # slots held by executions started by launch_when_free
+        self._grace_deadline: float | None = None  # set by begin_grace()
 
     # -- introspection -----------------------------------------------------
 
@@ -288,6 +289,17 @@ class AgentRuntime:
         log.info("stopping execution %s: %s", key, reason)
         return True
 
+    def begin_grace(self) -> None:
+        """Start the ``stop_grace_s`` clock now (the daemon's shutdown began).
+
+        :meth:`stop` then waits only for what is left of it, so the loops stopped
+        before the runtime (a scheduled session ends its turn after the same grace)
+        and the runtime share one grace instead of adding theirs up.
+        """
+        with self._cond:
+            if self._grace_deadline is None:
+                self._grace_deadline = time.monotonic() + self._stop_grace_s
+
     def stop(self) -> None:
         """Stop accepting work, let executions finish within the grace, then end them.
 
@@ -327,7 +339,7 @@ class AgentRuntime:
             if others:
                 log.info("runtime stopping: waiting up to %ss for %d execution(s)",
                          self._stop_grace_s, len(others))
-            deadline = time.monotonic() + self._stop_grace_s
+            deadline = self._grace_deadline or time.monotonic() + self._stop_grace_s
             while self._others_live(me):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:

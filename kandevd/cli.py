@@ -16,8 +16,9 @@ import click
 
 from kandevd import __version__
 from kandevd.cli_common import client_options, echo_json, home_option, invoke
-from kandevd.cli_jobs import check_workflows, jobs, scheduler
+from kandevd.cli_jobs import jobs
 from kandevd.cli_runs import runs
+from kandevd.cli_scheduler import check_workflows, scheduler
 from kandevd.config import ConfigError, load_config
 from kandevd.paths import HomeLayout, resolve_home
 

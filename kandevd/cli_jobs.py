@@ -1,113 +1,33 @@
-"""``kandevd jobs ...`` and ``kandevd scheduler ...``: the file-backed workflow scheduler.
+"""``kandevd jobs ...``: friendly wrappers over the ``scheduler.jobs.*`` methods.
 
-Friendly wrappers over the ``scheduler.jobs.*``, ``scheduler.config.*`` and
-``scheduler.reload`` methods: tables and aligned fields by default, the raw
-result with ``--json``. Errors keep ``invoke()``'s behaviour (the JSON-RPC
-error on stderr, exit 1; exit 69 when no daemon listens). The workflow check
-of ``kandevd validate`` lives here too (:func:`check_workflows`).
+Tables and aligned fields by default, the raw result with ``--json``. Errors
+keep ``invoke()``'s behaviour (the JSON-RPC error on stderr, exit 1; exit 69
+when no daemon listens).
 """
 
 from __future__ import annotations
 
 import json
-import os
-from collections.abc import Callable, Iterable, Sequence
-from datetime import UTC, datetime, tzinfo
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
-from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import click
 
 from kandevd.cli_common import client_options, echo_json, invoke
+from kandevd.cli_format import (
+    NONE,
+    duration,
+    fields,
+    json_option,
+    one_line,
+    relative,
+    shown,
+    table,
+    when,
+)
 from kandevd.timeutil import parse_rfc3339, utc_now
 
-NONE = "-"
 ERROR_WIDTH = 60
-
-
-# -- formatting -------------------------------------------------------------------------
-
-def table(headers: Sequence[str], rows: Iterable[Sequence[str]]) -> None:
-    """Columns padded to their widest cell; the last column is never padded."""
-    cells = [list(r) for r in rows]
-    widths = [max([len(h)] + [len(row[i]) for row in cells]) for i, h in enumerate(headers)]
-    for row in [list(headers), *cells]:
-        click.echo("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
-
-
-def fields(pairs: Iterable[tuple[str, Any]]) -> None:
-    """``key  value`` lines with the keys aligned; lists comma-joined, objects as JSON."""
-    items = list(pairs)
-    width = max((len(k) for k, _ in items), default=0)
-    for key, value in items:
-        click.echo(f"{key:<{width}}  {shown(value)}".rstrip())
-
-
-def shown(value: Any) -> str:
-    if value is None or value == "":
-        return NONE
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    if isinstance(value, list):
-        return ", ".join(shown(v) for v in value) or NONE
-    if isinstance(value, dict):
-        return json.dumps(value, sort_keys=True)
-    return str(value)
-
-
-def one_line(text: str, width: int | None = None) -> str:
-    flat = " ".join(str(text).split())
-    if width is not None and len(flat) > width:
-        return flat[:width - 1] + "…"
-    return flat
-
-
-def zone(name: str | None) -> tzinfo:
-    try:
-        return ZoneInfo(name or "UTC")
-    except (ZoneInfoNotFoundError, ValueError, OSError):
-        return UTC
-
-
-def span(seconds: int) -> str:
-    """``3h 12m``: the two largest units of a non-negative number of seconds."""
-    parts = []
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
-        if seconds >= size or (unit == "s" and not parts):
-            parts.append(f"{seconds // size}{unit}")
-            seconds %= size
-    return " ".join(parts[:2])
-
-
-def relative(moment: datetime, now: datetime | None = None) -> str:
-    """``in 3h 12m`` / ``5m 2s ago`` / ``now``."""
-    seconds = int((moment - (now or utc_now())).total_seconds())
-    if seconds == 0:
-        return "now"
-    return f"in {span(seconds)}" if seconds > 0 else f"{span(-seconds)} ago"
-
-
-def when(stamp: str | None, zone_name: str | None = "UTC", *, with_relative: bool = True,
-         now: datetime | None = None) -> str:
-    """An RFC 3339 instant as wall time in ``zone_name``, plus how far it is from now."""
-    if not stamp:
-        return NONE
-    try:
-        moment = parse_rfc3339(stamp)
-    except ValueError:
-        return stamp
-    local = moment.astimezone(zone(zone_name)).strftime("%Y-%m-%d %H:%M:%S %Z")
-    return f"{local} ({relative(moment, now)})" if with_relative else local
-
-
-def duration(ms: int | float | None) -> str:
-    if ms is None:
-        return NONE
-    seconds = ms / 1000
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    return span(int(seconds))
 
 
 def print_job(job: dict[str, Any]) -> None:
@@ -125,11 +45,6 @@ def print_job(job: dict[str, Any]) -> None:
 
 
 # -- options ----------------------------------------------------------------------------
-
-def json_option(func: Callable[..., Any]) -> Callable[..., Any]:
-    return click.option("--json", "as_json", is_flag=True,
-                        help="Print the raw JSON result.")(func)
-
 
 def json_object(text: str | None, hint: str) -> dict[str, Any] | None:
     if text is None:
@@ -424,134 +339,3 @@ def next_times(job_id: str | None, cron_expression: str | None, timezone: str | 
     if result.get("cron_expression"):
         click.echo(f"cron {result['cron_expression']!r} in {zone_name}")
     table(("UTC", f"LOCAL ({zone_name})", "FROM NOW"), rows)
-
-
-# -- kandevd scheduler ------------------------------------------------------------------
-
-@click.group()
-def scheduler() -> None:
-    """Inspect and control the workflow scheduler as a whole (pause, resume, reload)."""
-
-
-def config_pairs(config: dict[str, Any]) -> list[tuple[str, Any]]:
-    if config.get("globally_paused"):
-        by = f" by {config['paused_by']}" if config.get("paused_by") else ""
-        since = f" since {config['paused_at']}" if config.get("paused_at") else ""
-        paused = f"yes{by}{since}"
-    else:
-        paused = "no"
-    if config.get("execution_enabled", True):
-        execution = "enabled"
-    else:
-        execution = f"disabled ({config.get('disabled_reason') or 'no reason given'})"
-    pairs: list[tuple[str, Any]] = [("paused", paused), ("cron execution", execution)]
-    for key in ("allowed_workflows", "blocked_workflows", "allowed_users", "blocked_users"):
-        if config.get(key):
-            pairs.append((key.replace("_", " "), config[key]))
-    return pairs
-
-
-def print_problems(errors: list[dict[str, Any]]) -> None:
-    click.echo(f"{len(errors)} workflow problem(s)" + (":" if errors else ""))
-    for error in errors:
-        click.echo(f"  {one_line(error.get('path', ''))}: {one_line(error.get('message', ''))}")
-
-
-@scheduler.command("status")
-@json_option
-@client_options
-def scheduler_status(as_json: bool, home: str | None, socket_path: str | None) -> None:
-    """Show pause state, whether cron executes, allow/block lists, counts and errors.
-
-    --json prints {"config": <scheduler.config.get>, "status": <daemon.status scheduler>}.
-    """
-    config = invoke(home, socket_path, "scheduler.config.get")
-    state = invoke(home, socket_path, "daemon.status").get("scheduler")
-    if as_json:
-        echo_json({"config": config, "status": state})
-        return
-    pairs = config_pairs(config)
-    if state is None:
-        fields([*pairs, ("cron loop", "not running in this daemon")])
-        return
-    fields([*pairs, ("root", state.get("root")), ("workflows", state.get("workflows")),
-            ("jobs", state.get("jobs")), ("running", state.get("running") or "none")])
-    print_problems(state.get("errors") or [])
-
-
-@scheduler.command("pause")
-@click.option("--by", "paused_by", default=lambda: os.environ.get("USER"),
-              show_default="$USER", help="Who pauses (recorded as paused_by).")
-@json_option
-@client_options
-def scheduler_pause(paused_by: str | None, as_json: bool, home: str | None,
-                    socket_path: str | None) -> None:
-    """Pause every cron fire (manual triggers still work); persists across restarts."""
-    params: dict[str, Any] = {"globally_paused": True}
-    if paused_by:
-        params["paused_by"] = paused_by
-    config = invoke(home, socket_path, "scheduler.config.put", params)
-    if as_json:
-        echo_json(config)
-        return
-    by = f" by {config['paused_by']}" if config.get("paused_by") else ""
-    click.echo(f"scheduler paused{by} at {config.get('paused_at')}")
-
-
-@scheduler.command("resume")
-@json_option
-@client_options
-def scheduler_resume(as_json: bool, home: str | None, socket_path: str | None) -> None:
-    """Lift the global pause: cron fires run again."""
-    config = invoke(home, socket_path, "scheduler.config.put", {"globally_paused": False})
-    if as_json:
-        echo_json(config)
-        return
-    click.echo("scheduler resumed")
-    if not config.get("execution_enabled", True):
-        click.echo(f"note: cron execution is disabled ({config.get('disabled_reason')})")
-
-
-@scheduler.command("reload")
-@json_option
-@client_options
-def scheduler_reload(as_json: bool, home: str | None, socket_path: str | None) -> None:
-    """Rescan the workflow root (as SIGHUP does) and print what changed."""
-    result = invoke(home, socket_path, "scheduler.reload")
-    if as_json:
-        echo_json(result)
-        return
-    click.echo(f"reloaded: {result.get('workflows', 0)} workflow(s), "
-               f"{result.get('jobs', 0)} job(s)")
-    for key in ("added", "changed", "removed"):
-        ids = result.get(key) or []
-        click.echo(f"{key}: {', '.join(ids) if ids else 'none'}")
-    print_problems(result.get("errors") or [])
-
-
-# -- kandevd validate (the workflow half) -----------------------------------------------
-
-def check_workflows(root: Path) -> bool:
-    """Check every workflow folder under ``root``; True when all of them load.
-
-    Each problem goes to stderr as one ``path: message`` line, nothing else
-    does; the summary goes to stdout.
-    """
-    from kandevd.workflows import manifest
-
-    try:
-        folders = manifest.workflow_folders(root)
-        workflows, problems = manifest.scan(root)
-    except OSError as exc:
-        click.echo(f"{manifest.workflow_root(root)}: cannot read: {exc.strerror or exc}",
-                   err=True)
-        return False
-    schedules = sum(len(w.schedules) for w in workflows)
-    for problem in problems:
-        click.echo(one_line(str(problem)), err=True)
-    if problems:
-        click.echo(f"{len(problems)} problem(s) in {root}: "
-                   f"{len(folders) - len(workflows)} of {len(folders)} workflow(s) not loaded")
-        return False
-    click.echo(f"{len(workflows)} workflow(s), {schedules} schedule(s) ok in {root}")
-    return True

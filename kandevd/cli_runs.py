@@ -8,17 +8,15 @@ from typing import Any
 import click
 
 from kandevd.cli_common import client_options, echo_json, invoke
+from kandevd.cli_format import table
 from kandevd.store.runs import STATUSES
 
 COLUMNS = ("seq", "id", "status", "agent_id", "reason", "retry_count", "requested_at")
 
 
 def print_table(rows: list[dict[str, Any]], columns: tuple[str, ...] = COLUMNS) -> None:
-    cells = [[("" if r.get(c) is None else str(r.get(c))) for c in columns] for r in rows]
-    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
-    click.echo("  ".join(c.upper().ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip())
-    for row in cells:
-        click.echo("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
+    table([c.upper() for c in columns],
+          [["" if r.get(c) is None else str(r.get(c)) for c in columns] for r in rows])
 
 
 def print_run(run: dict[str, Any]) -> None:

@@ -1,0 +1,105 @@
+"""Human output for the CLI: tables, aligned fields, instants in a zone, durations.
+
+Shared by every friendly wrapper (``runs``, ``jobs``, ``scheduler``), so they
+all print the same way.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Sequence
+from datetime import UTC, datetime, tzinfo
+from typing import Any
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+import click
+
+from kandevd.timeutil import parse_rfc3339, utc_now
+
+NONE = "-"
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[str]]) -> None:
+    """Columns padded to their widest cell; the last column is never padded."""
+    cells = [list(r) for r in rows]
+    widths = [max([len(h)] + [len(row[i]) for row in cells]) for i, h in enumerate(headers)]
+    for row in [list(headers), *cells]:
+        click.echo("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
+
+
+def fields(pairs: Iterable[tuple[str, Any]]) -> None:
+    """``key  value`` lines with the keys aligned; lists comma-joined, objects as JSON."""
+    items = list(pairs)
+    width = max((len(k) for k, _ in items), default=0)
+    for key, value in items:
+        click.echo(f"{key:<{width}}  {shown(value)}".rstrip())
+
+
+def shown(value: Any) -> str:
+    if value is None or value == "":
+        return NONE
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, list):
+        return ", ".join(shown(v) for v in value) or NONE
+    if isinstance(value, dict):
+        return json.dumps(value, sort_keys=True)
+    return str(value)
+
+
+def one_line(text: str, width: int | None = None) -> str:
+    flat = " ".join(str(text).split())
+    if width is not None and len(flat) > width:
+        return flat[:width - 1] + "…"
+    return flat
+
+
+def zone(name: str | None) -> tzinfo:
+    try:
+        return ZoneInfo(name or "UTC")
+    except (ZoneInfoNotFoundError, ValueError, OSError):
+        return UTC
+
+
+def span(seconds: int) -> str:
+    """``3h 12m``: the two largest units of a non-negative number of seconds."""
+    parts = []
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60), ("s", 1)):
+        if seconds >= size or (unit == "s" and not parts):
+            parts.append(f"{seconds // size}{unit}")
+            seconds %= size
+    return " ".join(parts[:2])
+
+
+def relative(moment: datetime, now: datetime | None = None) -> str:
+    """``in 3h 12m`` / ``5m 2s ago`` / ``now``."""
+    seconds = int((moment - (now or utc_now())).total_seconds())
+    if seconds == 0:
+        return "now"
+    return f"in {span(seconds)}" if seconds > 0 else f"{span(-seconds)} ago"
+
+
+def when(stamp: str | None, zone_name: str | None = "UTC", *, with_relative: bool = True,
+         now: datetime | None = None) -> str:
+    """An RFC 3339 instant as wall time in ``zone_name``, plus how far it is from now."""
+    if not stamp:
+        return NONE
+    try:
+        moment = parse_rfc3339(stamp)
+    except ValueError:
+        return stamp
+    local = moment.astimezone(zone(zone_name)).strftime("%Y-%m-%d %H:%M:%S %Z")
+    return f"{local} ({relative(moment, now)})" if with_relative else local
+
+
+def duration(ms: int | float | None) -> str:
+    if ms is None:
+        return NONE
+    seconds = ms / 1000
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    return span(int(seconds))
+
+
+def json_option(func: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option("--json", "as_json", is_flag=True,
+                        help="Print the raw JSON result.")(func)

@@ -117,26 +117,26 @@ def scheduler_reload(as_json: bool, home: str | None, socket_path: str | None) -
 # -- kandevd validate (the workflow half) -----------------------------------------------
 
 def check_workflows(root: Path) -> bool:
-    """Check every workflow folder under ``root``; True when all of them load.
+    """Check every workflow folder under ``root`` and the files kandevd keeps there;
+    True when all of them are usable.
 
     Each problem goes to stderr as one ``path: message`` line, nothing else
-    does; the summary goes to stdout.
+    does; the summary goes to stdout. Nothing is written or moved.
     """
     from kandevd.workflows import manifest
 
+    workflows, problems = manifest.scan(root)
     try:
-        folders = manifest.workflow_folders(root)
-        workflows, problems = manifest.scan(root)
-    except OSError as exc:
-        click.echo(f"{manifest.workflow_root(root)}: cannot read: {exc.strerror or exc}",
-                   err=True)
-        return False
-    schedules = sum(len(w.schedules) for w in workflows)
+        folders = len(manifest.workflow_folders(root))
+    except OSError:
+        folders = 0
+    problems += manifest.state_file_problems(root)
     for problem in problems:
         click.echo(one_line(str(problem)), err=True)
     if problems:
         click.echo(f"{len(problems)} problem(s) in {root}: "
-                   f"{len(folders) - len(workflows)} of {len(folders)} workflow(s) not loaded")
+                   f"{folders - len(workflows)} of {folders} workflow(s) not loaded")
         return False
+    schedules = sum(len(w.schedules) for w in workflows)
     click.echo(f"{len(workflows)} workflow(s), {schedules} schedule(s) ok in {root}")
     return True

@@ -22,6 +22,7 @@ import copy
 import json
 import logging
 import os
+import stat
 import tempfile
 import threading
 from collections import OrderedDict
@@ -32,6 +33,7 @@ from typing import Any, TypeVar
 
 from filelock import FileLock
 
+from kandevd import jsonstrict
 from kandevd.timeutil import utc_now
 
 log = logging.getLogger("kandevd.jsonfile")
@@ -59,13 +61,9 @@ class CorruptFile:
 CorruptReporter = Callable[[CorruptFile], None]
 
 
-def _strict_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
 def loads(text: str) -> Any:
-    """Strict JSON: NaN and Infinity are rejected (other tools cannot read them)."""
-    return json.loads(text, parse_constant=_strict_constant)
+    """Strict JSON (see :mod:`kandevd.jsonstrict`): what kandevd reads it can write back."""
+    return jsonstrict.loads(text)
 
 
 def dumps(value: Any, indent: int | None = 2) -> str:
@@ -166,6 +164,8 @@ class JsonFile:
     def read_strict(self) -> Any:
         """The parsed content; FileNotFoundError when absent, JsonFileError when unparsable."""
         try:
+            if not stat.S_ISREG(self.path.stat().st_mode):  # a FIFO would block the reader
+                raise JsonFileError(f"{self.path}: not a regular file")
             text = self.path.read_text("utf-8")
         except UnicodeDecodeError as exc:
             raise JsonFileError(f"{self.path}: not UTF-8 text: {exc.reason}") from None
@@ -239,15 +239,23 @@ class JsonFile:
         self._replace(dumps(value, self._indent))
 
     def _replace(self, text: str) -> None:
-        folder = self.path.parent
+        # Through a symbolic link, the file it points to is replaced (the link stays);
+        # an existing file keeps its permission bits, a new one is private (0600).
+        target = Path(os.path.realpath(self.path))
+        folder = target.parent
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd, temp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=folder)
+        try:
+            mode = stat.S_IMODE(target.stat().st_mode)
+        except OSError:
+            mode = 0o600
+        fd, temp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as handle:
                 handle.write(text)
                 handle.flush()
+                os.fchmod(handle.fileno(), mode)
                 os.fsync(handle.fileno())
-            os.replace(temp, self.path)
+            os.replace(temp, target)
         except BaseException:
             try:
                 os.unlink(temp)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from kandevd import jsonstrict
+
 PARSE_ERROR = -32700
 INVALID_REQUEST = -32600
 METHOD_NOT_FOUND = -32601
@@ -97,7 +99,7 @@ def parse_request(line: bytes) -> tuple[Any, str, dict[str, Any], bool]:
     Raises ParseError / InvalidRequest (carrying the id when one was readable).
     """
     try:
-        message = json.loads(line.decode("utf-8"))
+        message = jsonstrict.loads(line.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise ParseError(f"parse error: {exc}") from None
     except RecursionError:

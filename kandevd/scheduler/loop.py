@@ -98,40 +98,61 @@ class CronLoop(Loop):
     def fire(self, job: Job, now: datetime, *, paused: bool) -> Decision:
         """Act on one due cron fire of ``job``."""
         self.fires += 1
-        switches = self.registry.switches
-        allowed = switches.workflow_verdict(job.workflow.aliases) is None
-        decision = decide_fire(
-            execution_enabled=switches.execution_enabled, workflow_allowed=allowed,
-            paused=paused, running=self.runner.is_running(job.id),
-            buffered=self.runner.is_buffered(job.id),
-            overlap_policy=job.schedule.overlap_policy)
-        state = job.state
+        decision = self._decide(job, paused=paused, running=self.runner.is_running(job.id),
+                                buffered=self.runner.is_buffered(job.id))
         if decision is Decision.RUN:
             try:
                 self.runner.start(job, "cron")
             except AlreadyRunning:  # a manual trigger won the race
-                state.skipped_overlap += 1
-                log.info("%s: cron fire skipped: a session is already running", job.id)
-                return Decision.SKIP_OVERLAP
+                decision = Decision.SKIP_OVERLAP
+                self._skip(job, decision, "a session is already running")
             except RunnerClosed:
-                return decision
+                pass
         elif decision is Decision.BUFFER:
             self.runner.buffer(job.id)
             log.info("%s: cron fire buffered: it starts when the running session ends",
                      job.id)
         elif decision is Decision.SKIP_OVERLAP:
+            self._skip(job, decision, "the previous session is still running" + (
+                " and one fire already waits" if job.schedule.overlap_policy == "buffer_one"
+                else ""))
+        else:
+            self._skip(job, decision)
+        return decision
+
+    def fire_buffered(self, job: Job) -> None:
+        """The fire a ``buffer_one`` schedule kept, decided again now that it may start:
+        a pause, a disabled schedule or a switch turned off since then still wins."""
+        if not job.schedule.enabled:
+            log.info("%s: buffered fire dropped: the schedule was disabled", job.id)
+            return
+        decision = self._decide(job, paused=self.registry.pause.get()["globally_paused"],
+                                running=False, buffered=False)
+        if decision is Decision.RUN:
+            self.runner.start_buffered(job)
+        else:
+            self._skip(job, decision)
+
+    def _decide(self, job: Job, *, paused: bool, running: bool, buffered: bool) -> Decision:
+        switches = self.registry.switches
+        return decide_fire(
+            execution_enabled=switches.execution_enabled,
+            workflow_allowed=switches.workflow_verdict(job.workflow.aliases) is None,
+            paused=paused, running=running, buffered=buffered,
+            overlap_policy=job.schedule.overlap_policy)
+
+    def _skip(self, job: Job, decision: Decision, why: str | None = None) -> None:
+        """Count a fire that does not run and say why, once, at INFO."""
+        state = job.state
+        if decision is Decision.SKIP_OVERLAP:
             state.skipped_overlap += 1
-            log.info("%s: cron fire skipped: the previous session is still running%s", job.id,
-                     " and one fire already waits" if job.schedule.overlap_policy ==
-                     "buffer_one" else "")
         elif decision is Decision.SKIP_PAUSED:
             state.skipped_paused += 1
-            log.info("%s: cron fire skipped: the scheduler is globally paused", job.id)
+            why = "the scheduler is globally paused"
         else:
             state.skipped_disabled += 1
-            log.info("%s: cron fire skipped: %s", job.id,
-                     self.registry.ineligible_reason(job, paused=False))
-        return decision
+            why = self.registry.ineligible_reason(job, paused=False)
+        log.info("%s: cron fire skipped: %s", job.id, why)
 
     def on_stopping(self) -> None:
         self.runner.close(self._stop_grace_s)

@@ -125,7 +125,7 @@ class JobRegistry:
         self.root = root
         self.switches = switches
         self.retention_days = retention_days
-        self.pause = PauseState(root, on_corrupt=self._corrupt)
+        self.pause = PauseState(root, on_corrupt=self.report_corrupt)
         self._external_corrupt = on_corrupt
         self._lock = threading.RLock()
         self._jobs: dict[str, Job] = {}
@@ -134,7 +134,8 @@ class JobRegistry:
         self._corrupt_files: list[CorruptFile] = []
 
     # -- files ----------------------------------------------------------------------
-    def _corrupt(self, report: CorruptFile) -> None:
+    def report_corrupt(self, report: CorruptFile) -> None:
+        """A file under the root was moved aside: keep it for ``scheduler.errors``."""
         with self._lock:
             self._corrupt_files.append(report)
             del self._corrupt_files[:-100]
@@ -143,7 +144,7 @@ class JobRegistry:
 
     def history(self, workflow: Workflow) -> hist.History:
         return hist.History(workflow.folder, retention_days=self.retention_days,
-                            on_corrupt=self._corrupt)
+                            on_corrupt=self.report_corrupt)
 
     # -- loading --------------------------------------------------------------------
     def load_at_start(self, now: datetime) -> None:
@@ -204,8 +205,7 @@ class JobRegistry:
         for problem in problems:
             log.error("workflow not loaded: %s", problem)
         return {"workflows": len(workflows), "jobs": len(jobs), "added": added,
-                "changed": changed, "removed": removed,
-                "errors": [p.as_dict() for p in problems]}
+                "changed": changed, "removed": removed, "errors": self.problems()}
 
     def reload_workflow(self, name: str, now: datetime) -> Workflow | None:
         """Reload one workflow after kandevd itself rewrote its manifest."""

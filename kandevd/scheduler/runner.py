@@ -51,12 +51,16 @@ class _InFlight:
 
 class SessionRunner:
     def __init__(self, registry: JobRegistry, *, config: Config, layout: HomeLayout,
-                 runtime: Any, spawn: Spawn) -> None:
+                 runtime: Any, spawn: Spawn,
+                 fire_buffered: Callable[[Job], None] | None = None) -> None:
+        """``fire_buffered(job)`` decides a buffered fire once its session ended (the
+        cron loop's policy); it calls :meth:`start_buffered` when the fire still runs."""
         self._registry = registry
         self._config = config
         self._layout = layout
         self._runtime = runtime
         self._spawn = spawn
+        self._fire_buffered = fire_buffered
         self._lock = threading.Lock()
         self._running: dict[str, _InFlight] = {}
         self._buffered: set[str] = set()
@@ -113,7 +117,8 @@ class SessionRunner:
         try:
             session = Session(plan, config=self._config, layout=self._layout,
                               runtime=self._runtime,
-                              history=self._registry.history(plan.workflow), control=control)
+                              history=self._registry.history(plan.workflow), control=control,
+                              on_corrupt=self._registry.report_corrupt)
             entry = session.run()
         finally:
             self._finish(plan, entry)
@@ -131,10 +136,19 @@ class SessionRunner:
         if start_buffered:
             try:
                 job = self._registry.resolve(plan.job_id)
-                log.info("%s: starting the buffered fire", plan.job_id)
-                self.start(job, "cron")
-            except (JobNotFound, RunnerClosed, AlreadyRunning) as exc:
-                log.info("%s: buffered fire dropped: %s", plan.job_id, exc)
+            except JobNotFound:
+                log.info("%s: buffered fire dropped: the job was removed", plan.job_id)
+                return
+            if self._fire_buffered is not None:
+                self._fire_buffered(job)  # decided again: a pause since then still counts
+
+    def start_buffered(self, job: Job) -> None:
+        """Start the fire a ``buffer_one`` schedule kept, now that its session ended."""
+        try:
+            log.info("%s: starting the buffered fire", job.id)
+            self.start(job, "cron")
+        except (RunnerClosed, AlreadyRunning) as exc:
+            log.info("%s: buffered fire dropped: %s", job.id, exc)
 
     # -- stopping -------------------------------------------------------------------
     def stop(self, job_id: str) -> SessionPlan:

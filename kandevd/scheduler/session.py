@@ -276,9 +276,12 @@ class Session:
             record.update(status=hist.STOPPED,
                           error=self.control.stop_error or "agent runtime is stopping")
             return None
-        reason = "stopped by scheduler" if self.control.stop_error == MANUAL_STOP_ERROR \
-            else "daemon shutting down"
-        self.control.wait_turn(done, lambda: self._runtime.stop_execution(key, reason))
+        def stop_turn() -> None:
+            reason = "stopped by scheduler.jobs.stop" \
+                if self.control.stop_error == MANUAL_STOP_ERROR else "daemon shutting down"
+            self._runtime.stop_execution(key, reason)
+
+        self.control.wait_turn(done, stop_turn)
         return outcome[0]
 
     def _log_path(self, index: int, kind: str) -> Path:

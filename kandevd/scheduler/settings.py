@@ -116,7 +116,9 @@ class PauseState:
     def get(self) -> dict[str, Any]:
         stored = self.file.read({}, expect=dict)
         state = _default_pause()
-        state.update({k: stored[k] for k in PERSISTED if k in stored})
+        # Only well-typed values are believed: a hand-edited file cannot make a
+        # response carry an object where a timestamp belongs.
+        state.update({k: stored[k] for k in PERSISTED[1:] if isinstance(stored.get(k), str)})
         state["globally_paused"] = stored.get("globally_paused") is True
         return state
 

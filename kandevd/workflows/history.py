@@ -85,6 +85,11 @@ def interrupt(entries: list[Any], now: datetime, error: str) -> int:
     for index, entry in enumerate(entries):
         if isinstance(entry, dict) and entry.get("status") == RUNNING:
             changed = {**entry, "status": ERROR, "error": error, "completed_at": rfc3339(now)}
+            if isinstance(entry.get("turns"), list):
+                changed["turns"] = [
+                    {**turn, "status": ERROR, "error": error}
+                    if isinstance(turn, dict) and turn.get("status") == RUNNING else turn
+                    for turn in entry["turns"]]
             started = entry_time({"started_at": entry.get("started_at")})
             if started is not None and entry.get("duration_ms") is None:
                 changed["duration_ms"] = max(0, int((now - started).total_seconds() * 1000))

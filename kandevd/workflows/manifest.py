@@ -136,7 +136,7 @@ def _schema_problems(name: str, document: Any, prefix: str = "") -> list[str]:
 
 def check_workflow_name(name: str) -> str:
     """A workflow name is a folder name: letters, digits, '.', '_', '-'; never '..'."""
-    if not isinstance(name, str) or not _NAME.match(name) or set(name) == {"."}:
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or set(name) == {"."}:
         raise ManifestError(
             f"workflow name {name!r} is not allowed: use letters, digits, '.', '_' and '-' "
             "(at most 128 characters, not '.' or '..', no path separators)")
@@ -241,10 +241,24 @@ def load_workflow(folder: Path) -> tuple[Workflow | None, list[Problem]]:
         return None, [Problem(str(path), "missing: a workflow folder needs a workflow.json")]
     except JsonFileError as exc:
         return None, [Problem(str(path), str(exc).removeprefix(f"{path}: "))]
-    problems = [Problem(str(path), p) for p in _schema_problems("workflow", document)]
+    problems = _manifest_problems(document)
     if problems:
-        return None, problems
+        return None, [Problem(str(path), p) for p in problems]
+    return _workflow_from(folder, document)
+
+
+def _manifest_problems(document: Any) -> list[str]:
+    """What is wrong with the manifest itself (the keys kandevd reads), schedules aside."""
+    return _schema_problems("workflow", document)
+
+
+def _workflow_from(folder: Path, document: dict[str, Any]
+                   ) -> tuple[Workflow | None, list[Problem]]:
+    """Validate the schedules of a well-formed manifest against the workflow's groups."""
+    path = folder / MANIFEST
     groups, problems = read_groups(folder)
+    if problems:  # every group check would fail too: report the cause only
+        return None, problems
     schedules: list[Schedule] = []
     seen: set[str] = set()
     for index, raw in enumerate(document.get("schedules", [])):
@@ -272,7 +286,12 @@ def load_workflow(folder: Path) -> tuple[Workflow | None, list[Problem]]:
 
 
 def workflow_folders(root: Path) -> list[Path]:
-    """Every folder under ``<root>/Workflow``, sorted by name (none when it is missing)."""
+    """Every folder under ``<root>/Workflow``, sorted by name (none when it is missing).
+
+    Symbolic links to folders count as folders (a workflow may live elsewhere);
+    plain files and dangling links are not workflows and are skipped. OSError when
+    ``<root>/Workflow`` exists but cannot be listed (e.g. it is a file).
+    """
     base = workflow_root(root)
     try:
         return sorted((p for p in base.iterdir() if p.is_dir()), key=lambda p: p.name)
@@ -284,7 +303,12 @@ def scan(root: Path) -> tuple[list[Workflow], list[Problem]]:
     """Load every workflow under the root; problems of one never stop the others."""
     workflows: list[Workflow] = []
     problems: list[Problem] = []
-    for folder in workflow_folders(root):
+    try:
+        folders = workflow_folders(root)
+    except OSError as exc:
+        return [], [Problem(str(workflow_root(root)),
+                            f"cannot read: {exc.strerror or exc}")]
+    for folder in folders:
         workflow, found = load_workflow(folder)
         problems.extend(found)
         if workflow is not None:
@@ -295,9 +319,10 @@ def scan(root: Path) -> tuple[list[Workflow], list[Problem]]:
 def edit_schedules(folder: Path, edit: Callable[[list[Any]], list[Any]]) -> Workflow:
     """Rewrite the manifest's ``schedules`` with ``edit(schedules)``; keep every other key.
 
-    The result is validated (with the workflow's groups) before anything is written:
-    ManifestError leaves the file as it was. A manifest that does not parse is never
-    rewritten (ManifestError names it).
+    A manifest that is missing, does not parse, or is wrong apart from its schedules
+    is never rewritten (ManifestUnusable: fix it first). The edited manifest is
+    validated as a whole before anything is written: ManifestError leaves the file
+    exactly as it was.
     """
     handle = manifest_file(folder)
     with handle.lock():
@@ -308,22 +333,17 @@ def edit_schedules(folder: Path, edit: Callable[[list[Any]], list[Any]]) -> Work
         except JsonFileError as exc:
             raise ManifestUnusable(f"{exc}; fix the file first (kandevd never rewrites it)"
                                    ) from None
-        if not isinstance(document, dict):
-            raise ManifestUnusable(f"{handle.path}: must be a JSON object; fix the file first")
-        document["schedules"] = edit(list(document.get("schedules", [])))
-        groups, problems = read_groups(folder)
+        problems = _manifest_problems(document)
         if problems:
-            raise ManifestUnusable("; ".join(str(p) for p in problems))
-        seen: set[str] = set()
-        for index, raw in enumerate(document["schedules"]):
-            parse_schedule(raw, groups, index=index)
-            if raw["id"] in seen:
-                raise ManifestError(f"schedule {raw['id']!r}: id: used twice in this workflow")
-            seen.add(raw["id"])
+            raise ManifestUnusable(f"{handle.path}: {'; '.join(problems)}; fix the file "
+                                   "first (kandevd never rewrites it)")
+        document["schedules"] = edit(list(document.get("schedules", [])))
+        workflow, found = _workflow_from(folder, document)
+        if workflow is None:
+            if any(Path(p.path).name != MANIFEST for p in found):  # variables.json is bad
+                raise ManifestUnusable("; ".join(str(p) for p in found))
+            raise ManifestError("; ".join(p.message for p in found))
         handle.write_locked(document)
-    workflow, problems = load_workflow(folder)
-    if workflow is None:
-        raise ManifestError("; ".join(str(p) for p in problems))
     return workflow
 
 
@@ -333,3 +353,36 @@ def find_schedule(schedules: Iterable[Any], schedule_id: str) -> int:
         if isinstance(raw, Mapping) and raw.get("id") == schedule_id:
             return index
     return -1
+
+
+#: Files kandevd keeps under the root, and the JSON type each must hold.
+STATE_FILES = (("schedule-runs.json", list), ("decisions.json", list))
+PAUSE_FILE = Path("config") / "scheduler.json"
+
+
+def state_file_problems(root: Path) -> list[Problem]:
+    """What is wrong with the files kandevd keeps (history, decisions, the pause).
+
+    The daemon moves such a file aside when it meets it; ``validate`` reports it
+    first, without touching anything.
+    """
+    checks = [(root / PAUSE_FILE, dict)]
+    try:
+        folders = workflow_folders(root)
+    except OSError:
+        folders = []  # scan() reports the unreadable root
+    for folder in folders:
+        checks += [(folder / name, kind) for name, kind in STATE_FILES]
+    problems = []
+    for path, kind in checks:
+        try:
+            value = JsonFile(path).read_strict()
+        except FileNotFoundError:
+            continue
+        except JsonFileError as exc:
+            problems.append(Problem(str(path), str(exc).removeprefix(f"{path}: ")))
+            continue
+        if not isinstance(value, kind):
+            expected = "an array" if kind is list else "an object"
+            problems.append(Problem(str(path), f"must be {expected}"))
+    return problems

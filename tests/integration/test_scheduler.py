@@ -296,3 +296,32 @@ def test_a_cron_fire_on_the_minute_and_every_switch_that_skips_it(setup, tmp_pat
         daemon.call("scheduler.jobs.trigger", {"id": "m"})  # manual always works
         [manual] = terminal(daemon, "m")
         assert manual["trigger_source"] == "manual" and manual["status"] == "success", name
+
+
+def test_bad_requests_get_precise_errors_and_an_unreadable_root_is_reported(setup) -> None:
+    daemon, _ = setup({}, start=False)
+    (daemon.home / "workspace").mkdir(parents=True)
+    (daemon.home / "workspace" / "Workflow").write_text("a file, not a folder")
+    daemon.start()
+    [error] = daemon.call("daemon.status")["scheduler"]["errors"]
+    assert error["message"].startswith("cannot read")
+    for params, fragment in [
+        ({"schedule": {"cron_expression": "* * * * *"}, "after": "9999-12-31T23:59:59Z"},
+         "out of range"),
+        ({"schedule": {"cron_expression": "* * * * *"}, "after": "2026-01-01 00:00"},
+         "not an RFC 3339 timestamp"),
+        ({"schedule": {"cron_expression": "* * * *"}}, "not a valid 5-field cron"),
+        ({"schedule": {"cron_expression": "* * * * *", "timezone": "Mars/X"}},
+         "unknown time zone"),
+    ]:
+        with pytest.raises(RpcCallError) as info:
+            daemon.call("scheduler.jobs.next", params)
+        assert info.value.error["code"] == -32602 and fragment in info.value.error["message"]
+    with pytest.raises(RpcCallError) as info:
+        daemon.call("scheduler.jobs.create", {"workflow": "../x", "schedule": schedule("s")})
+    assert info.value.error["code"] == -32602
+    mark = daemon.mark()
+    daemon.send_signal(signal.SIGHUP)
+    daemon.wait_for_line("scheduler reloaded", after=mark)
+    assert "Traceback" not in daemon.log_text
+    assert daemon.stop() == 0

@@ -314,3 +314,23 @@ def test_deeply_nested_json_is_a_parse_error_not_a_crash() -> None:
         100_000 + b"}}"
     with pytest.raises(ParseError, match="nested too deeply"):
         parse_request(line)
+
+
+@pytest.mark.parametrize(("payload", "fragment"), [
+    ('{"x": NaN}', "NaN is not a JSON number"),
+    ('{"x": -Infinity}', "-Infinity is not a JSON number"),
+    ('{"x": 1e999}', "out of range"),
+    ('{"x": "\\ud800"}', "lone surrogate \\ud800"),
+    ('{"\\udfff": 1}', "lone surrogate \\udfff"),
+])
+def test_values_no_strict_reader_could_take_back_are_parse_errors(payload: str,
+                                                                  fragment: str) -> None:
+    line = ('{"jsonrpc": "2.0", "id": 1, "method": "m", "params": ' + payload + "}\n").encode()
+    with pytest.raises(ParseError) as info:
+        parse_request(line)
+    assert fragment in info.value.message
+
+
+def test_a_surrogate_pair_is_one_valid_character() -> None:
+    line = b'{"jsonrpc": "2.0", "id": 1, "method": "m", "params": {"x": "\\ud83d\\ude00"}}\n'
+    assert parse_request(line)[2] == {"x": "\U0001F600"}

@@ -103,3 +103,13 @@ def test_seed_state_reads_the_newest_entry_and_the_failure_streak() -> None:
                                                                              "s4")
     assert state.run_count == 4 and state.consecutive_failures == 2
     assert seed_state([]).last_status is None
+
+
+def test_repair_after_restart_also_closes_the_turn_that_was_running(tmp_path: Path) -> None:
+    history = hist.History(tmp_path, retention_days=90)
+    history.file.write([{"id": "x", "status": "running", "started_at": rfc3339(NOW),
+                         "turns": [{"kind": "message", "status": "success"},
+                                   {"kind": "message", "status": "running"}]}])
+    [entry], _ = history.repair_after_restart(NOW)
+    assert [t["status"] for t in entry["turns"]] == ["success", "error"]
+    assert entry["turns"][1]["error"] == "interrupted: server restarted"

@@ -70,7 +70,8 @@ def build(home: HomeLayout) -> Iterator[Callable[..., tuple[CronLoop, Agent]]]:
 
         def runner(loop: CronLoop) -> SessionRunner:
             return SessionRunner(registry, config=config, layout=home, runtime=runtime,
-                                 spawn=loop.fanout.spawn)
+                                 spawn=loop.fanout.spawn,
+                                 fire_buffered=loop.fire_buffered)
         loop = CronLoop(registry, runner_factory=runner, stop_grace_s=0)
         made.append((loop, runtime))
         return loop, agent
@@ -251,3 +252,33 @@ def test_closing_records_the_session_in_flight_as_stopped(build, home) -> None:
     [entry] = history(folder)
     assert entry["status"] == "stopped" and entry["error"] == SHUTDOWN_ERROR
     assert len(agent.seen) == 1
+
+
+def test_a_buffered_fire_is_decided_again_when_it_may_start(build, home) -> None:
+    write_workflow(home.workspace, "w", [schedule("s", "* * * * *",
+                                                  overlap_policy="buffer_one")])
+    gate = threading.Event()
+    loop, agent = build(Agent(gate=gate))
+    loop.tick(T0 + timedelta(minutes=1))
+    loop.tick(T0 + timedelta(minutes=2))  # buffered behind the running session
+    assert loop.runner.is_buffered("workflow:w:s")
+    loop.registry.pause.put(True, "ops", T0)  # paused while it waits
+    gate.set()
+    loop.fanout.join()
+    assert len(history(folder_of(home))) == 1
+    assert len({s["session_id"] for s in agent.seen}) == 1
+    assert loop.registry.resolve("s").state.skipped_paused == 1
+
+
+def test_a_session_that_stops_by_request_says_so(build, home) -> None:
+    write_workflow(home.workspace, "w", [schedule("s", messages=["a", "b"])])
+    gate = threading.Event()
+    loop, agent = build(Agent(gate=gate))
+    loop.runner.start(loop.registry.resolve("s"), "manual")
+    while not agent.seen:
+        gate.wait(0.01)
+    loop.runner.stop("workflow:w:s")
+    gate.set()
+    loop.fanout.join()
+    [entry] = history(folder_of(home))
+    assert entry["status"] == "stopped" and entry["error"] == "stopped: scheduler.jobs.stop"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -147,3 +148,67 @@ def test_the_demo_workflows_load_without_a_problem() -> None:
     workflows, problems = manifest.scan(demo)
     assert problems == [] and workflows
     assert any(s.cron_expression == "* * * * *" for w in workflows for s in w.schedules)
+
+
+def test_a_lone_surrogate_escape_is_a_problem_not_a_schedule(tmp_path: Path) -> None:
+    folder = write_workflow(tmp_path, "w", [])
+    (folder / "workflow.json").write_text(
+        '{"schedules": [{"id": "s\\ud800", "cron_expression": "* * * * *", '
+        '"group_ids": ["g1"]}]}')
+    [problem] = problems_of(tmp_path)
+    assert "lone surrogate \\ud800" in problem
+
+
+@pytest.mark.parametrize("manifest_extra", [{"id": 42}, {"agent_profile": "../x"},
+                                            {"schedules": None}, {"schedules": {"a": 1}},
+                                            {"schedules": "abc"}])
+def test_an_edit_never_rewrites_a_manifest_that_is_wrong_apart_from_its_schedules(
+        tmp_path: Path, manifest_extra: dict) -> None:
+    folder = write_workflow(tmp_path, "w", [])
+    document = {"schedules": [], **manifest_extra}
+    (folder / "workflow.json").write_text(json.dumps(document))
+    before = (folder / "workflow.json").read_bytes()
+    with pytest.raises(ManifestUnusable, match="fix the file first"):
+        manifest.edit_schedules(folder, lambda s: [*s, schedule("n")])
+    assert (folder / "workflow.json").read_bytes() == before
+
+
+def test_a_broken_variables_file_is_the_one_problem_reported(tmp_path: Path) -> None:
+    folder = write_workflow(tmp_path, "w", [schedule()])
+    (folder / "variables" / "variables.json").write_text("{nope")
+    [problem] = problems_of(tmp_path)
+    assert problem.startswith(str(folder / "variables" / "variables.json"))
+
+
+def test_edits_go_through_a_symlink_and_keep_the_file_mode(tmp_path: Path) -> None:
+    folder = write_workflow(tmp_path, "w", [schedule("a")])
+    real = tmp_path / "elsewhere.json"
+    (folder / "workflow.json").rename(real)
+    real.chmod(0o644)
+    (folder / "workflow.json").symlink_to(real)
+    manifest.edit_schedules(folder, lambda s: [*s, schedule("b")])
+    assert (folder / "workflow.json").is_symlink()
+    assert [s["id"] for s in json.loads(real.read_text())["schedules"]] == ["a", "b"]
+    assert real.stat().st_mode & 0o777 == 0o644
+
+
+def test_special_files_and_an_unreadable_root_are_problems_not_hangs(tmp_path: Path) -> None:
+    folder = write_workflow(tmp_path, "fifo", [])
+    (folder / "workflow.json").unlink()
+    os.mkfifo(folder / "workflow.json")
+    [problem] = problems_of(tmp_path)
+    assert "not a regular file" in problem
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "Workflow").write_text("a file where a folder belongs")
+    workflows, problems = manifest.scan(other)
+    assert workflows == [] and "cannot read" in str(problems[0])
+
+
+def test_state_files_of_the_wrong_shape_are_reported_untouched(tmp_path: Path) -> None:
+    folder = write_workflow(tmp_path, "w", [schedule()])
+    (folder / "schedule-runs.json").write_text('{"not": "a list"}')
+    (folder / "decisions.json").write_text("[broken")
+    problems = [str(p) for p in manifest.state_file_problems(tmp_path)]
+    assert len(problems) == 2
+    assert (folder / "decisions.json").read_text() == "[broken"

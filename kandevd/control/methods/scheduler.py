@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from datetime import datetime
+import re
+from datetime import UTC, datetime
 from typing import Any
 
 from kandevd.control.protocol import (
@@ -254,11 +255,21 @@ class _Gone(Exception):
     pass
 
 
+_RFC3339 = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d{1,6})?(Z|z|[+-]\d{2}:\d{2})")
+_EARLIEST = datetime(1970, 1, 1, tzinfo=UTC)
+_LATEST = datetime(9000, 1, 1, tzinfo=UTC)
+
+
 def _time_param(p: dict[str, Any], name: str) -> datetime | None:
     if name not in p:
         return None
     try:
-        return parse_rfc3339(p[name])
-    except ValueError:
+        if not _RFC3339.fullmatch(p[name]):
+            raise ValueError(p[name])
+        moment = parse_rfc3339(p[name])
+    except (ValueError, OverflowError):
         raise InvalidParams(f"params.{name}: {p[name]!r} is not an RFC 3339 timestamp with "
                             "an offset (e.g. 2026-12-02T13:00:00Z)") from None
+    if not _EARLIEST <= moment < _LATEST:
+        raise InvalidParams(f"params.{name}: {p[name]!r} is out of range (1970 to 8999)")
+    return moment

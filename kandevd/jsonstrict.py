@@ -1,0 +1,65 @@
+"""Strict JSON reading: only what every JSON reader can take back.
+
+Python's ``json`` accepts ``NaN``, ``Infinity``, numbers that overflow to
+infinity (``1e999``) and ``\\ud800``-style escapes of lone surrogates (text that
+is not Unicode and cannot be written as UTF-8). Accepted, they surface later
+as a response that is not JSON, a file that cannot be written, or an internal
+error far from the input. Both the control socket and the files under the
+workflow root read through :func:`loads`, which rejects them at the door with
+a message that says what is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+class StrictJsonError(ValueError):
+    """Valid JSON syntax that kandevd still cannot accept."""
+
+
+def _constant(name: str) -> Any:
+    raise StrictJsonError(f"{name} is not a JSON number")
+
+
+def _float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise StrictJsonError(f"number {text[:40]} is out of range (it overflows to infinity)")
+    return value
+
+
+def loads(text: str) -> Any:
+    """Parse ``text``; ValueError (a StrictJsonError for the cases above) when it is bad."""
+    value = json.loads(text, parse_constant=_constant, parse_float=_float)
+    if _SURROGATE_ESCAPE.search(text):  # paired escapes are fine: only then walk the value
+        _check_unicode(value)
+    return value
+
+
+def _check_unicode(value: Any) -> None:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            _check_text(item)
+        elif isinstance(item, dict):
+            for key, member in item.items():
+                _check_text(key)
+                stack.append(member)
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
+def _check_text(text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = text[exc.start]
+        raise StrictJsonError(f"string {text[:40]!r} holds the lone surrogate "
+                              f"\\u{ord(bad):04x}, which is not valid Unicode") from None

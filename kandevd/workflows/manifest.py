@@ -17,7 +17,7 @@ import json
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from functools import cache
+from functools import cache, cached_property
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -91,7 +91,7 @@ class Schedule:
                 "cron_expression": self.cron_expression, "timezone": self.timezone,
                 "enabled": self.enabled, "group_ids": list(self.group_ids), "mode": self.mode,
                 "messages": list(self.messages), "workshop_mode": self.workshop_mode,
-                "trigger_payload": json.loads(json.dumps(self.trigger_payload)),
+                "trigger_payload": self.trigger_payload,  # read-only here: it is encoded
                 "overlap_policy": self.overlap_policy, "pulse": self.pulse}
 
 
@@ -108,7 +108,7 @@ class Workflow:
     schedules: tuple[Schedule, ...]
     enabled_groups: frozenset[str]
 
-    @property
+    @cached_property
     def aliases(self) -> frozenset[str]:
         """Names an allow/block list entry may use: folder, manifest id, label (lowercase)."""
         return frozenset(n.lower() for n in (self.name, self.manifest_id, self.label) if n)

@@ -96,12 +96,12 @@ class _ParsedCache:
     def take(self, path: Path) -> tuple[Any, ItemTexts]:
         with self._lock:
             item = self._items.pop(path, None)
-        if item is None or item[0] != _stat_key(path):
+        if item is None or item[0] != stat_key(path):
             return _MISS, {}
         return item[1], item[2]
 
     def put(self, path: Path, value: Any, texts: ItemTexts) -> None:
-        key = _stat_key(path)
+        key = stat_key(path)
         if key is None:
             return
         with self._lock:
@@ -111,7 +111,8 @@ class _ParsedCache:
                 self._items.popitem(last=False)
 
 
-def _stat_key(path: Path) -> tuple[int, int, int] | None:
+def stat_key(path: Path) -> tuple[int, int, int] | None:
+    """``(inode, mtime_ns, size)``: changes whenever the file is replaced; None if absent."""
     try:
         info = path.stat()
     except OSError:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kandevd.config import SchedulerConfig
-from kandevd.jsonfile import CorruptReporter, JsonFile
+from kandevd.jsonfile import CorruptReporter, JsonFile, stat_key
 from kandevd.timeutil import rfc3339
 
 PAUSE_FILE = Path("config") / "scheduler.json"
@@ -112,8 +112,20 @@ class PauseState:
 
     def __init__(self, root: Path, *, on_corrupt: CorruptReporter | None = None) -> None:
         self.file = JsonFile(root / PAUSE_FILE, on_corrupt=on_corrupt)
+        self._seen: tuple[Any, dict[str, Any]] | None = None
 
     def get(self) -> dict[str, Any]:
+        """The pause state; the file is read again only when ``stat`` says it changed
+        (every write replaces it), so ``daemon.status`` and each fire stay cheap."""
+        key = stat_key(self.file.path)
+        seen = self._seen
+        if seen is not None and seen[0] == key:
+            return dict(seen[1])
+        state = self._read()
+        self._seen = (stat_key(self.file.path), state)
+        return dict(state)
+
+    def _read(self) -> dict[str, Any]:
         stored = self.file.read({}, expect=dict)
         state = _default_pause()
         # Only well-typed values are believed: a hand-edited file cannot make a
@@ -130,4 +142,7 @@ class PauseState:
             state["paused_by"] = paused_by if paused else None
             state["updated_at"] = rfc3339(now)
             return state
-        return self.file.update(change, {}, expect=dict)
+        written = self.file.update(change, {}, expect=dict)
+        self._seen = None
+        return written
+

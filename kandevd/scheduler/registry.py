@@ -22,7 +22,9 @@ from typing import Any
 
 from kandevd.cron import next_fire_times
 from kandevd.jsonfile import CorruptFile
+from kandevd.scheduler.session import SessionPlan
 from kandevd.scheduler.settings import PauseState, Switches
+from kandevd.scheduler.workflow_session import WorkflowProgram
 from kandevd.timeutil import rfc3339
 from kandevd.workflows import history as hist
 from kandevd.workflows import manifest
@@ -84,6 +86,11 @@ class Job:
     schedule: Schedule
     state: JobState = field(default_factory=JobState)
 
+    @property
+    def key(self) -> str:
+        """What one session at a time is counted by (a product job adds its user)."""
+        return self.id
+
 
 def seed_state(entries: list[dict[str, Any]]) -> JobState:
     """Runtime state from one schedule's history entries (newest first)."""
@@ -141,6 +148,26 @@ class JobRegistry:
             del self._corrupt_files[:-100]
         if self._external_corrupt is not None:
             self._external_corrupt(report)
+
+    def session_for(self, job: Job, trigger_source: str) -> tuple[SessionPlan, hist.History]:
+        """The plan of a new session of ``job`` and the history it records into."""
+        program = WorkflowProgram(job.workflow, job.schedule, on_corrupt=self.report_corrupt)
+        return SessionPlan(job.key, program, trigger_source), self.history(job.workflow)
+
+    def record_finished(self, key: str, entry: dict[str, Any]) -> None:
+        """Fold a finished session into its job's state (gone after a reload: only its
+        history was written)."""
+        try:
+            self.by_key(key).state.record(entry)
+        except JobNotFound:
+            pass
+
+    def by_key(self, key: str) -> Job:
+        with self._lock:
+            job = self._jobs.get(key)
+        if job is None:
+            raise JobNotFound(f"no job {key!r}")
+        return job
 
     def history(self, workflow: Workflow) -> hist.History:
         return hist.History(workflow.folder, retention_days=self.retention_days,

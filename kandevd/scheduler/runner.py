@@ -23,7 +23,7 @@ from kandevd.scheduler.session import (
     SessionControl,
     SessionPlan,
 )
-from kandevd.workflows.history import SHUTDOWN_ERROR
+from kandevd.workflows.history import SHUTDOWN_ERROR, History
 
 log = logging.getLogger("kandevd.scheduler")
 
@@ -87,20 +87,21 @@ class SessionRunner:
     # -- starting -------------------------------------------------------------------
     def start(self, job: Job, trigger_source: str) -> SessionPlan:
         """Start a session of ``job`` now; AlreadyRunning when one is in flight."""
-        plan = SessionPlan(job.id, job.workflow, job.schedule, trigger_source)
+        plan, history = self._registry.session_for(job, trigger_source)
         control = SessionControl(self._runtime.wake_waiters)
         with self._lock:
             if self._closed:
                 raise RunnerClosed()
-            if job.id in self._running:
-                raise AlreadyRunning(f"job {job.id!r} is already running (session "
-                                     f"{self._running[job.id].plan.session_id})")
-            self._running[job.id] = _InFlight(plan, control)
+            if job.key in self._running:
+                raise AlreadyRunning(f"job {job.key!r} is already running (session "
+                                     f"{self._running[job.key].plan.session_id})")
+            self._running[job.key] = _InFlight(plan, control)
         try:
-            self._spawn(f"session-{plan.session_id[:8]}", lambda: self._run(plan, control))
+            self._spawn(f"session-{plan.entry_id[:8]}",
+                        lambda: self._run(plan, history, control))
         except BaseException:
             with self._lock:
-                self._running.pop(job.id, None)
+                self._running.pop(job.key, None)
             raise
         return plan
 
@@ -112,30 +113,25 @@ class SessionRunner:
             self._buffered.add(job_id)
             return True
 
-    def _run(self, plan: SessionPlan, control: SessionControl) -> None:
+    def _run(self, plan: SessionPlan, history: History, control: SessionControl) -> None:
         entry: dict[str, Any] | None = None
         try:
             session = Session(plan, config=self._config, layout=self._layout,
-                              runtime=self._runtime,
-                              history=self._registry.history(plan.workflow), control=control,
-                              on_corrupt=self._registry.report_corrupt)
+                              runtime=self._runtime, history=history, control=control)
             entry = session.run()
         finally:
             self._finish(plan, entry)
 
     def _finish(self, plan: SessionPlan, entry: dict[str, Any] | None) -> None:
         if entry is not None:
-            try:
-                self._registry.resolve(plan.job_id).state.record(entry)
-            except JobNotFound:
-                pass  # removed by a reload while it ran: its history is still written
+            self._registry.record_finished(plan.job_id, entry)
         with self._lock:
             self._running.pop(plan.job_id, None)
             start_buffered = plan.job_id in self._buffered and not self._closed
             self._buffered.discard(plan.job_id)
         if start_buffered:
             try:
-                job = self._registry.resolve(plan.job_id)
+                job = self._registry.by_key(plan.job_id)
             except JobNotFound:
                 log.info("%s: buffered fire dropped: the job was removed", plan.job_id)
                 return

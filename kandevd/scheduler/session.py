@@ -1,23 +1,18 @@
-"""A scheduled session: the turns of one fire (or manual trigger), one after another.
+"""A scheduled session: the turns of one run, one after another, and its history entry.
 
 A session is a sequence of agent executions of kind ``turn`` through the
 AgentRuntime (so they share ``runtime.max_concurrent`` with queued runs), each
-started only after the previous one exited::
+started only after the previous one exited. *What* the turns are is the
+session's :class:`Program`: a workflow schedule's (preflight, messages,
+reports, pulse: :mod:`kandevd.scheduler.workflow_session`) or a product
+schedule's (its messages into the user's conversation:
+:mod:`kandevd.products.session`). This module is the part they share: the
+history entry (written ``running`` at the start, updated around every turn,
+completed at the end), one turn's execution, and stopping.
 
-    preflight   when decisions.json holds ``answered`` decisions (workshop mode);
-                success marks them ``applied``; failure ends the session
-    messages    the schedule's messages in its workshop_mode (default message:
-                "Run the full workflow using run_full_workflow tool.")
-    report      mode workshop + workshop_mode run + no message mentions
-                run_full_report: one report turn per selected group, in
-                ``iteration-0/<group>``
-    pulse       pulse: true, after success or error (not after a stop); the pulse's own
-                outcome does not change the session's status
-
-The session owns one history entry: written ``running`` at the start, updated
-after every turn, completed at the end. A stop (``scheduler.jobs.stop`` or the
-daemon's shutdown) sends no further turn and ends the current one through the
-runtime (SIGTERM, grace, SIGKILL); the entry is recorded ``stopped``.
+A stop (``scheduler.jobs.stop`` or the daemon's shutdown) sends no further
+turn and ends the current one through the runtime (SIGTERM, grace, SIGKILL);
+the entry is recorded ``stopped``.
 """
 
 from __future__ import annotations
@@ -31,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from kandevd.config import Config, UnknownProfile
 from kandevd.paths import HomeLayout
@@ -39,17 +34,9 @@ from kandevd.runtime import ExecutionResult
 from kandevd.runtime.specs import agent_execution
 from kandevd.timeutil import rfc3339, utc_now
 from kandevd.workflows import history as hist
-from kandevd.workflows.decisions import Decisions
-from kandevd.workflows.manifest import Schedule, Workflow
 
 log = logging.getLogger("kandevd.scheduler.session")
 
-DEFAULT_MESSAGE = "Run the full workflow using run_full_workflow tool."
-REPORT_MESSAGE = "Generate the final report using run_full_report tool."
-PREFLIGHT_MESSAGE = ("Apply the answered decisions (in `decisions`) to the workflow before "
-                     "this scheduled run.")
-REPORT_TOOL = "run_full_report"
-RUN_FOLDER = "iteration-0"
 MANUAL_STOP_ERROR = "stopped: scheduler.jobs.stop"
 
 
@@ -101,24 +88,43 @@ class SessionControl:
 
 
 @dataclass
+class TurnSpec:
+    """One turn to run: what it is, where it runs, and what its stdin adds."""
+
+    kind: str
+    message: str
+    workshop_mode: str | None
+    cwd: Path
+    stdin: dict[str, Any] = field(default_factory=dict)
+
+
+class Program(Protocol):
+    """What a session runs: the turn sequence of a workflow or a product schedule."""
+
+    agent_profile: str
+
+    def entry_fields(self) -> dict[str, Any]:
+        """Fields of the history entry besides the common ones (``schedule_id``, ...)."""
+
+    def run_turns(self, session: Session) -> tuple[str, str | None]:
+        """Run the turns through ``session.turn``; return ``(status, error)``."""
+
+    def after(self, session: Session, status: str) -> None:
+        """Turns after the outcome is known (a workflow's pulse); may do nothing."""
+
+    def log_path(self, session: Session, index: int, kind: str) -> Path:
+        """Where the turn's stdout and stderr go."""
+
+
+@dataclass
 class SessionPlan:
     """One session to run: what fired, and the ids it will be known by."""
 
     job_id: str
-    workflow: Workflow
-    schedule: Schedule
+    program: Program
     trigger_source: str  # "cron" | "manual"
     session_id: str = field(default_factory=lambda: str(uuid.uuid4()))
     entry_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-
-
-@dataclass
-class TurnSpec:
-    kind: str
-    message: str
-    workshop_mode: str
-    run_folder: str
-    decisions: list[dict[str, Any]] | None = None
 
 
 class Session:
@@ -126,28 +132,24 @@ class Session:
 
     def __init__(self, plan: SessionPlan, *, config: Config, layout: HomeLayout, runtime: Any,
                  history: hist.History, control: SessionControl,
-                 on_corrupt: Callable[[Any], None] | None = None,
                  clock: Callable[[], datetime] = utc_now) -> None:
         self.plan = plan
+        self.layout = layout
         self._config = config
-        self._layout = layout
         self._runtime = runtime
         self._history = history
         self.control = control
-        self._on_corrupt = on_corrupt
-        self._clock = clock
+        self.clock = clock
         self.entry: dict[str, Any] = {}
         self._turn_index = 0
 
-    # -- the sequence ---------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         """Run every turn; return the completed history entry."""
-        plan, schedule = self.plan, self.plan.schedule
-        started = self._clock()
+        plan = self.plan
+        started = self.clock()
         self.entry = {
-            "id": plan.entry_id, "schedule_id": schedule.id, "run_folder": RUN_FOLDER,
-            "session_id": plan.session_id, "status": hist.RUNNING, "error": None,
-            "duration_ms": None, "group_ids": list(schedule.group_ids),
+            "id": plan.entry_id, **plan.program.entry_fields(), "session_id": plan.session_id,
+            "status": hist.RUNNING, "error": None, "duration_ms": None,
             "started_at": rfc3339(started), "completed_at": None,
             "trigger_source": plan.trigger_source, "turns": [], "cost_cents": 0,
         }
@@ -155,69 +157,43 @@ class Session:
         log.info("session %s of %s started (%s)", plan.session_id, plan.job_id,
                  plan.trigger_source)
         try:
-            status, error = self._turns()
+            status, error = plan.program.run_turns(self)
+            if not self.control.stop_requested:
+                plan.program.after(self, status)
         except Exception as exc:  # a bug or a broken file must not leave the entry running
             log.exception("session %s of %s failed", plan.session_id, plan.job_id)
             status, error = hist.ERROR, f"internal error: {type(exc).__name__}: {exc}"
-        if schedule.pulse and status in (hist.SUCCESS, hist.ERROR) \
-                and not self.control.stop_requested:
-            message = (f"Pulse: scheduled run {plan.entry_id} of schedule {schedule.id} "
-                       f"finished with status {status}.")
-            self._turn(TurnSpec("pulse", message, "workshop", RUN_FOLDER))
-        # The entry turns terminal only once the session is over, pulse included, so a
-        # reader who sees it finished knows nothing of it still runs.
+        # The entry turns terminal only once the session is over (a pulse included), so
+        # a reader who sees it finished knows nothing of it still runs.
         self.entry.update(status=status, error=error)
-        self._complete(started)
+        ended = self.clock()
+        self.entry["completed_at"] = rfc3339(ended)
+        self.entry["duration_ms"] = max(0, int((ended - started).total_seconds() * 1000))
+        self._save()
         log.info("session %s of %s ended: %s%s", plan.session_id, plan.job_id, status,
                  f" ({error})" if error else "")
         return self.entry
 
-    def _turns(self) -> tuple[str, str | None]:
-        plan, schedule = self.plan, self.plan.schedule
-        decisions = Decisions(plan.workflow.folder, on_corrupt=self._on_corrupt)
-        answered = decisions.answered()
-        if answered:
-            turn = self._turn(TurnSpec("preflight", PREFLIGHT_MESSAGE, "workshop", RUN_FOLDER,
-                                       answered))
-            if turn["status"] != hist.SUCCESS:
-                return self._ended_by(turn)
-            decisions.mark_applied([d.get("id") for d in answered], plan.session_id,
-                                   self._clock())
-        messages = list(schedule.messages) or [DEFAULT_MESSAGE]
-        for message in messages:
-            if self.control.stop_requested:
-                return hist.STOPPED, self.control.stop_error
-            turn = self._turn(TurnSpec("message", message, schedule.workshop_mode, RUN_FOLDER))
-            if turn["status"] != hist.SUCCESS:
-                return self._ended_by(turn)
-        if schedule.mode == "workshop" and schedule.workshop_mode == "run" \
-                and not any(REPORT_TOOL in m for m in messages):
-            for group in self._selected_groups():
-                if self.control.stop_requested:
-                    return hist.STOPPED, self.control.stop_error
-                turn = self._turn(TurnSpec("report", REPORT_MESSAGE, "run",
-                                           f"{RUN_FOLDER}/{group}"))
-                if turn["status"] != hist.SUCCESS:
-                    return self._ended_by(turn)
-        return hist.SUCCESS, None
-
-    def _ended_by(self, turn: dict[str, Any]) -> tuple[str, str | None]:
+    def ended_by(self, turn: dict[str, Any]) -> tuple[str, str | None] | None:
+        """The session's end when ``turn`` did not succeed (None: go on)."""
+        if turn["status"] == hist.SUCCESS:
+            return None
         if turn["status"] == hist.STOPPED:
             return hist.STOPPED, self.control.stop_error or turn.get("error")
         return hist.ERROR, f"{turn['kind']} turn {turn['index']} failed: {turn.get('error')}"
 
-    def _selected_groups(self) -> list[str]:
-        enabled = self.plan.workflow.enabled_groups
-        return [g for g in self.plan.schedule.group_ids if g in enabled]
+    def stopped(self) -> tuple[str, str | None] | None:
+        """The session's end when a stop was asked for before the next turn."""
+        if self.control.stop_requested:
+            return hist.STOPPED, self.control.stop_error
+        return None
 
-    def _complete(self, started: datetime) -> None:
-        ended = self._clock()
-        self.entry["completed_at"] = rfc3339(ended)
-        self.entry["duration_ms"] = max(0, int((ended - started).total_seconds() * 1000))
+    def _save(self) -> None:
         self._history.update_entry(self.plan.entry_id, copy.deepcopy(self.entry))
 
     # -- one turn -------------------------------------------------------------------
-    def _turn(self, turn: TurnSpec) -> dict[str, Any]:
+    def turn(self, turn: TurnSpec) -> dict[str, Any]:
+        """Run one turn to its end; return its record (also kept in the entry)."""
         index = self._turn_index
         self._turn_index += 1
         record: dict[str, Any] = {"index": index, "kind": turn.kind, "message": turn.message,
@@ -225,7 +201,7 @@ class Session:
                                   "started_at": None, "duration_ms": None, "log_path": None,
                                   "cost_cents": 0, "error": None}
         self.entry["turns"].append(record)
-        self._history.update_entry(self.plan.entry_id, copy.deepcopy(self.entry))
+        self._save()
         result = self._execute(turn, index, record)
         if result is not None:
             record["started_at"] = rfc3339(result.started_at)
@@ -241,28 +217,29 @@ class Session:
                 record["status"] = hist.ERROR
                 record["error"] = result.error or result.outcome
         self.entry["cost_cents"] = sum(t.get("cost_cents") or 0 for t in self.entry["turns"])
-        self._history.update_entry(self.plan.entry_id, copy.deepcopy(self.entry))
+        self._save()
         return record
 
     def _execute(self, turn: TurnSpec, index: int, record: dict[str, Any]
                  ) -> ExecutionResult | None:
         plan = self.plan
         try:
-            profile = self._config.profile(plan.workflow.agent_profile)
+            profile = self._config.profile(plan.program.agent_profile)
         except UnknownProfile as exc:
             record.update(status=hist.ERROR, error=str(exc))
             return None
-        folder = plan.workflow.folder / "runs" / turn.run_folder
         try:
-            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            turn.cwd.mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as exc:
-            record.update(status=hist.ERROR, error=f"cannot create run folder {folder}: {exc}")
+            record.update(status=hist.ERROR, error=f"cannot create run folder {turn.cwd}: {exc}")
             return None
-        key = f"turn-{plan.session_id}-{index}"
-        spec = agent_execution(profile, self._layout, kind="turn", key=key,
-                               stdin=self._stdin(turn, index), session_id=plan.session_id,
-                               run_id=plan.entry_id, cwd=folder,
-                               log_path=self._log_path(index, turn.kind))
+        key = f"turn-{plan.entry_id}-{index}"
+        stdin = {"kind": "turn", "session_id": plan.session_id, "run_id": plan.entry_id,
+                 "message": turn.message, "triggered_by": plan.trigger_source,
+                 "turn": {"index": index, "kind": turn.kind}, **turn.stdin}
+        spec = agent_execution(profile, self.layout, kind="turn", key=key, stdin=stdin,
+                               session_id=plan.session_id, run_id=plan.entry_id, cwd=turn.cwd,
+                               log_path=plan.program.log_path(self, index, turn.kind))
         done = threading.Event()
         outcome: list[ExecutionResult] = []
 
@@ -276,6 +253,7 @@ class Session:
             record.update(status=hist.STOPPED,
                           error=self.control.stop_error or "agent runtime is stopping")
             return None
+
         def stop_turn() -> None:
             reason = "stopped by scheduler.jobs.stop" \
                 if self.control.stop_error == MANUAL_STOP_ERROR else "daemon shutting down"
@@ -283,28 +261,3 @@ class Session:
 
         self.control.wait_turn(done, stop_turn)
         return outcome[0]
-
-    def _log_path(self, index: int, kind: str) -> Path:
-        return self._layout.logs / "sessions" / self.plan.session_id / f"{index:02d}-{kind}.log"
-
-    def _stdin(self, turn: TurnSpec, index: int) -> dict[str, Any]:
-        plan, schedule = self.plan, self.plan.schedule
-        options: dict[str, Any] = {
-            "run_mode": "use_same_run", "selected_run_folder": turn.run_folder,
-            "execution_strategy": "start_from_beginning_no_human",
-            "workshop_mode": turn.workshop_mode,
-            "enabled_group_ids": self._selected_groups(),
-        }
-        if plan.workflow.pending_upgrades:
-            options["contract_upgrades_pending"] = True
-        stdin: dict[str, Any] = {
-            "kind": "turn", "session_id": plan.session_id, "run_id": plan.entry_id,
-            "workflow": plan.workflow.name, "schedule_id": schedule.id,
-            "message": turn.message, "workshop_mode": turn.workshop_mode,
-            "agent_mode": "workflow_phase", "phase_id": "workflow-builder",
-            "triggered_by": plan.trigger_source, "turn": {"index": index, "kind": turn.kind},
-            "payload": dict(schedule.trigger_payload), "execution_options": options,
-        }
-        if turn.decisions is not None:
-            stdin["decisions"] = turn.decisions
-        return stdin

@@ -278,14 +278,18 @@ def test_fire_times_increase_and_each_is_the_first_at_or_after_a_moment(
     times = next_fire_times(trigger, start, 60)
     assert all(a < b for a, b in itertools.pairwise(times))
     assert all(t > start for t in times)
+    # Compared in UTC: PEP 495 makes a zone-local time inside a fall-back fold unequal to
+    # every time of another zone, even the same instant.
     for fire in times[:10]:
         found = trigger.get_next_fire_time(None, fire)
-        assert found == fire
+        assert found.astimezone(UTC) == fire
         assert found.tzinfo is trigger.timezone
-        assert trigger.get_next_fire_time(None, fire - timedelta(microseconds=1)) == fire
+        later = trigger.get_next_fire_time(None, fire - timedelta(microseconds=1))
+        assert later.astimezone(UTC) == fire
     if times:
         for moment in (start + p for p in probes if start + p <= times[-1]):
-            assert trigger.get_next_fire_time(None, moment) == min(t for t in times if t >= moment)
+            found = trigger.get_next_fire_time(None, moment)
+            assert found.astimezone(UTC) == min(t for t in times if t >= moment)
 
 
 @settings(max_examples=60, deadline=None)
@@ -537,3 +541,11 @@ def test_cron_error_is_a_value_error() -> None:
     assert issubclass(CronError, ValueError)
     with pytest.raises(ValueError, match=r"^timezone: unknown time zone 'Mars/Base'"):
         parse_cron("0 9 * * 0", "Mars/Base")
+
+
+def test_a_fire_inside_a_fall_back_fold_is_found_again_from_its_own_instant() -> None:
+    hourly_sundays = parse_cron("0 * * * 0", "Europe/Berlin")
+    times = next_fire_times(hourly_sundays, datetime(2000, 10, 28, 1, tzinfo=UTC), 4)
+    fold = datetime(2000, 10, 29, 0, tzinfo=UTC)  # 02:00 CEST, the first 02:00 of the day
+    assert fold in times
+    assert hourly_sundays.get_next_fire_time(None, fold).astimezone(UTC) == fold

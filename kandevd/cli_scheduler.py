@@ -117,12 +117,13 @@ def scheduler_reload(as_json: bool, home: str | None, socket_path: str | None) -
 # -- kandevd validate (the workflow half) -----------------------------------------------
 
 def check_workflows(root: Path) -> bool:
-    """Check every workflow folder under ``root`` and the files kandevd keeps there;
-    True when all of them are usable.
+    """Check every workflow folder, product.yaml and users.yaml under ``root``, and the
+    files kandevd keeps there; True when all of them are usable.
 
     Each problem goes to stderr as one ``path: message`` line, nothing else
     does; the summary goes to stdout. Nothing is written or moved.
     """
+    from kandevd.products import catalog
     from kandevd.workflows import manifest
 
     workflows, problems = manifest.scan(root)
@@ -131,6 +132,8 @@ def check_workflows(root: Path) -> bool:
     except OSError:
         folders = 0
     problems += manifest.state_file_problems(root)
+    products, product_problems = catalog.scan_products(root)
+    problems += product_problems + catalog.read_users(root)[1]
     for problem in problems:
         click.echo(one_line(str(problem)), err=True)
     if problems:
@@ -138,5 +141,7 @@ def check_workflows(root: Path) -> bool:
                    f"{folders - len(workflows)} of {folders} workflow(s) not loaded")
         return False
     schedules = sum(len(w.schedules) for w in workflows)
-    click.echo(f"{len(workflows)} workflow(s), {schedules} schedule(s) ok in {root}")
+    product_schedules = sum(len(p.schedules) for p in products)
+    click.echo(f"{len(workflows)} workflow(s), {schedules} schedule(s), {len(products)} "
+               f"product(s), {product_schedules} product schedule(s) ok in {root}")
     return True

@@ -25,7 +25,8 @@ from collections.abc import Callable
 from datetime import datetime
 
 from kandevd.lifecycle import Loop, StopSignal
-from kandevd.scheduler.registry import Job, JobRegistry
+from kandevd.products.jobs import ProductJob
+from kandevd.scheduler.registry import AnyJob, Job, JobRegistry
 from kandevd.scheduler.runner import AlreadyRunning, RunnerClosed, SessionRunner
 from kandevd.timeutil import utc_now
 
@@ -86,14 +87,39 @@ class CronLoop(Loop):
             self._reload.clear()
             self.registry.rescan(now)
         due = self.registry.due(now)
-        if due:
+        due_products = self.registry.products.due(now)
+        if due or due_products:
             paused = self.registry.pause.get()["globally_paused"]
             for job in due:
                 self.fire(job, now, paused=paused)
-        following = self.registry.next_wake()
-        if following is None:
+            for product_job in due_products:
+                self.fire_product(product_job, now, paused=paused)
+        times = [t for t in (self.registry.next_wake(), self.registry.products.next_wake(now))
+                 if t is not None]
+        if not times:
             return MAX_WAIT_S
-        return min(MAX_WAIT_S, (following - now).total_seconds())
+        return min(MAX_WAIT_S, (min(times) - now).total_seconds())
+
+    def fire_product(self, job: ProductJob, now: datetime, *, paused: bool) -> Decision:
+        """Act on a product job ``decide`` found due: one run for that user, or a skip
+        that spends the occurrence (never kept for later)."""
+        self.fires += 1
+        switches = self.registry.switches
+        decision = decide_fire(
+            execution_enabled=switches.execution_enabled,
+            workflow_allowed=switches.user_verdict(job.user.id) is None, paused=paused,
+            running=self.runner.is_running(job.key), buffered=False, overlap_policy="skip")
+        if decision is Decision.RUN:
+            try:
+                self.runner.start(job, "cron")
+                return decision
+            except AlreadyRunning:
+                decision = Decision.SKIP_OVERLAP
+            except RunnerClosed:
+                return decision
+        self._skip(job, decision, "a run for this user is still going")
+        self.registry.products.consumed(job, now)
+        return decision
 
     def fire(self, job: Job, now: datetime, *, paused: bool) -> Decision:
         """Act on one due cron fire of ``job``."""
@@ -141,7 +167,7 @@ class CronLoop(Loop):
             paused=paused, running=running, buffered=buffered,
             overlap_policy=job.schedule.overlap_policy)
 
-    def _skip(self, job: Job, decision: Decision, why: str | None = None) -> None:
+    def _skip(self, job: AnyJob, decision: Decision, why: str | None = None) -> None:
         """Count a fire that does not run and say why, once, at INFO."""
         state = job.state
         if decision is Decision.SKIP_OVERLAP:
@@ -152,7 +178,7 @@ class CronLoop(Loop):
         else:
             state.skipped_disabled += 1
             why = self.registry.ineligible_reason(job, paused=False)
-        log.info("%s: cron fire skipped: %s", job.id, why)
+        log.info("%s: cron fire skipped: %s", job.key, why)
 
     def on_stopping(self) -> None:
         self.runner.close(self._stop_grace_s)

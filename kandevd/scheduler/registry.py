@@ -22,10 +22,12 @@ from typing import Any
 
 from kandevd.cron import next_fire_times
 from kandevd.jsonfile import CorruptFile
+from kandevd.products.jobs import ProductJob, ProductJobs
+from kandevd.products.session import ProductProgram
 from kandevd.scheduler.session import SessionPlan
 from kandevd.scheduler.settings import PauseState, Switches
 from kandevd.scheduler.workflow_session import WorkflowProgram
-from kandevd.timeutil import rfc3339
+from kandevd.timeutil import rfc3339, utc_now
 from kandevd.workflows import history as hist
 from kandevd.workflows import manifest
 from kandevd.workflows.manifest import Problem, Schedule, Workflow
@@ -92,6 +94,9 @@ class Job:
         return self.id
 
 
+AnyJob = Job | ProductJob
+
+
 def seed_state(entries: list[dict[str, Any]]) -> JobState:
     """Runtime state from one schedule's history entries (newest first)."""
     state = JobState()
@@ -139,6 +144,8 @@ class JobRegistry:
         self._workflows: dict[str, Workflow] = {}
         self._problems: list[Problem] = []
         self._corrupt_files: list[CorruptFile] = []
+        self.products = ProductJobs(root, retention_days=retention_days,
+                                    on_corrupt=self.report_corrupt)
 
     # -- files ----------------------------------------------------------------------
     def report_corrupt(self, report: CorruptFile) -> None:
@@ -149,22 +156,39 @@ class JobRegistry:
         if self._external_corrupt is not None:
             self._external_corrupt(report)
 
-    def session_for(self, job: Job, trigger_source: str) -> tuple[SessionPlan, hist.History]:
+    def session_for(self, job: AnyJob, trigger_source: str
+                    ) -> tuple[SessionPlan, hist.History]:
         """The plan of a new session of ``job`` and the history it records into."""
+        if isinstance(job, ProductJob):
+            program = ProductProgram(self.root, job.product, job.schedule, job.user.id)
+            plan = SessionPlan(job.key, program, trigger_source,
+                               session_id=self.products.session_id(job))
+            return plan, self.products.history(job)
         program = WorkflowProgram(job.workflow, job.schedule, on_corrupt=self.report_corrupt)
         return SessionPlan(job.key, program, trigger_source), self.history(job.workflow)
+
+    def session_started(self, job: AnyJob) -> None:
+        """A session of ``job`` was accepted (a product occurrence is spent from now)."""
+        if isinstance(job, ProductJob):
+            self.products.started(job, utc_now())
 
     def record_finished(self, key: str, entry: dict[str, Any]) -> None:
         """Fold a finished session into its job's state (gone after a reload: only its
         history was written)."""
         try:
-            self.by_key(key).state.record(entry)
+            job = self.by_key(key)
         except JobNotFound:
-            pass
+            return
+        if isinstance(job, ProductJob):
+            self.products.record(job, entry)
+        else:
+            job.state.record(entry)
 
-    def by_key(self, key: str) -> Job:
+    def by_key(self, key: str) -> AnyJob:
         with self._lock:
-            job = self._jobs.get(key)
+            job: AnyJob | None = self._jobs.get(key)
+        if job is None:
+            job = self.products.by_key(key)
         if job is None:
             raise JobNotFound(f"no job {key!r}")
         return job
@@ -193,8 +217,9 @@ class JobRegistry:
                 self._count_missed(job, entries, now)
                 jobs[job.id] = job
         self._install(workflows, problems, jobs)
-        log.info("scheduler: %d workflow(s), %d job(s) under %s", len(workflows), len(jobs),
-                 self.root)
+        products = self.products.load()
+        log.info("scheduler: %d workflow(s), %d job(s), %d product job(s) under %s",
+                 len(workflows), len(jobs), products["product_jobs"], self.root)
         for problem in problems:
             log.error("workflow not loaded: %s", problem)
 
@@ -223,6 +248,7 @@ class JobRegistry:
                 job_id = workflow_job_id(workflow.name, schedule.id)
                 jobs[job_id] = self._carry(old.get(job_id), workflow, schedule, now)
         self._install(workflows, problems, jobs)
+        products = self.products.load()
         added = sorted(set(jobs) - set(old))
         removed = sorted(set(old) - set(jobs))
         changed = sorted(j for j in set(jobs) & set(old) if jobs[j].schedule != old[j].schedule)
@@ -232,7 +258,8 @@ class JobRegistry:
         for problem in problems:
             log.error("workflow not loaded: %s", problem)
         return {"workflows": len(workflows), "jobs": len(jobs), "added": added,
-                "changed": changed, "removed": removed, "errors": self.problems()}
+                "changed": changed, "removed": removed, **products,
+                "errors": self.problems()}
 
     def reload_workflow(self, name: str, now: datetime) -> Workflow | None:
         """Reload one workflow after kandevd itself rewrote its manifest."""
@@ -304,14 +331,15 @@ class JobRegistry:
 
     def problems(self) -> list[dict[str, str]]:
         with self._lock:
-            found = [p.as_dict() for p in self._problems]
+            found = [p.as_dict() for p in self._problems + self.products.problems]
             found += [{"path": c.path, "message": f"{c.error}; moved aside to {c.moved_to}"}
                       for c in self._corrupt_files]
             return found
 
     def counts(self) -> dict[str, int]:
         with self._lock:
-            return {"workflows": len(self._workflows), "jobs": len(self._jobs)}
+            return {"workflows": len(self._workflows), "jobs": len(self._jobs),
+                    "product_jobs": len(self.products.jobs())}
 
     # -- the clock ------------------------------------------------------------------
     def due(self, now: datetime) -> list[Job]:
@@ -332,13 +360,17 @@ class JobRegistry:
         return min(times) if times else None
 
     # -- eligibility ----------------------------------------------------------------
-    def ineligible_reason(self, job: Job, paused: bool) -> str | None:
+    def ineligible_reason(self, job: AnyJob, paused: bool) -> str | None:
         """Why a cron fire of ``job`` would not run now (None: it would)."""
-        if not job.schedule.enabled:
+        if isinstance(job, ProductJob):
+            enabled, verdict = job.enabled, self.switches.user_verdict(job.user.id)
+        else:
+            enabled = job.schedule.enabled
+            verdict = self.switches.workflow_verdict(job.workflow.aliases)
+        if not enabled:
             return "schedule is disabled"
         if not self.switches.execution_enabled:
             return self.switches.disabled_reason
-        verdict = self.switches.workflow_verdict(job.workflow.aliases)
         if verdict is not None:
             return verdict
         if paused:

@@ -97,6 +97,7 @@ class SessionRunner:
                                      f"{self._running[job.key].plan.session_id})")
             self._running[job.key] = _InFlight(plan, control)
         try:
+            self._registry.session_started(job)
             self._spawn(f"session-{plan.entry_id[:8]}",
                         lambda: self._run(plan, history, control))
         except BaseException:

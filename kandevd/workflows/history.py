@@ -102,9 +102,11 @@ class History:
     """The history file of one workflow."""
 
     def __init__(self, folder: Path, *, retention_days: float,
-                 on_corrupt: CorruptReporter | None = None) -> None:
+                 on_corrupt: CorruptReporter | None = None, cap: int | None = None) -> None:
+        """``cap``: keep at most that many entries (the newest), as product histories do."""
         self.file = JsonFile(folder / HISTORY, on_corrupt=on_corrupt, indent=None, cache=True)
         self.retention_days = retention_days
+        self.cap = cap
 
     def entries(self) -> list[Any]:
         if not self.file.path.exists():  # the common case at start: no lock file made
@@ -121,6 +123,8 @@ class History:
         """Add a new (running) entry at the top, pruning what the retention drops."""
         def add(entries: list[Any]) -> None:
             entries[:] = [entry, *prune(entries, now, self.retention_days)]
+            if self.cap is not None:
+                del entries[self.cap:]
         self._update(add)
 
     def update_entry(self, entry_id: str, fields: dict[str, Any]) -> None:

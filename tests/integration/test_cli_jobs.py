@@ -186,7 +186,7 @@ def test_validate_checks_every_workflow(tmp_path: Path) -> None:
     good = run_cli(home, "validate")
     assert good.returncode == 0, good.stderr
     assert good.stderr == ""
-    assert "1 workflow(s), 2 schedule(s) ok" in good.stdout
+    assert "1 workflow(s), 2 schedule(s), 0 product(s)" in good.stdout
 
     broken = {
         "notjson": write_workflow(home, "notjson", None, raw="{not json"),

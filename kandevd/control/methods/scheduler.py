@@ -12,18 +12,21 @@ from kandevd.control.protocol import (
     InvalidParams,
     NotFound,
     NotRunning,
+    Refused,
     ShuttingDown,
 )
 from kandevd.control.registry import Registry, object_schema, paging_properties
 from kandevd.cron import CronError, next_fire_times, parse_cron, parse_timezone
+from kandevd.products.jobs import PRODUCT_PREFIX, ProductJob
+from kandevd.products.schedule import ScheduleState, decide
 from kandevd.scheduler import runner as run
 from kandevd.scheduler.loop import CronLoop
-from kandevd.scheduler.registry import AmbiguousJob, Job, JobNotFound
+from kandevd.scheduler.registry import AmbiguousJob, AnyJob, Job, JobNotFound
 from kandevd.services import Services
 from kandevd.timeutil import parse_rfc3339, rfc3339, utc_now
 from kandevd.workflows import history as hist
 from kandevd.workflows import manifest
-from kandevd.workflows.manifest import ManifestError, ManifestUnusable
+from kandevd.workflows.manifest import ManifestError, ManifestUnusable, check_workflow_name
 
 ID = {"type": "string", "minLength": 1, "maxLength": 500}
 TEXT = {"type": "string", "maxLength": 10000}
@@ -54,7 +57,16 @@ def register(registry: Registry, services: Services) -> None:
     jobs = loop.registry
     runner = loop.runner
 
-    def resolve(job_id: str) -> Job:
+    def resolve(job_id: str, user_id: str | None = None) -> AnyJob:
+        if job_id.startswith(PRODUCT_PREFIX):
+            try:
+                product_job = jobs.products.find(job_id, user_id)
+            except LookupError as exc:
+                raise InvalidParams(f"params.user_id: {exc}") from None
+            if product_job is None:
+                who = f" for user {user_id!r}" if user_id else ""
+                raise NotFound(f"no job {job_id!r}{who}")
+            return product_job
         try:
             return jobs.resolve(job_id)
         except JobNotFound as exc:
@@ -62,12 +74,24 @@ def register(registry: Registry, services: Services) -> None:
         except AmbiguousJob as exc:
             raise InvalidParams(str(exc)) from None
 
+    def workflow_job(p: dict[str, Any], verb: str) -> Job:
+        job = resolve(p["id"], p.get("user_id"))
+        if isinstance(job, ProductJob):
+            raise Refused(f"{job.id} is declared by products/{job.product.folder.name}/"
+                          f"product.yaml: a product job cannot be {verb} (switch it off for a "
+                          "user with scheduler.jobs.disable)")
+        return job
+
     def paused() -> bool:
         return jobs.pause.get()["globally_paused"]
 
-    def job_dict(job: Job, is_paused: bool | None = None) -> dict[str, Any]:
-        return jobs.as_dict(job, running=runner.is_running(job.id),
-                            paused=paused() if is_paused is None else is_paused)
+    def job_dict(job: AnyJob, is_paused: bool | None = None) -> dict[str, Any]:
+        is_paused = paused() if is_paused is None else is_paused
+        if isinstance(job, ProductJob):
+            return jobs.products.as_dict(
+                job, running=runner.is_running(job.key),
+                ineligible=lambda j: jobs.ineligible_reason(j, is_paused))
+        return jobs.as_dict(job, running=runner.is_running(job.key), paused=is_paused)
 
     # -- config ---------------------------------------------------------------------
     def config_get(_p: dict[str, Any]) -> dict[str, Any]:
@@ -80,20 +104,26 @@ def register(registry: Registry, services: Services) -> None:
     # -- reading --------------------------------------------------------------------
     def list_(p: dict[str, Any]) -> dict[str, Any]:
         limit, offset = p.get("limit", 50), p.get("offset", 0)
-        chosen = []
+        chosen: list[AnyJob] = []
         if p.get("entity_type", "workflow") == "workflow":
-            chosen = [j for j in jobs.jobs()
-                      if "enabled" not in p or j.schedule.enabled == p["enabled"]]
+            chosen += [j for j in jobs.jobs()
+                       if "enabled" not in p or j.schedule.enabled == p["enabled"]]
+        if p.get("entity_type", "product") == "product":
+            chosen += [j for j in jobs.products.jobs(p.get("user_id"))
+                       if "enabled" not in p or j.enabled == p["enabled"]]
         is_paused = paused()
         return {"items": [job_dict(j, is_paused) for j in chosen[offset:offset + limit]],
                 "total": len(chosen), "limit": limit, "offset": offset}
 
     def get(p: dict[str, Any]) -> dict[str, Any]:
-        return job_dict(resolve(p["id"]))
+        return job_dict(resolve(p["id"], p.get("user_id")))
 
     def runs(p: dict[str, Any]) -> dict[str, Any]:
-        job = resolve(p["id"])
-        entries = jobs.history(job.workflow).entries()
+        job = resolve(p["id"], p.get("user_id"))
+        if isinstance(job, ProductJob):
+            entries = jobs.products.history(job).entries()
+        else:
+            entries = jobs.history(job.workflow).entries()
         return hist.page(entries, schedule_id=job.schedule.id, limit=p.get("limit", 50),
                          offset=p.get("offset", 0))
 
@@ -101,7 +131,10 @@ def register(registry: Registry, services: Services) -> None:
         if ("id" in p) == ("schedule" in p):
             raise InvalidParams("params: give either 'id' or 'schedule', not both or neither")
         if "id" in p:
-            schedule = resolve(p["id"]).schedule
+            job = resolve(p["id"], p.get("user_id"))
+            if isinstance(job, ProductJob) and job.schedule.cron_expression is None:
+                return cadence_times(job, p)
+            schedule = job.schedule
             expression, zone_name = schedule.cron_expression, schedule.timezone
         else:
             expression = p["schedule"]["cron_expression"]
@@ -165,7 +198,7 @@ def register(registry: Registry, services: Services) -> None:
         return job_dict(resolve(job.id))
 
     def update(p: dict[str, Any]) -> dict[str, Any]:
-        job = resolve(p["id"])
+        job = workflow_job(p, "updated")
         fields = dict(p["schedule"])
         if fields.get("id", job.schedule.id) != job.schedule.id:
             raise InvalidParams(f"params.schedule.id: the id of a schedule cannot change "
@@ -173,7 +206,7 @@ def register(registry: Registry, services: Services) -> None:
         return change_schedule(job, fields)
 
     def delete(p: dict[str, Any]) -> dict[str, Any]:
-        job = resolve(p["id"])
+        job = workflow_job(p, "deleted")
 
         def remove(schedules: list[Any]) -> list[Any]:
             return [s for s in schedules if not (isinstance(s, dict)
@@ -181,15 +214,50 @@ def register(registry: Registry, services: Services) -> None:
         edit(job.workflow.name, remove)
         return {"id": job.id, "deleted": True}
 
+    def set_enabled(p: dict[str, Any], enabled: bool) -> dict[str, Any]:
+        job = resolve(p["id"], p.get("user_id"))
+        if isinstance(job, ProductJob):  # the user's override; product.yaml is not touched
+            jobs.products.set_enabled(job, enabled)
+            loop.wake()
+            return job_dict(job)
+        return change_schedule(job, {"enabled": enabled})
+
     def enable(p: dict[str, Any]) -> dict[str, Any]:
-        return change_schedule(resolve(p["id"]), {"enabled": True})
+        return set_enabled(p, True)
 
     def disable(p: dict[str, Any]) -> dict[str, Any]:
-        return change_schedule(resolve(p["id"]), {"enabled": False})
+        return set_enabled(p, False)
+
+    def cadence_times(job: ProductJob, p: dict[str, Any]) -> dict[str, Any]:
+        """The next slots of a cadence schedule, as if each ran on time."""
+        after = _time_param(p, "after") or utc_now()
+        zone = parse_timezone(job.schedule.timezone)
+        state = job.state.for_decide()
+        times = []
+        moment = after
+        while len(times) < p.get("count", 5):
+            decision = decide(job.schedule, state, moment)
+            times.append(decision.next_at)
+            state = ScheduleState(last_run_at=decision.next_at, last_status="success")
+            moment = decision.next_at
+        return {"times": [{"utc": rfc3339(t), "local": t.astimezone(zone).isoformat()}
+                          for t in times],
+                "timezone": job.schedule.timezone, "cron_expression": None}
+
+    def activity(p: dict[str, Any]) -> dict[str, Any]:
+        try:
+            check_workflow_name(p["user_id"])
+        except ManifestError as exc:
+            raise InvalidParams(f"params.user_id: {str(exc).replace('workflow name', 'user id')}"
+                                ) from None
+        at = _time_param(p, "at") or utc_now()
+        jobs.products.record_activity(p["user_id"], p["profile"], at)
+        loop.wake()
+        return {"user_id": p["user_id"], "profile": p["profile"], "at": rfc3339(at)}
 
     # -- sessions -------------------------------------------------------------------
     def trigger(p: dict[str, Any]) -> dict[str, Any]:
-        job = resolve(p["id"])
+        job = resolve(p["id"], p.get("user_id"))
         try:
             plan = runner.start(job, "manual")
         except run.AlreadyRunning as exc:
@@ -200,9 +268,9 @@ def register(registry: Registry, services: Services) -> None:
                 "job": job_dict(job)}
 
     def stop(p: dict[str, Any]) -> dict[str, Any]:
-        job = resolve(p["id"])
+        job = resolve(p["id"], p.get("user_id"))
         try:
-            plan = runner.stop(job.id)
+            plan = runner.stop(job.key)
         except run.NotRunning as exc:
             raise NotRunning(str(exc)) from None
         return {"id": job.id, "session_id": plan.session_id, "run_id": plan.entry_id,
@@ -245,6 +313,9 @@ def register(registry: Registry, services: Services) -> None:
         "count": {"type": "integer", "minimum": 1, "maximum": MAX_NEXT},
         "after": {"type": "string", "minLength": 1, "maxLength": 64}}))
     registry.add("scheduler.reload", reload)
+    registry.add("products.activity", activity, object_schema(
+        {"user_id": USER, "profile": WORKFLOW_NAME,
+         "at": {"type": "string", "minLength": 1, "maxLength": 64}}, ("user_id", "profile")))
 
 
 class _Duplicate(Exception):

@@ -1,0 +1,1 @@
+"""Products: agents with a chat surface, and the recurring jobs their product.yaml declares."""

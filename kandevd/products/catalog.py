@@ -1,0 +1,215 @@
+"""Products and users under the workflow root: ``products/<dir>/product.yaml``, ``users.yaml``.
+
+A product (an agent with its own chat surface) declares recurring jobs under
+``profile.schedules``; its profile id is ``profile.id``, else the folder name.
+A profile with schedules must talk in one conversation per user
+(``profile.runtime.conversation.mode: singleton``). ``users.yaml``, when present,
+is the user directory ``[{id, enabled, role?: admin|member, products: [..] | "*"}]``;
+when it is absent there is one local user, ``local``, who has every product.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+
+from kandevd.config import format_validation_error
+from kandevd.products import schedule as product_schedule
+from kandevd.products.schedule import ProductSchedule
+from kandevd.workflows.manifest import ManifestError, Problem, check_workflow_name
+
+PRODUCTS_DIR = "products"
+PRODUCT_FILE = "product.yaml"
+USERS_FILE = "users.yaml"
+LOCAL_USER = "local"
+MAX_YAML_BYTES = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Product:
+    profile_id: str
+    folder: Path
+    agent_profile: str
+    schedules: tuple[ProductSchedule, ...]
+
+
+@dataclass(frozen=True)
+class User:
+    id: str
+    enabled: bool = True
+    role: str = "member"
+    products: tuple[str, ...] | str = "*"
+
+    def has(self, profile_id: str) -> bool:
+        return self.role == "admin" or self.products == "*" or profile_id in self.products
+
+
+LOCAL = User(LOCAL_USER)
+
+
+class YamlError(ValueError):
+    pass
+
+
+def load_yaml(path: Path) -> Any:
+    """Safe-load one YAML file; YamlError says where (with the line) and why."""
+    try:
+        if path.stat().st_size > MAX_YAML_BYTES:
+            raise YamlError(f"larger than {MAX_YAML_BYTES} bytes")
+        text = path.read_text("utf-8")
+    except UnicodeDecodeError as exc:
+        raise YamlError(f"not UTF-8 text: {exc.reason}") from None
+    except OSError as exc:
+        raise YamlError(f"cannot read: {exc.strerror or exc}") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise YamlError(f"not valid YAML: {where}{problem}") from None
+    except RecursionError:
+        raise YamlError("not valid YAML: nested too deeply") from None
+
+
+@cache
+def _validator() -> jsonschema.Draft202012Validator:
+    text = resources.files("kandevd.schemas").joinpath("product.json").read_text("utf-8")
+    schema = json.loads(text)
+    # Schedules are checked one by one (products.schedule.validate) to name each.
+    schema = json.loads(json.dumps(schema))
+    schedules = schema.get("properties", {}).get("profile", {}).get("properties", {}) \
+        .get("schedules")
+    if isinstance(schedules, dict):
+        schedules["items"] = {"type": "object"}
+    return jsonschema.Draft202012Validator(schema)
+
+
+def _json_safe(document: Any) -> Any:
+    """YAML may hold dates, non-string keys or NaN; JSON Schema and files may not."""
+    return json.loads(json.dumps(document, default=str, allow_nan=False))
+
+
+def load_product(folder: Path) -> tuple[Product | None, list[Problem]]:
+    path = folder / PRODUCT_FILE
+    if not path.is_file():
+        return None, [Problem(str(path), "missing: a product folder needs a product.yaml")]
+    try:
+        document = _json_safe(load_yaml(path))
+    except (YamlError, ValueError) as exc:
+        return None, [Problem(str(path), str(exc))]
+    errors = sorted(_validator().iter_errors(document), key=lambda e: list(e.absolute_path))
+    if errors:
+        return None, [Problem(str(path), format_validation_error(e, noun="field"))
+                      for e in errors]
+    profile = document.get("profile") or {}
+    profile_id = profile.get("id") or folder.name
+    problems = []
+    try:
+        check_workflow_name(profile_id)
+    except ManifestError as exc:
+        problems.append(f"profile.id: {str(exc).replace('workflow name', 'profile id')}")
+    raw_schedules = profile.get("schedules") or []
+    mode = ((profile.get("runtime") or {}).get("conversation") or {}).get("mode")
+    if raw_schedules and mode != "singleton":
+        problems.append(f"profile.runtime.conversation.mode: must be 'singleton' when the "
+                        f"profile has schedules (found {mode!r})")
+    schedules = []
+    seen: set[str] = set()
+    for index, raw in enumerate(raw_schedules):
+        name = raw.get("id") if isinstance(raw, dict) and isinstance(raw.get("id"), str) \
+            else f"schedules[{index}]"
+        found = product_schedule.validate(raw)
+        if found:
+            problems += [f"schedule {name!r}: {p}" for p in found]
+            continue
+        parsed = product_schedule.parse(raw)
+        if parsed.id in seen:
+            problems.append(f"schedule {name!r}: id: used twice in this product")
+            continue
+        seen.add(parsed.id)
+        schedules.append(parsed)
+    if problems:
+        return None, [Problem(str(path), p) for p in problems]
+    agent = (profile.get("runtime") or {}).get("agent_profile") or "default"
+    return Product(profile_id, folder, agent, tuple(schedules)), []
+
+
+def scan_products(root: Path) -> tuple[list[Product], list[Problem]]:
+    base = root / PRODUCTS_DIR
+    try:
+        folders = sorted((p for p in base.iterdir() if p.is_dir()), key=lambda p: p.name)
+    except FileNotFoundError:
+        return [], []
+    except OSError as exc:
+        return [], [Problem(str(base), f"cannot read: {exc.strerror or exc}")]
+    products: list[Product] = []
+    problems: list[Problem] = []
+    owners: dict[str, Path] = {}
+    for folder in folders:
+        product, found = load_product(folder)
+        problems += found
+        if product is None:
+            continue
+        if product.profile_id in owners:
+            problems.append(Problem(str(folder / PRODUCT_FILE), f"profile.id: "
+                                    f"{product.profile_id!r} is also the profile of "
+                                    f"{owners[product.profile_id]}"))
+            continue
+        owners[product.profile_id] = folder
+        products.append(product)
+    return products, problems
+
+
+def read_users(root: Path) -> tuple[list[User] | None, list[Problem]]:
+    """The user directory; ``[LOCAL]`` when there is none, None when it is unusable."""
+    path = root / USERS_FILE
+    if not path.exists():
+        return [LOCAL], []
+    try:
+        document = _json_safe(load_yaml(path))
+    except (YamlError, ValueError) as exc:
+        return None, [Problem(str(path), str(exc))]
+    if not isinstance(document, list):
+        return None, [Problem(str(path), "must be a list of users")]
+    users: list[User] = []
+    problems: list[str] = []
+    seen: set[str] = set()
+    for index, raw in enumerate(document):
+        where = f"[{index}]"
+        if not isinstance(raw, dict) or not isinstance(raw.get("id"), str):
+            problems.append(f"{where}: a user is an object with a string id")
+            continue
+        try:
+            check_workflow_name(raw["id"])
+        except ManifestError as exc:
+            problems.append(f"{where}.id: {str(exc).replace('workflow name', 'user id')}")
+            continue
+        products = raw.get("products", [])
+        if not (products == "*" or (isinstance(products, list)
+                                    and all(isinstance(p, str) for p in products))):
+            problems.append(f"{where}.products: a list of profile ids or \"*\"")
+            continue
+        role = raw.get("role", "member")
+        if role not in ("admin", "member"):
+            problems.append(f"{where}.role: {role!r} is not one of admin, member")
+            continue
+        if not isinstance(raw.get("enabled", True), bool):
+            problems.append(f"{where}.enabled: must be true or false")
+            continue
+        if raw["id"] in seen:
+            problems.append(f"{where}.id: {raw['id']!r} is listed twice")
+            continue
+        seen.add(raw["id"])
+        users.append(User(raw["id"], raw.get("enabled", True), role,
+                          products if products == "*" else tuple(products)))
+    if problems:
+        return None, [Problem(str(path), p) for p in problems]
+    return users, []

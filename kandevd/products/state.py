@@ -1,0 +1,94 @@
+"""A user's product files: bookkeeping, history and the product conversation.
+
+::
+
+    _users/<id>/chat_history/product-schedules.json
+        {"schedules": {"<profile>:<schedule>": {enabled?, last_run_at, last_status,
+                       last_error, last_session_id, run_count, consecutive_failures,
+                       next_run_at}},
+         "activity": {"<profile>": "<last activity, RFC 3339>"}}
+    _users/<id>/Chats/<profile>/schedule-runs.json     history, newest 200 entries
+    _users/<id>/Chats/<profile>/conversation.json      {session_id, created_at}
+
+All through :class:`kandevd.jsonfile.JsonFile` (atomic, locked, corrupt files
+moved aside). ``enabled`` is the user's override of the product's default;
+absent means the default.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from kandevd.jsonfile import CorruptReporter, JsonFile
+from kandevd.timeutil import rfc3339, utc_now
+from kandevd.workflows.history import History
+
+USERS_DIR = "_users"
+HISTORY_CAP = 200
+BOOKKEEPING = ("last_run_at", "last_status", "last_error", "last_session_id", "run_count",
+               "consecutive_failures", "next_run_at")
+
+
+def user_folder(root: Path, user_id: str) -> Path:
+    return root / USERS_DIR / user_id
+
+
+def chats_folder(root: Path, user_id: str, profile_id: str) -> Path:
+    return user_folder(root, user_id) / "Chats" / profile_id
+
+
+class UserState:
+    """``product-schedules.json`` of one user."""
+
+    def __init__(self, root: Path, user_id: str, *,
+                 on_corrupt: CorruptReporter | None = None) -> None:
+        self.file = JsonFile(user_folder(root, user_id) / "chat_history" /
+                             "product-schedules.json", on_corrupt=on_corrupt)
+
+    def read(self) -> dict[str, Any]:
+        if not self.file.path.exists():
+            return {"schedules": {}, "activity": {}}
+        return _shaped(self.file.read({}, expect=dict))
+
+    def update(self, change: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+        def apply(stored: dict[str, Any]) -> dict[str, Any]:
+            state = _shaped(stored)
+            change(state)
+            return state
+        return self.file.update(apply, {}, expect=dict)
+
+
+def _shaped(stored: dict[str, Any]) -> dict[str, Any]:
+    state = dict(stored)
+    for key in ("schedules", "activity"):
+        if not isinstance(state.get(key), dict):
+            state[key] = {}
+    return state
+
+
+def product_history(root: Path, user_id: str, profile_id: str, *, retention_days: float,
+                    on_corrupt: CorruptReporter | None = None) -> History:
+    return History(chats_folder(root, user_id, profile_id), retention_days=retention_days,
+                   on_corrupt=on_corrupt, cap=HISTORY_CAP)
+
+
+def conversation_session(root: Path, user_id: str, profile_id: str, *,
+                         on_corrupt: CorruptReporter | None = None,
+                         now: datetime | None = None) -> str:
+    """The session id of the user's one conversation with the product (made once)."""
+    handle = JsonFile(chats_folder(root, user_id, profile_id) / "conversation.json",
+                      on_corrupt=on_corrupt)
+    if handle.path.exists():
+        existing = handle.read({}, expect=dict)
+        if isinstance(existing.get("session_id"), str) and existing["session_id"]:
+            return existing["session_id"]
+
+    def create(stored: dict[str, Any]) -> dict[str, Any]:
+        if isinstance(stored.get("session_id"), str) and stored["session_id"]:
+            return stored
+        return {"session_id": str(uuid.uuid4()), "created_at": rfc3339(now or utc_now())}
+    return handle.update(create, {}, expect=dict)["session_id"]

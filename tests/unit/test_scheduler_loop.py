@@ -25,6 +25,7 @@ from kandevd.scheduler.loop import CronLoop, Decision, decide_fire
 from kandevd.scheduler.registry import JobRegistry
 from kandevd.scheduler.runner import SessionRunner
 from kandevd.scheduler.settings import Switches
+from kandevd.timeutil import parse_rfc3339
 from kandevd.workflows.history import SHUTDOWN_ERROR
 from tests.workflows import history, schedule, write_workflow
 
@@ -282,3 +283,49 @@ def test_a_session_that_stops_by_request_says_so(build, home) -> None:
     loop.fanout.join()
     [entry] = history(folder_of(home))
     assert entry["status"] == "stopped" and entry["error"] == "stopped: scheduler.jobs.stop"
+
+
+def write_product(root: Path, schedules: list[dict[str, Any]]) -> None:
+    folder = root / "products" / "helper"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "product.yaml").write_text(json.dumps({"profile": {
+        "runtime": {"conversation": {"mode": "singleton"}}, "schedules": schedules}}))
+
+
+def test_a_cadence_product_schedule_fires_under_an_injected_clock(build, home) -> None:
+    write_product(home.workspace, [{"id": "every2h", "cadence_hours": 2,
+                                    "messages": ["hello"]}])
+    loop, agent = build()
+    products = loop.registry.products
+    [job] = products.jobs()
+    loop.tick(T0)  # first sight: not due, the first slot is written down
+    assert agent.seen == [] and job.state.next_run_at == T0 + timedelta(hours=2)
+    state_file = home.workspace / "_users" / "local" / "chat_history" / \
+        "product-schedules.json"
+    assert json.loads(state_file.read_text())["schedules"]["helper:every2h"]["next_run_at"]
+    loop.tick(T0 + timedelta(hours=1))
+    assert agent.seen == []
+    loop.tick(T0 + timedelta(hours=2, seconds=1))
+    loop.fanout.join()
+    assert [s["message"] for s in agent.seen] == ["hello"]
+    assert agent.seen[0]["triggered_by"] == "cron" and agent.seen[0]["user_id"] == "local"
+    assert job.state.run_count == 1 and job.state.last_status == "success"
+    loop.tick(T0 + timedelta(hours=2, seconds=2))  # the occurrence is spent: no second run
+    loop.fanout.join()
+    assert len(agent.seen) == 1
+    # the next slot is two hours after the run began (sessions keep real time)
+    assert job.state.next_run_at == parse_rfc3339(job.state.last_run_at) + timedelta(hours=2)
+
+
+def test_a_reload_picks_up_a_changed_product_and_user_directory(build, home) -> None:
+    write_product(home.workspace, [{"id": "a", "cadence_hours": 1, "messages": ["m"]}])
+    loop, _agent = build()
+    assert [j.user.id for j in loop.registry.products.jobs()] == ["local"]
+    write_product(home.workspace, [{"id": "a", "cadence_hours": 1, "messages": ["m"]},
+                                   {"id": "b", "cron_expression": "0 8 * * *",
+                                    "messages": ["m"]}])
+    (home.workspace / "users.yaml").write_text("- {id: ann, enabled: true, products: '*'}\n")
+    result = loop.registry.rescan(T0)
+    assert result["product_jobs"] == 2
+    assert [(j.id, j.user.id) for j in loop.registry.products.jobs()] == [
+        ("product:helper:a", "ann"), ("product:helper:b", "ann")]

@@ -9,7 +9,9 @@ Black-box where it can be: real ``kandevd serve`` processes on temp homes.
 2. 100 schedules due at the same minute (``runtime.max_concurrent`` 101):
    every session recorded, and how long after the fire time each first turn
    started.
-3. Recording a run into a history of 5,000 entries (in process: the same
+3. 1,000 users x 5 product schedules (none due) against a home with none: start-up,
+   RSS, idle CPU, ``scheduler.jobs.list`` for one user.
+4. Recording a run into a history of 5,000 entries (in process: the same
    ``History`` the daemon uses), against recording into an empty one.
 
 Usage::
@@ -141,6 +143,58 @@ def idle(base: Path, idle_s: float) -> None:
           f"(none: {none['list']:.1f} ms) (target <= 50 ms)")
 
 
+def write_products(root: Path, users: int) -> None:
+    folder = root / "products" / "helper"
+    folder.mkdir(parents=True)
+    schedules = [{"id": f"cron{i}", "cron_expression": f"{i} 3 1 1 *", "messages": ["m"]}
+                 for i in range(3)]
+    schedules += [{"id": f"cadence{i}", "cadence_hours": 24 * 365, "messages": ["m"]}
+                  for i in range(2)]
+    (folder / "product.yaml").write_text(json.dumps({"profile": {
+        "runtime": {"conversation": {"mode": "singleton"}}, "schedules": schedules}}))
+    (root / "users.yaml").write_text(json.dumps(
+        [{"id": f"user{i:04d}", "enabled": True, "products": "*"} for i in range(users)]))
+
+
+def products(base: Path, idle_s: float) -> None:
+    print("== 1,000 users x 5 product schedules, none due, against a home with none")
+    results: dict[str, dict[str, float]] = {}
+    for label, users in (("none", 0), ("5000", 1000)):
+        home = base / f"products-{label}"
+        if users:
+            write_products(home / "workspace", users)
+        daemon = Serve(home, {"office": {"enabled": False}})
+        start = daemon.start()
+        # the first tick writes each user's first due times; wait for it to settle
+        state = home / "workspace" / "_users"
+        deadline = time.time() + 120
+        while users and time.time() < deadline and \
+                len(list(state.glob("*/chat_history/product-schedules.json"))) < users:
+            time.sleep(0.2)
+        time.sleep(1.0)
+        before = daemon.cpu_s()
+        time.sleep(idle_s)
+        cpu = (daemon.cpu_s() - before) / idle_s * 100
+        lists = []
+        for _ in range(5):
+            began = time.perf_counter()
+            items = daemon.call("scheduler.jobs.list", {"user_id": "user0500"})["items"]
+            lists.append((time.perf_counter() - began) * 1000)
+        assert len(items) == (5 if users else 0), len(items)
+        results[label] = {"start": start, "rss": daemon.rss_mib(), "cpu": cpu,
+                          "list": statistics.median(lists)}
+        daemon.stop()
+    none, many = results["none"], results["5000"]
+    print(f"start-up to socket: none {none['start']:.3f}s, 5000 jobs {many['start']:.3f}s, "
+          f"+{many['start'] - none['start']:.3f}s (target <= +1.0s)")
+    print(f"RSS: none {none['rss']:.1f} MiB, 5000 jobs {many['rss']:.1f} MiB, "
+          f"+{many['rss'] - none['rss']:.1f} MiB (target <= +30 MiB)")
+    print(f"idle CPU over {idle_s:.0f}s: none {none['cpu']:.3f}%, 5000 jobs {many['cpu']:.3f}% "
+          "of a core (target <= 0.05%)")
+    print(f"scheduler.jobs.list for one user: {many['list']:.1f} ms median of 5 "
+          "(target <= 20 ms)")
+
+
 def due(base: Path) -> None:
     print("== 100 schedules due at the same minute")
     home = base / "due"
@@ -201,11 +255,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--idle-s", type=float, default=60.0)
     parser.add_argument("--skip-due", action="store_true")
+    parser.add_argument("--only-products", action="store_true")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="kandevd-sched-bench-") as tmp:
         base = Path(tmp)
+        if args.only_products:
+            products(base, args.idle_s)
+            return
         history_cost(base)
         idle(base, args.idle_s)
+        products(base, args.idle_s)
         if not args.skip_due:
             due(base)
 

@@ -147,12 +147,14 @@ def list_jobs(enabled: bool | None, entity_type: str | None, user_id: str | None
         echo_json(result)
         return
     now = utc_now()
-    rows = [(job["id"], shown(job.get("enabled")), job.get("cron_expression") or NONE,
+    rows = [(job["id"], job.get("user_id") or NONE, shown(job.get("enabled")),
+             job.get("cron_expression") or (f"every {job['cadence_hours']}h"
+                                            if job.get("cadence_hours") else NONE),
              job.get("timezone") or NONE,
              when(job.get("next_run_at"), job.get("timezone"), now=now),
              job.get("last_status") or NONE, shown(job.get("running")))
             for job in result["items"]]
-    table(("ID", "ENABLED", "CRON", "TZ", "NEXT RUN", "LAST STATUS", "RUNNING"), rows)
+    table(("ID", "USER", "ENABLED", "CRON", "TZ", "NEXT RUN", "LAST STATUS", "RUNNING"), rows)
     click.echo(f"{len(result['items'])} of {result['total']} job(s)")
 
 

@@ -135,8 +135,12 @@ class ProductJobs:
         self.problems: list[Problem] = []
 
     # -- loading --------------------------------------------------------------------
-    def load(self) -> dict[str, int]:
-        """(Re)read product.yaml files, users.yaml and the users' state files."""
+    def load(self, now: datetime | None = None) -> dict[str, int]:
+        """(Re)read product.yaml files, users.yaml and the users' state files.
+
+        ``now`` is given at start: a cron occurrence that passed while the daemon was
+        down is not replayed (as for workflow schedules); the next one counts.
+        """
         products, problems = catalog.scan_products(self.root)
         users, user_problems = catalog.read_users(self.root)
         problems += user_problems
@@ -161,11 +165,18 @@ class ProductJobs:
                     previous = old.get(job.key)
                     if previous is not None:
                         job.state = previous.state
-                        if previous.schedule != schedule:
+                        if previous.schedule != schedule:  # new timing: decide afresh
+                            job.state.next_run_at = None
                             job.state.next_check = None
                     else:
                         job.state = ProductJobState.from_file(
                             stored["schedules"].get(job.state_key))
+                        missed = job.state.next_run_at
+                        if now is not None and schedule.cron_expression is not None \
+                                and missed is not None and missed <= now:
+                            log.info("%s: occurrence of %s missed while the daemon was "
+                                     "down; not replayed", job.key, rfc3339(missed))
+                            job.state.next_run_at = None
                     jobs[job.key] = job
         with self._lock:
             self._jobs = jobs
@@ -283,10 +294,13 @@ class ProductJobs:
             state.next_check = None  # decide computes the following occurrence
         self.save([job])
 
-    def set_enabled(self, job: ProductJob, enabled: bool) -> None:
+    def set_enabled(self, job: ProductJob, enabled: bool, now: datetime) -> None:
         with self._lock:
             job.state.enabled = enabled
             job.state.next_check = None
+            passed = job.state.next_run_at
+            if enabled and passed is not None and passed <= now:
+                job.state.next_run_at = None  # what passed while off is not kept for later
         self.save([job])
 
     def record_activity(self, user_id: str, profile_id: str, at: datetime) -> None:

@@ -217,7 +217,7 @@ class JobRegistry:
                 self._count_missed(job, entries, now)
                 jobs[job.id] = job
         self._install(workflows, problems, jobs)
-        products = self.products.load()
+        products = self.products.load(now)
         log.info("scheduler: %d workflow(s), %d job(s), %d product job(s) under %s",
                  len(workflows), len(jobs), products["product_jobs"], self.root)
         for problem in problems:

@@ -329,3 +329,18 @@ def test_a_reload_picks_up_a_changed_product_and_user_directory(build, home) -> 
     assert result["product_jobs"] == 2
     assert [(j.id, j.user.id) for j in loop.registry.products.jobs()] == [
         ("product:helper:a", "ann"), ("product:helper:b", "ann")]
+
+
+def test_a_cron_product_occurrence_missed_while_down_is_not_replayed(build, home) -> None:
+    write_product(home.workspace, [{"id": "daily", "cron_expression": "0 8 * * *",
+                                    "messages": ["m"]}])
+    state = home.workspace / "_users" / "local" / "chat_history" / "product-schedules.json"
+    state.parent.mkdir(parents=True)
+    state.write_text(json.dumps({"schedules": {"helper:daily": {
+        "next_run_at": "2026-12-03T08:00:00.000000Z"}}}))  # before T0: passed while down
+    loop, agent = build()
+    loop.tick(T0)
+    loop.fanout.join()
+    [job] = loop.registry.products.jobs()
+    assert agent.seen == []
+    assert job.state.next_run_at == datetime(2026, 12, 4, 8, tzinfo=UTC)

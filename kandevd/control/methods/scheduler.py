@@ -75,11 +75,12 @@ def register(registry: Registry, services: Services) -> None:
             raise InvalidParams(str(exc)) from None
 
     def workflow_job(p: dict[str, Any], verb: str) -> Job:
-        job = resolve(p["id"], p.get("user_id"))
-        if isinstance(job, ProductJob):
-            raise Refused(f"{job.id} is declared by products/{job.product.folder.name}/"
-                          f"product.yaml: a product job cannot be {verb} (switch it off for a "
-                          "user with scheduler.jobs.disable)")
+        if p["id"].startswith(PRODUCT_PREFIX):
+            raise Refused(f"{p['id']} is declared by its product's product.yaml: a product "
+                          f"job cannot be {verb} (switch it off for a user with "
+                          "scheduler.jobs.disable)")
+        job = resolve(p["id"])
+        assert isinstance(job, Job)
         return job
 
     def paused() -> bool:
@@ -217,7 +218,7 @@ def register(registry: Registry, services: Services) -> None:
     def set_enabled(p: dict[str, Any], enabled: bool) -> dict[str, Any]:
         job = resolve(p["id"], p.get("user_id"))
         if isinstance(job, ProductJob):  # the user's override; product.yaml is not touched
-            jobs.products.set_enabled(job, enabled)
+            jobs.products.set_enabled(job, enabled, utc_now())
             loop.wake()
             return job_dict(job)
         return change_schedule(job, {"enabled": enabled})

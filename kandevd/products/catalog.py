@@ -84,7 +84,6 @@ def _validator() -> jsonschema.Draft202012Validator:
     text = resources.files("kandevd.schemas").joinpath("product.json").read_text("utf-8")
     schema = json.loads(text)
     # Schedules are checked one by one (products.schedule.validate) to name each.
-    schema = json.loads(json.dumps(schema))
     schedules = schema.get("properties", {}).get("profile", {}).get("properties", {}) \
         .get("schedules")
     if isinstance(schedules, dict):

@@ -30,6 +30,7 @@ PRODUCT_FILE = "product.yaml"
 USERS_FILE = "users.yaml"
 LOCAL_USER = "local"
 MAX_YAML_BYTES = 1024 * 1024
+MAX_YAML_VALUES = 100_000
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,10 @@ def load_yaml(path: Path) -> Any:
     except OSError as exc:
         raise YamlError(f"cannot read: {exc.strerror or exc}") from None
     try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        if node is not None and _expanded_size(node, {}) > MAX_YAML_VALUES:
+            raise YamlError(f"expands to more than {MAX_YAML_VALUES} values (through YAML "
+                            "aliases): refused")
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
@@ -91,9 +96,27 @@ def _validator() -> jsonschema.Draft202012Validator:
     return jsonschema.Draft202012Validator(schema)
 
 
+def _expanded_size(node: yaml.Node, seen: dict[int, int]) -> int:
+    """How many values ``node`` stands for once every alias is expanded (memoized per
+    node, so an alias bomb is measured without being expanded)."""
+    if id(node) in seen:
+        return seen[id(node)]
+    seen[id(node)] = 1  # a recursive alias counts once while it is being measured
+    size = 1
+    if isinstance(node, yaml.SequenceNode):
+        size += sum(_expanded_size(child, seen) for child in node.value)
+    elif isinstance(node, yaml.MappingNode):
+        size += sum(_expanded_size(k, seen) + _expanded_size(v, seen) for k, v in node.value)
+    seen[id(node)] = size
+    return size
+
+
 def _json_safe(document: Any) -> Any:
     """YAML may hold dates, non-string keys or NaN; JSON Schema and files may not."""
-    return json.loads(json.dumps(document, default=str, allow_nan=False))
+    try:
+        return json.loads(json.dumps(document, default=str, allow_nan=False))
+    except ValueError:
+        raise YamlError("holds .nan or .inf, which is not a number kandevd can use") from None
 
 
 def load_product(folder: Path) -> tuple[Product | None, list[Problem]]:

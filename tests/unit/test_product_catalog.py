@@ -1,0 +1,83 @@
+"""product.yaml and users.yaml: every problem named, nothing dangerous loaded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kandevd.products import catalog
+
+
+def write(root: Path, folder: str, text: str) -> Path:
+    path = root / "products" / folder / "product.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+GOOD = """profile:
+  runtime: {conversation: {mode: singleton}, agent_profile: fast}
+  schedules:
+    - {id: s, cron_expression: "0 8 * * *", messages: [hi]}
+"""
+
+
+def messages(root: Path) -> list[str]:
+    return [str(p) for p in catalog.scan_products(root)[1]]
+
+
+def test_a_good_product_loads_with_its_folder_as_profile_id(tmp_path: Path) -> None:
+    write(tmp_path, "helper", GOOD)
+    [product], problems = catalog.scan_products(tmp_path)
+    assert problems == [] and product.profile_id == "helper"
+    assert product.agent_profile == "fast" and [s.id for s in product.schedules] == ["s"]
+
+
+@pytest.mark.parametrize(("text", "fragment"), [
+    ("profile: [\n  x", "not valid YAML: line"),
+    ("- just\n- a list\n", "<root>: ['just', 'a list'] is not of type 'object'"),
+    ('profile: {id: "../x"}\n', "profile.id:"),
+    ("profile:\n  schedules:\n    - {id: s, cron_expression: '0 8 * * *', messages: [m]}\n",
+     "conversation.mode: must be 'singleton'"),
+    ("profile:\n  runtime: {conversation: {mode: singleton}}\n  schedules:\n"
+     "    - {id: s, cadence_hours: .nan, messages: [m]}\n", "holds .nan or .inf"),
+    ("a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{n}: &{n} [{', '.join([f'*{p}'] * 10)}]\n" for p, n in zip("abcd", "bcde", strict=True)),
+     "expands to more than 100000 values"),
+])
+def test_bad_product_files_are_problems(tmp_path: Path, text: str, fragment: str) -> None:
+    path = write(tmp_path, "helper", text)
+    [problem] = messages(tmp_path)
+    assert problem.startswith(f"{path}: ") and fragment in problem
+
+
+def test_two_folders_cannot_claim_one_profile(tmp_path: Path) -> None:
+    write(tmp_path, "a", GOOD.replace("profile:\n", "profile:\n  id: same\n"))
+    write(tmp_path, "b", GOOD.replace("profile:\n", "profile:\n  id: same\n"))
+    [problem] = messages(tmp_path)
+    assert "'same' is also the profile of" in problem
+
+
+def test_no_directory_means_one_local_user_with_every_product(tmp_path: Path) -> None:
+    users, problems = catalog.read_users(tmp_path)
+    assert problems == [] and users == [catalog.LOCAL] and catalog.LOCAL.has("anything")
+
+
+@pytest.mark.parametrize(("text", "fragment"), [
+    ("{a: 1}\n", "must be a list of users"),
+    ("- {id: ../x}\n", "[0].id:"),
+    ("- {id: a}\n- {id: a}\n", "[1].id: 'a' is listed twice"),
+    ("- {id: a, products: 3}\n", "[0].products:"),
+    ("- {id: a, role: boss}\n", "[0].role:"),
+])
+def test_bad_user_directories_are_problems(tmp_path: Path, text: str, fragment: str) -> None:
+    (tmp_path / "users.yaml").write_text(text)
+    users, problems = catalog.read_users(tmp_path)
+    assert users is None and fragment in str(problems[0])
+
+
+def test_who_has_a_product() -> None:
+    assert catalog.User("a", products=("p",)).has("p")
+    assert not catalog.User("a", products=("q",)).has("p")
+    assert catalog.User("a", role="admin", products=()).has("p")

@@ -17,7 +17,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -39,13 +39,20 @@ def product_job_id(profile_id: str, schedule_id: str) -> str:
     return f"{PRODUCT_PREFIX}{profile_id}:{schedule_id}"
 
 
+_EARLIEST = datetime(1970, 1, 1, tzinfo=UTC)
+_LATEST = datetime(9000, 1, 1, tzinfo=UTC)
+
+
 def _time(value: Any) -> datetime | None:
+    """A stored time, or None when it is not one kandevd could have written (a hand-edited
+    year 9999 must not overflow the date arithmetic of ``decide``)."""
     if not isinstance(value, str):
         return None
     try:
-        return parse_rfc3339(value)
-    except ValueError:
+        moment = parse_rfc3339(value)
+    except (ValueError, OverflowError):
         return None
+    return moment if _EARLIEST <= moment < _LATEST else None
 
 
 @dataclass
@@ -72,9 +79,11 @@ class ProductJobState:
         state = cls()
         if isinstance(stored.get("enabled"), bool):
             state.enabled = stored["enabled"]
-        for name in ("last_run_at", "last_status", "last_error", "last_session_id"):
+        for name in ("last_status", "last_error", "last_session_id"):
             if isinstance(stored.get(name), str):
                 setattr(state, name, stored[name])
+        if _time(stored.get("last_run_at")) is not None:
+            state.last_run_at = stored["last_run_at"]
         for name in ("run_count", "consecutive_failures"):
             if isinstance(stored.get(name), int) and not isinstance(stored.get(name), bool):
                 setattr(state, name, max(0, stored[name]))
@@ -233,8 +242,15 @@ class ProductJobs:
                 state = job.state
                 if not job.enabled or (state.next_check is not None and state.next_check > now):
                     continue
-                decision = decide(job.schedule, state.for_decide(), now,
-                                  self._activity.get((job.user.id, job.product.profile_id)))
+                try:
+                    decision = decide(job.schedule, state.for_decide(), now,
+                                      self._activity.get((job.user.id,
+                                                          job.product.profile_id)))
+                except (ValueError, OverflowError) as exc:  # one job never stalls the tick
+                    log.error("%s: cannot decide when it is due (%s); asked again in an hour",
+                              job.key, exc)
+                    state.next_check = now + timedelta(hours=1)
+                    continue
                 if decision.due:
                     fired.append(job)
                     continue

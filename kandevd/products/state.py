@@ -17,6 +17,7 @@ absent means the default.
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Callable
 from datetime import datetime
@@ -84,11 +85,20 @@ def conversation_session(root: Path, user_id: str, profile_id: str, *,
                       on_corrupt=on_corrupt)
     if handle.path.exists():
         existing = handle.read({}, expect=dict)
-        if isinstance(existing.get("session_id"), str) and existing["session_id"]:
+        if _session_id_ok(existing.get("session_id")):
             return existing["session_id"]
 
     def create(stored: dict[str, Any]) -> dict[str, Any]:
-        if isinstance(stored.get("session_id"), str) and stored["session_id"]:
+        if _session_id_ok(stored.get("session_id")):
             return stored
         return {"session_id": str(uuid.uuid4()), "created_at": rfc3339(now or utc_now())}
     return handle.update(create, {}, expect=dict)["session_id"]
+
+
+_SESSION_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
+
+def _session_id_ok(value: Any) -> bool:
+    """A session id goes into logs, the environment and stdin: plain characters only
+    (anything else in the file is replaced by a new conversation id)."""
+    return isinstance(value, str) and _SESSION_ID.fullmatch(value) is not None

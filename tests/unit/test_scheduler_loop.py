@@ -344,3 +344,18 @@ def test_a_cron_product_occurrence_missed_while_down_is_not_replayed(build, home
     [job] = loop.registry.products.jobs()
     assert agent.seen == []
     assert job.state.next_run_at == datetime(2026, 12, 4, 8, tzinfo=UTC)
+
+
+def test_an_impossible_stored_time_never_stalls_the_tick(build, home) -> None:
+    write_product(home.workspace, [{"id": "c", "cadence_hours": 1, "preferred_hour": 3,
+                                    "messages": ["m"]}])
+    write_workflow(home.workspace, "w", [schedule("s", "* * * * *")])
+    state = home.workspace / "_users" / "local" / "chat_history" / "product-schedules.json"
+    state.parent.mkdir(parents=True)
+    state.write_text(json.dumps({"schedules": {"helper:c": {
+        "last_run_at": "9999-12-31T22:00:00Z", "last_status": "error",
+        "consecutive_failures": 10}}}))
+    loop, _agent = build()
+    loop.tick(T0 + timedelta(minutes=1))  # raises nothing; the workflow still fires
+    loop.fanout.join()
+    assert loop.registry.resolve("s").state.run_count == 1

@@ -234,13 +234,20 @@ def register(registry: Registry, services: Services) -> None:
         after = _time_param(p, "after") or utc_now()
         zone = parse_timezone(job.schedule.timezone)
         state = job.state.for_decide()
-        times = []
+        times: list[datetime] = []
         moment = after
-        while len(times) < p.get("count", 5):
-            decision = decide(job.schedule, state, moment)
-            times.append(decision.next_at)
-            state = ScheduleState(last_run_at=decision.next_at, last_status="success")
-            moment = decision.next_at
+        for _ in range(4 * p.get("count", 5) + 8):  # bounded, whatever the cadence
+            if len(times) >= p.get("count", 5):
+                break
+            try:
+                decision = decide(job.schedule, state, moment)
+            except (ValueError, OverflowError):
+                break
+            if decision.next_at > after or (decision.due and decision.next_at >= after):
+                times.append(decision.next_at)
+            state = ScheduleState(last_run_at=max(decision.next_at, moment),
+                                  last_status="success")
+            moment = max(decision.next_at, moment)
         return {"times": [{"utc": rfc3339(t), "local": t.astimezone(zone).isoformat()}
                           for t in times],
                 "timezone": job.schedule.timezone, "cron_expression": None}

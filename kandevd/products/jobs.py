@@ -336,12 +336,12 @@ class ProductJobs:
         for job in jobs:
             by_user.setdefault(job.user.id, []).append(job)
         for user_id, mine in by_user.items():
-            with self._lock:
-                fields = {job.state_key: job.state.to_file() for job in mine}
-
-            def change(state: dict[str, Any], fields: dict[str, Any] = fields) -> None:
-                for key, value in fields.items():
-                    state["schedules"][key] = value
+            def change(state: dict[str, Any], mine: list[ProductJob] = mine) -> None:
+                # Read the memory under the file's lock: a write that waited for another
+                # (an override, say) must not put back what that one replaced.
+                with self._lock:
+                    for job in mine:
+                        state["schedules"][job.state_key] = job.state.to_file()
             try:
                 UserState(self.root, user_id, on_corrupt=self._on_corrupt).update(change)
             except OSError as exc:

@@ -116,6 +116,16 @@ def cancel(run_id: str, reason: str | None, as_json: bool, home: str | None,
     echo_json(run) if as_json else click.echo(f"{run['id']} {run['status']}")
 
 
+@runs.command("retry")
+@click.argument("run_id")
+@click.option("--json", "as_json", is_flag=True, help="Print the raw JSON.")
+@client_options
+def retry(run_id: str, as_json: bool, home: str | None, socket_path: str | None) -> None:
+    """Queue a failed or cancelled run again, with a fresh attempt budget."""
+    run = invoke(home, socket_path, "runs.retry", {"id": run_id})
+    echo_json(run) if as_json else click.echo(f"{run['id']} {run['status']}")
+
+
 @runs.command("explain")
 @click.argument("run_id")
 @click.option("--json", "as_json", is_flag=True, help="Print the raw JSON.")

@@ -26,14 +26,16 @@ import jsonschema
 import yaml
 
 DEFAULTS: dict[str, Any] = {
-    "queue": {"safety_interval_s": 5, "max_claims_per_tick": 10, "stale_claim_s": 1800},
+    "queue": {"safety_interval_s": 5, "max_claims_per_tick": 10, "stale_claim_s": 1800,
+              "max_attempts": 6},
     "retry": {
         "max_retries": 4,
         "delays_s": [120, 600, 1800, 7200],
         "jitter": 0.25,
         "max_age_s": 86400,
     },
-    "runtime": {"max_concurrent": 4, "stop_grace_s": 20},
+    "runtime": {"max_concurrent": 4, "stop_grace_s": 20, "adopt_on_restart": True,
+                "keep_agents_on_stop": False},
     "office": {"enabled": True, "interval_s": 30, "recovery_lookback_hours": 24},
     "scheduler": {"enabled": True, "root": None, "history_retention_days": 90},
     "agents": {"default": {"command": None, "timeout_s": 3600, "env": {}}},
@@ -58,6 +60,7 @@ class QueueConfig:
     safety_interval_s: float
     max_claims_per_tick: int
     stale_claim_s: float
+    max_attempts: int = 6
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,8 @@ class RetryConfig:
 class RuntimeConfig:
     max_concurrent: int
     stop_grace_s: float
+    adopt_on_restart: bool = True
+    keep_agents_on_stop: bool = False
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,10 @@ from kandevd.bus import EventBus
 from kandevd.config import Config
 from kandevd.control.registry import Registry
 from kandevd.control.server import ControlServer, NotASocket, SocketInUse
+from kandevd.faults import Faults
 from kandevd.homelock import HomeLock, HomeLocked
 from kandevd.lifecycle import Loop, StopSignal
+from kandevd.office.budgets import exceeded_hard_budgets
 from kandevd.paths import HomeLayout
 from kandevd.queue.loop import QueueLoop
 from kandevd.queue.processor import RunQueue
@@ -84,8 +86,11 @@ class Daemon:
         self.bus = EventBus()
         self.runtime = AgentRuntime(self.config.runtime.max_concurrent,
                                     self.config.runtime.stop_grace_s)
-        self.queue = RunQueue(RunRepository(self.store, self.boot_id), self.runtime, self.config,
-                              self.layout, self.bus)
+        repo = RunRepository(self.store, self.boot_id,
+                             max_attempts=self.config.queue.max_attempts,
+                             claim_gate=exceeded_hard_budgets)
+        self.queue = RunQueue(repo, self.runtime, self.config, self.layout, self.bus,
+                              faults=Faults.from_env())
         self.runtime.add_slot_listener(self.queue.signal)
         queue_loop = QueueLoop(self.queue, safety_interval_s=self.config.queue.safety_interval_s,
                                max_claims_per_tick=self.config.queue.max_claims_per_tick,
@@ -195,10 +200,16 @@ class Daemon:
         try:
             self._build()
             assert self.queue is not None and self.server is not None
-            # Agents of a killed instance may still be executing the runs about to be
-            # re-queued: stop them first, or a run would execute twice at once.
+            # What earlier instances left claimed: outcomes on disk are recorded and
+            # (with runtime.adopt_on_restart) agents still running are adopted, so no
+            # run whose outcome exists or is coming executes again. Other agents of a
+            # killed instance may still be executing runs about to be re-queued: they
+            # are stopped first, or a run would execute twice at once.
+            adopted = self.queue.restore_after_restart(
+                adopt=self.config.runtime.adopt_on_restart)
             stop_orphan_agents(self.layout.root,
-                               min(self.config.runtime.stop_grace_s, ORPHAN_GRACE_CAP_S))
+                               min(self.config.runtime.stop_grace_s, ORPHAN_GRACE_CAP_S),
+                               keep=adopted)
             self.queue.recover_after_restart()
             for loop in self.loops.values():
                 loop.start()
@@ -234,12 +245,22 @@ class Daemon:
         for loop in reversed(list(self.loops.values())):
             steps.append((f"stop {loop.name} loop", loop.stop))
         steps += [
-            ("stop agent runtime", self.runtime.stop),
+            ("stop agent runtime", self._stop_runtime),
             ("close control connections", self.server.close),
             ("close event bus", self.bus.close),
             ("close store", self.store.close),
         ]
         return steps
+
+    def _stop_runtime(self) -> None:
+        """Stop the agents in order, or (``runtime.keep_agents_on_stop``) leave them running.
+
+        Left running, each agent's shim records its exit status and the next
+        start adopts it or records its outcome: an upgrade restart interrupts
+        no agent.
+        """
+        assert self.runtime is not None
+        self.runtime.stop(keep_agents=self.config.runtime.keep_agents_on_stop)
 
     def reload(self) -> None:
         """SIGHUP: rescan workflow files (the cron loop does it on its next tick)."""
@@ -275,6 +296,15 @@ class Daemon:
         }
         if self.store is not None:
             result["store"] = {"statements": self.store.statements}
+        if self.queue is not None and self.store is not None and not self.store.closed:
+            try:
+                runs = self.queue.counts()
+            except Exception:  # status must answer even when the store cannot
+                log.exception("daemon.status: counting runs failed")
+            else:
+                # ``failed`` is the dead letter: runs that used their attempts or retries.
+                result["runs"] = {**runs, "unrecorded_outcomes": self.queue.unrecorded(),
+                                  "adopted": self.queue.adopted_total}
         cron = self.loops.get("cron")
         if cron is not None:
             result["scheduler"] = cron.status()  # type: ignore[attr-defined]

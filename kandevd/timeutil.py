@@ -34,5 +34,15 @@ def parse_rfc3339(text: str) -> datetime:
 
 
 def after(moment: datetime, seconds: float) -> datetime:
-    """``moment`` plus ``seconds`` (negative allowed)."""
-    return moment + timedelta(seconds=seconds)
+    """``moment`` plus ``seconds`` (negative allowed), saturating at the calendar's ends.
+
+    The schemas bound every duration, but a value beyond any date (a cooldown of
+    1e12 s) must still never raise where an outcome is being written: it means
+    "until the end of time", so it is clamped to the last (or first) representable
+    moment instead of overflowing.
+    """
+    try:
+        return moment + timedelta(seconds=seconds)
+    except (OverflowError, ValueError):
+        edge = datetime.max if seconds > 0 else datetime.min
+        return edge.replace(tzinfo=moment.tzinfo)

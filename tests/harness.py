@@ -108,10 +108,12 @@ class DaemonProcess:
         return self.wait(timeout)
 
     def agent_pids(self) -> list[int]:
-        """Live agent processes of this home (their environment names it in KANDEVD_HOME).
+        """Live agent executions of this home: their shims (KANDEVD_HOME in the environment).
 
-        Each agent runs in its own session (its own process group), so killing
-        the daemon's group does not reach them.
+        Each agent runs under a shim that leads its own session (its own process
+        group), so killing the daemon's group does not reach them. Only session
+        leaders are counted: one per execution, the agent itself being the
+        shim's child in the same group.
         """
         marker = f"KANDEVD_HOME={self.home.resolve()}".encode()
         found = []
@@ -123,6 +125,11 @@ class DaemonProcess:
             except OSError:
                 continue
             if marker in environ.split(b"\0"):
+                try:
+                    if os.getsid(int(entry.name)) != int(entry.name):
+                        continue
+                except ProcessLookupError:
+                    continue
                 found.append(int(entry.name))
         return sorted(found)
 

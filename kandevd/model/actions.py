@@ -6,10 +6,12 @@ every workflow style; an explicit action is always honoured, so a Kanban
 board that wants autonomy says so in its workflow, and merely assigning a
 runner never does.
 
-Replaying a move must not queue twice, so the run's idempotency key is
-derived only from what the move means::
+Replaying a move must not queue twice, while coming back into a step later
+is new work; so the run's idempotency key is derived from what the move
+means, including which entry of the task into the step it is (the task's
+entry counter, raised by every move into a different step)::
 
-    queue_run:<task>:<step>:<agent>:<first 16 hex of sha256(canonical JSON of the action)>
+    queue_run:<task>:<step>:<entry>:<agent>:<first 16 hex of sha256(canonical JSON of the action)>
 
 Canonical JSON is ``json.dumps(action, sort_keys=True, separators=(",", ":"),
 ensure_ascii=False)``: key order and whitespace never change the key.
@@ -72,9 +74,10 @@ def action_digest(action: Mapping[str, Any]) -> str:
     return hashlib.sha256(canonical_json(dict(action)).encode("utf-8")).hexdigest()[:16]
 
 
-def queue_run_key(task_id: str, step_id: str, agent_id: str, action: Mapping[str, Any]) -> str:
+def queue_run_key(task_id: str, step_id: str, agent_id: str, action: Mapping[str, Any],
+                  entry: int = 0) -> str:
     """The deterministic idempotency key of one ``queue_run`` (see the module docstring)."""
-    return f"queue_run:{task_id}:{step_id}:{agent_id}:{action_digest(action)}"
+    return f"queue_run:{task_id}:{step_id}:{entry}:{agent_id}:{action_digest(action)}"
 
 
 def target_agent_id(action: Mapping[str, Any]) -> str | None:
@@ -90,9 +93,11 @@ AgentLookup = Callable[[str], Mapping[str, Any] | None]
 
 
 def run_queue_run(action: Mapping[str, Any], task: Mapping[str, Any], step_id: str, *,
-                  enqueue: Enqueue, lookup_agent: AgentLookup) -> dict[str, Any]:
+                  enqueue: Enqueue, lookup_agent: AgentLookup, step_entry: int = 0
+                  ) -> dict[str, Any]:
     """Execute one ``queue_run`` for ``task`` (as it is after the move) entering ``step_id``.
 
+    ``step_entry`` counts the task's entries into steps (part of the key).
     ``enqueue`` is :meth:`kandevd.queue.processor.RunQueue.enqueue`;
     ``lookup_agent(id)`` returns the agent or None. Returns the entry of the
     move result: ``run_id``/``deduplicated``/``coalesced``, or ``skipped``.
@@ -112,7 +117,7 @@ def run_queue_run(action: Mapping[str, Any], task: Mapping[str, Any], step_id: s
         return {**entry, "agent_id": agent_id, "skipped": "unknown_agent"}
     payload = {**(action.get("payload") or {}), "task_id": task["id"],
                "workflow_step_id": step_id}
-    key = queue_run_key(task["id"], step_id, agent_id, action)
+    key = queue_run_key(task["id"], step_id, agent_id, action, step_entry)
     try:
         result = enqueue(workspace_id=task["workspace_id"], agent_id=agent_id,
                          reason=action.get("reason") or DEFAULT_REASON, task_id=task["id"],

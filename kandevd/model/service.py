@@ -363,8 +363,10 @@ class WorkspaceService:
     def move_task(self, task_id: str, step_id: str) -> dict[str, Any]:
         """Enter ``step_id``, publish ``task.updated``, then run the step's ``on_enter``.
 
-        Moving to the step the task is already on enters it again: the actions
-        run again and their idempotency keys keep a replay from queueing twice.
+        Each move into a different step is a new entry (the task's entry counter
+        goes up), and a ``queue_run``'s idempotency key names the entry: coming
+        back into a step queues again, while moving to the step the task is
+        already on replays the same entry, whose keys keep it from queueing twice.
         """
         with self.store.transaction() as conn:
             before = self._need(sql.get_task(conn, task_id), "task", task_id)
@@ -373,6 +375,11 @@ class WorkspaceService:
                 raise InvalidReference(f"step_id: step {step_id!r} does not exist in workflow "
                                        f"{before['workflow_id']!r}")
             sql.update_task(conn, task_id, {"step_id": step_id, "updated_at": self._now()})
+            if before["step_id"] != step_id:
+                conn.execute("UPDATE tasks SET step_entry = step_entry + 1 WHERE id = ?",
+                             (task_id,))
+            entry = conn.execute("SELECT step_entry FROM tasks WHERE id = ?",
+                                 (task_id,)).fetchone()[0]
             after = self._need(sql.get_task(conn, task_id), "task", task_id)
         changes = changed_fields(before, after)
         if "step_id" not in changes:
@@ -380,17 +387,18 @@ class WorkspaceService:
         log.info("task %s moved from step %s to %s (runner %s)", task_id, before["step_id"],
                  step_id, after["runner"])
         self.bus.publish("task.updated", {"task": after, "previous": before, "changes": changes})
-        results = [self._run_action(action, after, step_id) for action in step["on_enter"]]
+        results = [self._run_action(action, after, step_id, entry)
+                   for action in step["on_enter"]]
         return {"task": after, "actions": results}
 
     def _run_action(self, action: Mapping[str, Any], task: Mapping[str, Any],
-                    step_id: str) -> dict[str, Any]:
+                    step_id: str, entry: int) -> dict[str, Any]:
         if action.get("action") != "queue_run":  # stored before a schema change; never run
             log.warning("task %s entered step %s: unknown action %r skipped", task["id"],
                         step_id, action.get("action"))
             return {"action": action.get("action"), "skipped": "unknown_action"}
         return run_queue_run(action, task, step_id, enqueue=self.queue.enqueue,
-                             lookup_agent=self._lookup_agent)
+                             lookup_agent=self._lookup_agent, step_entry=entry)
 
     def _lookup_agent(self, agent_id: str) -> dict[str, Any] | None:
         with self.store.connection() as conn:

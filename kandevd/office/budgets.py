@@ -20,14 +20,29 @@ executing finishes. The pause happens at the crossing only, so an operator
 who resumes the agent (``agents.update {status: "active"}``) is not
 overruled by the next tick; the next period's crossing pauses it again.
 
-Gate: without a policy a tick costs one tiny existence query.
+Hard budgets at claim time: the tick is periodic, so on its own a spent
+``pause_agent`` budget would still let runs be claimed until the next tick
+(and again after an operator's resume). :func:`exceeded_hard_budgets` is the
+run queue's claim gate (``RunRepository(claim_gate=...)``): inside the claim's
+transaction it names every agent in the scope of a ``pause_agent`` policy
+whose spend in the current period (:func:`spent_cents`, the tick's own
+definition) is at or over 100 % of its limit, and those agents' runs are not
+claimed - they stay ``queued``, nothing fails - until the limit is raised,
+the policy is removed or changed to ``notify_only``, or the period rolls
+over. A resume therefore lifts the *pause*, not the *budget*. A run already
+claimed finishes, so spend may still overshoot by what is running.
+``notify_only`` policies never block. :func:`budget_blocker` answers the
+same question for one agent (``runs.explain``'s ``budget_exceeded``).
+
+Gate: without a policy a tick costs one tiny existence query; without a
+``pause_agent`` policy so does a claim's :func:`exceeded_hard_budgets`.
 """
 
 from __future__ import annotations
 
 import logging
 import sqlite3
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -46,6 +61,13 @@ ACTIONS = ("notify_only", "pause_agent")
 ALERT_TOPIC = "budget.alert"
 
 _PROBE_SQL = f"{PROBE_TAG} SELECT EXISTS(SELECT 1 FROM office_budget_policies)"
+_HARD_PROBE_SQL = (f"{PROBE_TAG} SELECT EXISTS(SELECT 1 FROM office_budget_policies"
+                   " WHERE action_on_exceed = 'pause_agent')")
+_HARD_POLICIES_SQL = (
+    "/* office:budget-claim */ SELECT id, workspace_id, scope_type, scope_id, limit_cents,"
+    " period FROM office_budget_policies WHERE action_on_exceed = 'pause_agent'")
+#: the order in which policies are looked at: the first exceeded one names the blocker
+_POLICY_ORDER = " ORDER BY created_at, id"
 _SCOPE_COLUMN = {"agent": "agent_id", "workspace": "workspace_id"}
 
 
@@ -72,6 +94,59 @@ def spent_cents(conn: sqlite3.Connection, scope_type: str, scope_id: str,
 
 def thresholds(policy: Mapping[str, Any]) -> list[float]:
     return sorted({float(policy["alert_threshold_pct"]), 100.0})
+
+
+def _exceeded(conn: sqlite3.Connection, now: datetime, where: str = "",
+              params: Sequence[Any] = ()) -> Iterator[Mapping[str, Any]]:
+    """The ``pause_agent`` policies (narrowed by ``where``) spent to 100 % or more, in order.
+
+    One existence probe first: without a ``pause_agent`` policy nothing else runs.
+    """
+    if not conn.execute(_HARD_PROBE_SQL).fetchone()[0]:
+        return
+    for policy in conn.execute(_HARD_POLICIES_SQL + where + _POLICY_ORDER, params).fetchall():
+        _, start = period_of(policy["period"], now)
+        if spent_cents(conn, policy["scope_type"], policy["scope_id"], start) \
+                >= float(policy["limit_cents"]):
+            yield policy
+
+
+def exceeded_hard_budgets(conn: sqlite3.Connection, now: datetime) -> dict[str, str]:
+    """``{agent_id: policy_id}``: agents a spent ``pause_agent`` budget keeps from being claimed.
+
+    Every agent in the scope (the agent; for ``workspace``, every agent of the
+    workspace) of a ``pause_agent`` policy whose spend in the period holding
+    ``now`` is >= its ``limit_cents``. When several policies block an agent it
+    names the first (by ``created_at``, ``id``). Read-only and pure SQL on
+    ``conn``, so it can run inside the claim's transaction; without any
+    ``pause_agent`` policy it is one tiny existence query returning ``{}``.
+    """
+    blocked: dict[str, str] = {}
+    for policy in _exceeded(conn, now):
+        if policy["scope_type"] == "agent":
+            agents = [policy["scope_id"]]
+        else:
+            agents = [row[0] for row in conn.execute(
+                "/* office:budget-claim */ SELECT id FROM agents WHERE workspace_id = ?",
+                (policy["scope_id"],))]
+        for agent in agents:
+            blocked.setdefault(agent, policy["id"])
+    return blocked
+
+
+def budget_blocker(conn: sqlite3.Connection, agent_id: str, workspace_id: str,
+                   now: datetime) -> str | None:
+    """The id of the spent ``pause_agent`` policy that blocks ``agent_id``, or None.
+
+    The same answer as ``exceeded_hard_budgets(conn, now).get(agent_id)`` for
+    an agent of ``workspace_id``, but only the policies whose scope covers the
+    agent are evaluated.
+    """
+    where = (" AND ((scope_type = 'agent' AND scope_id = ?)"
+             " OR (scope_type = 'workspace' AND scope_id = ?))")
+    for policy in _exceeded(conn, now, where, (agent_id, workspace_id)):
+        return str(policy["id"])
+    return None
 
 
 class BudgetGuard:

@@ -9,9 +9,35 @@ each, at most :data:`MAX_PER_TICK` per tick.
 
 A task qualifies when it is an Office task (the predicate, in SQL), its state
 is ``TODO``, it has an effective runner, it was created within
-``office.recovery_lookback_hours``, and no run *for that task* is
-``queued``, ``claimed`` or ``finished``. Failed or cancelled runs do not
-block: recovery then uses the next attempt's idempotency key
+``office.recovery_lookback_hours``, and
+
+* no run *for that task* is ``queued``, ``claimed`` or ``finished``;
+* its latest run (highest ``seq`` among the task's runs, any reason) is not a
+  *user cancel*. Recovery never undoes ``runs.cancel``: the task stays as it
+  is until someone acts on it (reassigns it, retries the run, ...). A
+  cancelled run is a user cancel unless its ``cancel_reason`` is one the
+  daemon itself writes: ``reassigned`` (the subscriber withdrew the old
+  runner's run: void, the task still needs its run) or ``run_too_old`` (the
+  retry policy gave up on the run's age: a failure, like ``failed``). Any
+  other reason - the default ``cancelled``, free text, or none recorded - is
+  a user's. Only the latest run counts: work queued after a cancel (a new
+  assignment, say) supersedes it;
+* fewer than :data:`MAX_CHAINS_PER_TASK` ``task_assigned`` runs of the task
+  (for any agent, whoever queued them) were requested within the lookback
+  window, not counting ``reassigned`` withdrawals. A task whose runs always
+  fail thus gets at most that many attempt chains (each with its own
+  retries) instead of a fresh one every few hours for the whole window; a
+  run retried with ``runs.retry`` is the same chain (the same row).
+
+Both run rules are part of the scan's SQL (:data:`RECOVERABLE_SQL`), so
+exhausted or user-cancelled tasks never fill the :data:`CANDIDATES` of a
+scan and starve the tasks behind them, and they are checked again inside
+the enqueue's transaction. An exhausted task is therefore silent: the run
+that uses the last chain is logged at INFO when it is queued ("chain 3 of 3"),
+nothing is logged per tick afterwards.
+
+Failed, ``run_too_old`` or withdrawn runs do not block: recovery then uses
+the next attempt's idempotency key
 (:func:`kandevd.office.subscribers.task_assigned_key`), because the key of a
 failed run inside the 24 h window would otherwise dedupe forever.
 
@@ -42,7 +68,29 @@ MAX_PER_TICK = 5
 #: queued (its runner was moved to another workspace) does not starve the rest
 CANDIDATES = MAX_PER_TICK * 4
 
+#: ``task_assigned`` runs recovery lets a task have within the lookback window
+MAX_CHAINS_PER_TASK = 3
+
 _BLOCKING = "('queued', 'claimed', 'finished')"
+#: cancel reasons the daemon writes itself; any other cancel is a user's
+SYSTEM_CANCEL_REASONS = ("reassigned", "run_too_old")
+_WITHDRAWN = "(c.status = 'cancelled' AND c.cancel_reason IS 'reassigned')"
+#: chains used by task ``t``: its ``task_assigned`` runs since ``:cutoff``, withdrawals aside
+_CHAINS_SQL = (f"(SELECT COUNT(*) FROM runs c WHERE c.task_id = t.id AND c.reason = '{REASON}'"
+               f" AND c.requested_at >= :cutoff AND NOT {_WITHDRAWN})")
+
+#: The run-side rules for a task aliased ``t`` (params ``:cutoff``, ``:max_chains``):
+#: nothing live or finished, the latest run not a user cancel, chains left.
+#: Every subquery is a probe of ``runs(task_id)``.
+RECOVERABLE_SQL = f"""(
+  NOT EXISTS (SELECT 1 FROM runs r WHERE r.task_id = t.id AND r.status IN {_BLOCKING})
+  AND NOT EXISTS (
+    SELECT 1 FROM runs l
+    WHERE l.seq = (SELECT MAX(m.seq) FROM runs m WHERE m.task_id = t.id)
+      AND l.status = 'cancelled'
+      AND COALESCE(l.cancel_reason, '') NOT IN {SYSTEM_CANCEL_REASONS!r})
+  AND {_CHAINS_SQL} < :max_chains
+)"""
 
 _SCAN_SQL = f"""/* office:recovery-scan */
 SELECT t.id, t.workspace_id, {RUNNER_SQL} AS runner
@@ -52,9 +100,16 @@ LEFT JOIN workflow_steps s ON s.workflow_id = t.workflow_id AND s.id = t.step_id
 WHERE t.state = 'TODO' AND t.created_at >= :cutoff
   AND {OFFICE_TASK_SQL}
   AND {RUNNER_SQL} IS NOT NULL
-  AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.task_id = t.id AND r.status IN {_BLOCKING})
+  AND {RECOVERABLE_SQL}
 ORDER BY t.created_at, t.id
 LIMIT :limit
+"""
+
+#: The same run rules for one task, re-checked inside the enqueue's transaction;
+#: also returns the chains used so far.
+_RECHECK_SQL = f"""/* office:recovery-recheck */
+SELECT {_CHAINS_SQL} AS chains
+FROM tasks t WHERE t.id = :task AND {RECOVERABLE_SQL}
 """
 
 
@@ -62,11 +117,13 @@ class UnstartedTaskRecovery:
     name = "recovery"
 
     def __init__(self, store: Store, queue: RunQueue, *, lookback_hours: float,
-                 max_per_tick: int = MAX_PER_TICK) -> None:
+                 max_per_tick: int = MAX_PER_TICK,
+                 max_chains: int = MAX_CHAINS_PER_TASK) -> None:
         self.store = store
         self.queue = queue
         self.lookback = timedelta(hours=lookback_hours)
         self.max_per_tick = max_per_tick
+        self.max_chains = max_chains
 
     def active(self) -> bool:
         with self.store.connection() as conn:
@@ -76,28 +133,31 @@ class UnstartedTaskRecovery:
         if not self.active():
             return HandlerResult(scanned=False)
         cutoff = rfc3339(now - self.lookback)
-        candidates = self.store.query(_SCAN_SQL, {"cutoff": cutoff, "limit": CANDIDATES})
+        candidates = self.store.query(_SCAN_SQL, {"cutoff": cutoff, "limit": CANDIDATES,
+                                                  "max_chains": self.max_chains})
         queued = 0
         for row in candidates:
             if queued >= self.max_per_tick:
                 break
-            if self._recover(row["id"], row["workspace_id"], row["runner"]):
+            if self._recover(row["id"], row["workspace_id"], row["runner"], cutoff):
                 queued += 1
         return HandlerResult(scanned=True, acted=queued)
 
-    def _recover(self, task_id: str, workspace_id: str, agent: str) -> bool:
+    def _recover(self, task_id: str, workspace_id: str, agent: str, cutoff: str) -> bool:
         """Queue the task's next ``task_assigned`` run; False when none was inserted.
 
-        The re-check and the enqueue share one transaction, so a subscriber
-        enqueueing for the same task at the same moment cannot make two runs.
+        The re-check (the scan's run rules, for this task) and the enqueue
+        share one transaction, so a subscriber enqueueing for the same task,
+        or a user cancelling its run, at the same moment cannot be overruled.
         """
         try:
             with self.store.transaction() as conn:
-                blocked = conn.execute(
-                    f"SELECT 1 FROM runs WHERE task_id = ? AND status IN {_BLOCKING} LIMIT 1",
-                    (task_id,)).fetchone()
-                if blocked is not None:
+                recheck = conn.execute(_RECHECK_SQL, {"task": task_id, "cutoff": cutoff,
+                                                      "max_chains": self.max_chains}).fetchone()
+                if recheck is None:
+                    log.debug("recovery: task %s no longer qualifies", task_id)
                     return False
+                chain = recheck["chains"] + 1
                 attempt = conn.execute(
                     "SELECT COUNT(*) FROM runs WHERE task_id = ? AND agent_id = ?"
                     " AND reason = ?", (task_id, agent, REASON)).fetchone()[0]
@@ -112,6 +172,8 @@ class UnstartedTaskRecovery:
             log.debug("recovery: task %s: run %s already covers attempt %d", task_id,
                       result.run["id"], attempt)
             return False
-        log.info("recovered unstarted Office task %s: %s run %s queued for %s (attempt %d)",
-                 task_id, REASON, result.run["id"], agent, attempt)
+        last = "; no further recovery for it" if chain >= self.max_chains else ""
+        log.info("recovered unstarted Office task %s: %s run %s queued for %s (attempt %d,"
+                 " chain %d of %d%s)", task_id, REASON, result.run["id"], agent, attempt,
+                 chain, self.max_chains, last)
         return True

@@ -15,10 +15,11 @@ One tick::
            many runs as slots were reserved (oldest first, one per agent)
            -> start each execution
     stale claims: at most once per safety interval, claims older than
-           queue.stale_claim_s with no live execution here are re-queued
+           queue.stale_claim_s with no live execution here are re-queued (or
+           fail for good once the run has used queue.max_attempts)
     wait:  0 when the tick used its whole claim budget or re-queued something,
-           else until the next scheduled retry or cooldown end, at most the
-           safety interval
+           else until the next scheduled retry, cooldown end or retry of an
+           outcome the database refused, at most the safety interval
 """
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ class QueueLoop(Loop):
         due = self.queue.repo.next_due(now)
         if due is not None:
             wait = min(wait, max((due - now).total_seconds(), 0.0))
+        retry_write = self.queue.next_write_retry_in()
+        if retry_write is not None:  # an outcome the database refused is tried again
+            wait = min(wait, retry_write)
         return wait
 
     def _recover_stale(self, now: datetime) -> int:

@@ -7,30 +7,43 @@ stays the truth.
 
 One drain: reserve the free runtime slots (never blocks) -> claim at most
 that many runs in one transaction (the oldest eligible run of each eligible
-agent, oldest first) -> start each execution; unused slots are given back.
-If the execution of a claim cannot be started, the claim goes back to the
-queue while the runtime is stopping, and is otherwise a failed attempt under
-the retry policy (so a broken profile backs off instead of spinning).
+agent, oldest first) -> start each execution; unused slots are given back,
+whatever raises. If the execution of a claim cannot be started, the claim
+goes back to the queue while the runtime is stopping, and is otherwise a
+failed attempt under the retry policy (so a broken profile backs off instead
+of spinning).
 
-An execution's outcome is recorded from the runtime's worker thread through
-:class:`kandevd.queue.groupcommit.GroupCommit`: outcomes that arrive together
-share one durable commit. Then the agent is free and the loop is signalled.
+An outcome is recorded, never re-earned (see :mod:`kandevd.queue.journal`):
+when an execution ends, its outcome is first written to the attempt's folder,
+then to the database (outcomes that arrive together share one durable
+commit, :class:`kandevd.queue.groupcommit.GroupCommit`). A database write that
+fails is retried with back-off from memory; the agent stays busy only until
+it succeeds, and the agent is never run again to learn the same thing.
+
+A cancel that lands between a claim and the start of its execution is
+remembered under the queue's lock, and the dispatch stops the execution as
+soon as it has started (before the agent, in practice).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from kandevd.bus import EventBus
 from kandevd.config import Config
+from kandevd.faults import NO_FAULTS, Faults
 from kandevd.paths import HomeLayout
+from kandevd.queue import journal
 from kandevd.queue.groupcommit import GroupCommit
 from kandevd.runtime import (
+    DETACHED,
     INTERRUPTED,
     STOPPED,
     AgentRuntime,
@@ -39,6 +52,7 @@ from kandevd.runtime import (
     Reservation,
     RuntimeStopped,
 )
+from kandevd.runtime.records import locate, outcome_from_record, read_record, record_alive
 from kandevd.runtime.specs import agent_execution
 from kandevd.store.runs import Claim, EnqueueResult, RunRepository
 from kandevd.timeutil import utc_now
@@ -46,27 +60,50 @@ from kandevd.timeutil import utc_now
 log = logging.getLogger("kandevd.queue")
 
 #: Outcomes that leave the run as it is: interrupted by the shutdown (it stays
-#: ``claimed`` for the next start) or stopped by a cancel (already ``cancelled``).
-_NO_WRITE = frozenset({INTERRUPTED, STOPPED})
+#: ``claimed`` for the next start), stopped by a cancel (already ``cancelled``),
+#: or detached (the agent runs on for the next daemon instance to adopt).
+_NO_WRITE = frozenset({INTERRUPTED, STOPPED, DETACHED})
+#: Back-off of a failed outcome write: first retry after 0.1 s, doubling, at most
+#: 2 s apart, so a disk that frees up is noticed within about two seconds.
+_WRITE_RETRY_FIRST_S = 0.1
+_WRITE_RETRY_MAX_S = 2.0
+
+
+@dataclass
+class _Unrecorded:
+    """An outcome the database refused; retried from memory at ``due`` (monotonic)."""
+
+    claim: Claim
+    result: ExecutionResult
+    failures: int
+    due: float
 
 
 class RunQueue:
     def __init__(self, repo: RunRepository, runtime: AgentRuntime, config: Config,
                  layout: HomeLayout, bus: EventBus, *,
-                 clock: Callable[[], datetime] = utc_now) -> None:
+                 clock: Callable[[], datetime] = utc_now, faults: Faults = NO_FAULTS,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
         self.repo = repo
         self.runtime = runtime
         self.config = config
         self.layout = layout
         self.bus = bus
         self.clock = clock
+        self.faults = faults
+        self.monotonic = monotonic  # paces the retries of refused outcome writes
         self._lock = threading.Lock()
-        self._live: dict[str, str] = {}  # run id -> agent id of executions started here
+        self._live: dict[str, str] = {}  # run id -> agent id: executing, or outcome unwritten
+        self._cancel_requested: set[str] = set()  # claimed runs cancelled, maybe not started
         self._waker: Callable[[], None] | None = None
         self._defer = False  # outcomes go to the loop's next drain (see defer_outcomes)
         self._outcomes: list[tuple[Claim, ExecutionResult]] = []
+        self._unrecorded: list[_Unrecorded] = []
+        self._failure_counts: dict[str, int] = {}  # run id -> refused writes of its outcome
         self.signals_enabled = True
         self.claimed_total = 0
+        self.adopted_total = 0
+        self.write_failures = 0
         # Outcomes of executions that end together share one commit (one fsync).
         self.commits = GroupCommit(repo.store)
 
@@ -84,15 +121,35 @@ class RunQueue:
     def enqueue(self, *, workspace_id: str, agent_id: str, reason: str,
                 task_id: str | None = None, payload: dict[str, Any] | None = None,
                 idempotency_key: str | None = None, coalesce: bool = True) -> EnqueueResult:
-        """Persist a run request (what the ``queue_run`` workflow action calls)."""
+        """Persist a run request (what the ``queue_run`` workflow action calls).
+
+        The caller may hold a transaction of its own (Office recovery re-checks
+        and enqueues in one): ``run.queued`` and the wake-up wait for the
+        outermost commit, so nobody hears of a run that may still roll back.
+        """
         result = self.repo.enqueue(workspace_id=workspace_id, agent_id=agent_id, reason=reason,
                                    task_id=task_id, payload=payload,
                                    idempotency_key=idempotency_key, coalesce=coalesce,
                                    now=self.clock())
         if result.inserted:
-            self.bus.publish("run.queued", {"run": result.run})
-            self.signal()
+            run = result.run
+
+            def announce() -> None:
+                self.bus.publish("run.queued", {"run": run})
+                self.signal()
+
+            self.repo.store.after_commit(announce)
         return result
+
+    def retry(self, run_id: str) -> dict[str, Any]:
+        """``runs.retry``: a failed or cancelled run queued again with a fresh attempt budget."""
+        run = self.repo.retry(run_id, self.clock())
+        with self._lock:
+            self._cancel_requested.discard(run_id)  # a new request: no old cancel applies
+        log.info("run %s re-queued by runs.retry", run_id)
+        self.bus.publish("run.queued", {"run": run})
+        self.signal()
+        return run
 
     # -- drain ------------------------------------------------------------------
     def live_agents(self) -> frozenset[str]:
@@ -109,20 +166,21 @@ class RunQueue:
         Slots are reserved first (never blocking), then one transaction writes
         the outcomes handed over by finished executions and claims at most as
         many runs as slots were reserved: the oldest eligible run of each
-        eligible agent, oldest first. Unused slots are given back. Returns how
-        many runs were started. A run whose execution cannot even start is
-        failed through the retry policy, so nothing here can spin.
+        eligible agent, oldest first. Every reservation not spent on a started
+        execution is given back, whatever raises. Returns how many runs were
+        started.
         """
         outcomes = self._take_outcomes()
         if not outcomes and not self.repo.has_queued():
             return 0  # idle: touch neither the runtime's slots nor the write lock
         reservations: list[Reservation] = []
-        while len(reservations) < limit:
-            reservation = self.runtime.try_reserve()
-            if reservation is None:
-                break
-            reservations.append(reservation)
+        started = 0
         try:
+            while len(reservations) < limit:
+                reservation = self.runtime.try_reserve()
+                if reservation is None:
+                    break
+                reservations.append(reservation)
             if outcomes:
                 claims = self._record_and_claim(outcomes, now, len(reservations))
             elif reservations:
@@ -130,17 +188,13 @@ class RunQueue:
                                                exclude_agents=self.live_agents())
             else:
                 claims = []
-        except BaseException:
+            for reservation, claim in zip(reservations, claims, strict=False):
+                if self._dispatch(reservation, claim):
+                    started += 1
+        finally:
             for reservation in reservations:
-                self.runtime.release(reservation)
-            raise
-        for reservation in reservations[len(claims):]:
-            self.runtime.release(reservation)
-        started = 0
-        for reservation, claim in zip(reservations, claims, strict=False):
-            if self._dispatch(reservation, claim):
-                started += 1
-        self.claimed_total += started
+                self.runtime.release(reservation)  # a no-op for the ones started
+            self.claimed_total += started
         return started
 
     def _record_and_claim(self, outcomes: list[tuple[Claim, ExecutionResult]], now: datetime,
@@ -164,49 +218,59 @@ class RunQueue:
             log.warning("recording %d outcome(s) together failed (%s); one by one",
                         len(outcomes), exc)
             for claim, result in outcomes:
-                try:
-                    self._record(claim, result)
-                except Exception:
-                    log.exception("run %s: its outcome could not be recorded",
-                                  claim.run["id"])
+                self._record(claim, result)
             return self.repo.claim_batch(now, slots, exclude_agents=self.live_agents()) \
                 if slots else []
-        with self._lock:
-            for run_id in ended:
-                self._live.pop(run_id, None)
         for (claim, result), effect in zip(outcomes, effects, strict=True):
+            self._recorded(claim, result)
             self._announce(claim, result, effect)
         return claims
 
-    def _spec(self, claim: Claim) -> ExecutionSpec:
+    def _spec(self, claim: Claim, *, session_id: str | None = None) -> ExecutionSpec:
         """The execution of a claimed run (CONTRACT.md section 5)."""
         run = claim.run
         run_id = run["id"]
         profile = self.config.profile(claim.profile)
-        session_id = f"ses_{uuid.uuid4().hex}"
+        session_id = session_id or f"ses_{uuid.uuid4().hex}"
         return agent_execution(
             profile, self.layout, kind="run", key=run_id, run_id=run_id, session_id=session_id,
             stdin={"kind": "run", "run_id": run_id, "session_id": session_id,
                    "agent_id": run["agent_id"], "task_id": run["task_id"],
                    "workspace_id": run["workspace_id"], "reason": run["reason"],
-                   "payload": run["payload"]})
+                   "payload": run["payload"]},
+            record_dir=journal.attempt_dir(self.layout, run_id, claim.token))
 
-    def _dispatch(self, reservation: Any, claim: Claim) -> bool:
-        """Start the claimed run's execution; False (and the claim settled) when it cannot."""
+    def _dispatch(self, reservation: Reservation, claim: Claim) -> bool:
+        """Start the claimed run's execution; False (and the claim settled) when it cannot.
+
+        Never raises: a claim that can be neither started nor settled stays
+        ``claimed`` with no live execution, which stale-claim recovery rescues.
+        """
         run = claim.run
+        run_id = run["id"]
         with self._lock:
-            self._live[run["id"]] = run["agent_id"]
+            self._live[run_id] = run["agent_id"]
         try:
+            self.faults.before_start(run_id)
             spec = self._spec(claim)
             self.runtime.start(reservation, spec,
                                lambda result: self._on_done(claim, result))
         except Exception as exc:
             with self._lock:
-                self._live.pop(run["id"], None)
+                self._live.pop(run_id, None)
+                self._cancel_requested.discard(run_id)
             self.runtime.release(reservation)  # a no-op when start() already gave it back
-            self._not_started(claim, exc)
+            try:
+                self._not_started(claim, exc)
+            except Exception:
+                log.exception("run %s: its failed start could not be recorded; stale-claim "
+                              "recovery will rescue it", run_id)
             return False
-        log.info("run %s claimed (agent %s, reason %s, seq %d)", run["id"], run["agent_id"],
+        with self._lock:
+            cancelled = run_id in self._cancel_requested
+        if cancelled:  # runs.cancel came between the claim and the start
+            self.runtime.stop_execution(run_id, "cancelled")
+        log.info("run %s claimed (agent %s, reason %s, seq %d)", run_id, run["agent_id"],
                  run["reason"], run["seq"])
         self.bus.publish("run.claimed", {"run": run})
         return True
@@ -215,9 +279,9 @@ class RunQueue:
         """A claim whose execution could not start: back to the queue, or a failed attempt.
 
         While the runtime is stopping that is nobody's fault: the run simply
-        goes back to the queue. Anything else (a profile that cannot be run)
-        is a failed attempt under the retry policy, so it backs off instead of
-        being claimed again at once.
+        goes back to the queue (the attempt is given back). Anything else (a
+        profile that cannot be run) is a failed attempt under the retry
+        policy, so it backs off instead of being claimed again at once.
         """
         run_id = claim.run["id"]
         now = self.clock()
@@ -247,12 +311,23 @@ class RunQueue:
             pending: list[tuple[Claim, ExecutionResult]] = []
             if not enabled:
                 pending, self._outcomes = self._outcomes, []
-        if pending:
-            for claim, result in pending:
-                self._record(claim, result)
+                pending += [(u.claim, u.result) for u in self._unrecorded]
+                self._unrecorded = []
+        for claim, result in pending:
+            self._record(claim, result)
 
     def _on_done(self, claim: Claim, result: ExecutionResult) -> None:
-        """An execution ended (in the runtime's worker thread)."""
+        """An execution ended (in the runtime's worker thread).
+
+        The outcome goes to the attempt's folder first; only then may anyone
+        try the database, so whatever happens to that write (or to this
+        process), the agent is not run again to learn it.
+        """
+        directory = journal.attempt_dir(self.layout, claim.run["id"], claim.token)
+        if result.outcome == STOPPED:
+            journal.discard(directory)  # cancelled: the run row already says so
+        elif result.outcome != DETACHED:
+            journal.write_outcome(directory, result)
         with self._lock:
             deferred = self._defer
             if deferred:
@@ -264,19 +339,76 @@ class RunQueue:
             self.signal()  # the agent is free (or its outcome waits for the loop)
 
     def _take_outcomes(self) -> list[tuple[Claim, ExecutionResult]]:
+        """Outcomes handed over since the last drain, plus refused writes now due again."""
+        now = self.monotonic()
         with self._lock:
             pending, self._outcomes = self._outcomes, []
-        return pending
+            due = [u for u in self._unrecorded if u.due <= now]
+            if due:
+                self._unrecorded = [u for u in self._unrecorded if u.due > now]
+        return pending + [(u.claim, u.result) for u in due]
+
+    def next_write_retry_in(self) -> float | None:
+        """Seconds until the next refused outcome write is due again (None: none waits)."""
+        with self._lock:
+            if not self._unrecorded:
+                return None
+            return max(0.0, min(u.due for u in self._unrecorded) - self.monotonic())
+
+    def unrecorded(self) -> int:
+        """Outcomes known here that the database has not accepted yet."""
+        with self._lock:
+            return len(self._unrecorded)
 
     def _record(self, claim: Claim, result: ExecutionResult) -> None:
-        """Write one outcome in its own (group) commit, then announce it."""
+        """Write one outcome in its own (group) commit, then announce it.
+
+        A refused write keeps the outcome in memory for a retry with back-off;
+        until it succeeds the run stays live here, so its agent stays busy and
+        stale-claim recovery leaves it alone.
+        """
+        if result.outcome in _NO_WRITE:
+            self._recorded(claim, result)
+            self._announce(claim, result, None)
+            return
         try:
-            effect = (None if result.outcome in _NO_WRITE
-                      else self.commits.submit(lambda: self._apply(claim, result)))
-        finally:
-            with self._lock:
-                self._live.pop(claim.run["id"], None)
+            effect = self.commits.submit(lambda: self._apply(claim, result))
+        except Exception as exc:
+            self._write_refused(claim, result, exc)
+            return
+        self._recorded(claim, result)
         self._announce(claim, result, effect)
+
+    def _write_refused(self, claim: Claim, result: ExecutionResult, exc: Exception) -> None:
+        run_id = claim.run["id"]
+        with self._lock:
+            previous = next((u for u in self._unrecorded if u.claim.run["id"] == run_id), None)
+            failures = (previous.failures if previous
+                        else self._failure_counts.get(run_id, 0)) + 1
+            self._unrecorded = [u for u in self._unrecorded if u.claim.run["id"] != run_id]
+            delay = min(_WRITE_RETRY_FIRST_S * 2 ** (failures - 1), _WRITE_RETRY_MAX_S)
+            self._unrecorded.append(_Unrecorded(claim, result, failures,
+                                                self.monotonic() + delay))
+            self._failure_counts[run_id] = failures
+            self.write_failures += 1
+        level = logging.WARNING if failures == 1 else logging.DEBUG
+        log.log(level, "run %s: its outcome (%s) could not be written to the database (%s); "
+                "kept, retrying in %.1fs (the agent is not run again)", run_id, result.outcome,
+                exc, delay)
+        self.signal()
+
+    def _recorded(self, claim: Claim, result: ExecutionResult) -> None:
+        """The database has the outcome (or it needs none): the run is no longer live here."""
+        run_id = claim.run["id"]
+        with self._lock:
+            self._live.pop(run_id, None)
+            self._cancel_requested.discard(run_id)
+            failures = self._failure_counts.pop(run_id, 0)
+        if failures:
+            log.info("run %s: its outcome was written after %d refused attempt(s)", run_id,
+                     failures)
+        if result.outcome not in (INTERRUPTED, DETACHED):
+            journal.discard(journal.attempt_dir(self.layout, run_id, claim.token))
 
     def _apply(self, claim: Claim, result: ExecutionResult) -> Any:
         """The database side of an outcome; returns what :meth:`_announce` reports.
@@ -288,6 +420,7 @@ class RunQueue:
         run_id = claim.run["id"]
         if result.outcome in _NO_WRITE:
             return None
+        self.faults.outcome_write()
         now = self.clock()
         log_path = str(result.log_path)
         if result.succeeded:
@@ -302,6 +435,8 @@ class RunQueue:
         run_id = claim.run["id"]
         if result.outcome == INTERRUPTED:
             log.info("run %s interrupted by shutdown; stays claimed for the next start", run_id)
+        elif result.outcome == DETACHED:
+            log.info("run %s: agent left running for the next start to adopt", run_id)
         elif result.outcome == STOPPED:
             log.info("run %s: agent process stopped (%s)", run_id, result.error)
         elif result.succeeded:
@@ -324,27 +459,108 @@ class RunQueue:
                      updated["retry_count"], updated["scheduled_retry_at"])
             self.bus.publish("run.retry_scheduled", {"run": updated})
         else:
-            log.warning("run %s %s: %s", run_id, updated["status"], error)
+            log.warning("run %s %s: %s", run_id, updated["status"],
+                        updated.get("error_message") or error)
             self.bus.publish(f"run.{updated['status']}", {"run": updated})
 
     # -- recovery / control -------------------------------------------------------
-    def recover_stale(self, now: datetime) -> list[str]:
+    def recover_stale(self, now: datetime) -> dict[str, str]:
         recovered = self.repo.recover_stale(now, self.config.queue.stale_claim_s,
                                             self.live_runs())
-        for run_id in recovered:
-            log.warning("run %s: stale claim re-queued", run_id)
+        self._log_rescued(recovered, "stale claim")
+        self.repo.prune_keys(now)
         return recovered
 
-    def recover_after_restart(self) -> list[str]:
-        recovered = self.repo.requeue_foreign_claims(self.clock())
+    def _log_rescued(self, rescued: dict[str, str], what: str) -> None:
+        for run_id, status in rescued.items():
+            if status == "failed":
+                log.warning("run %s: %s; attempts used up, the run failed (dead letter)",
+                            run_id, what)
+            else:
+                log.warning("run %s: %s re-queued", run_id, what)
+
+    def restore_after_restart(self, *, adopt: bool) -> frozenset[int]:
+        """At start-up, before any recovery: settle what earlier instances left claimed.
+
+        For each of their claims, in this order: an outcome file is recorded;
+        an agent whose shim wrote its exit status is recorded from it; with
+        ``adopt``, an agent still running is adopted (waited for here, its
+        timeout and ``runs.cancel`` still apply). Returns the pids of the
+        adopted shims, which the orphan sweep must leave alone. What is left
+        is rescued by :meth:`recover_after_restart`.
+        """
+        kept: set[int] = set()
+        for row in self.repo.foreign_claims():
+            try:
+                pid = self._restore_one(row["id"], row["claim_token"], adopt=adopt)
+            except Exception:
+                log.exception("run %s: restoring its execution failed; it will be rescued",
+                              row["id"])
+                continue
+            if pid is not None:
+                kept.add(pid)
+        return frozenset(kept)
+
+    def _restore_one(self, run_id: str, token: str | None, *, adopt: bool) -> int | None:
+        if not token:
+            return None
+        directory = journal.attempt_dir(self.layout, run_id, token)
+        if not directory.is_dir():
+            return None
+        claim = self.repo.claim_of(run_id, token)
+        if claim is None:
+            return None
+        result = journal.read_outcome(directory, run_id)
+        if result is not None and result.outcome == INTERRUPTED:
+            return None  # the shutdown stopped it: rescued (re-queued) like any other
+        record = read_record(directory)
+        if record is not None:
+            record = locate(record)
+        if result is None and record is not None:
+            result = outcome_from_record(record, directory)
+        if result is not None:
+            log.info("run %s: recording the outcome its execution left on disk (%s)", run_id,
+                     result.outcome)
+            with self._lock:
+                self._live[run_id] = claim.run["agent_id"]
+            self._record(claim, result)
+            return None
+        if not adopt or record is None or not record_alive(record):
+            return None
+        if not self.repo.adopt_claim(run_id, token):
+            return None
+        spec = self._spec(claim, session_id=record.session_id or None)
+        with self._lock:
+            self._live[run_id] = claim.run["agent_id"]
+        try:
+            self.runtime.adopt(spec, record, lambda res: self._on_done(claim, res))
+        except Exception:
+            with self._lock:
+                self._live.pop(run_id, None)
+            raise
+        self.adopted_total += 1
+        log.info("run %s: adopted its agent (pid %d) left running by the previous instance",
+                 run_id, record.pid)
+        return record.pid
+
+    def recover_after_restart(self) -> dict[str, str]:
+        """Claims of earlier instances with no known outcome: re-queued, or the dead letter."""
+        recovered = self.repo.requeue_foreign_claims(self.clock(), keep=self.live_runs())
         if recovered:
-            log.info("re-queued %d run(s) claimed by a previous daemon instance", len(recovered))
+            log.info("re-queued %d run(s) claimed by a previous daemon instance",
+                     sum(1 for status in recovered.values() if status == "queued"))
+        self._log_rescued({k: v for k, v in recovered.items() if v == "failed"},
+                          "claimed by a previous daemon instance")
         return recovered
 
     def cancel(self, run_id: str, reason: str | None = None, *,
                only_queued: bool = False) -> dict[str, Any]:
         run, previous = self.repo.cancel(run_id, reason, self.clock(), only_queued=only_queued)
         if previous == "claimed":
+            with self._lock:
+                # Seen by a dispatch that has not started the execution yet (the claim
+                # may even be committed but not handed to a dispatch): it stops it.
+                self._cancel_requested.add(run_id)
             self.runtime.stop_execution(run_id, reason or "cancelled")
         log.info("run %s cancelled (was %s)", run_id, previous)
         self.bus.publish("run.cancelled", {"run": run})
@@ -355,3 +571,8 @@ class RunQueue:
         return self.repo.explain(run_id, self.clock(),
                                  runtime_full=self.runtime.active >= self.runtime.max_concurrent,
                                  live_agents=self.live_agents())
+
+    def counts(self) -> dict[str, int]:
+        """Runs by status, for ``daemon.status`` (``failed`` is the dead letter)."""
+        return self.repo.count_by_status()
+

@@ -1,10 +1,13 @@
 """The agent runtime: the bounded pool that runs agent executions.
 
 ``AgentRuntime`` (runtime.py) owns the slots and the worker threads;
-``ProcessRunner`` (process.py) runs one execution as a process-group child.
+``ProcessRunner`` (process.py) runs one execution under a shim (shim.py) that
+owns the agent's process group and records its exit status; records.py reads
+what an execution left on disk, for adopting it after a daemon restart.
 """
 
 from kandevd.runtime.process import (
+    DETACHED,
     ERROR,
     FAILED,
     INTERRUPTED,
@@ -19,6 +22,7 @@ from kandevd.runtime.process import (
     ProcessRunner,
     Runner,
 )
+from kandevd.runtime.records import ExecutionRecord, read_record, record_alive
 from kandevd.runtime.runtime import (
     AgentRuntime,
     Reservation,
@@ -27,6 +31,7 @@ from kandevd.runtime.runtime import (
 )
 
 __all__ = [
+    "DETACHED",
     "ERROR",
     "FAILED",
     "INTERRUPTED",
@@ -36,6 +41,7 @@ __all__ = [
     "TIMED_OUT",
     "AgentRuntime",
     "ExecutionControl",
+    "ExecutionRecord",
     "ExecutionResult",
     "ExecutionSpec",
     "InProcessRunner",
@@ -44,4 +50,6 @@ __all__ = [
     "Runner",
     "RuntimeFull",
     "RuntimeStopped",
+    "read_record",
+    "record_alive",
 ]

@@ -7,14 +7,17 @@ re-queues those claims and would start a second execution of the same run
 while the first is still going. So, at start-up and before re-queuing, the
 daemon stops what its predecessors left.
 
-An agent is recognised by its environment, which the runner always sets:
+An execution is recognised by its environment, which the runner always sets
+on the agent's shim (see ``shim.py``), and the agent inherits:
 ``KANDEVD_HOME=<home>`` plus ``KANDEVD_RUN_ID`` and ``KANDEVD_SESSION_ID``
 (empty for a launch, which is an orphan all the same). Requiring all three
 keeps a user's shell that merely exports ``KANDEVD_HOME`` out of it. Only
-session leaders are taken: an agent leads its own session and process group,
-and signalling that group also reaches whatever the agent started inside it.
+session leaders are taken: the shim leads its own session and process group,
+and signalling that group reaches the agent and whatever it started inside it
+(the shim survives SIGTERM long enough to record the agent's exit status).
 Whoever holds the home lock is the only daemon of the home, so every agent of
-the home still alive at that moment belongs to an earlier instance.
+the home still alive at that moment belongs to an earlier instance, except
+the shims the new instance adopted: the caller passes their pids as ``keep``.
 
 Waiting is done on pidfds with select (no sleep loop); only a kernel without
 ``pidfd_open`` falls back to polling. This is Linux only: elsewhere there is
@@ -57,12 +60,15 @@ class Orphan:
         return f"session {self.session_id}" if self.session_id else "launch"
 
 
-def find_orphan_agents(home: Path) -> list[int]:
-    """Pids of live agent processes of ``home`` (session leaders, our uid), sorted."""
-    return [orphan.pid for orphan in scan(home)]
+def find_orphan_agents(home: Path, *, keep: frozenset[int] = frozenset()) -> list[int]:
+    """Pids of live agent processes of ``home`` (session leaders, our uid), sorted.
+
+    Pids in ``keep`` (adopted shims) are never reported.
+    """
+    return [orphan.pid for orphan in scan(home, keep=keep)]
 
 
-def scan(home: Path) -> list[Orphan]:
+def scan(home: Path, *, keep: frozenset[int] = frozenset()) -> list[Orphan]:
     """Like :func:`find_orphan_agents`, with each agent's run or session id."""
     if not sys.platform.startswith("linux"):
         return []
@@ -71,7 +77,7 @@ def scan(home: Path) -> list[Orphan]:
         entries = list(os.scandir(_PROC))
     except OSError:
         return []
-    skip = _ancestors()
+    skip = _ancestors() | set(keep)
     uid = os.getuid()
     found: list[Orphan] = []
     for entry in entries:
@@ -91,13 +97,16 @@ def scan(home: Path) -> list[Orphan]:
     return sorted(found, key=lambda orphan: orphan.pid)
 
 
-def stop_orphan_agents(home: Path, grace_s: float) -> int:
+def stop_orphan_agents(home: Path, grace_s: float, *,
+                       keep: frozenset[int] = frozenset()) -> int:
     """SIGTERM the agents of ``home``, SIGKILL them after ``grace_s``; how many were stopped.
 
-    Returns once every one of them is gone (or, for a process the kernel will
-    not let die, after a bounded wait that is logged as an error).
+    ``keep``: pids of session leaders to leave alone (the shims of executions
+    this instance adopted). Returns once every other one is gone (or, for a
+    process the kernel will not let die, after a bounded wait that is logged
+    as an error).
     """
-    orphans = scan(home)
+    orphans = scan(home, keep=keep)
     if not orphans:
         return 0
     markers = _markers(home)

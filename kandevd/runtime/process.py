@@ -1,29 +1,49 @@
-"""One agent execution: a child process in its own process group, its log, its end.
+"""One agent execution: a shim-supervised process group, its log, its end.
 
 This module knows nothing about slots or pools (that is ``runtime.py``); it
 runs exactly one execution to completion in the calling thread and always
 returns an :class:`ExecutionResult`, never raises for anything the child or
 the file system does.
 
+Every agent runs under a shim (see :mod:`kandevd.runtime.shim`): a tiny
+``/bin/sh`` that leads the execution's session and process group, runs the
+agent as its child with stdin from ``<log>.input.json`` and stdout plus stderr
+appended to the log file, and writes the agent's exit status to
+``<record_dir>/exit``. No pipe connects the daemon to the agent, so nothing
+is lost when the daemon dies: the agent runs on, its status lands on disk,
+and the next daemon instance adopts it (:meth:`ProcessRunner.adopt`) or
+records its outcome from the files.
+
 Life of one :meth:`ProcessRunner.run`::
 
-    prepare (cwd, log file, stdin JSON and its copy              --fail-->  outcome "error"
-             <log>.input.json, named by $KANDEVD_INPUT)                         (no child)
+    prepare (cwd, log file, stdin JSON in <log>.input.json,     --fail-->  outcome "error"
+             named by $KANDEVD_INPUT; executable looked up)                    (no child)
         |
-    spawn (own session = own process group)  --fail-->  outcome "error"
+    exit file: <record_dir>/exit, or without a record folder a temporary
+               <log>.exit-<random> beside the log (removed at the end)
         |
-    pump: one selector over stdout (copied into the log), stdin (written
-          without blocking), the control's wake pipe, and a pidfd for the
-          child's exit.  Nothing sleeps; every wait is a select() with the
-          next deadline as its timeout.
+    spawn the shim (own session = own process group)  --fail-->  outcome "error"
+    write <record_dir>/record.json (pid, start time, deadline, ...)
+        |
+    wait: one select() over a pidfd of the shim and the control's wake
+          pipe, with the next deadline as its timeout; nothing polls.
         |   timeout / stop request:  SIGTERM to the group, kill grace, SIGKILL
+        |   detach request:          stop waiting, touch nothing -> "detached"
         |
-    leader exited -> drain what stdout still holds -> SIGKILL stragglers left
-    in the group -> reap -> ExecutionResult
+    shim exited -> SIGKILL stragglers left in the group -> reap the shim ->
+    status from the exit file (else the shim's own status) -> ExecutionResult
+
+Summary and cost: the agent's stdout goes to the log together with its
+stderr, so the summary line (CONTRACT.md section 5) is the *last non-empty
+line of the log* written during this execution that does not start with
+``[kandevd] `` (the daemon's own notes). Only the last MiB of the log is read;
+a last line longer than that counts as ``<line too long>`` (no summary).
 
 Outcomes: ``succeeded`` (exit 0), ``failed`` (any other exit), ``timed_out``,
 ``stopped`` (someone stopped this execution), ``interrupted`` (the runtime is
-shutting down), ``error`` (it could not even start).
+shutting down), ``error`` (it could not even start), ``detached`` (the runner
+stopped waiting without touching the process, which keeps running for the
+next daemon instance to adopt).
 """
 
 from __future__ import annotations
@@ -33,6 +53,7 @@ import logging
 import math
 import os
 import selectors
+import shutil
 import signal
 import subprocess
 import threading
@@ -41,9 +62,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from kandevd.timeutil import utc_now
+from kandevd.runtime import shim
+from kandevd.timeutil import after, utc_now
+
+if TYPE_CHECKING:
+    from kandevd.runtime.records import ExecutionRecord
 
 log = logging.getLogger("kandevd.runtime.process")
 
@@ -53,18 +78,20 @@ TIMED_OUT = "timed_out"
 STOPPED = "stopped"
 INTERRUPTED = "interrupted"
 ERROR = "error"
+DETACHED = "detached"
 
-OUTCOMES = frozenset({SUCCEEDED, FAILED, TIMED_OUT, STOPPED, INTERRUPTED, ERROR})
+OUTCOMES = frozenset({SUCCEEDED, FAILED, TIMED_OUT, STOPPED, INTERRUPTED, ERROR, DETACHED})
 #: Outcomes a caller may ask for through :meth:`ExecutionControl.request_termination`.
 TERMINATION_OUTCOMES = frozenset({TIMED_OUT, STOPPED, INTERRUPTED})
 KINDS = frozenset({"run", "launch", "turn"})
 
 DEFAULT_KILL_GRACE_S = 5.0
-_READ_CHUNK = 64 * 1024
-# The last stdout line is only remembered up to this size: a summary line is
-# small, and an agent printing megabytes without a newline must not grow memory.
-_MAX_TRACKED_LINE = 1024 * 1024
 _LOG_PREFIX = "[kandevd] "
+#: Poll interval of the fallback for kernels without pidfd_open.
+_POLL_S = 0.05
+#: Longest single select(): a deadline years away must not overflow the timeout.
+_MAX_WAIT_S = 3600.0
+DETACHED_ERROR = "detached: left running for the next daemon instance to adopt"
 
 
 @dataclass(frozen=True)
@@ -74,6 +101,13 @@ class ExecutionSpec:
     ``argv`` is an argument vector, never a shell string: an agent's prompt or
     payload must not be able to inject commands. Lists are accepted and
     stored as tuples; string paths are stored as :class:`Path`.
+
+    ``record_dir`` (optional) is the folder where the execution's
+    ``record.json`` and the shim's ``exit`` file are kept, so a later daemon
+    instance can adopt the agent or learn its outcome. The runner creates it
+    and never deletes it; its owner does. Without one the shim's exit file
+    is a temporary file beside the log, removed when the execution ended
+    (such an execution cannot be adopted, so it is never detached).
     """
 
     key: str
@@ -87,6 +121,7 @@ class ExecutionSpec:
     session_id: str = ""
     run_id: str = ""
     home: str = ""
+    record_dir: Path | None = None
 
     def __post_init__(self) -> None:
         # Reject bad specs at construction so the mistake surfaces at the
@@ -103,8 +138,15 @@ class ExecutionSpec:
             raise ValueError("ExecutionSpec.argv must not be empty")
         object.__setattr__(self, "cwd", Path(self.cwd))
         object.__setattr__(self, "log_path", Path(self.log_path))
+        if self.record_dir is not None:
+            object.__setattr__(self, "record_dir", Path(self.record_dir))
         if not self.timeout_s > 0:  # also rejects NaN
             raise ValueError(f"ExecutionSpec.timeout_s must be > 0, not {self.timeout_s!r}")
+
+    @property
+    def input_path(self) -> Path:
+        """``<log>.input.json``: the stdin object on disk, named by ``$KANDEVD_INPUT``."""
+        return self.log_path.with_name(self.log_path.stem + ".input.json")
 
 
 @dataclass(frozen=True)
@@ -140,12 +182,18 @@ class ExecutionControl:
     at once, so a silent child is stopped without any polling. The first
     termination request wins: a shutdown arriving after a cancel does not turn
     a ``stopped`` execution into an ``interrupted`` one.
+
+    A detach request (:meth:`request_detach`) asks the runner to stop waiting
+    and leave the process running. A runner that cannot leave it (an
+    in-process one, an execution without a record folder, one already being
+    terminated) ignores it, so a termination may still follow.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._request: tuple[str, str] | None = None
         self._requested = threading.Event()
+        self._detach = False
         self._kill_now = False
         self._pgid: int | None = None
         self._closed = False
@@ -155,7 +203,7 @@ class ExecutionControl:
 
     @property
     def wake_fd(self) -> int:
-        """Readable whenever a termination was requested (for selectors)."""
+        """Readable whenever a termination or detach was requested (for selectors)."""
         return self._wake_r
 
     @property
@@ -163,6 +211,12 @@ class ExecutionControl:
         """``(outcome, reason)`` of the first termination request, or None."""
         with self._lock:
             return self._request
+
+    @property
+    def detach_requested(self) -> bool:
+        """True once :meth:`request_detach` was accepted."""
+        with self._lock:
+            return self._detach
 
     def request_termination(self, outcome: str, reason: str) -> bool:
         """Ask the runner to end the execution with ``outcome``.
@@ -177,11 +231,27 @@ class ExecutionControl:
                 return False
             self._request = (outcome, reason)
             self._requested.set()
-            try:
-                os.write(self._wake_w, b"\0")
-            except BlockingIOError:  # pipe full: the runner is already awake
-                pass
+            self._wake()
             return True
+
+    def request_detach(self) -> bool:
+        """Ask the runner to stop waiting and leave the process running.
+
+        False when a termination was already requested (it goes on), a detach
+        was already requested, or the execution is over.
+        """
+        with self._lock:
+            if self._closed or self._request is not None or self._detach:
+                return False
+            self._detach = True
+            self._wake()
+            return True
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:  # pipe full: the runner is already awake
+            pass
 
     def wait_requested(self, timeout: float | None = None) -> bool:
         """Block until a termination is requested (for runners without fds)."""
@@ -208,7 +278,7 @@ class ExecutionControl:
             _signal_group(pgid, signal.SIGKILL)
 
     def detach(self) -> None:
-        """Forget the process group (before reaping the leader)."""
+        """Forget the process group (before reaping the leader, or when leaving it)."""
         with self._lock:
             self._pgid = None
 
@@ -241,16 +311,32 @@ class Runner(Protocol):
         """Run ``spec`` to its end, honouring termination requests on ``control``."""
         ...
 
+    def adopt(self, spec: ExecutionSpec, control: ExecutionControl,
+              record: ExecutionRecord) -> ExecutionResult:
+        """Wait for an execution an earlier daemon instance started (see ``record``)."""
+        ...
+
 
 def termination_error(outcome: str, reason: str, spec: ExecutionSpec) -> str:
     """The human readable ``error`` text for an execution ended on request."""
+    return _termination_text(outcome, reason, spec.timeout_s)
+
+
+def _termination_text(outcome: str, reason: str, timeout_s: float) -> str:
     if outcome == TIMED_OUT:
-        return f"timed out after {float(spec.timeout_s)}s"
+        return f"timed out after {float(timeout_s)}s"
     return f"{outcome}: {reason}" if reason else outcome
 
 
+def describe_exit(exit_code: int) -> str:
+    """``exit code N`` or ``killed by signal SIGX`` (for a negative code)."""
+    if exit_code >= 0:
+        return f"exit code {exit_code}"
+    return f"killed by signal {_signal_name(-exit_code)}"
+
+
 def parse_summary_line(line: str | None) -> tuple[str | None, float | None]:
-    """``(summary, cost_cents)`` from the agent's last stdout line (contract 5)."""
+    """``(summary, cost_cents)`` from the agent's last output line (contract 5)."""
     if not line:
         return None, None
     try:
@@ -305,50 +391,34 @@ def _signal_group(pgid: int, sig: int) -> bool:
     return True
 
 
-class _LastLine:
-    """Remembers the last non-empty line of a byte stream fed in chunks."""
-
-    def __init__(self) -> None:
-        self._partial = bytearray()
-        self._overflow = False
-        self.last: bytes | None = None
-
-    def feed(self, chunk: bytes) -> None:
-        lines = chunk.split(b"\n")
-        for complete in lines[:-1]:
-            self._partial += complete
-            self._end_line()
-        self._append(lines[-1])
-
-    def finish(self) -> str | None:
-        self._end_line()
-        return self.last.decode("utf-8", errors="replace") if self.last is not None else None
-
-    def _append(self, piece: bytes) -> None:
-        if self._overflow:
-            return
-        self._partial += piece
-        if len(self._partial) > _MAX_TRACKED_LINE:
-            self._partial.clear()
-            self._overflow = True
-
-    def _end_line(self) -> None:
-        if self._overflow:
-            self.last = b"<line too long>"
-        elif self._partial.strip():
-            self.last = bytes(self._partial.strip())
-        self._partial.clear()
-        self._overflow = False
-
-
 class _LogSink:
-    """The execution's log file, written by us (stdout copy, our own notes)."""
+    """The execution's log file as the daemon holds it (the shim's output, our notes)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, fd: int) -> None:
         self.path = path
+        self.fd = fd
+        self._broken = fd < 0
+
+    @classmethod
+    def open(cls, path: Path) -> _LogSink:
         flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
-        self.fd = os.open(path, flags, 0o600)
-        self._broken = False
+        return cls(path, os.open(path, flags, 0o600))
+
+    @classmethod
+    def open_or_disabled(cls, path: Path) -> _LogSink:
+        """The log, or a sink that drops notes when the log cannot be opened."""
+        try:
+            return cls.open(path)
+        except OSError as exc:
+            log.error("cannot open log %s (%s); notes about the execution are dropped",
+                      path, exc)
+            return cls(path, -1)
+
+    def size(self) -> int:
+        try:
+            return os.fstat(self.fd).st_size
+        except OSError:
+            return 0
 
     def write(self, data: bytes) -> None:
         if self._broken:
@@ -360,29 +430,62 @@ class _LogSink:
                 view = view[written:]
         except OSError as exc:  # disk full and friends: keep the child running
             self._broken = True
-            log.error("cannot write log %s (%s); dropping further output", self.path, exc)
+            log.error("cannot write log %s (%s); dropping further notes", self.path, exc)
 
     def note(self, text: str) -> None:
         self.write(f"{_LOG_PREFIX}{text}\n".encode())
 
     def close(self) -> None:
+        if self.fd < 0:
+            return
         try:
             os.close(self.fd)
         except OSError:
             pass
+        self.fd = -1
+
+
+@dataclass
+class _Wait:
+    """How the wait for a shim ended."""
+
+    ended_by: tuple[str, str] | None = None  # the termination we carried out
+    detached: bool = False
+    killed: bool = False  # we sent SIGKILL
+
+
+# Shims of detached executions that are our children: reaped (without
+# blocking) by later runs so they do not linger as zombies.
+_detached_lock = threading.Lock()
+_detached: list[subprocess.Popen[bytes]] = []
+
+
+def _keep_detached(proc: subprocess.Popen[bytes]) -> None:
+    with _detached_lock:
+        _detached.append(proc)
+
+
+def _reap_detached() -> None:
+    if not _detached:
+        return
+    with _detached_lock:
+        _detached[:] = [proc for proc in _detached if proc.poll() is None]
 
 
 class ProcessRunner:
-    """The default runner: the agent command as a child process (contract 5)."""
+    """The default runner: the agent command under a shim (contract 5)."""
 
     def __init__(self, kill_grace_s: float = DEFAULT_KILL_GRACE_S) -> None:
         if kill_grace_s < 0:
             raise ValueError("kill_grace_s must be >= 0")
         self.kill_grace_s = kill_grace_s
 
+    # -- a new execution -------------------------------------------------------
+
     def run(self, spec: ExecutionSpec, control: ExecutionControl) -> ExecutionResult:
-        """Run the child to its end; see the module docstring for the steps."""
+        """Run the agent to its end; see the module docstring for the steps."""
         started_at = utc_now()
+        _reap_detached()
 
         def result(outcome: str, exit_code: int | None = None, error: str | None = None,
                    summary: str | None = None, cost: float | None = None) -> ExecutionResult:
@@ -394,23 +497,25 @@ class ProcessRunner:
 
         try:
             make_private_dirs(spec.log_path.parent)
-            sink = _LogSink(spec.log_path)
+            sink = _LogSink.open(spec.log_path)
         except OSError as exc:
             message = f"cannot open log file {spec.log_path}: {exc}"
             log.error("execution %s: %s", spec.key, message)
             return result(ERROR, error=message)
         try:
-            return self._run_with_log(spec, control, sink, result)
+            return self._run_with_log(spec, control, sink, started_at, result)
         finally:
             sink.close()
 
     def _run_with_log(self, spec: ExecutionSpec, control: ExecutionControl, sink: _LogSink,
-                      result: Callable[..., ExecutionResult]) -> ExecutionResult:
+                      started_at: datetime, result: Callable[..., ExecutionResult],
+                      ) -> ExecutionResult:
         def fail_to_start(message: str) -> ExecutionResult:
             log.error("execution %s: %s", spec.key, message)
             sink.note(message)
             return result(ERROR, error=message)
 
+        log_offset = sink.size()  # the summary is searched after this
         try:
             make_private_dirs(spec.cwd)
         except OSError as exc:
@@ -420,9 +525,9 @@ class ProcessRunner:
         except (TypeError, ValueError) as exc:
             return fail_to_start(f"stdin object is not JSON serializable: {exc}")
 
-        input_path = spec.log_path.with_name(spec.log_path.stem + ".input.json")
-        try:  # the same JSON as stdin, complete on disk before the agent starts
-            fd = os.open(input_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        input_path = spec.input_path
+        try:  # the agent's stdin: complete on disk before it starts
+            fd = os.open(input_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             with os.fdopen(fd, "wb") as handle:
                 handle.write(stdin_bytes)
         except OSError as exc:
@@ -433,6 +538,11 @@ class ProcessRunner:
             outcome, reason = request
             sink.note(f"not started: {termination_error(outcome, reason, spec)}")
             return result(outcome, error=termination_error(outcome, reason, spec))
+        if control.detach_requested and spec.record_dir is not None:
+            # Nothing runs yet that could be left running: start nothing.
+            error = "interrupted: the daemon stopped before the agent started"
+            sink.note(f"not started: {error}")
+            return result(INTERRUPTED, error=error)
 
         env = dict(os.environ)
         env.update(spec.env)
@@ -440,173 +550,297 @@ class ProcessRunner:
         env["KANDEVD_SESSION_ID"] = spec.session_id
         env["KANDEVD_HOME"] = spec.home
         env["KANDEVD_INPUT"] = str(input_path)
+        problem = _executable_problem(spec.argv[0], spec.cwd, env.get("PATH"))
+        if problem is not None:
+            return fail_to_start(problem)
+
+        if spec.record_dir is not None:
+            exit_path = spec.record_dir / shim.EXIT_FILE
+            try:
+                make_private_dirs(spec.record_dir)
+                try:  # an exit file found there now is not this execution's
+                    os.unlink(exit_path)
+                except FileNotFoundError:
+                    pass
+            except OSError as exc:
+                return fail_to_start(
+                    f"cannot create the execution's record folder {spec.record_dir}: {exc}")
+            # Recorded before the spawn too (pid 0): a daemon killed right after the
+            # spawn leaves a record whose shim the next start finds and adopts.
+            self._write_record(spec, 0, started_at, input_path, log_offset)
+            return self._spawn_and_wait(spec, control, sink, started_at, result, input_path,
+                                        exit_path, env, log_offset)
+        # No record folder: a temporary exit file beside the log (whose folder is
+        # private), under a name nobody can guess. A file, not a folder: mkdir and
+        # rmdir would cost more than the rest of the bookkeeping together.
+        exit_path = spec.log_path.with_name(f"{spec.log_path.name}.exit-{os.urandom(8).hex()}")
+        try:
+            return self._spawn_and_wait(spec, control, sink, started_at, result, input_path,
+                                        exit_path, env, log_offset)
+        finally:
+            try:
+                os.unlink(exit_path)
+            except OSError:
+                pass
+
+    def _spawn_and_wait(self, spec: ExecutionSpec, control: ExecutionControl, sink: _LogSink,
+                        started_at: datetime, result: Callable[..., ExecutionResult],
+                        input_path: Path, exit_path: Path, env: dict[str, str],
+                        log_offset: int) -> ExecutionResult:
         try:
             proc = subprocess.Popen(
-                list(spec.argv), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=sink.fd, cwd=spec.cwd, env=env, start_new_session=True,
-                close_fds=True, shell=False,
+                shim.shim_argv(exit_path, input_path, spec.log_path, spec.argv),
+                stdin=subprocess.DEVNULL, stdout=sink.fd, stderr=subprocess.STDOUT,
+                cwd=spec.cwd, env=env, start_new_session=True, close_fds=True, shell=False,
             )
-        except FileNotFoundError as exc:
-            missing = exc.filename if exc.filename is not None else spec.argv[0]
-            return fail_to_start(f"cannot start agent: executable not found: {missing}")
-        except PermissionError as exc:
-            target = exc.filename if exc.filename is not None else spec.argv[0]
-            return fail_to_start(f"cannot start agent: permission denied: {target}")
         except (OSError, ValueError, TypeError) as exc:
-            return fail_to_start(f"cannot start agent {spec.argv[0]}: {exc}")
+            message = f"cannot start agent {spec.argv[0]}: {exc}"
+            log.error("execution %s: %s", spec.key, message)
+            sink.note(message)
+            return result(ERROR, error=message)
 
-        control.attach(proc.pid)
-        log.debug("execution %s started: pid %d, %s", spec.key, proc.pid, spec.argv[0])
+        pid = proc.pid
+        control.attach(pid)
+        log.debug("execution %s started: shim pid %d, %s", spec.key, pid, spec.argv[0])
+        # Only an execution with a record can be adopted, so only it may be left running.
+        detachable = (spec.record_dir is not None
+                      and self._write_record(spec, pid, started_at, input_path, log_offset))
+        pidfd = _open_pidfd(pid)
         try:
-            ended_by, last_line = self._pump(spec, control, sink, proc, stdin_bytes)
+            waited = self._wait(spec.key, control, sink, pid, pidfd,
+                                time.monotonic() + spec.timeout_s, spec.timeout_s,
+                                lambda: _has_exited(pid), detachable=detachable)
         except BaseException:
             # Our bug, not the child's: never leave the child behind.
             control.detach()
-            _signal_group(proc.pid, signal.SIGKILL)
+            _signal_group(pid, signal.SIGKILL)
             proc.wait()
-            _close_pipes(proc)
             raise
-        control.detach()
-        exit_code = proc.wait()  # reap; the leader has exited already
-        _close_pipes(proc)
+        finally:
+            if pidfd is not None:
+                os.close(pidfd)
+        if waited.detached:
+            control.detach()
+            _keep_detached(proc)
+            log.info("execution %s detached: shim pid %d keeps running", spec.key, pid)
+            return result(DETACHED, error=DETACHED_ERROR)
 
-        summary, cost = parse_summary_line(last_line)
-        if ended_by is not None:
-            outcome, reason = ended_by
-            error = termination_error(outcome, reason, spec)
+        # The shim is a zombie now (not reaped, so its pid cannot be reused):
+        # make sure nothing of its group outlives it, then reap it.
+        _signal_group(pid, signal.SIGKILL)
+        control.detach()
+        shim_status = proc.wait()
+        status = shim.read_exit_file(exit_path)
+        exit_code = status if status is not None else shim.exit_code_from_status(shim_status)
+
+        summary, cost = parse_summary_line(shim.last_log_line(spec.log_path, log_offset))
+        if waited.ended_by is not None:
+            outcome, reason = waited.ended_by
+            error: str | None = termination_error(outcome, reason, spec)
         elif exit_code == 0:
             outcome, error = SUCCEEDED, None
         else:
-            outcome = FAILED
-            error = (f"exit code {exit_code}" if exit_code > 0
-                     else f"killed by signal {_signal_name(-exit_code)}")
+            outcome, error = FAILED, describe_exit(exit_code)
         level = logging.INFO if outcome in (SUCCEEDED, FAILED) else logging.WARNING
         log.log(level, "execution %s ended: %s (exit %s)", spec.key, outcome, exit_code)
         return result(outcome, exit_code=exit_code, error=error, summary=summary, cost=cost)
 
-    def _pump(self, spec: ExecutionSpec, control: ExecutionControl, sink: _LogSink,
-              proc: subprocess.Popen[bytes], stdin_bytes: bytes,
-              ) -> tuple[tuple[str, str] | None, str | None]:
-        """Copy output and feed stdin until the leader exits; enforce deadlines.
+    def _write_record(self, spec: ExecutionSpec, pid: int, started_at: datetime,
+                      input_path: Path, log_offset: int) -> bool:
+        """Write ``record.json`` for the shim ``pid``; False when it could not be written."""
+        from kandevd.runtime.records import ExecutionRecord, write_record
 
-        Returns the termination that ended it (None when it ended on its own)
-        and the last non-empty stdout line.
+        assert spec.record_dir is not None
+        pid_start = shim.proc_start_time(pid) if pid else 0
+        if pid_start is None:  # cannot happen for an unreaped child; be safe anyway
+            log.warning("execution %s: no start time for shim pid %d; it cannot be adopted",
+                        spec.key, pid)
+            return False
+        record = ExecutionRecord(
+            record_dir=spec.record_dir, pid=pid, pid_start=pid_start, key=spec.key,
+            run_id=spec.run_id, session_id=spec.session_id, started_at=started_at,
+            deadline=after(started_at, spec.timeout_s), timeout_s=float(spec.timeout_s),
+            log_path=spec.log_path, input_path=input_path, argv=spec.argv,
+            log_offset=log_offset,
+        )
+        try:
+            write_record(record)
+        except (OSError, ValueError) as exc:
+            log.warning("execution %s: cannot write its record in %s (%s); it cannot be "
+                        "adopted after a restart", spec.key, spec.record_dir, exc)
+            return False
+        return True
+
+    # -- an execution an earlier instance started ------------------------------------
+
+    def adopt(self, spec: ExecutionSpec, control: ExecutionControl,
+              record: ExecutionRecord) -> ExecutionResult:
+        """Wait for the shim of ``record``, which is not our child, as if we had started it.
+
+        The deadline is the record's (a past one terminates at once); stop
+        and shutdown requests on ``control`` act as for :meth:`run`.
         """
-        assert proc.stdin is not None and proc.stdout is not None
-        pid = proc.pid
-        out_fd = proc.stdout.fileno()
-        in_fd = proc.stdin.fileno()
-        os.set_blocking(in_fd, False)
-        pending = memoryview(stdin_bytes)
-        last = _LastLine()
-        ended_by: tuple[str, str] | None = None
-        kill_at: float | None = None
-        killed = False
-        deadline = time.monotonic() + spec.timeout_s
+        from kandevd.runtime import records
 
-        pidfd = _open_pidfd(pid)
+        def result(outcome: str, exit_code: int | None = None, error: str | None = None,
+                   summary: str | None = None, cost: float | None = None) -> ExecutionResult:
+            return ExecutionResult(
+                key=spec.key, outcome=outcome, exit_code=exit_code, summary=summary,
+                cost_cents=cost, error=error, started_at=record.started_at,
+                ended_at=max(utc_now(), record.started_at), log_path=record.log_path,
+            )
+
+        pid = record.pid
+        waited = _Wait()
+        pidfd: int | None = None
+        opener = getattr(os, "pidfd_open", None)
+        alive = True
+        if opener is not None:
+            try:
+                pidfd = opener(pid)
+            except ProcessLookupError:
+                alive = False
+            except OSError:  # no pidfds on this kernel: fall back to polling
+                pidfd = None
+        sink = _LogSink.open_or_disabled(record.log_path)
+        try:
+            # Checked after the pidfd is open, so the pidfd is the shim's own.
+            alive = alive and records.record_alive(record)
+            if alive:
+                control.attach(pid)
+                remaining = (record.deadline - utc_now()).total_seconds()
+                log.info("execution %s adopted: shim pid %d, %.1fs left before its timeout",
+                         spec.key, pid, max(remaining, 0.0))
+                try:
+                    waited = self._wait(
+                        spec.key, control, sink, pid, pidfd, time.monotonic() + remaining,
+                        record.timeout_s,
+                        lambda: not shim.process_running(pid, record.pid_start),
+                        detachable=True)
+                finally:
+                    control.detach()
+                if waited.detached:
+                    log.info("execution %s detached again: shim pid %d keeps running",
+                             spec.key, pid)
+                    return result(DETACHED, error=DETACHED_ERROR)
+                # Stragglers of the group, unless the group is gone and its id reused.
+                if shim.group_may_be_signalled(pid, record.pid_start):
+                    _signal_group(pid, signal.SIGKILL)
+        finally:
+            sink.close()
+            if pidfd is not None:
+                os.close(pidfd)
+
+        status = shim.read_exit_status(record.record_dir)
+        if waited.ended_by is not None:
+            outcome, reason = waited.ended_by
+            exit_code = status if status is not None else (
+                -signal.SIGKILL if waited.killed else None)
+            summary, cost = parse_summary_line(
+                shim.last_log_line(record.log_path, record.log_offset))
+            log.warning("execution %s ended: %s (exit %s)", spec.key, outcome, exit_code)
+            return result(outcome, exit_code=exit_code, summary=summary, cost=cost,
+                          error=_termination_text(outcome, reason, record.timeout_s))
+        if status is None:
+            log.warning("execution %s: %s", spec.key, records.NO_EXIT_STATUS)
+            return result(ERROR, error=records.NO_EXIT_STATUS)
+        ended = records.result_for_exit(record, status)
+        log.info("execution %s ended: %s (exit %s)", spec.key, ended.outcome, status)
+        return ExecutionResult(
+            key=spec.key, outcome=ended.outcome, exit_code=ended.exit_code,
+            summary=ended.summary, cost_cents=ended.cost_cents, error=ended.error,
+            started_at=ended.started_at, ended_at=ended.ended_at, log_path=ended.log_path)
+
+    # -- waiting ----------------------------------------------------------------
+
+    def _wait(self, key: str, control: ExecutionControl, sink: _LogSink, pid: int,
+              pidfd: int | None, deadline: float, timeout_s: float,
+              exited: Callable[[], bool], *, detachable: bool) -> _Wait:
+        """Wait until the shim ``pid`` exits or the wait is detached; enforce deadlines.
+
+        ``pidfd`` (readable once the shim exited) is waited on with select;
+        only without one is ``exited()`` polled.
+        """
+        waited = _Wait()
+        kill_at: float | None = None
         sel = selectors.DefaultSelector()
         try:
-            sel.register(out_fd, selectors.EVENT_READ, "out")
-            sel.register(in_fd, selectors.EVENT_WRITE, "in")
             sel.register(control.wake_fd, selectors.EVENT_READ, "wake")
             if pidfd is not None:
                 sel.register(pidfd, selectors.EVENT_READ, "exit")
-            out_open = True
 
             def begin_termination(outcome: str, reason: str) -> None:
-                nonlocal ended_by, kill_at
-                ended_by = (outcome, reason)
+                nonlocal kill_at
+                waited.ended_by = (outcome, reason)
                 kill_at = time.monotonic() + self.kill_grace_s
-                text = termination_error(outcome, reason, spec)
-                log.warning("execution %s %s: SIGTERM to process group %d", spec.key, text, pid)
+                text = _termination_text(outcome, reason, timeout_s)
+                log.warning("execution %s %s: SIGTERM to process group %d", key, text, pid)
                 sink.note(f"{text}: sending SIGTERM to process group {pid}")
                 _signal_group(pid, signal.SIGTERM)
+                # A stopped process would keep SIGTERM pending until the SIGKILL.
+                _signal_group(pid, signal.SIGCONT)
 
             while True:
                 now = time.monotonic()
-                if ended_by is None and now >= deadline:
+                if waited.ended_by is None and now >= deadline:
                     begin_termination(TIMED_OUT, "")
-                elif kill_at is not None and not killed and now >= kill_at:
-                    killed = True
+                elif kill_at is not None and not waited.killed and now >= kill_at:
+                    waited.killed = True
                     log.warning("execution %s ignored SIGTERM for %.1fs: SIGKILL",
-                                spec.key, self.kill_grace_s)
+                                key, self.kill_grace_s)
                     sink.note(f"still running {self.kill_grace_s}s after SIGTERM: sending SIGKILL")
                     _signal_group(pid, signal.SIGKILL)
-                if pidfd is None and _has_exited(pid):
-                    break
-                if ended_by is None:
-                    wait = deadline - now
-                elif not killed:
+                if pidfd is None and exited():
+                    return waited
+                if waited.ended_by is None:
+                    wait: float | None = deadline - now
+                elif not waited.killed:
                     wait = (kill_at or now) - now
                 else:
                     wait = None
                 if pidfd is None:  # no pidfd: the only place we must poll for exit
-                    wait = 0.05 if wait is None else min(wait, 0.05)
-                events = sel.select(None if wait is None else max(wait, 0.0))
-                exited = False
-                for key, _mask in events:
-                    if key.data == "out":
-                        chunk = _read(out_fd)
-                        if chunk:
-                            sink.write(chunk)
-                            last.feed(chunk)
-                        elif chunk is not None:  # EOF
-                            sel.unregister(out_fd)
-                            out_open = False
-                    elif key.data == "in":
-                        pending = _write_some(in_fd, pending)
-                        if not pending:
-                            sel.unregister(in_fd)
-                            proc.stdin.close()
-                    elif key.data == "wake":
-                        control.drain_wake()
-                        request = control.requested
-                        if request is not None and ended_by is None:
-                            begin_termination(*request)
-                    elif key.data == "exit":
-                        exited = True
-                if exited:
-                    break
-
-            # The leader is a zombie now (not reaped, so its pid cannot be
-            # reused). What it wrote is already in the pipe: take it without
-            # blocking, then make sure nothing of the group outlives it.
-            if out_open:
-                os.set_blocking(out_fd, False)
-            while out_open:
-                chunk = _read(out_fd)
-                if not chunk:  # EOF, or nothing more written yet
-                    break
-                sink.write(chunk)
-                last.feed(chunk)
-            _signal_group(pid, signal.SIGKILL)
+                    wait = _POLL_S if wait is None else min(wait, _POLL_S)
+                if wait is not None:
+                    wait = min(max(wait, 0.0), _MAX_WAIT_S)
+                events = {ready.data for ready, _mask in sel.select(wait)}
+                if "wake" in events:
+                    control.drain_wake()
+                    # A termination requested as the shim exits still names the
+                    # outcome (a forced exit's SIGKILL ends it at once).
+                    request = control.requested
+                    if waited.ended_by is None and request is not None:
+                        begin_termination(*request)
+                    elif (waited.ended_by is None and detachable and "exit" not in events
+                          and control.detach_requested):
+                        waited.detached = True
+                        return waited
+                if "exit" in events:
+                    return waited
         finally:
             sel.close()
-            if pidfd is not None:
-                os.close(pidfd)
-        return ended_by, last.finish()
 
 
-def _read(fd: int) -> bytes | None:
-    """One chunk from the pipe: b"" at EOF, None when nothing is there (spurious wake)."""
-    try:
-        return os.read(fd, _READ_CHUNK)
-    except BlockingIOError:
+def _executable_problem(name: str, cwd: Path, path_env: str | None) -> str | None:
+    """Why ``name`` cannot be executed (the error text), or None when it can.
+
+    Looked up like ``execvp`` in the child would: a name with a ``/`` is a
+    path (relative to the child's ``cwd``), any other is searched in its PATH.
+    """
+    if "/" in name:
+        candidate = Path(name) if os.path.isabs(name) else cwd / name
+        if not os.path.exists(candidate):
+            return f"cannot start agent: executable not found: {name}"
+        if os.path.isdir(candidate) or not os.access(candidate, os.X_OK):
+            return f"cannot start agent: permission denied: {name}"
         return None
-    except OSError:
-        return b""
-
-
-def _write_some(fd: int, pending: memoryview) -> memoryview:
-    """Write what the pipe takes; an agent that closed stdin gets no more."""
-    try:
-        written = os.write(fd, pending)
-    except BlockingIOError:
-        return pending
-    except (BrokenPipeError, OSError):
-        return pending[len(pending):]
-    return pending[written:]
+    search = path_env if path_env is not None else os.defpath
+    if name and shutil.which(name, path=search) is not None:
+        return None
+    if name:  # like execvp: a match that is not executable is "permission denied"
+        for directory in search.split(os.pathsep):
+            if os.path.exists(os.path.join(directory or ".", name)):
+                return f"cannot start agent: permission denied: {name}"
+    return f"cannot start agent: executable not found: {name}"
 
 
 def _open_pidfd(pid: int) -> int | None:
@@ -629,15 +863,6 @@ def _has_exited(pid: int) -> bool:
     return info is not None
 
 
-def _close_pipes(proc: subprocess.Popen[bytes]) -> None:
-    for stream in (proc.stdin, proc.stdout):
-        if stream is not None:
-            try:
-                stream.close()
-            except OSError:
-                pass
-
-
 def _signal_name(number: int) -> str:
     try:
         return signal.Signals(number).name
@@ -651,7 +876,8 @@ class InProcessRunner:
     No child process and no log file: this exists so benchmarks and tests can
     measure the runtime and the queue without paying for process start-up.
     ``fn`` cannot be interrupted; a termination requested before it starts
-    means it never starts.
+    means it never starts. Detach requests are ignored (there is nothing to
+    leave running) and nothing can be adopted.
     """
 
     def __init__(self, fn: Callable[[ExecutionSpec], tuple[int, str | None, float | None]]):
@@ -683,3 +909,8 @@ class InProcessRunner:
             cost_cents=cost, error=error, started_at=started_at, ended_at=utc_now(),
             log_path=spec.log_path,
         )
+
+    def adopt(self, spec: ExecutionSpec, control: ExecutionControl,
+              record: ExecutionRecord) -> ExecutionResult:
+        """In-process executions never outlive the daemon: nothing to adopt."""
+        raise NotImplementedError("an in-process runner cannot adopt a process")

@@ -13,12 +13,20 @@ a run in the database only once it knows a slot is free)::
 Runtime states::
 
     accepting --stop()--> stopping: no new reservations or starts;
+                          [keep_agents: detach every execution that can be
+                           adopted later: it keeps running, outcome "detached"]
                           wait up to stop_grace_s for executions to end;
                           then interrupt the rest (SIGTERM, kill grace, SIGKILL);
                           join every worker --> stopped
 
 Each execution gets one non-daemon worker thread, owned and joined here.
 ``kill_all_now()`` is the forced-exit path: SIGKILL everything, join nothing.
+
+``adopt()`` takes over an execution an earlier daemon instance started (its
+shim is still running, see :mod:`kandevd.runtime.records`): it is waited for,
+timed out, stopped and interrupted like any other. It takes a slot even
+beyond ``max_concurrent`` (the work exists already); new reservations then
+wait until the count is below the bound again.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from kandevd.runtime.process import (
     ProcessRunner,
     Runner,
 )
+from kandevd.runtime.records import ExecutionRecord
 from kandevd.timeutil import utc_now
 
 log = logging.getLogger("kandevd.runtime")
@@ -84,7 +93,8 @@ class _Execution:
     control: ExecutionControl
     on_done: Callable[[ExecutionResult], None]
     thread: threading.Thread | None = None
-    finished: bool = False  # the runner returned: the child is reaped
+    finished: bool = False  # the runner returned: the child is reaped (or left running)
+    record: ExecutionRecord | None = None  # set for an adopted execution
 
 
 class AgentRuntime:
@@ -188,26 +198,56 @@ class AgentRuntime:
             elif spec.key in self._live:
                 problem = ValueError(f"an execution with key {spec.key!r} is already live")
             if problem is None:
-                execution = _Execution(spec, ExecutionControl(), on_done)
-                thread = threading.Thread(
-                    target=self._work, args=(execution,), name=f"kandevd-exec-{spec.key}",
-                    daemon=False,
-                )
-                execution.thread = thread
+                execution = self._register(spec, on_done, None)
                 reservation._state = "started"
                 self._held -= 1
-                self._live[spec.key] = execution
-                self._threads = [t for t in self._threads if t.is_alive()]
-                self._threads.append(thread)
         if problem is not None:
             self.release(reservation)
             raise problem
         log.debug("starting %s execution %s", spec.kind, spec.key)
+        self._start_worker(execution)
+
+    def adopt(self, spec: ExecutionSpec, record: ExecutionRecord,
+              on_done: Callable[[ExecutionResult], None]) -> None:
+        """Take over the still-running execution of ``record`` (an earlier instance's).
+
+        A worker waits for its shim like for any execution: the record's
+        deadline applies (a past one ends it at once), :meth:`stop_execution`
+        and :meth:`stop` act on it, and ``on_done(result)`` runs when it ended.
+        It takes a slot even when all are in use. Raises RuntimeStopped when
+        stopping, ValueError when ``spec.key`` is live already.
+        """
+        with self._cond:
+            if self._stopping:
+                raise RuntimeStopped()
+            if spec.key in self._live:
+                raise ValueError(f"an execution with key {spec.key!r} is already live")
+            execution = self._register(spec, on_done, record)
+        log.debug("adopting %s execution %s (shim pid %d)", spec.kind, spec.key, record.pid)
+        self._start_worker(execution)
+
+    def _register(self, spec: ExecutionSpec, on_done: Callable[[ExecutionResult], None],
+                  record: ExecutionRecord | None) -> _Execution:
+        """A live execution with its (unstarted) worker; the caller holds the lock."""
+        execution = _Execution(spec, ExecutionControl(), on_done, record=record)
+        thread = threading.Thread(
+            target=self._work, args=(execution,), name=f"kandevd-exec-{spec.key}",
+            daemon=False,
+        )
+        execution.thread = thread
+        self._live[spec.key] = execution
+        self._threads = [t for t in self._threads if t.is_alive()]
+        self._threads.append(thread)
+        return execution
+
+    def _start_worker(self, execution: _Execution) -> None:
+        assert execution.thread is not None
+        thread = execution.thread
         try:
             thread.start()
         except BaseException:  # e.g. "can't start new thread": give the slot back
             with self._cond:
-                self._live.pop(spec.key, None)
+                self._live.pop(execution.spec.key, None)
                 self._threads.remove(thread)
                 self._cond.notify_all()
             execution.control.close()
@@ -300,13 +340,21 @@ class AgentRuntime:
             if self._grace_deadline is None:
                 self._grace_deadline = time.monotonic() + self._stop_grace_s
 
-    def stop(self) -> None:
+    def stop(self, keep_agents: bool = False) -> None:
         """Stop accepting work, let executions finish within the grace, then end them.
 
+        With ``keep_agents`` the agents are neither waited for nor signalled:
+        every execution that a later instance can adopt (a process execution
+        with a record folder) is detached at once, outcome ``detached``
+        (on_done still runs), and keeps running. The others (in-process ones,
+        and process ones without a record folder, which nobody could adopt)
+        are waited for and interrupted as without it.
+
         Idempotent and safe from several threads: the first caller does the
-        work, the others wait for it to complete. A caller inside a worker
-        (an on_done calling stop()) is never waited for and never joins
-        itself, so it cannot deadlock; it returns once the stop has begun.
+        work (its ``keep_agents`` decides), the others wait for it to complete.
+        A caller inside a worker (an on_done calling stop()) is never waited
+        for and never joins itself, so it cannot deadlock; it returns once
+        the stop has begun.
         """
         me = threading.current_thread()
         with self._cond:
@@ -330,10 +378,19 @@ class AgentRuntime:
         if not first:
             self._join_all(threads, me)
             return
-        self._stop_first(me)
+        self._stop_first(me, keep_agents)
 
-    def _stop_first(self, me: threading.Thread) -> None:
+    def _stop_first(self, me: threading.Thread, keep_agents: bool) -> None:
         """The work of stop(), done by its first caller only."""
+        if keep_agents:
+            with self._cond:
+                # Only what a later instance can adopt: it needs a record folder.
+                candidates = [e for e in self._others_live(me) if not e.finished
+                              and (e.record is not None or e.spec.record_dir is not None)]
+            asked = [e for e in candidates if e.control.request_detach()]
+            if asked:
+                log.info("runtime stopping: leaving the agents of %d execution(s) running "
+                         "where they can be adopted", len(asked))
         with self._cond:
             others = self._others_live(me)
             if others:
@@ -388,16 +445,21 @@ class AgentRuntime:
 
     def _work(self, execution: _Execution) -> None:
         spec = execution.spec
+        record = execution.record
         try:
             try:
-                result = self._runner.run(spec, execution.control)
+                if record is not None:
+                    result = self._runner.adopt(spec, execution.control, record)
+                else:
+                    result = self._runner.run(spec, execution.control)
             except Exception as exc:  # a runner bug must not kill the worker silently
                 log.exception("runner failed for execution %s", spec.key)
                 now = utc_now()
                 result = ExecutionResult(
                     key=spec.key, outcome=ERROR, exit_code=None, summary=None,
                     cost_cents=None, error=f"runner failed: {type(exc).__name__}: {exc}",
-                    started_at=now, ended_at=now, log_path=spec.log_path,
+                    started_at=min(now, record.started_at) if record is not None else now,
+                    ended_at=now, log_path=spec.log_path,
                 )
             with self._cond:
                 execution.finished = True

@@ -19,7 +19,7 @@ import logging
 import os
 import sqlite3
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -47,6 +47,7 @@ class Store:
         self._lock = threading.RLock()
         self._closed = False
         self.statements = 0
+        self._after_commit: list[Callable[[], None]] = []
         conn = sqlite3.connect(
             self.path, check_same_thread=False, isolation_level=None,
             timeout=BUSY_TIMEOUT_MS / 1000,
@@ -86,7 +87,11 @@ class Store:
 
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
-        """``BEGIN IMMEDIATE`` ... ``COMMIT`` (``ROLLBACK`` on any exception)."""
+        """``BEGIN IMMEDIATE`` ... ``COMMIT`` (``ROLLBACK`` on any exception).
+
+        A nested use joins the outer transaction; callbacks registered with
+        :meth:`after_commit` run once the outermost one has committed.
+        """
         with self._lock:
             if self._closed:
                 raise StoreClosedError()
@@ -99,6 +104,7 @@ class Store:
                 yield conn
                 conn.execute("COMMIT")
             except BaseException:
+                self._after_commit.clear()  # what they announce never happened
                 # Also when COMMIT itself failed: never leave a transaction open, or every
                 # later transaction() would silently "join" it. SQLite may already have
                 # rolled back on its own (e.g. SQLITE_FULL); a second ROLLBACK would then
@@ -106,6 +112,25 @@ class Store:
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
                 raise
+            callbacks, self._after_commit = self._after_commit, []
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:
+                log.exception("after-commit callback %r raised; ignored", callback)
+
+    def after_commit(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` once the current transaction commits (now, outside one).
+
+        Events and wake-ups about a write must not be seen before the write is:
+        a caller nested in someone else's transaction cannot know when that
+        commits, so it defers its announcement here. A rollback drops it.
+        """
+        with self._lock:
+            if self._conn.in_transaction:
+                self._after_commit.append(callback)
+                return
+        callback()
 
     def query(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> list[sqlite3.Row]:
         with self.connection() as conn:

@@ -147,11 +147,32 @@ def _v2_runs_retry_index(db: sqlite_utils.Database) -> None:
     )
 
 
+def _v3_run_keys_and_step_entries(db: sqlite_utils.Database) -> None:
+    # Every idempotency key maps to the run that took it for 24 h, including a key
+    # absorbed by coalescing (the absorbing run keeps its own key on its row).
+    db["run_keys"].create(
+        {"idempotency_key": str, "run_id": str, "created_at": str},
+        pk="idempotency_key", not_null={"run_id", "created_at"},
+    )
+    db["run_keys"].create_index(["created_at"])
+    db.execute(
+        "INSERT OR IGNORE INTO run_keys (idempotency_key, run_id, created_at)"
+        " SELECT idempotency_key, id, requested_at FROM runs"
+        " WHERE idempotency_key IS NOT NULL AND key_active = 1"
+    )
+    # Each entry of a task into a step counts, so a queue_run's key tells a replayed
+    # move (same entry: deduplicated) from a new entry into the same step.
+    db.execute("ALTER TABLE tasks ADD COLUMN step_entry INTEGER NOT NULL DEFAULT 0")
+    # A workspace-wide hard budget is checked at claim time: its spend is read by workspace.
+    db["runs"].create_index(["workspace_id"])
+
+
 Migration = Callable[[sqlite_utils.Database], None]
 
 MIGRATIONS: list[tuple[int, str, Migration]] = [
     (1, "workspace model and runs queue", _v1_workspace_model_and_runs),
     (2, "runs: index of scheduled retries", _v2_runs_retry_index),
+    (3, "run keys and task step entries", _v3_run_keys_and_step_entries),
 ]
 
 

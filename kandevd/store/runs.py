@@ -21,14 +21,14 @@ from __future__ import annotations
 import json
 import sqlite3
 import uuid
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from kandevd.config import RetryConfig
-from kandevd.queue.retry import decide_retry
+from kandevd.queue.retry import RetryDecision, decide_retry
 from kandevd.store.db import Store
 from kandevd.timeutil import after, parse_rfc3339, rfc3339
 
@@ -62,6 +62,11 @@ class RunConflict(RuntimeError):
     pass
 
 
+def gave_up(attempts: int, last: str | None) -> str:
+    """The dead letter's ``error_message``."""
+    return f"gave up after {attempts} attempts; last: {last or 'unknown'}"
+
+
 def run_from_row(row: sqlite3.Row) -> dict[str, Any]:
     """The contract's RUN object from a ``runs`` row."""
     run = {name: row[name] for name in RUN_FIELDS}
@@ -89,10 +94,18 @@ class Claim:
     profile: str
 
 
+#: ``(conn, now) -> {agent_id: reason}``: agents that must not be claimed for now
+#: (a hard budget they are over), asked inside the claim's transaction.
+ClaimGate = Callable[[sqlite3.Connection, datetime], Mapping[str, str]]
+
+
 class RunRepository:
-    def __init__(self, store: Store, boot_id: str) -> None:
+    def __init__(self, store: Store, boot_id: str, *, max_attempts: int = 6,
+                 claim_gate: ClaimGate | None = None) -> None:
         self.store = store
         self.boot_id = boot_id
+        self.max_attempts = max_attempts
+        self.claim_gate = claim_gate
         self._sync_level: int | None = None  # the store's PRAGMA synchronous, read once
 
     # -- enqueue ----------------------------------------------------------------
@@ -116,19 +129,17 @@ class RunRepository:
                     f"agent_id: agent {agent_id!r} belongs to workspace "
                     f"{refs['agent_workspace']!r}, not {workspace_id!r}")
             if key is not None:
-                existing = conn.execute(
-                    "SELECT * FROM runs WHERE idempotency_key = ? AND key_active = 1",
-                    (key,)).fetchone()
-                if existing is not None:
-                    cutoff = rfc3339(after(now, -IDEMPOTENCY_WINDOW_S))
-                    if existing["requested_at"] >= cutoff:
-                        return EnqueueResult(run_from_row(existing), deduplicated=True)
-                    conn.execute("UPDATE runs SET key_active = 0 WHERE seq = ?",
-                                 (existing["seq"],))
+                known = self._run_of_key(conn, key, now)
+                if known is not None:
+                    return EnqueueResult(run_from_row(known), deduplicated=True)
+                # Expired (or never seen): the key is free again.
+                conn.execute("UPDATE runs SET key_active = 0 WHERE idempotency_key = ?"
+                             " AND key_active = 1", (key,))
             if coalesce and not (key or "").startswith("task_comment:"):
                 merged = self._coalesce(conn, agent_id=agent_id, reason=reason, task_id=task_id,
                                         key=key, payload_json=payload_json, now=now)
                 if merged is not None:
+                    self._remember_key(conn, key, merged["id"], now_s)
                     return EnqueueResult(merged, coalesced=True)
             row = conn.execute(
                 "INSERT INTO runs (id, workspace_id, agent_id, task_id, reason, payload, status,"
@@ -137,7 +148,32 @@ class RunRepository:
                 ("run_" + uuid.uuid4().hex, workspace_id, agent_id, task_id, reason,
                  payload_json, key, 1 if key else 0, now_s, now_s),
             ).fetchone()
+            self._remember_key(conn, key, row["id"], now_s)
             return EnqueueResult(run_from_row(row))
+
+    @staticmethod
+    def _run_of_key(conn: sqlite3.Connection, key: str, now: datetime) -> sqlite3.Row | None:
+        """The run ``key`` was given to within the idempotency window, if any."""
+        mapped = conn.execute("SELECT run_id, created_at FROM run_keys"
+                              " WHERE idempotency_key = ?", (key,)).fetchone()
+        if mapped is None or mapped["created_at"] < rfc3339(after(now, -IDEMPOTENCY_WINDOW_S)):
+            return None
+        return conn.execute("SELECT * FROM runs WHERE id = ?", (mapped["run_id"],)).fetchone()
+
+    @staticmethod
+    def _remember_key(conn: sqlite3.Connection, key: str | None, run_id: str,
+                      now_s: str) -> None:
+        if key is not None:
+            conn.execute("INSERT OR REPLACE INTO run_keys (idempotency_key, run_id, created_at)"
+                         " VALUES (?, ?, ?)", (key, run_id, now_s))
+
+    def prune_keys(self, now: datetime) -> int:
+        """Forget idempotency keys older than the window (they no longer deduplicate)."""
+        cutoff = rfc3339(after(now, -IDEMPOTENCY_WINDOW_S))
+        if self.store.query_one("SELECT EXISTS (SELECT 1 FROM run_keys WHERE created_at < ?)",
+                                (cutoff,))[0] == 0:
+            return 0
+        return self.store.execute("DELETE FROM run_keys WHERE created_at < ?", (cutoff,))
 
     @staticmethod
     def _coalesce(conn: sqlite3.Connection, *, agent_id: str, reason: str, task_id: str | None,
@@ -214,21 +250,24 @@ class RunRepository:
         token = uuid.uuid4().hex
         params: dict[str, Any] = {"now": rfc3339(now), "token": token, "boot": self.boot_id,
                                   "limit": int(limit)}
-        exclusion = ""
-        if exclude_agents:
-            names = []
-            for i, agent in enumerate(sorted(exclude_agents)):
-                params[f"x{i}"] = agent
-                names.append(f":x{i}")
-            exclusion = f"AND a.id NOT IN ({', '.join(names)})"
-        sql = (
-            "UPDATE runs SET status = 'claimed', claimed_at = :now,"
-            " claim_token = :token || '.' || seq, claimed_by = :boot, attempt = attempt + 1,"
-            " finished_at = NULL, updated_at = :now"
-            " WHERE seq IN (" + self._HEADS.format(exclusion=exclusion) + ") RETURNING *"
-        )
         # (No subquery in RETURNING: SQLite evaluates it with a full scan of its table.)
         with self._relaxed_sync(), self.store.transaction() as conn:
+            excluded = set(exclude_agents)
+            if self.claim_gate is not None:
+                excluded.update(self.claim_gate(conn, now))
+            exclusion = ""
+            if excluded:
+                names = []
+                for i, agent in enumerate(sorted(excluded)):
+                    params[f"x{i}"] = agent
+                    names.append(f":x{i}")
+                exclusion = f"AND a.id NOT IN ({', '.join(names)})"
+            sql = (
+                "UPDATE runs SET status = 'claimed', claimed_at = :now,"
+                " claim_token = :token || '.' || seq, claimed_by = :boot,"
+                " attempt = attempt + 1, finished_at = NULL, updated_at = :now"
+                " WHERE seq IN (" + self._HEADS.format(exclusion=exclusion) + ") RETURNING *"
+            )
             rows = conn.execute(sql, params).fetchall()
             if not rows:
                 return []
@@ -311,6 +350,9 @@ class RunRepository:
                                     now=now, draw=draw)
             common = {"now": now_s, "error": error, "summary": summary, "cost": cost_cents,
                       "log": log_path, "seq": row["seq"]}
+            if row["attempt"] >= self.max_attempts and decision.action == "retry":
+                decision = RetryDecision("fail", None)
+                common["error"] = gave_up(row["attempt"], error)
             if decision.action == "retry":
                 assert decision.retry_at is not None
                 sql = ("UPDATE runs SET status = 'queued', retry_count = retry_count + 1,"
@@ -345,43 +387,142 @@ class RunRepository:
                 " claimed_by = NULL, updated_at = :now")
 
     def requeue(self, run_id: str, token: str, now: datetime) -> bool:
-        """Put a claimed attempt back in the queue (dispatch failed, or it was interrupted)."""
+        """Put a claim whose execution never started back in the queue.
+
+        Nothing ran, so the claim's attempt is given back.
+        """
         with self.store.transaction() as conn:
-            return conn.execute(self._REQUEUE + " WHERE id = :id AND status = 'claimed'"
+            return conn.execute(self._REQUEUE + ", attempt = MAX(attempt - 1, 0)"
+                                " WHERE id = :id AND status = 'claimed'"
                                 " AND claim_token = :token",
                                 {"now": rfc3339(now), "id": run_id, "token": token}).rowcount > 0
 
-    def requeue_foreign_claims(self, now: datetime) -> list[str]:
-        """At start-up: claims made by any earlier daemon instance go back to the queue."""
+    def rescue(self, conn: sqlite3.Connection, run_id: str, token: str | None, now: datetime,
+               why: str) -> str | None:
+        """An execution whose outcome is unknown: back to the queue, or the dead letter.
+
+        The execution counted an attempt when it was claimed; a run that has
+        used ``max_attempts`` becomes ``failed`` ("gave up after N attempts;
+        last: <why>") instead of executing again without bound. Returns the
+        new status, or None when the claim (fenced by ``token``) is gone.
+        Runs inside the caller's transaction.
+        """
+        row = conn.execute("SELECT seq, attempt, agent_id FROM runs WHERE id = ?"
+                           " AND status = 'claimed' AND claim_token IS ?",
+                           (run_id, token)).fetchone()
+        if row is None:
+            return None
+        now_s = rfc3339(now)
+        if row["attempt"] >= self.max_attempts:
+            conn.execute("UPDATE runs SET status = 'failed', finished_at = ?, claim_token = NULL,"
+                         " error_message = ?, scheduled_retry_at = NULL, updated_at = ?"
+                         " WHERE seq = ?", (now_s, gave_up(row["attempt"], why), now_s,
+                                            row["seq"]))
+            self._start_cooldown(conn, row["agent_id"], now)
+            return "failed"
+        conn.execute(self._REQUEUE + ", error_message = :why WHERE seq = :seq",
+                     {"now": now_s, "why": why, "seq": row["seq"]})
+        return "queued"
+
+    def foreign_claims(self) -> list[sqlite3.Row]:
+        """Claims made by an earlier daemon instance (at start-up: all of theirs)."""
+        return self.store.query(
+            "SELECT id, claim_token, agent_id, attempt FROM runs WHERE status = 'claimed'"
+            " AND (claimed_by IS NULL OR claimed_by != ?) ORDER BY seq", (self.boot_id,))
+
+    def claim_of(self, run_id: str, token: str) -> Claim | None:
+        """The claim ``token`` of run ``run_id`` while it is still in force, else None."""
+        with self.store.connection() as conn:
+            row = conn.execute("SELECT * FROM runs WHERE id = ? AND status = 'claimed'"
+                               " AND claim_token = ?", (run_id, token)).fetchone()
+            if row is None:
+                return None
+            profile = conn.execute("SELECT profile FROM agents WHERE id = ?",
+                                   (row["agent_id"],)).fetchone()
+        return Claim(run_from_row(row), token, profile["profile"] if profile else "default")
+
+    def adopt_claim(self, run_id: str, token: str) -> bool:
+        """Make an earlier instance's claim this instance's own (its agent was adopted)."""
+        return self.store.execute(
+            "UPDATE runs SET claimed_by = ? WHERE id = ? AND status = 'claimed'"
+            " AND claim_token = ?", (self.boot_id, run_id, token)) > 0
+
+    def requeue_foreign_claims(self, now: datetime,
+                               why: str = "interrupted: the daemon stopped during the execution",
+                               *, keep: Collection[str] = ()) -> dict[str, str]:
+        """At start-up: claims of earlier instances with no known outcome are rescued.
+
+        ``keep``: runs whose outcome is known here but not written yet. Returns
+        ``{run_id: new status}`` (``queued``, or ``failed`` once the run has
+        used its attempts).
+        """
+        done: dict[str, str] = {}
         with self.store.transaction() as conn:
             rows = conn.execute(
-                self._REQUEUE + " WHERE status = 'claimed'"
-                " AND (claimed_by IS NULL OR claimed_by != :boot) RETURNING id",
-                {"now": rfc3339(now), "boot": self.boot_id}).fetchall()
-        return [r["id"] for r in rows]
+                "SELECT id, claim_token FROM runs WHERE status = 'claimed'"
+                " AND (claimed_by IS NULL OR claimed_by != ?) ORDER BY seq",
+                (self.boot_id,)).fetchall()
+            for r in rows:
+                if r["id"] in keep:
+                    continue
+                status = self.rescue(conn, r["id"], r["claim_token"], now, why)
+                if status is not None:
+                    done[r["id"]] = status
+        return done
 
-    def recover_stale(self, now: datetime, stale_s: float, live: Iterable[str]) -> list[str]:
-        """Claims older than ``stale_s`` with no live execution here go back to the queue.
+    def recover_stale(self, now: datetime, stale_s: float, live: Iterable[str]
+                      ) -> dict[str, str]:
+        """Claims older than ``stale_s`` with no live execution here are rescued.
 
         Runs every tick, so it first looks without the write lock; only when
-        there is something to re-queue does it take a transaction (and each
-        re-queue is fenced by the token it saw).
+        there is something to rescue does it take a transaction (and each
+        rescue is fenced by the token it saw). Returns ``{run_id: new status}``.
         """
         live_ids = set(live)
         cutoff = rfc3339(after(now, -stale_s))
         sql = "SELECT id, claim_token FROM runs WHERE status = 'claimed' AND claimed_at < ?"
         if not [r for r in self.store.query(sql, (cutoff,)) if r["id"] not in live_ids]:
-            return []
-        recovered = []
+            return {}
+        why = f"the claim went stale (no execution alive after {stale_s:g}s)"
+        recovered: dict[str, str] = {}
         with self.store.transaction() as conn:
             for r in conn.execute(sql, (cutoff,)).fetchall():
                 if r["id"] in live_ids:
                     continue
-                if conn.execute(self._REQUEUE + " WHERE id = :id AND claim_token = :token",
-                                {"now": rfc3339(now), "id": r["id"],
-                                 "token": r["claim_token"]}).rowcount:
-                    recovered.append(r["id"])
+                status = self.rescue(conn, r["id"], r["claim_token"], now, why)
+                if status is not None:
+                    recovered[r["id"]] = status
         return recovered
+
+    def retry(self, run_id: str, now: datetime) -> dict[str, Any]:
+        """A ``failed`` or ``cancelled`` run back to ``queued`` with a fresh attempt budget.
+
+        It is a new request (``requested_at`` now, so the retry policy's age
+        limit counts from here) with its history kept: its id, its earlier
+        error, cost and log. Anything else is :class:`RunConflict`.
+        """
+        now_s = rfc3339(now)
+        with self.store.transaction() as conn:
+            row = conn.execute("SELECT status FROM runs WHERE id = ?", (run_id,)).fetchone()
+            if row is None:
+                raise RunNotFound(run_id)
+            if row["status"] not in ("failed", "cancelled"):
+                raise RunConflict(f"run {run_id!r} is {row['status']}; only a failed or "
+                                  "cancelled run can be retried")
+            updated = conn.execute(
+                "UPDATE runs SET status = 'queued', attempt = 0, retry_count = 0,"
+                " scheduled_retry_at = NULL, claimed_at = NULL, finished_at = NULL,"
+                " claim_token = NULL, claimed_by = NULL, cancel_reason = NULL,"
+                " requested_at = :now, updated_at = :now WHERE id = :id RETURNING *",
+                {"now": now_s, "id": run_id}).fetchone()
+        return run_from_row(updated)
+
+    def count_by_status(self) -> dict[str, int]:
+        """``{status: number of runs}`` for every status (zeros included)."""
+        counts = dict.fromkeys(STATUSES, 0)
+        for row in self.store.query("SELECT status, COUNT(*) AS n FROM runs GROUP BY status"):
+            counts[row["status"]] = row["n"]
+        return counts
 
     # -- cancel -----------------------------------------------------------------
     def cancel(self, run_id: str, reason: str | None, now: datetime, *,
@@ -442,6 +583,11 @@ class RunRepository:
                                  (run["agent_id"],)).fetchone()
             if agent["status"] != "active":
                 blockers.append("agent_paused")
+            if self.claim_gate is not None:
+                gate = self.claim_gate(conn, now).get(run["agent_id"])
+                if gate is not None:
+                    blockers.append("budget_exceeded")
+                    details["budget_exceeded"] = gate
             busy = conn.execute("SELECT id FROM runs WHERE agent_id = ? AND status = 'claimed'",
                                 (run["agent_id"],)).fetchone()
             if busy is not None or run["agent_id"] in live_agents:

@@ -1,6 +1,7 @@
 """A daemon killed alone (``kill -9`` of its pid, not its agents) restarts without
-executing a run twice at once: it stops the agents its predecessor left, then
-re-queues their runs.
+executing a run twice at once. With ``runtime.adopt_on_restart: false`` it stops
+the agents its predecessor left, then re-queues their runs (adoption, the
+default, is covered in test_failure_model.py).
 
 The echo agent appends a ``touch`` line only when an execution completes, so
 the file tells how many executions of the run ran to their end.
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import FAST_CONFIG
 from tests.harness import DaemonProcess
 
 pytestmark = pytest.mark.integration
@@ -33,7 +35,8 @@ def _state(pid: int) -> str:
 def test_restart_stops_the_agents_of_a_killed_daemon_before_requeueing(
         daemon_factory: Factory, tmp_path: Path) -> None:
     touch = tmp_path / "touch.log"
-    daemon = daemon_factory()
+    daemon = daemon_factory({**FAST_CONFIG, "runtime": {**FAST_CONFIG["runtime"],
+                                                        "adopt_on_restart": False}})
     daemon.call("workspaces.create", {"id": "w1", "name": "w1"})
     daemon.call("agents.create", {"id": "a1", "workspace_id": "w1", "name": "a1"})
     run = daemon.call("runs.enqueue", {"workspace_id": "w1", "agent_id": "a1",
@@ -43,7 +46,7 @@ def test_restart_stops_the_agents_of_a_killed_daemon_before_requeueing(
     [old_agent] = daemon.wait_until(daemon.agent_pids, what="the agent process")
     # Freeze the first execution mid-sleep: whatever the restart takes, it cannot
     # finish on its own, and only the restart can end it (SIGTERM needs a SIGCONT).
-    os.kill(old_agent, signal.SIGSTOP)
+    os.killpg(old_agent, signal.SIGSTOP)  # the shim and its agent
     pidfd = os.pidfd_open(old_agent)  # readable once that very process has exited
     try:
         assert daemon.kill_daemon_only() == -signal.SIGKILL

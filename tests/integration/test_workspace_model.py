@@ -165,7 +165,7 @@ def test_queue_run_of_a_custom_step_is_processed_by_the_global_loop(
     assert (run["agent_id"], run["task_id"], run["reason"]) == ("a1", "t1", "work")
     assert run["payload"] == {"summary": "did it", "task_id": "t1", "workflow_step_id": "doing"}
     assert run["output_summary"] == "did it"
-    assert run["idempotency_key"].startswith("queue_run:t1:doing:a1:")
+    assert run["idempotency_key"].startswith("queue_run:t1:doing:1:a1:")
 
     replay = daemon.call("tasks.move", {"id": "t1", "step_id": "doing"})
     assert replay["actions"][0]["run_id"] == run["id"]

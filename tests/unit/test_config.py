@@ -22,10 +22,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 # CONTRACT.md section 2, verbatim: "Every key is optional; these are the defaults."
 CONTRACT_DEFAULTS: dict[str, Any] = {
-    "queue": {"safety_interval_s": 5, "max_claims_per_tick": 10, "stale_claim_s": 1800},
+    "queue": {"safety_interval_s": 5, "max_claims_per_tick": 10, "stale_claim_s": 1800,
+              "max_attempts": 6},
     "retry": {"max_retries": 4, "delays_s": [120, 600, 1800, 7200], "jitter": 0.25,
               "max_age_s": 86400},
-    "runtime": {"max_concurrent": 4, "stop_grace_s": 20},
+    "runtime": {"max_concurrent": 4, "stop_grace_s": 20, "adopt_on_restart": True,
+                "keep_agents_on_stop": False},
     "office": {"enabled": True, "interval_s": 30, "recovery_lookback_hours": 24},
     "scheduler": {"enabled": True, "root": None, "history_retention_days": 90},
     "agents": {"default": {"command": None, "timeout_s": 3600, "env": {}}},

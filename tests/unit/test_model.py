@@ -47,7 +47,7 @@ def test_queue_run_key_is_deterministic_and_independent_of_key_order() -> None:
     assert key == queue_run_key("t1", "doing", "a1", reordered)
     canonical = '{"action":"queue_run","payload":{"a":1,"b":2},"reason":"review"}'
     digest = hashlib.sha256(canonical.encode()).hexdigest()[:16]
-    assert key == f"queue_run:t1:doing:a1:{digest}"
+    assert key == f"queue_run:t1:doing:0:a1:{digest}"
     assert action_digest(action) == digest
 
 
@@ -192,7 +192,7 @@ def test_move_publishes_step_and_runner_change_then_queues_once(env: Env) -> Non
     assert run["reason"] == "queue_run"
     assert run["payload"] == {"n": 1, "task_id": "t1", "workflow_step_id": "doing"}
     assert run["idempotency_key"] == queue_run_key(
-        "t1", "doing", "a1", {"action": "queue_run", "payload": {"n": 1}})
+        "t1", "doing", "a1", {"action": "queue_run", "payload": {"n": 1}}, 1)
     assert env.signals >= 1
 
     replay = env.model.move_task("t1", "doing")

@@ -7,8 +7,16 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from kandevd.office.budgets import BudgetGuard, period_of
+from kandevd.office.budgets import (
+    BudgetGuard,
+    budget_blocker,
+    exceeded_hard_budgets,
+    period_of,
+)
+from kandevd.store.runs import RunRepository
 from tests.unit.office_env import Clock, OfficeEnv, seeded_env
 
 
@@ -136,3 +144,144 @@ def test_gate_without_policies_is_one_query(env: OfficeEnv) -> None:
     assert results[0].scanned is False
     env.insert_budget(limit_cents=100)                    # created at run time
     assert guard.tick(env.clock()).acted == 2
+
+
+# -- hard budgets at claim time ------------------------------------------------------------
+def hard(env: OfficeEnv) -> dict[str, str]:
+    with env.store.connection() as conn:
+        return exceeded_hard_budgets(conn, env.clock())
+
+
+def blocker(env: OfficeEnv, agent_id: str, workspace_id: str = "ws1") -> str | None:
+    with env.store.connection() as conn:
+        return budget_blocker(conn, agent_id, workspace_id, env.clock())
+
+
+def test_no_policies_is_one_probe_and_blocks_nobody(env: OfficeEnv) -> None:
+    env.spend("a1", 1000)
+    results: list[dict[str, str]] = []
+    assert env.statements_during(lambda: results.append(hard(env))) == 1
+    assert results == [{}] and blocker(env, "a1") is None
+
+
+def test_notify_only_never_blocks_and_costs_one_probe(env: OfficeEnv) -> None:
+    env.insert_budget(limit_cents=10, action="notify_only")
+    env.insert_budget("b2", scope_type="workspace", scope_id="ws1", limit_cents=10)
+    env.spend("a1", 1000)
+    results: list[dict[str, str]] = []
+    assert env.statements_during(lambda: results.append(hard(env))) == 1
+    assert results == [{}] and blocker(env, "a1") is None
+
+
+def test_agent_policy_blocks_at_100_percent(env: OfficeEnv) -> None:
+    env.insert_budget(limit_cents=100, action="pause_agent")
+    env.spend("a1", 99.5)
+    assert hard(env) == {} and blocker(env, "a1") is None        # 99.5 %
+    env.spend("a1", 0.5)
+    assert hard(env) == {"a1": "b1"}                               # exactly 100 %: blocked
+    assert blocker(env, "a1") == "b1" and blocker(env, "a2") is None
+    env.spend("a2", 500)                                           # another agent's spend
+    assert hard(env) == {"a1": "b1"}
+
+
+def test_workspace_policy_blocks_every_agent_of_it(env: OfficeEnv) -> None:
+    env.model.create_workspace({"id": "ws2", "name": "Two"})
+    env.model.create_agent({"id": "b1", "workspace_id": "ws2", "name": "b1"})
+    env.insert_budget("w1", scope_type="workspace", scope_id="ws1", limit_cents=100,
+                      action="pause_agent")
+    env.spend("a1", 60)
+    assert hard(env) == {}
+    env.spend("a2", 40)
+    assert hard(env) == {"a1": "w1", "a2": "w1"}                   # not ws2's b1
+    assert blocker(env, "a2") == "w1" and blocker(env, "b1", "ws2") is None
+
+
+def test_first_policy_names_the_blocker(env: OfficeEnv) -> None:
+    env.insert_budget("p1", scope_type="workspace", scope_id="ws1", limit_cents=50,
+                      action="pause_agent")
+    env.clock.advance(seconds=1)
+    env.insert_budget("p2", limit_cents=10, action="pause_agent")
+    env.spend("a1", 60)
+    assert hard(env) == {"a1": "p1", "a2": "p1"}
+    assert blocker(env, "a1") == "p1"
+    env.store.execute("DELETE FROM office_budget_policies WHERE id = 'p1'")
+    assert hard(env) == {"a1": "p2"} and blocker(env, "a1") == "p2"
+
+
+def test_monthly_boundary_last_months_spend_does_not_count(env: OfficeEnv) -> None:
+    env.insert_budget(limit_cents=100, action="pause_agent")
+    env.insert_budget("life", scope_id="a2", limit_cents=100, period="lifetime",
+                      action="pause_agent")
+    env.spend("a1", 150)
+    env.spend("a2", 150)
+    assert hard(env) == {"a1": "b1", "a2": "life"}
+    env.clock.set(datetime(2026, 3, 31, 23, 59, 59, tzinfo=UTC))
+    assert hard(env) == {"a1": "b1", "a2": "life"}
+    env.clock.set(datetime(2026, 4, 1, 0, 0, 0, tzinfo=UTC))       # the new month starts
+    assert hard(env) == {"a2": "life"} and blocker(env, "a1") is None
+    env.spend("a1", 100)
+    assert hard(env) == {"a1": "b1", "a2": "life"}
+
+
+def test_the_tick_is_unchanged_by_the_claim_check(env: OfficeEnv) -> None:
+    """Reading hard budgets writes nothing: alerts and the pause stay the tick's."""
+    env.insert_budget(limit_cents=100, action="pause_agent")
+    env.spend("a1", 150)
+    assert hard(env) == {"a1": "b1"}
+    assert env.store.query_one("SELECT COUNT(*) FROM office_budget_alerts")[0] == 0
+    assert agent_status(env, "a1") == "active" and alerts(env) == []
+    assert BudgetGuard(env.store, env.bus).tick(env.clock()).acted == 2
+    assert agent_status(env, "a1") == "paused"
+
+
+def test_claim_gate_keeps_a_resumed_agent_from_being_claimed(env: OfficeEnv) -> None:
+    """Wired as the repository's claim gate: a resume lifts the pause, not the budget."""
+    env.insert_budget(limit_cents=100, action="pause_agent")
+    env.spend("a1", 150)
+    BudgetGuard(env.store, env.bus).tick(env.clock())
+    env.model.update_agent({"id": "a1", "status": "active"})
+    gated = RunRepository(env.store, "boot", claim_gate=exceeded_hard_budgets)
+    waiting = env.queue.enqueue(workspace_id="ws1", agent_id="a1", reason="later",
+                                payload={}).run
+    other = env.queue.enqueue(workspace_id="ws1", agent_id="a2", reason="later",
+                              payload={}).run
+    claims = gated.claim_batch(env.clock(), 5)
+    assert [c.run["id"] for c in claims] == [other["id"]]
+    assert gated.get(waiting["id"])["status"] == "queued"
+    explained = gated.explain(waiting["id"], env.clock(), runtime_full=False)
+    assert "budget_exceeded" in explained["blockers"]
+    assert explained["details"]["budget_exceeded"] == "b1"
+    env.store.execute("UPDATE office_budget_policies SET limit_cents = 1000")
+    claim = gated.claim_next(env.clock())
+    assert claim is not None and claim.run["id"] == waiting["id"]
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(policies=st.lists(st.tuples(st.sampled_from(["agent:a1", "agent:a2", "workspace:ws1"]),
+                                   st.sampled_from([10.0, 50.0, 100.0, 200.0]),
+                                   st.sampled_from(["pause_agent", "notify_only"])),
+                         max_size=5),
+       spend=st.tuples(st.sampled_from([0.0, 10.0, 60.0, 150.0]),
+                       st.sampled_from([0.0, 10.0, 60.0, 150.0])))
+def test_property_blocker_agrees_with_the_map(tmp_path_factory: pytest.TempPathFactory,
+                                              policies: list[tuple[str, float, str]],
+                                              spend: tuple[float, float]) -> None:
+    clock = Clock(datetime(2026, 3, 30, 22, 0, tzinfo=UTC))
+    with seeded_env(tmp_path_factory.mktemp("prop"), clock) as env:
+        for n, (scope, limit, action) in enumerate(policies):
+            scope_type, scope_id = scope.split(":")
+            env.insert_budget(f"p{n}", scope_type=scope_type, scope_id=scope_id,
+                              limit_cents=limit, action=action)
+            env.clock.advance(seconds=1)
+        for agent, cents in zip(("a1", "a2"), spend, strict=True):
+            if cents:
+                env.spend(agent, cents)
+        blocked = hard(env)
+        spent = {"a1": spend[0], "a2": spend[1], "ws1": spend[0] + spend[1]}
+        for agent in ("a1", "a2"):
+            expected = next((f"p{n}" for n, (scope, limit, action) in enumerate(policies)
+                             if action == "pause_agent"
+                             and scope.split(":")[1] in (agent, "ws1")
+                             and spent[scope.split(":")[1]] >= limit), None)
+            assert blocked.get(agent) == expected == blocker(env, agent)

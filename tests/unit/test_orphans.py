@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from kandevd.runtime import orphans
+from kandevd.runtime import AgentRuntime, ExecutionResult, ExecutionSpec, orphans
 from kandevd.runtime.orphans import find_orphan_agents, stop_orphan_agents
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
@@ -162,3 +162,39 @@ def test_other_platforms_find_nothing(children: Children, home: Path,
     assert find_orphan_agents(home) == []
     assert stop_orphan_agents(home, grace_s=0.1) == 0
     assert proc.poll() is None
+
+
+def test_a_shim_left_running_is_found_and_kept_or_stopped(home: Path, tmp_path: Path) -> None:
+    """The runner's shim leads the session: it is what the scan finds (not the agent)."""
+    fifo = tmp_path / "agent.pid"
+    os.mkfifo(fifo)
+    record_dir = tmp_path / "record"
+    spec = ExecutionSpec(
+        key="run-1", kind="run", argv=("sh", "-c", 'echo $$ > "$0"; exec sleep 120', str(fifo)),
+        stdin={}, cwd=tmp_path / "cwd", log_path=tmp_path / "logs" / "run-1.log",
+        timeout_s=60, run_id="run-1", session_id="ses-1", home=str(home),
+        record_dir=record_dir)
+    runtime = AgentRuntime(2, 5.0)
+    results: list[ExecutionResult] = []
+    runtime.launch(spec, results.append)
+    with open(fifo) as handle:
+        agent = int(handle.read())
+    runtime.stop(keep_agents=True)
+    assert [r.outcome for r in results] == ["detached"]
+    shim_pid = os.getpgid(agent)
+    try:
+        assert find_orphan_agents(home) == [shim_pid]
+        assert {o.pid: o.what for o in orphans.scan(home)} == {shim_pid: "run run-1"}
+        assert find_orphan_agents(home, keep=frozenset({shim_pid})) == []
+        assert stop_orphan_agents(home, grace_s=1.0, keep=frozenset({shim_pid})) == 0
+        os.kill(agent, 0)  # kept: still running
+
+        assert stop_orphan_agents(home, grace_s=5.0) == 1
+        # SIGTERM ended the agent; the shim outlived it long enough to record that.
+        assert (record_dir / "exit").read_text() == "143\n"
+        assert find_orphan_agents(home) == []
+    finally:
+        try:
+            os.killpg(shim_pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

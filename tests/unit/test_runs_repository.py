@@ -392,9 +392,9 @@ def test_stale_claim_is_requeued_unless_live(repo: RunRepository) -> None:
     run = enqueue(repo)
     claim = repo.claim_next(T0)
     assert claim is not None
-    assert repo.recover_stale(after(T0, 59), 60, live=()) == []
-    assert repo.recover_stale(after(T0, 61), 60, live={run["id"]}) == []
-    assert repo.recover_stale(after(T0, 61), 60, live=()) == [run["id"]]
+    assert repo.recover_stale(after(T0, 59), 60, live=()) == {}
+    assert repo.recover_stale(after(T0, 61), 60, live={run["id"]}) == {}
+    assert repo.recover_stale(after(T0, 61), 60, live=()) == {run["id"]: "queued"}
     stored = repo.get(run["id"])
     assert stored["status"] == "queued"
     assert stored["seq"] == run["seq"] and stored["claimed_at"] is None
@@ -406,10 +406,10 @@ def test_startup_recovery_requeues_claims_of_another_boot_keeping_seq(store: Sto
     enqueue(old, "a1", at=after(T0, 5))  # stays queued throughout
     claims = [old.claim_next(after(T0, 10)) for _ in runs]
     assert all(c is not None for c in claims)
-    assert old.requeue_foreign_claims(after(T0, 11)) == []  # its own claims are not foreign
+    assert old.requeue_foreign_claims(after(T0, 11)) == {}  # its own claims are not foreign
     new = RunRepository(store, "boot-new")
     recovered = new.requeue_foreign_claims(after(T0, 20))
-    assert sorted(recovered) == sorted(r["id"] for r in runs)
+    assert recovered == {r["id"]: "queued" for r in runs}
     for original in runs:
         stored = new.get(original["id"])
         assert (stored["status"], stored["seq"]) == ("queued", original["seq"])

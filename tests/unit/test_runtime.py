@@ -1,5 +1,8 @@
 """AgentRuntime and ProcessRunner against real child processes and real files.
 
+Every agent runs under its shim (see ``kandevd/runtime/shim.py``; the shim
+itself, records and adoption are tested in ``test_shim.py``).
+
 Nothing here sleeps to wait for something to happen: tests wait on the
 runtime's own signals (on_done, slot listeners) or on a child announcing
 itself over a unix socket. Children asked to sleep are the only sleepers.
@@ -7,9 +10,11 @@ itself over a unix socket. Children asked to sleep are the only sleepers.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
+import select
 import signal
 import socket
 import stat
@@ -34,6 +39,7 @@ from kandevd.runtime import (
     RuntimeStopped,
 )
 from kandevd.runtime.process import parse_summary_line
+from kandevd.runtime.records import read_record, record_alive
 
 REPO_ROOT = str(Path(kandevd.__file__).resolve().parent.parent)
 CHILD_ENV = {"PYTHONPATH": REPO_ROOT}
@@ -175,8 +181,21 @@ def ready_spec(tmp_path: Path, key: str, listener: ReadyListener, **opts: Any) -
 
 
 def assert_gone(pid: int) -> None:
-    with pytest.raises(ProcessLookupError):
-        os.kill(pid, 0)
+    """The process has exited (or is about to: a SIGKILL is on its way).
+
+    An agent whose shim died with it (SIGKILL of the group) is reparented and
+    reaped by init, so it may linger as a zombie for a moment: a pidfd says
+    when it exited, whoever reaps it.
+    """
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        readable, _, _ = select.select([pidfd], [], [], WAIT_S)
+        assert readable == [pidfd], f"process {pid} is still running"
+    finally:
+        os.close(pidfd)
 
 
 # -- process runner through the runtime ------------------------------------
@@ -251,6 +270,19 @@ def test_stop_execution_terminates_a_silent_child(tmp_path: Path, make_runtime, 
     assert runtime.stop_execution("no-such-key") is False
 
 
+def test_a_stopped_group_is_continued_to_act_on_sigterm(tmp_path: Path, make_runtime, ready):
+    runtime = make_runtime(kill_grace_s=30.0)  # a SIGKILL after the grace would show
+    done = Recorder()
+    runtime.launch(ready_spec(tmp_path, "frozen", ready), done)
+    pid = ready.accept()
+    os.killpg(os.getpgid(pid), signal.SIGSTOP)  # shim and agent
+    began = time.monotonic()
+    assert runtime.stop_execution("frozen")
+    result = done.wait("frozen")
+    assert (result.outcome, result.exit_code) == ("stopped", -signal.SIGTERM)
+    assert time.monotonic() - began < 10
+
+
 def test_kill_all_now_sigkills_without_grace(tmp_path: Path, make_runtime, ready):
     runtime = make_runtime(kill_grace_s=30.0)  # a grace this long would show
     done = Recorder()
@@ -309,6 +341,120 @@ def test_large_stdin_is_written_without_blocking(tmp_path: Path, make_runtime):
     assert done.wait("reads").succeeded
     assert "300000" in (tmp_path / "logs" / "reads.log").read_text()
     assert done.wait("ignores").succeeded
+
+
+def test_executable_errors_keep_their_texts(tmp_path: Path, make_runtime):
+    runtime = make_runtime()
+    done = Recorder()
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    plain = bin_dir / "plain-file"
+    plain.write_text("#!/bin/sh\necho never\n")
+    plain.chmod(0o644)
+    tool = bin_dir / "tool"
+    tool.write_text('#!/bin/sh\necho \'{"summary": "from PATH"}\'\n')
+    tool.chmod(0o755)
+    cwd = tmp_path / "runs" / "relative"
+    cwd.mkdir(parents=True)
+    (cwd / "local-plain").write_text("data")
+    on_path = {**CHILD_ENV, "PATH": str(bin_dir)}
+    cases = {
+        "not-exec": (spec_for(tmp_path, "not-exec", argv=[str(plain)]),
+                     f"cannot start agent: permission denied: {plain}"),
+        "relative": (spec_for(tmp_path, "relative", argv=["./local-plain"]),
+                     "cannot start agent: permission denied: ./local-plain"),
+        "directory": (spec_for(tmp_path, "directory", argv=[str(bin_dir)]),
+                      f"cannot start agent: permission denied: {bin_dir}"),
+        "bare-missing": (spec_for(tmp_path, "bare-missing", argv=["kandevd-no-such-agent"]),
+                         "cannot start agent: executable not found: kandevd-no-such-agent"),
+        "bare-plain": (dataclasses.replace(spec_for(tmp_path, "bare-plain",
+                                                    argv=["plain-file"]), env=on_path),
+                       "cannot start agent: permission denied: plain-file"),
+    }
+    for key, (spec, error) in cases.items():
+        runtime.launch(spec, done)
+        result = done.wait(key)
+        assert (result.outcome, result.exit_code, result.error) == ("error", None, error), key
+        assert error in spec.log_path.read_text()
+
+    found = dataclasses.replace(spec_for(tmp_path, "bare-found", argv=["tool"]), env=on_path)
+    runtime.launch(found, done)
+    assert done.wait("bare-found").summary == "from PATH"  # looked up in the child's PATH
+
+
+def test_the_shim_leads_the_group_and_the_agent_sees_its_input(tmp_path: Path, make_runtime,
+                                                              ready):
+    runtime = make_runtime()
+    done = Recorder()
+    spec = ready_spec(tmp_path, "group", ready)
+    runtime.launch(spec, done)
+    pid = ready.accept()
+    leader = os.getpgid(pid)
+    assert leader != pid and os.getsid(pid) == leader
+    cmdline = Path(f"/proc/{leader}/cmdline").read_bytes().split(b"\0")
+    assert cmdline[:2] == [b"/bin/sh", b"-c"] and cmdline[3] == b"kandevd-shim"
+    environ = Path(f"/proc/{leader}/environ").read_bytes().split(b"\0")
+    assert f"KANDEVD_RUN_ID={spec.run_id}".encode() in environ  # set on the shim itself
+    assert f"KANDEVD_INPUT={spec.input_path}".encode() in environ
+    assert json.loads(spec.input_path.read_text()) == dict(spec.stdin)
+    assert runtime.stop_execution("group")
+    assert done.wait("group").outcome == "stopped"
+
+
+def test_summary_comes_from_this_execution_and_skips_our_notes(tmp_path: Path, make_runtime):
+    runtime = make_runtime(kill_grace_s=5.0)
+    done = Recorder()
+    first = spec_for(tmp_path, "same-log", {"summary": "first run"})
+    runtime.launch(first, done)
+    assert done.wait("same-log").summary == "first run"
+    # A second execution appending to the same log prints nothing of its own...
+    quiet = spec_for(tmp_path, "same-log", argv=(sys.executable, "-c", "pass"))
+    runtime.launch(quiet, done)
+    done.results.clear()
+    result = done.wait("same-log")
+    assert result.succeeded and (result.summary, result.cost_cents) == (None, None)
+    # ...and one killed on timeout keeps what it printed: our notes are skipped,
+    # and the shell does not add a "Terminated" line.
+    slow = spec_for(tmp_path, "slow-summary", timeout_s=0.5, argv=(
+        sys.executable, "-c",
+        'import time; print(\'{"summary": "partial", "cost_cents": 7}\', flush=True); '
+        "time.sleep(30)"))
+    runtime.launch(slow, done)
+    timed_out = done.wait("slow-summary")
+    assert timed_out.outcome == "timed_out" and timed_out.exit_code == -signal.SIGTERM
+    assert (timed_out.summary, timed_out.cost_cents) == ("partial", 7.0)
+    lines = slow.log_path.read_text().splitlines()
+    assert lines[-1].startswith("[kandevd] timed out after 0.5s: sending SIGTERM")
+    assert "Terminated" not in lines
+
+
+def test_a_record_dir_keeps_the_record_and_the_exit_file(tmp_path: Path, make_runtime):
+    runtime = make_runtime()
+    done = Recorder()
+    record_dir = tmp_path / "attempts" / "run-rec" / "tok"
+    spec = dataclasses.replace(spec_for(tmp_path, "run-rec", {"exit_code": 3}),
+                               record_dir=record_dir)
+    record_dir.mkdir(parents=True)
+    (record_dir / "exit").write_text("0\n")  # stale: never this execution's status
+    runtime.launch(spec, done)
+    result = done.wait("run-rec")
+    assert (result.outcome, result.exit_code) == ("failed", 3)
+    assert (record_dir / "exit").read_text() == "3\n"
+    record = read_record(record_dir)
+    assert record is not None
+    assert (record.key, record.run_id, record.session_id) == ("run-rec", "run-rec",
+                                                               "sess-run-rec")
+    assert record.started_at == result.started_at and record.timeout_s == 30.0
+    assert not record_alive(record)  # it ended (and was reaped)
+
+
+def test_without_a_record_dir_no_temporary_folder_is_left(tmp_path: Path, make_runtime):
+    runtime = make_runtime()
+    done = Recorder()
+    runtime.launch(spec_for(tmp_path, "tmp-rec"), done)
+    assert done.wait("tmp-rec").succeeded
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == [
+        "tmp-rec.input.json", "tmp-rec.log"]
 
 
 def test_parse_summary_line():

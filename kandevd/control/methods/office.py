@@ -64,7 +64,8 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         **paging_properties()}),
     "office.budgets.create": object_schema({
         "id": NEW_ID, "workspace_id": ID, "scope_type": {"enum": list(SCOPE_TYPES)},
-        "scope_id": ID, "limit_cents": {"type": "number", "exclusiveMinimum": 0},
+        "scope_id": ID,
+        "limit_cents": {"type": "number", "exclusiveMinimum": 0, "maximum": 1e12},
         "period": {"enum": list(PERIODS)},
         "alert_threshold_pct": {"type": "number", "exclusiveMinimum": 0, "maximum": 100},
         "action_on_exceed": {"enum": list(ACTIONS)},

@@ -59,6 +59,14 @@ def register(registry: Registry, services: Services) -> None:
         except RunConflict as exc:
             raise Conflict(str(exc)) from None
 
+    def retry(p: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return queue.retry(p["id"])
+        except RunNotFound as exc:
+            raise NotFound(str(exc)) from None
+        except RunConflict as exc:
+            raise Conflict(str(exc)) from None
+
     def explain(p: dict[str, Any]) -> dict[str, Any]:
         try:
             return queue.explain(p["id"])
@@ -70,4 +78,5 @@ def register(registry: Registry, services: Services) -> None:
     registry.add("runs.list", list_, LIST)
     registry.add("runs.cancel", cancel, object_schema(
         {"id": ID, "reason": {"type": ["string", "null"], "maxLength": 500}}, ("id",)))
+    registry.add("runs.retry", retry, object_schema({"id": ID}, ("id",)))
     registry.add("runs.explain", explain, object_schema({"id": ID}, ("id",)))

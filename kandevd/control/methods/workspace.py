@@ -28,7 +28,9 @@ NEW_ID = {"type": "string", "pattern": r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$"}
 ID = {"type": "string", "minLength": 1, "maxLength": 200}
 OPTIONAL_ID = {"type": ["string", "null"], "maxLength": 200}
 NAME = {"type": "string", "minLength": 1, "maxLength": 500}
-SECONDS = {"type": "number", "minimum": 0}
+#: Ten years: a longer duration means "never" and only overflows date arithmetic.
+MAX_SECONDS = 315_360_000
+SECONDS = {"type": "number", "minimum": 0, "maximum": MAX_SECONDS}
 
 STEP = object_schema({
     "id": NEW_ID, "name": NAME, "agent_id": OPTIONAL_ID,

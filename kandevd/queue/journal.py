@@ -1,0 +1,97 @@
+"""The attempt journal: what an execution of a run leaves on disk for its outcome.
+
+Each claim of a run (one attempt, fenced by its claim token) gets a folder
+``<home>/runs/<run_id>/.kandevd/<token>/``. The agent's shim writes there
+``record.json`` (which process runs it, until when) and ``exit`` (how it
+ended); the queue writes ``outcome.json`` there *before* it tries to record
+the outcome in the database. So neither a failed database write nor a
+daemon that dies a moment later loses an outcome: the next attempt to record
+it, or the next start of the daemon, finds it on disk instead of running the
+agent again. Once the database has the outcome, the folder is removed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from kandevd.paths import HomeLayout
+from kandevd.runtime import OUTCOMES, ExecutionResult
+from kandevd.runtime.process import make_private_dirs
+from kandevd.timeutil import parse_rfc3339, rfc3339
+
+log = logging.getLogger("kandevd.queue.journal")
+
+FOLDER = ".kandevd"
+OUTCOME_FILE = "outcome.json"
+
+
+def attempt_dir(layout: HomeLayout, run_id: str, token: str) -> Path:
+    """The folder of one attempt (claim ``token``) of run ``run_id``."""
+    return layout.runs / run_id / FOLDER / token
+
+
+def write_outcome(directory: Path, result: ExecutionResult) -> bool:
+    """Persist ``result`` (temp file, fsync, rename); False when the disk refused."""
+    document = {
+        "outcome": result.outcome, "exit_code": result.exit_code, "summary": result.summary,
+        "cost_cents": result.cost_cents, "error": result.error,
+        "started_at": rfc3339(result.started_at), "ended_at": rfc3339(result.ended_at),
+        "log_path": str(result.log_path),
+    }
+    temp = directory / f".{OUTCOME_FILE}.tmp"
+    try:
+        make_private_dirs(directory)
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump(document, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp, directory / OUTCOME_FILE)
+    except OSError as exc:
+        log.error("cannot write the outcome file in %s (%s); the outcome is kept in memory",
+                  directory, exc)
+        try:
+            temp.unlink()
+        except OSError:
+            pass
+        return False
+    return True
+
+
+def read_outcome(directory: Path, key: str) -> ExecutionResult | None:
+    """The outcome written by :func:`write_outcome`, or None (absent or unreadable)."""
+    path = directory / OUTCOME_FILE
+    try:
+        document: Any = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        log.warning("outcome file %s cannot be read (%s); ignored", path, exc)
+        return None
+    try:
+        if document["outcome"] not in OUTCOMES:
+            raise ValueError(f"unknown outcome {document['outcome']!r}")
+        cost = document.get("cost_cents")
+        return ExecutionResult(
+            key=key, outcome=document["outcome"], exit_code=document.get("exit_code"),
+            summary=document.get("summary"),
+            cost_cents=float(cost) if isinstance(cost, int | float) else None,
+            error=document.get("error"), started_at=parse_rfc3339(document["started_at"]),
+            ended_at=parse_rfc3339(document["ended_at"]), log_path=Path(document["log_path"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        log.warning("outcome file %s is malformed (%s); ignored", path, exc)
+        return None
+
+
+def discard(directory: Path) -> None:
+    """Remove an attempt's folder once the database holds its outcome."""
+    shutil.rmtree(directory, ignore_errors=True)
+    try:
+        directory.parent.rmdir()  # .kandevd/, when this was its last attempt
+    except OSError:
+        pass

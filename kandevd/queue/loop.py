@@ -24,12 +24,20 @@ One tick::
 
 from __future__ import annotations
 
+import logging
+import re
+import sqlite3
 from datetime import datetime
 from typing import Any
 
 from kandevd.lifecycle import Loop
 from kandevd.queue.processor import RunQueue
 from kandevd.timeutil import after
+
+log = logging.getLogger("kandevd.queue.loop")
+
+#: SQLite errors that say the disk or the database is unavailable for now.
+_ENVIRONMENTAL = re.compile(r"full|locked|busy|disk I/O|readonly", re.IGNORECASE)
 
 
 class QueueLoop(Loop):
@@ -57,7 +65,16 @@ class QueueLoop(Loop):
         self.queue.defer_outcomes(False)
 
     def tick(self, now: datetime) -> float:
-        started = self.queue.drain(now, self.max_claims_per_tick)
+        try:
+            started = self.queue.drain(now, self.max_claims_per_tick)
+        except sqlite3.OperationalError as exc:
+            if not _ENVIRONMENTAL.search(str(exc)):
+                raise  # a bug: the Loop logs it with its traceback
+            # A full disk or a busy database is the environment, not a bug: one line,
+            # and the next pass soon (outcomes already known are kept meanwhile).
+            log.warning("queue pass failed (%s); trying again in %.1fs", exc,
+                        self.error_backoff_s)
+            return self.error_backoff_s
         recovered = self._recover_stale(now)
         if started >= self.max_claims_per_tick or recovered:
             return 0.0  # there may be more eligible work right now

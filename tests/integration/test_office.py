@@ -172,13 +172,20 @@ def test_budget_pause_agent(daemon_factory: Factory) -> None:
     assert not explained["eligible"] and "agent_paused" in explained["blockers"]
     assert other["id"] != later["id"]
 
+    # Resuming the agent lifts the pause, not the budget: the hard limit is also
+    # checked when runs are claimed, so the spent agent's run stays queued.
     daemon.call("agents.update", {"id": "a1", "status": "active"})
-    drained = wait_run(daemon, "finished", reason="later")
-    assert drained["id"] == later["id"]
+    another = daemon.call("runs.enqueue", {"workspace_id": "ws1", "agent_id": "a2",
+                                           "reason": "another", "payload": {}})["run"]
+    wait_run(daemon, "finished", reason="another")       # a pass that skipped a1's run
+    explained = daemon.call("runs.explain", {"id": later["id"]})
+    assert explained["blockers"] == ["budget_exceeded"]
+    assert explained["details"]["budget_exceeded"] == "b1"
     wait_ticks(daemon, 3)                                 # the resume is not overruled
     assert daemon.call("agents.get", {"id": "a1"})["status"] == "active"
     assert daemon.count_lines("budget b1: ") == 2
-    assert [r["status"] for r in runs(daemon)] == ["finished"] * 3
+    assert daemon.call("runs.get", {"id": later["id"]})["status"] == "queued"
+    assert another["id"] != later["id"]
 
 
 def test_routine_fires_in_real_time(daemon_factory: Factory) -> None:

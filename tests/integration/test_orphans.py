@@ -32,6 +32,16 @@ def _state(pid: int) -> str:
     return stat[stat.rindex(")") + 2:].split()[0]
 
 
+def _agent_child(shim: int) -> bool:
+    """True once the shim's child runs the echo agent (not a forked sh any more)."""
+    try:
+        children = Path(f"/proc/{shim}/task/{shim}/children").read_text().split()
+        return any(b"kandevd.agents.echo" in Path(f"/proc/{child}/cmdline").read_bytes()
+                   for child in children)
+    except OSError:
+        return False
+
+
 def test_restart_stops_the_agents_of_a_killed_daemon_before_requeueing(
         daemon_factory: Factory, tmp_path: Path) -> None:
     touch = tmp_path / "touch.log"
@@ -43,7 +53,10 @@ def test_restart_stops_the_agents_of_a_killed_daemon_before_requeueing(
                                        "reason": "manual", "coalesce": False,
                                        "payload": {"sleep_s": 2, "touch": str(touch)}})["run"]
 
-    [old_agent] = daemon.wait_until(daemon.agent_pids, what="the agent process")
+    [old_agent] = daemon.wait_until(daemon.agent_pids, what="the agent's shim")
+    # The agent itself runs as the shim's child: wait until it has exec'd, so the
+    # freeze below catches the agent and not only its shim.
+    daemon.wait_until(lambda: _agent_child(old_agent), what="the agent under its shim")
     # Freeze the first execution mid-sleep: whatever the restart takes, it cannot
     # finish on its own, and only the restart can end it (SIGTERM needs a SIGCONT).
     os.killpg(old_agent, signal.SIGSTOP)  # the shim and its agent

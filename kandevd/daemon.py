@@ -80,7 +80,7 @@ class Daemon:
 
     # -- building ----------------------------------------------------------------
     def _build(self) -> None:
-        for folder in (self.layout.run_logs, self.layout.runs):
+        for folder in (self.layout.run_logs, self.layout.runs, self.layout.attempts):
             folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.store = open_store(self.layout.db)
         self.bus = EventBus()
@@ -231,7 +231,9 @@ class Daemon:
             for _name, stop in reversed(started):
                 stop()
             if self.runtime is not None:
-                self.runtime.stop()
+                # Agents adopted from the previous instance keep running (their shims
+                # record their ends) for the next start to adopt again.
+                self.runtime.stop(keep_agents=True)
             if self.store is not None:
                 self.store.close()
             raise

@@ -75,6 +75,11 @@ class HomeLayout:
         return self.root / "runs"
 
     @property
+    def attempts(self) -> Path:
+        """One folder per run attempt (the outcome journal), outside the agents' cwd."""
+        return self.root / "attempts"
+
+    @property
     def workspace(self) -> Path:
         return self.root / "workspace"
 

@@ -1,7 +1,8 @@
 """The attempt journal: what an execution of a run leaves on disk for its outcome.
 
 Each claim of a run (one attempt, fenced by its claim token) gets a folder
-``<home>/runs/<run_id>/.kandevd/<token>/``. The agent's shim writes there
+``<home>/attempts/<run_id>/<token>/``, outside the agent's working folder (an
+agent that cleans or commits its folder must not touch it). The agent's shim writes there
 ``record.json`` (which process runs it, until when) and ``exit`` (how it
 ended); the queue writes ``outcome.json`` there *before* it tries to record
 the outcome in the database. So neither a failed database write nor a
@@ -26,13 +27,12 @@ from kandevd.timeutil import parse_rfc3339, rfc3339
 
 log = logging.getLogger("kandevd.queue.journal")
 
-FOLDER = ".kandevd"
 OUTCOME_FILE = "outcome.json"
 
 
 def attempt_dir(layout: HomeLayout, run_id: str, token: str) -> Path:
     """The folder of one attempt (claim ``token``) of run ``run_id``."""
-    return layout.runs / run_id / FOLDER / token
+    return layout.attempts / run_id / token
 
 
 def write_outcome(directory: Path, result: ExecutionResult) -> bool:
@@ -92,6 +92,34 @@ def discard(directory: Path) -> None:
     """Remove an attempt's folder once the database holds its outcome."""
     shutil.rmtree(directory, ignore_errors=True)
     try:
-        directory.parent.rmdir()  # .kandevd/, when this was its last attempt
+        directory.parent.rmdir()  # the run's folder, when this was its last attempt
     except OSError:
         pass
+
+
+def prune(layout: HomeLayout, current: dict[str, str]) -> int:
+    """Remove attempt folders that are not a run's current claim; how many went.
+
+    ``current`` maps each claimed run to its claim token. Folders of attempts
+    that were rescued, superseded or settled while the daemon died between the
+    database write and :func:`discard` are left over otherwise.
+    """
+    removed = 0
+    try:
+        runs = list(os.scandir(layout.attempts))
+    except OSError:
+        return 0
+    for run in runs:
+        try:
+            tokens = list(os.scandir(run.path))
+        except OSError:
+            continue
+        for token in tokens:
+            if current.get(run.name) != token.name:
+                discard(Path(token.path))
+                removed += 1
+        try:
+            os.rmdir(run.path)
+        except OSError:
+            pass
+    return removed

@@ -67,6 +67,7 @@ class QueueLoop(Loop):
     def tick(self, now: datetime) -> float:
         try:
             started = self.queue.drain(now, self.max_claims_per_tick)
+            recovered = self._recover_stale(now)
         except sqlite3.OperationalError as exc:
             if not _ENVIRONMENTAL.search(str(exc)):
                 raise  # a bug: the Loop logs it with its traceback
@@ -75,7 +76,6 @@ class QueueLoop(Loop):
             log.warning("queue pass failed (%s); trying again in %.1fs", exc,
                         self.error_backoff_s)
             return self.error_backoff_s
-        recovered = self._recover_stale(now)
         if started >= self.max_claims_per_tick or recovered:
             return 0.0  # there may be more eligible work right now
         wait = self.safety_interval_s

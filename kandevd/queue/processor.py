@@ -34,6 +34,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from kandevd.bus import EventBus
@@ -52,7 +53,13 @@ from kandevd.runtime import (
     Reservation,
     RuntimeStopped,
 )
-from kandevd.runtime.records import locate, outcome_from_record, read_record, record_alive
+from kandevd.runtime.records import (
+    ExecutionRecord,
+    locate,
+    outcome_from_record,
+    read_record,
+    record_alive,
+)
 from kandevd.runtime.specs import agent_execution
 from kandevd.store.runs import Claim, EnqueueResult, RunRepository
 from kandevd.timeutil import utc_now
@@ -145,7 +152,11 @@ class RunQueue:
         """``runs.retry``: a failed or cancelled run queued again with a fresh attempt budget."""
         run = self.repo.retry(run_id, self.clock())
         with self._lock:
-            self._cancel_requested.discard(run_id)  # a new request: no old cancel applies
+            # A new request: no old cancel applies. Unless the cancelled attempt is still
+            # live here (being dispatched or stopped): its flag must still stop it, and
+            # the run cannot be claimed again before that attempt's outcome is settled.
+            if run_id not in self._live:
+                self._cancel_requested.discard(run_id)
         log.info("run %s re-queued by runs.retry", run_id)
         self.bus.publish("run.queued", {"run": run})
         self.signal()
@@ -201,8 +212,13 @@ class RunQueue:
                           slots: int) -> list[Claim]:
         """Write ``outcomes`` and claim up to ``slots`` runs in one durable commit."""
         ended = {claim.run["id"] for claim, _result in outcomes}
+        # An ended execution may still hold its runtime key for a moment (its worker
+        # is returning): its agent waits for the next pass, or a re-claim of the same
+        # run (a retry due at once) would collide with it.
+        leaving = self.runtime.live_keys()
         with self._lock:
-            busy = {agent for run_id, agent in self._live.items() if run_id not in ended}
+            busy = {agent for run_id, agent in self._live.items()
+                    if run_id not in ended or run_id in leaving}
         try:
             with self.repo.store.transaction():
                 effects = [self._apply(claim, result) for claim, result in outcomes]
@@ -502,7 +518,13 @@ class RunQueue:
         return frozenset(kept)
 
     def _restore_one(self, run_id: str, token: str | None, *, adopt: bool) -> int | None:
-        if not token:
+        """Settle one claim an earlier instance left; the adopted shim's pid, if any.
+
+        The order matters: the daemon's own outcome file first; then whether
+        the shim still runs (looked at *before* its exit file, so a shim that
+        ends in between is read as ended, never as vanished); then its exit file.
+        """
+        if not token or run_id in self.live_runs():  # settled here already
             return None
         directory = journal.attempt_dir(self.layout, run_id, token)
         if not directory.is_dir():
@@ -511,33 +533,54 @@ class RunQueue:
         if claim is None:
             return None
         result = journal.read_outcome(directory, run_id)
-        if result is not None and result.outcome == INTERRUPTED:
-            return None  # the shutdown stopped it: rescued (re-queued) like any other
+        interrupted = result is not None and result.outcome == INTERRUPTED
+        if result is not None and not interrupted:
+            return self._record_restored(claim, result)
         record = read_record(directory)
-        if record is not None:
-            record = locate(record)
-        if result is None and record is not None:
-            result = outcome_from_record(record, directory)
-        if result is not None:
-            log.info("run %s: recording the outcome its execution left on disk (%s)", run_id,
-                     result.outcome)
-            with self._lock:
-                self._live[run_id] = claim.run["agent_id"]
-            self._record(claim, result)
+        if record is None:
             return None
-        if not adopt or record is None or not record_alive(record):
-            return None
-        if not self.repo.adopt_claim(run_id, token):
-            return None
-        spec = self._spec(claim, session_id=record.session_id or None)
+        record = locate(record)
+        if record_alive(record):
+            return self._adopt(claim, record, directory) if adopt else None
+        ended = outcome_from_record(record, directory)
+        if ended is None or (interrupted and not ended.succeeded):
+            return None  # nothing known, or stopped by the shutdown: rescued (re-queued)
+        # Also after an interrupting shutdown: an agent that exited 0 all the same did
+        # its work, and running it again would repeat it.
+        return self._record_restored(claim, ended)
+
+    def _record_restored(self, claim: Claim, result: ExecutionResult) -> None:
+        log.info("run %s: recording the outcome its execution left on disk (%s)",
+                 claim.run["id"], result.outcome)
+        with self._lock:
+            self._live[claim.run["id"]] = claim.run["agent_id"]
+        self._record(claim, result)
+        return None
+
+    def _adopt(self, claim: Claim, record: ExecutionRecord, directory: Path) -> int:
+        """Wait here for an execution an earlier instance started; the shim's pid."""
+        run_id = claim.run["id"]
+        # Built from the record, not the profile: the agent is running already, so a
+        # profile renamed or removed meanwhile must not stop it from being adopted.
+        spec = ExecutionSpec(
+            key=run_id, kind="run", argv=record.argv, stdin={}, cwd=self.layout.runs / run_id,
+            log_path=record.log_path, timeout_s=record.timeout_s,
+            session_id=record.session_id, run_id=run_id, home=str(self.layout.root),
+            record_dir=directory)
         with self._lock:
             self._live[run_id] = claim.run["agent_id"]
         try:
             self.runtime.adopt(spec, record, lambda res: self._on_done(claim, res))
-        except Exception:
+        except BaseException:
             with self._lock:
                 self._live.pop(run_id, None)
             raise
+        # The claim becomes this instance's own (live runs are not rescued either way).
+        try:
+            self.repo.adopt_claim(run_id, claim.token)
+        except Exception:
+            log.exception("run %s: marking its claim as adopted failed; it stays live here",
+                          run_id)
         self.adopted_total += 1
         log.info("run %s: adopted its agent (pid %d) left running by the previous instance",
                  run_id, record.pid)
@@ -545,7 +588,13 @@ class RunQueue:
 
     def recover_after_restart(self) -> dict[str, str]:
         """Claims of earlier instances with no known outcome: re-queued, or the dead letter."""
+        # An agent that ended since the restore (or, without adoption, before the
+        # sweep stopped it) left its exit file: record it rather than run it again.
+        self.restore_after_restart(adopt=False)
         recovered = self.repo.requeue_foreign_claims(self.clock(), keep=self.live_runs())
+        pruned = journal.prune(self.layout, self.repo.claimed_tokens())
+        if pruned:
+            log.info("removed %d attempt folder(s) of earlier attempts", pruned)
         if recovered:
             log.info("re-queued %d run(s) claimed by a previous daemon instance",
                      sum(1 for status in recovered.values() if status == "queued"))

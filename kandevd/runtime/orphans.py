@@ -11,13 +11,21 @@ An execution is recognised by its environment, which the runner always sets
 on the agent's shim (see ``shim.py``), and the agent inherits:
 ``KANDEVD_HOME=<home>`` plus ``KANDEVD_RUN_ID`` and ``KANDEVD_SESSION_ID``
 (empty for a launch, which is an orphan all the same). Requiring all three
-keeps a user's shell that merely exports ``KANDEVD_HOME`` out of it. Only
-session leaders are taken: the shim leads its own session and process group,
-and signalling that group reaches the agent and whatever it started inside it
-(the shim survives SIGTERM long enough to record the agent's exit status).
-Whoever holds the home lock is the only daemon of the home, so every agent of
-the home still alive at that moment belongs to an earlier instance, except
-the shims the new instance adopted: the caller passes their pids as ``keep``.
+keeps a user's shell that merely exports ``KANDEVD_HOME`` out of it.
+
+The sweep works per *session*: every process carrying the markers is
+collected and grouped by its session id (``getsid``). The shim leads its own
+session and process group, so an execution is one session; but a shim
+SIGKILLed on its own leaves its agent running in that session without a
+leader, and the agent must be stopped all the same (else its run executes
+twice at once after the restart). A session is stopped by signalling the
+process group of each of its marked processes (the shim's group holds the
+agent and whatever it started; while the shim lives it survives SIGTERM long
+enough to record the agent's exit status). The session a process of ours
+belongs to is never touched. Whoever holds the home lock is the only daemon
+of the home, so every agent of the home still alive at that moment belongs
+to an earlier instance, except the sessions of the shims the new instance
+adopted: the caller passes their pids (= their session ids) as ``keep``.
 
 Waiting is done on pidfds with select (no sleep loop); only a kernel without
 ``pidfd_open`` falls back to polling. This is Linux only: elsewhere there is
@@ -47,11 +55,17 @@ _POLL_S = 0.02
 
 @dataclass(frozen=True)
 class Orphan:
-    """One agent process found in ``/proc``: its pid (= its process group) and work."""
+    """One execution's session found in ``/proc``, and its work.
+
+    ``pid`` is the session id when its leader (the shim) still runs, else the
+    lowest pid of the session's marked processes; ``members`` are all of
+    those (pids), sorted.
+    """
 
     pid: int
     run_id: str
     session_id: str
+    members: tuple[int, ...] = ()
 
     @property
     def what(self) -> str:
@@ -61,15 +75,15 @@ class Orphan:
 
 
 def find_orphan_agents(home: Path, *, keep: frozenset[int] = frozenset()) -> list[int]:
-    """Pids of live agent processes of ``home`` (session leaders, our uid), sorted.
+    """One pid per live agent session of ``home`` (our uid), sorted; see :class:`Orphan`.
 
-    Pids in ``keep`` (adopted shims) are never reported.
+    Sessions whose id is in ``keep`` (adopted shims) are never reported.
     """
     return [orphan.pid for orphan in scan(home, keep=keep)]
 
 
 def scan(home: Path, *, keep: frozenset[int] = frozenset()) -> list[Orphan]:
-    """Like :func:`find_orphan_agents`, with each agent's run or session id."""
+    """Like :func:`find_orphan_agents`, with each session's members and run or session id."""
     if not sys.platform.startswith("linux"):
         return []
     markers = _markers(home)
@@ -77,61 +91,88 @@ def scan(home: Path, *, keep: frozenset[int] = frozenset()) -> list[Orphan]:
         entries = list(os.scandir(_PROC))
     except OSError:
         return []
-    skip = _ancestors() | set(keep)
+    ancestors = _ancestors()
+    skip_sessions = set(keep)
+    for pid in ancestors:  # never the session of this process or of its parents
+        try:
+            skip_sessions.add(os.getsid(pid))
+        except OSError:
+            pass
     uid = os.getuid()
-    found: list[Orphan] = []
+    sessions: dict[int, list[tuple[int, str, str]]] = {}
     for entry in entries:
         if not entry.name.isdigit():
             continue
         pid = int(entry.name)
-        if pid in skip:
+        if pid in ancestors:
             continue
         try:
             if entry.stat().st_uid != uid:
                 continue
         except OSError:  # vanished
             continue
-        orphan = _inspect(pid, markers)
-        if orphan is not None:
-            found.append(orphan)
-    return sorted(found, key=lambda orphan: orphan.pid)
+        found = _inspect(pid, markers)
+        if found is None:
+            continue
+        sid, run_id, session_id = found
+        if sid in skip_sessions:
+            continue
+        sessions.setdefault(sid, []).append((pid, run_id, session_id))
+    orphans: list[Orphan] = []
+    for sid, members in sessions.items():
+        members.sort()
+        # The leader's (the shim's) work names the session; else its lowest member's.
+        pid, run_id, session_id = next((m for m in members if m[0] == sid), members[0])
+        orphans.append(Orphan(pid, run_id, session_id, tuple(m[0] for m in members)))
+    return sorted(orphans, key=lambda orphan: orphan.pid)
 
 
 def stop_orphan_agents(home: Path, grace_s: float, *,
                        keep: frozenset[int] = frozenset()) -> int:
-    """SIGTERM the agents of ``home``, SIGKILL them after ``grace_s``; how many were stopped.
+    """SIGTERM the agent sessions of ``home``, SIGKILL them after ``grace_s``; how many.
 
-    ``keep``: pids of session leaders to leave alone (the shims of executions
-    this instance adopted). Returns once every other one is gone (or, for a
-    process the kernel will not let die, after a bounded wait that is logged
-    as an error).
+    ``keep``: session ids (= pids of the session leaders) to leave alone: the
+    shims of executions this instance adopted. Each other session is stopped
+    through the process groups of its marked processes, also when its leader
+    is gone. Returns the number of sessions stopped, once every process of
+    them is gone (or, for a process the kernel will not let die, after a
+    bounded wait that is logged as an error).
     """
     orphans = scan(home, keep=keep)
     if not orphans:
         return 0
     markers = _markers(home)
-    targets: dict[int, int | None] = {}  # pid -> pidfd (None: this kernel has none)
+    targets: dict[int, int | None] = {}  # member pid -> pidfd (None: this kernel has none)
+    sessions: dict[int, tuple[int, ...]] = {}  # reported pid -> pinned members
+    groups: set[int] = set()
     try:
         for orphan in orphans:
-            pinned, pidfd = _pin(orphan, markers)
+            pinned: list[int] = []
+            for member in orphan.members:
+                ok, pidfd, pgid = _pin(member, markers)
+                if ok:
+                    targets[member] = pidfd
+                    pinned.append(member)
+                    groups.add(pgid)
             if pinned:
-                targets[orphan.pid] = pidfd
+                sessions[orphan.pid] = tuple(pinned)
                 log.warning("stopping agent process %d (%s) left by a previous instance",
                             orphan.pid, orphan.what)
-        if not targets:
+        if not sessions:
             return 0
-        for pid in targets:
-            _signal_group(pid, signal.SIGTERM)
+        # Each group of a pinned member: it exists as long as that member lives.
+        for pgid in sorted(groups):
+            _signal_group(pgid, signal.SIGTERM)
             # A stopped process would keep SIGTERM pending for ever; let it act on it.
-            _signal_group(pid, signal.SIGCONT)
+            _signal_group(pgid, signal.SIGCONT)
         alive = _wait_gone(targets, time.monotonic() + max(grace_s, 0.0))
         if alive:
             log.warning("agent process(es) %s still running %.1fs after SIGTERM: SIGKILL",
                         ", ".join(map(str, sorted(alive))), grace_s)
-        # Every group, not only the survivors: a leader that obeyed SIGTERM may
+        # Every group, not only the survivors': a leader that obeyed SIGTERM may
         # leave children in its group that did not.
-        for pid in targets:
-            _signal_group(pid, signal.SIGKILL)
+        for pgid in sorted(groups):
+            _signal_group(pgid, signal.SIGKILL)
         stuck = _wait_gone({pid: targets[pid] for pid in alive},
                            time.monotonic() + _KILL_WAIT_S)
     finally:
@@ -141,7 +182,7 @@ def stop_orphan_agents(home: Path, grace_s: float, *,
     if stuck:
         log.error("agent process(es) %s did not exit after SIGKILL",
                   ", ".join(map(str, sorted(stuck))))
-    stopped = len(targets) - len(stuck)
+    stopped = sum(1 for members in sessions.values() if not stuck.issuperset(members))
     log.info("stopped %d agent process(es) left by a previous instance", stopped)
     return stopped
 
@@ -167,8 +208,11 @@ def _ancestors() -> set[int]:
     return pids
 
 
-def _inspect(pid: int, markers: frozenset[bytes]) -> Orphan | None:
-    """The agent running as ``pid``, or None (not one, not ours, gone, unreadable)."""
+def _inspect(pid: int, markers: frozenset[bytes]) -> tuple[int, str, str] | None:
+    """``(session id, run id, session id of the work)`` of a marked process ``pid``.
+
+    None when it is not one of the home's (no markers), gone or unreadable.
+    """
     try:
         raw = (_PROC / str(pid) / "environ").read_bytes()  # b"" for a zombie
     except OSError:  # vanished, not permitted
@@ -184,34 +228,38 @@ def _inspect(pid: int, markers: frozenset[bytes]) -> Orphan | None:
     if len(values) != 2:
         return None
     try:
-        if os.getsid(pid) != pid:  # not an agent itself, a process it started
-            return None
+        sid = os.getsid(pid)
     except OSError:
         return None
-    return Orphan(pid, values[b"KANDEVD_RUN_ID"].decode(errors="replace"),
-                  values[b"KANDEVD_SESSION_ID"].decode(errors="replace"))
+    return (sid, values[b"KANDEVD_RUN_ID"].decode(errors="replace"),
+            values[b"KANDEVD_SESSION_ID"].decode(errors="replace"))
 
 
-def _pin(orphan: Orphan, markers: frozenset[bytes]) -> tuple[bool, int | None]:
-    """Open a pidfd on the orphan and check it is still the process we found.
+def _pin(pid: int, markers: frozenset[bytes]) -> tuple[bool, int | None, int]:
+    """Open a pidfd on a marked process, check it is still the one we found; its group.
 
-    Checking after the pidfd is open means the pidfd refers to the agent
-    itself and not to a process that got its pid in between.
+    Checking after the pidfd is open means the pidfd refers to that process
+    and not to one that got its pid in between. Returns ``(found, pidfd,
+    process group id)``.
     """
     pidfd: int | None = None
     opener = getattr(os, "pidfd_open", None)
     if opener is not None:
         try:
-            pidfd = opener(orphan.pid)
+            pidfd = opener(pid)
         except ProcessLookupError:
-            return False, None
+            return False, None, 0
         except OSError:  # no pidfds on this kernel: fall back to polling
             pidfd = None
-    if _inspect(orphan.pid, markers) is None:
+    try:
+        pgid = os.getpgid(pid) if _inspect(pid, markers) is not None else 0
+    except OSError:
+        pgid = 0
+    if pgid <= 1:
         if pidfd is not None:
             os.close(pidfd)
-        return False, None
-    return True, pidfd
+        return False, None, 0
+    return True, pidfd, pgid
 
 
 def _signal_group(pgid: int, sig: int) -> None:

@@ -7,12 +7,12 @@ the file system does.
 
 Every agent runs under a shim (see :mod:`kandevd.runtime.shim`): a tiny
 ``/bin/sh`` that leads the execution's session and process group, runs the
-agent as its child with stdin from ``<log>.input.json`` and stdout plus stderr
-appended to the log file, and writes the agent's exit status to
-``<record_dir>/exit``. No pipe connects the daemon to the agent, so nothing
-is lost when the daemon dies: the agent runs on, its status lands on disk,
-and the next daemon instance adopts it (:meth:`ProcessRunner.adopt`) or
-records its outcome from the files.
+agent as its child with stdin from ``<log>.input.json``, its stderr appended
+to the log file and its stdout to a file of its own (``<record_dir>/stdout``),
+and writes the agent's exit status to ``<record_dir>/exit``. No pipe
+connects the daemon to the agent, so nothing is lost when the daemon dies:
+the agent runs on, its status lands on disk, and the next daemon instance
+adopts it (:meth:`ProcessRunner.adopt`) or records its outcome from the files.
 
 Life of one :meth:`ProcessRunner.run`::
 
@@ -20,7 +20,8 @@ Life of one :meth:`ProcessRunner.run`::
              named by $KANDEVD_INPUT; executable looked up)                    (no child)
         |
     exit file: <record_dir>/exit, or without a record folder a temporary
-               <log>.exit-<random> beside the log (removed at the end)
+               <log>.exit-<random> beside the log (removed at the end);
+    stdout file: <record_dir>/stdout, or <log>.stdout-<random> likewise
         |
     spawn the shim (own session = own process group)  --fail-->  outcome "error"
     write <record_dir>/record.json (pid, start time, deadline, ...)
@@ -31,13 +32,32 @@ Life of one :meth:`ProcessRunner.run`::
         |   detach request:          stop waiting, touch nothing -> "detached"
         |
     shim exited -> SIGKILL stragglers left in the group -> reap the shim ->
-    status from the exit file (else the shim's own status) -> ExecutionResult
+    status from the exit file (else the shim's own status) ->
+    summary from the stdout file, which is then appended to the log and
+    removed (:func:`collect_stdout`) -> ExecutionResult
 
-Summary and cost: the agent's stdout goes to the log together with its
-stderr, so the summary line (CONTRACT.md section 5) is the *last non-empty
-line of the log* written during this execution that does not start with
-``[kandevd] `` (the daemon's own notes). Only the last MiB of the log is read;
-a last line longer than that counts as ``<line too long>`` (no summary).
+Summary and cost: the summary line (CONTRACT.md section 5) is the *last
+non-empty line of the agent's stdout*, read from the stdout file, so nothing
+the agent writes to stderr afterwards hides it. Only the last MiB of the file
+is read; a last line longer than that counts as ``<line too long>`` (no
+summary).
+
+The log: while the agent runs it holds the agent's stderr and the daemon's
+``[kandevd] `` notes; once the execution ended, the agent's whole stdout is
+appended after them. So the log holds both streams, but *stdout after
+stderr*, not interleaved in the order they were written. An execution left
+running (detached) is merged by whoever learns its end: the adopting runner
+or :func:`kandevd.runtime.records.outcome_from_record`. With a record folder
+the merge is idempotent: the summary is first saved as
+``<record_dir>/summary.json`` (with the log's size before the merge), then
+the stdout file is appended and removed, so a daemon dying mid-merge neither
+loses the summary nor duplicates the output when the merge runs again.
+
+A SIGTERM sent right after the spawn can be lost: between ``sh`` forking the
+agent's subshell and that subshell resetting the shim's no-op trap, the
+signal runs the inherited trap and the agent never sees it. So a termination
+that begins less than 200 ms after the spawn sends SIGTERM to the group again
+50 ms and 150 ms later (while the shim runs); the select timeouts schedule it.
 
 Outcomes: ``succeeded`` (exit 0), ``failed`` (any other exit), ``timed_out``,
 ``stopped`` (someone stopped this execution), ``interrupted`` (the runtime is
@@ -91,6 +111,12 @@ _LOG_PREFIX = "[kandevd] "
 _POLL_S = 0.05
 #: Longest single select(): a deadline years away must not overflow the timeout.
 _MAX_WAIT_S = 3600.0
+#: A termination begun this soon after the spawn repeats its SIGTERM (see the docstring).
+_EARLY_TERM_S = 0.2
+#: When it repeats it, counted from the first SIGTERM.
+_TERM_REPEATS_S = (0.05, 0.15)
+#: Chunk size when the stdout file is appended to the log.
+_COPY_CHUNK = 1024 * 1024
 DETACHED_ERROR = "detached: left running for the next daemon instance to adopt"
 
 
@@ -103,10 +129,11 @@ class ExecutionSpec:
     stored as tuples; string paths are stored as :class:`Path`.
 
     ``record_dir`` (optional) is the folder where the execution's
-    ``record.json`` and the shim's ``exit`` file are kept, so a later daemon
-    instance can adopt the agent or learn its outcome. The runner creates it
-    and never deletes it; its owner does. Without one the shim's exit file
-    is a temporary file beside the log, removed when the execution ended
+    ``record.json``, the shim's ``exit`` file and the agent's ``stdout``
+    (until it is merged into the log) are kept, so a later daemon instance
+    can adopt the agent or learn its outcome. The runner creates it and never
+    deletes it; its owner does. Without one the shim's exit and stdout files
+    are temporary files beside the log, removed when the execution ended
     (such an execution cannot be adopted, so it is never detached).
     """
 
@@ -217,6 +244,12 @@ class ExecutionControl:
         """True once :meth:`request_detach` was accepted."""
         with self._lock:
             return self._detach
+
+    @property
+    def kill_requested(self) -> bool:
+        """True once :meth:`kill_now` was called (a forced exit)."""
+        with self._lock:
+            return self._kill_now
 
     def request_termination(self, outcome: str, reason: str) -> bool:
         """Ask the runner to end the execution with ``outcome``.
@@ -377,6 +410,90 @@ def make_private_dirs(path: Path) -> None:
             pass
     if not path.is_dir():
         raise NotADirectoryError(f"not a directory: {path}")
+
+
+def collect_stdout(stdout_path: Path, log_path: Path, state_path: Path | None = None,
+                   ) -> tuple[str | None, float | None]:
+    """``(summary, cost_cents)`` of an ended execution; its stdout file goes into the log.
+
+    The summary comes from the last non-empty line of ``stdout_path`` (the
+    last MiB of it); then the file is appended to ``log_path`` and removed.
+    With ``state_path`` (``<record_dir>/summary.json``) this may run again
+    after a crash at any point: the summary and the log's size are saved
+    there before the log is touched, so a second run finds the summary
+    even once the stdout file is gone, and appends only what was not
+    appended yet (a partial copy is cut off first). Without it (a temporary
+    stdout file nobody reads again) it simply runs once. Errors are logged,
+    never raised: at worst the output stays in the stdout file.
+    """
+    state = _read_summary_state(state_path) if state_path is not None else None
+    try:
+        size = os.stat(stdout_path).st_size
+    except OSError:  # merged already (or never written)
+        if state is not None:
+            return state[0], state[1]
+        return None, None
+    if state is not None:
+        summary, cost, merged_from = state
+    else:
+        summary, cost = parse_summary_line(shim.last_line(stdout_path))
+        merged_from = None
+    if size:
+        try:
+            _append_stdout(stdout_path, log_path, size, summary, cost, merged_from, state_path)
+        except OSError as exc:
+            log.error("cannot append the agent's stdout %s to its log %s (%s); it is left "
+                      "where it is", stdout_path, log_path, exc)
+            return summary, cost
+    try:
+        os.unlink(stdout_path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("cannot remove the agent's stdout file %s (%s)", stdout_path, exc)
+    return summary, cost
+
+
+def _append_stdout(stdout_path: Path, log_path: Path, size: int, summary: str | None,
+                   cost: float | None, merged_from: int | None,
+                   state_path: Path | None) -> None:
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+    try:
+        log_size = os.fstat(fd).st_size
+        if merged_from is not None and merged_from <= log_size:
+            if log_size >= merged_from + size:
+                return  # appended completely by an earlier run: only the unlink is left
+            os.ftruncate(fd, merged_from)  # a partial copy: cut it off, append again
+        elif state_path is not None:
+            document = {"summary": summary, "cost_cents": cost, "log_size": log_size}
+            fd_state = os.open(state_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
+                               0o600)
+            with os.fdopen(fd_state, "w", encoding="utf-8") as handle:
+                json.dump(document, handle)
+        with open(stdout_path, "rb") as source:
+            while chunk := source.read(_COPY_CHUNK):
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
+
+
+def _read_summary_state(path: Path) -> tuple[str | None, float | None, int] | None:
+    """``(summary, cost, log size before the merge)`` from ``summary.json``, or None."""
+    try:
+        document = json.loads(Path(path).read_bytes())
+        summary, cost, log_size = (document["summary"], document["cost_cents"],
+                                   document["log_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if summary is not None and not isinstance(summary, str):
+        return None
+    if cost is not None and (not isinstance(cost, int | float) or isinstance(cost, bool)):
+        return None
+    if not isinstance(log_size, int) or isinstance(log_size, bool) or log_size < 0:
+        return None
+    return summary, (float(cost) if cost is not None else None), log_size
 
 
 def _signal_group(pgid: int, sig: int) -> bool:
@@ -556,12 +673,15 @@ class ProcessRunner:
 
         if spec.record_dir is not None:
             exit_path = spec.record_dir / shim.EXIT_FILE
+            stdout_path = spec.record_dir / shim.STDOUT_FILE
             try:
                 make_private_dirs(spec.record_dir)
-                try:  # an exit file found there now is not this execution's
-                    os.unlink(exit_path)
-                except FileNotFoundError:
-                    pass
+                # Files found there now are not this execution's.
+                for stale in (exit_path, stdout_path, spec.record_dir / shim.SUMMARY_FILE):
+                    try:
+                        os.unlink(stale)
+                    except FileNotFoundError:
+                        pass
             except OSError as exc:
                 return fail_to_start(
                     f"cannot create the execution's record folder {spec.record_dir}: {exc}")
@@ -569,27 +689,30 @@ class ProcessRunner:
             # spawn leaves a record whose shim the next start finds and adopts.
             self._write_record(spec, 0, started_at, input_path, log_offset)
             return self._spawn_and_wait(spec, control, sink, started_at, result, input_path,
-                                        exit_path, env, log_offset)
-        # No record folder: a temporary exit file beside the log (whose folder is
-        # private), under a name nobody can guess. A file, not a folder: mkdir and
-        # rmdir would cost more than the rest of the bookkeeping together.
-        exit_path = spec.log_path.with_name(f"{spec.log_path.name}.exit-{os.urandom(8).hex()}")
+                                        exit_path, stdout_path, env, log_offset)
+        # No record folder: temporary exit and stdout files beside the log (whose
+        # folder is private), under names nobody can guess. Files, not a folder:
+        # mkdir and rmdir would cost more than the rest of the bookkeeping together.
+        token = os.urandom(8).hex()
+        exit_path = spec.log_path.with_name(f"{spec.log_path.name}.exit-{token}")
+        stdout_path = spec.log_path.with_name(f"{spec.log_path.name}.stdout-{token}")
         try:
             return self._spawn_and_wait(spec, control, sink, started_at, result, input_path,
-                                        exit_path, env, log_offset)
+                                        exit_path, stdout_path, env, log_offset)
         finally:
-            try:
-                os.unlink(exit_path)
-            except OSError:
-                pass
+            for temporary in (exit_path, stdout_path):
+                try:
+                    os.unlink(temporary)
+                except OSError:
+                    pass
 
     def _spawn_and_wait(self, spec: ExecutionSpec, control: ExecutionControl, sink: _LogSink,
                         started_at: datetime, result: Callable[..., ExecutionResult],
-                        input_path: Path, exit_path: Path, env: dict[str, str],
-                        log_offset: int) -> ExecutionResult:
+                        input_path: Path, exit_path: Path, stdout_path: Path,
+                        env: dict[str, str], log_offset: int) -> ExecutionResult:
         try:
             proc = subprocess.Popen(
-                shim.shim_argv(exit_path, input_path, spec.log_path, spec.argv),
+                shim.shim_argv(exit_path, input_path, spec.log_path, spec.argv, stdout_path),
                 stdin=subprocess.DEVNULL, stdout=sink.fd, stderr=subprocess.STDOUT,
                 cwd=spec.cwd, env=env, start_new_session=True, close_fds=True, shell=False,
             )
@@ -600,6 +723,7 @@ class ProcessRunner:
             return result(ERROR, error=message)
 
         pid = proc.pid
+        spawned_at = time.monotonic()
         control.attach(pid)
         log.debug("execution %s started: shim pid %d, %s", spec.key, pid, spec.argv[0])
         # Only an execution with a record can be adopted, so only it may be left running.
@@ -608,8 +732,9 @@ class ProcessRunner:
         pidfd = _open_pidfd(pid)
         try:
             waited = self._wait(spec.key, control, sink, pid, pidfd,
-                                time.monotonic() + spec.timeout_s, spec.timeout_s,
-                                lambda: _has_exited(pid), detachable=detachable)
+                                spawned_at + spec.timeout_s, spec.timeout_s,
+                                lambda: _has_exited(pid), detachable=detachable,
+                                spawned_at=spawned_at)
         except BaseException:
             # Our bug, not the child's: never leave the child behind.
             control.detach()
@@ -633,7 +758,9 @@ class ProcessRunner:
         status = shim.read_exit_file(exit_path)
         exit_code = status if status is not None else shim.exit_code_from_status(shim_status)
 
-        summary, cost = parse_summary_line(shim.last_log_line(spec.log_path, log_offset))
+        summary, cost = collect_stdout(
+            stdout_path, spec.log_path,
+            spec.record_dir / shim.SUMMARY_FILE if spec.record_dir is not None else None)
         if waited.ended_by is not None:
             outcome, reason = waited.ended_by
             error: str | None = termination_error(outcome, reason, spec)
@@ -661,7 +788,7 @@ class ProcessRunner:
             run_id=spec.run_id, session_id=spec.session_id, started_at=started_at,
             deadline=after(started_at, spec.timeout_s), timeout_s=float(spec.timeout_s),
             log_path=spec.log_path, input_path=input_path, argv=spec.argv,
-            log_offset=log_offset,
+            log_offset=log_offset, stdout_path=spec.record_dir / shim.STDOUT_FILE,
         )
         try:
             write_record(record)
@@ -736,14 +863,14 @@ class ProcessRunner:
             outcome, reason = waited.ended_by
             exit_code = status if status is not None else (
                 -signal.SIGKILL if waited.killed else None)
-            summary, cost = parse_summary_line(
-                shim.last_log_line(record.log_path, record.log_offset))
+            summary, cost = records.collect_output(record)
             log.warning("execution %s ended: %s (exit %s)", spec.key, outcome, exit_code)
             return result(outcome, exit_code=exit_code, summary=summary, cost=cost,
                           error=_termination_text(outcome, reason, record.timeout_s))
         if status is None:
             log.warning("execution %s: %s", spec.key, records.NO_EXIT_STATUS)
-            return result(ERROR, error=records.NO_EXIT_STATUS)
+            summary, cost = records.collect_output(record)  # its output belongs in the log
+            return result(ERROR, error=records.NO_EXIT_STATUS, summary=summary, cost=cost)
         ended = records.result_for_exit(record, status)
         log.info("execution %s ended: %s (exit %s)", spec.key, ended.outcome, status)
         return ExecutionResult(
@@ -755,14 +882,19 @@ class ProcessRunner:
 
     def _wait(self, key: str, control: ExecutionControl, sink: _LogSink, pid: int,
               pidfd: int | None, deadline: float, timeout_s: float,
-              exited: Callable[[], bool], *, detachable: bool) -> _Wait:
+              exited: Callable[[], bool], *, detachable: bool,
+              spawned_at: float | None = None) -> _Wait:
         """Wait until the shim ``pid`` exits or the wait is detached; enforce deadlines.
 
         ``pidfd`` (readable once the shim exited) is waited on with select;
-        only without one is ``exited()`` polled.
+        only without one is ``exited()`` polled. ``spawned_at`` (monotonic) is
+        when we spawned the shim: a termination soon after repeats its SIGTERM.
+        An exit seen together with a termination request wins: the execution
+        ended on its own (except for a forced exit, whose SIGKILL ended it).
         """
         waited = _Wait()
         kill_at: float | None = None
+        repeat_at: list[float] = []  # when SIGTERM goes to the group again
         sel = selectors.DefaultSelector()
         try:
             sel.register(control.wake_fd, selectors.EVENT_READ, "wake")
@@ -779,9 +911,16 @@ class ProcessRunner:
                 _signal_group(pid, signal.SIGTERM)
                 # A stopped process would keep SIGTERM pending until the SIGKILL.
                 _signal_group(pid, signal.SIGCONT)
+                now = time.monotonic()
+                if spawned_at is not None and now - spawned_at < _EARLY_TERM_S:
+                    # The agent's subshell may have swallowed it (module docstring).
+                    repeat_at[:] = [now + delay for delay in _TERM_REPEATS_S]
 
             while True:
                 now = time.monotonic()
+                if repeat_at and now >= repeat_at[0] and not waited.killed:
+                    del repeat_at[0]
+                    _signal_group(pid, signal.SIGTERM)
                 if waited.ended_by is None and now >= deadline:
                     begin_termination(TIMED_OUT, "")
                 elif kill_at is not None and not waited.killed and now >= kill_at:
@@ -798,6 +937,8 @@ class ProcessRunner:
                     wait = (kill_at or now) - now
                 else:
                     wait = None
+                if repeat_at and not waited.killed:
+                    wait = repeat_at[0] - now if wait is None else min(wait, repeat_at[0] - now)
                 if pidfd is None:  # no pidfd: the only place we must poll for exit
                     wait = _POLL_S if wait is None else min(wait, _POLL_S)
                 if wait is not None:
@@ -805,10 +946,14 @@ class ProcessRunner:
                 events = {ready.data for ready, _mask in sel.select(wait)}
                 if "wake" in events:
                     control.drain_wake()
-                    # A termination requested as the shim exits still names the
-                    # outcome (a forced exit's SIGKILL ends it at once).
                     request = control.requested
-                    if waited.ended_by is None and request is not None:
+                    if waited.ended_by is None and request is not None and "exit" in events:
+                        # Requested as the shim exited: it ended on its own and its
+                        # status counts; unless a forced exit's SIGKILL ended it.
+                        if control.kill_requested:
+                            waited.ended_by = request
+                            waited.killed = True
+                    elif waited.ended_by is None and request is not None:
                         begin_termination(*request)
                     elif (waited.ended_by is None and detachable and "exit" not in events
                           and control.detach_requested):

@@ -3,18 +3,31 @@
 When an :class:`~kandevd.runtime.process.ExecutionSpec` names a
 ``record_dir`` (the queue gives each attempt of a run its own), the runner
 writes ``record.json`` there right after the shim started (atomically: a
-temporary file and a rename), and the shim (see :mod:`kandevd.runtime.shim`)
-writes ``exit`` once the agent ended::
+temporary file and a rename), the shim (see :mod:`kandevd.runtime.shim`)
+appends the agent's stdout to ``stdout`` and writes ``exit`` once the agent
+ended::
 
-    record.json  {"pid", "pid_start", "key", "run_id", "session_id",
-                  "started_at", "deadline", "timeout_s", "log_path",
-                  "input_path", "argv", "log_offset"}
-    exit         "<code>\\n"
+    record.json   {"pid", "pid_start", "key", "run_id", "session_id",
+                   "started_at", "deadline", "timeout_s", "log_path",
+                   "input_path", "argv", "log_offset", "stdout_path"}
+    stdout        the agent's stdout, until it is appended to the log
+    summary.json  {"summary", "cost_cents", "log_size"}: written just before
+                  that append (see :func:`kandevd.runtime.process.collect_stdout`)
+    exit          "<code>\\n"
 
 ``pid`` is the shim's (it leads the agent's process group), ``pid_start``
 its start time from ``/proc`` (a reused pid has another), ``deadline`` the
-wall-clock end of the execution's timeout and ``log_offset`` the size of the
-log when the execution began (its summary is searched after it).
+wall-clock end of the execution's timeout, ``log_offset`` the size of the
+log when the execution began and ``stdout_path`` the agent's stdout file
+(``<record_dir>/stdout`` when a record from an older version has none).
+
+Whoever learns that the execution ended (the runner waiting for it, the one
+that adopted it, or :func:`outcome_from_record` after a restart) takes the
+summary from the stdout file and appends the file to the log
+(:func:`collect_output`). That is idempotent: the summary is kept in
+``summary.json`` before the log is touched, so running it again, after a
+daemon died half-way or simply a second time, finds the same summary and
+does not append the output twice.
 
 The next daemon instance reads these back: a finished execution's outcome
 comes from :func:`outcome_from_record`; a live one (:func:`record_alive`) can
@@ -38,8 +51,8 @@ from kandevd.runtime.process import (
     FAILED,
     SUCCEEDED,
     ExecutionResult,
+    collect_stdout,
     describe_exit,
-    parse_summary_line,
 )
 from kandevd.timeutil import parse_rfc3339, rfc3339
 
@@ -51,6 +64,8 @@ EXIT_FILE = shim.EXIT_FILE
 NO_EXIT_STATUS = "agent supervisor ended without recording an exit status"
 
 read_exit_status = shim.read_exit_status
+STDOUT_FILE = shim.STDOUT_FILE
+SUMMARY_FILE = shim.SUMMARY_FILE
 
 
 @dataclass(frozen=True)
@@ -70,6 +85,12 @@ class ExecutionRecord:
     input_path: Path
     argv: tuple[str, ...]
     log_offset: int = 0
+    #: The agent's stdout file; None stands for ``<record_dir>/stdout``.
+    stdout_path: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.stdout_path is None:
+            object.__setattr__(self, "stdout_path", Path(self.record_dir) / STDOUT_FILE)
 
     @property
     def exit_path(self) -> Path:
@@ -84,7 +105,7 @@ class ExecutionRecord:
             "started_at": rfc3339(self.started_at), "deadline": rfc3339(self.deadline),
             "timeout_s": self.timeout_s, "log_path": str(self.log_path),
             "input_path": str(self.input_path), "argv": list(self.argv),
-            "log_offset": self.log_offset,
+            "log_offset": self.log_offset, "stdout_path": str(self.stdout_path),
         }
 
 
@@ -137,12 +158,16 @@ def _parse(record_dir: Path, document: Any) -> ExecutionRecord:
     offset = document.get("log_offset", 0)
     if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
         offset = 0
+    stdout = document.get("stdout_path")  # absent from records of older versions
+    if stdout is not None and not isinstance(stdout, str):
+        raise TypeError("stdout_path must be a string")
     return ExecutionRecord(
         record_dir=record_dir, pid=integer("pid"), pid_start=integer("pid_start"),
         key=text("key"), run_id=text("run_id"), session_id=text("session_id"),
         started_at=parse_rfc3339(text("started_at")), deadline=parse_rfc3339(text("deadline")),
         timeout_s=float(timeout), log_path=Path(text("log_path")),
         input_path=Path(text("input_path")), argv=tuple(argv), log_offset=offset,
+        stdout_path=Path(stdout) if stdout else None,
     )
 
 
@@ -165,11 +190,12 @@ def locate(record: ExecutionRecord) -> ExecutionRecord:
 def record_alive(record: ExecutionRecord) -> bool:
     """True while the record's shim still runs: same pid, same start time, ours.
 
-    "Ours" means our uid and a shim's command line; a pid the kernel handed
-    to another process since has another start time.
+    "Ours" means our uid and the command line of the shim writing this
+    record's exit file (not one of another home or attempt); a pid the kernel
+    handed to another process since has another start time.
     """
     return (record.pid > 0 and shim.process_running(record.pid, record.pid_start)
-            and shim.is_our_shim(record.pid))
+            and shim.is_our_shim(record.pid, record.exit_path))
 
 
 def outcome_from_record(record: ExecutionRecord, record_dir: Path | None = None,
@@ -177,7 +203,9 @@ def outcome_from_record(record: ExecutionRecord, record_dir: Path | None = None,
     """The result of a finished execution from its exit file; None when there is none.
 
     ``succeeded`` for exit 0, ``failed`` otherwise, with the summary and cost
-    from the last line of the log. Its end is when the exit file was written.
+    from the last line of the agent's stdout, which is then appended to the
+    log (see :func:`collect_output`; calling this again is harmless). Its end
+    is when the exit file was written.
     """
     directory = Path(record_dir) if record_dir is not None else record.record_dir
     exit_code = read_exit_status(directory)
@@ -188,10 +216,13 @@ def outcome_from_record(record: ExecutionRecord, record_dir: Path | None = None,
 
 def result_for_exit(record: ExecutionRecord, exit_code: int, record_dir: Path | None = None,
                     log_path: Path | None = None) -> ExecutionResult:
-    """An ExecutionResult for ``record`` that ended on its own with ``exit_code``."""
+    """An ExecutionResult for ``record`` that ended on its own with ``exit_code``.
+
+    Collects its stdout like :func:`outcome_from_record`.
+    """
     directory = Path(record_dir) if record_dir is not None else record.record_dir
     log_file = Path(log_path) if log_path is not None else record.log_path
-    summary, cost = parse_summary_line(shim.last_log_line(log_file, record.log_offset))
+    summary, cost = collect_output(record, directory, log_file)
     try:
         ended_at = datetime.fromtimestamp(os.stat(directory / EXIT_FILE).st_mtime,
                                           record.started_at.tzinfo)
@@ -205,3 +236,20 @@ def result_for_exit(record: ExecutionRecord, exit_code: int, record_dir: Path | 
         started_at=record.started_at, ended_at=ended_at, log_path=log_file,
     )
 
+
+
+def collect_output(record: ExecutionRecord, record_dir: Path | None = None,
+                   log_path: Path | None = None) -> tuple[str | None, float | None]:
+    """``(summary, cost_cents)`` of the ended execution of ``record``; stdout into the log.
+
+    The summary comes from the last line of the agent's stdout file, which is
+    then appended to the log and removed; ``<record_dir>/summary.json`` makes
+    a repeated call (a daemon died half-way) return the same summary without
+    appending twice. ``record_dir`` and ``log_path`` override the record's.
+    """
+    directory = Path(record_dir) if record_dir is not None else record.record_dir
+    log_file = Path(log_path) if log_path is not None else record.log_path
+    stdout = record.stdout_path
+    if stdout is None or directory != record.record_dir:
+        stdout = directory / STDOUT_FILE
+    return collect_stdout(stdout, log_file, directory / SUMMARY_FILE)

@@ -184,23 +184,29 @@ class AgentRuntime:
         """Run ``spec`` on the reserved slot in a new worker thread.
 
         ``on_done(result)`` runs in that worker after the child is reaped; the
-        slot frees when it returns. If start() raises, the reservation has been
-        released, so the caller never leaks a slot.
+        slot frees when it returns. If start() raises (whatever the reason,
+        also running out of file descriptors for the execution's wake pipe or
+        of threads), the reservation has been released, so the caller never
+        leaks a slot.
         """
         with self._cond:
             if reservation._owner is not self:
                 raise ValueError("reservation belongs to another runtime")
             if reservation._state != "held":
                 raise ValueError(f"reservation already {reservation._state}")
-            problem: Exception | None = None
+            problem: BaseException | None = None
             if self._stopping:
                 problem = RuntimeStopped()
             elif spec.key in self._live:
                 problem = ValueError(f"an execution with key {spec.key!r} is already live")
             if problem is None:
-                execution = self._register(spec, on_done, None)
-                reservation._state = "started"
-                self._held -= 1
+                try:
+                    execution = self._register(spec, on_done, None)
+                except BaseException as exc:  # e.g. os.pipe() failing with EMFILE
+                    problem = exc
+                else:
+                    reservation._state = "started"
+                    self._held -= 1
         if problem is not None:
             self.release(reservation)
             raise problem
@@ -228,12 +234,20 @@ class AgentRuntime:
 
     def _register(self, spec: ExecutionSpec, on_done: Callable[[ExecutionResult], None],
                   record: ExecutionRecord | None) -> _Execution:
-        """A live execution with its (unstarted) worker; the caller holds the lock."""
-        execution = _Execution(spec, ExecutionControl(), on_done, record=record)
-        thread = threading.Thread(
-            target=self._work, args=(execution,), name=f"kandevd-exec-{spec.key}",
-            daemon=False,
-        )
+        """A live execution with its (unstarted) worker; the caller holds the lock.
+
+        Raises (registering nothing) when the control's pipe cannot be made.
+        """
+        control = ExecutionControl()
+        execution = _Execution(spec, control, on_done, record=record)
+        try:
+            thread = threading.Thread(
+                target=self._work, args=(execution,), name=f"kandevd-exec-{spec.key}",
+                daemon=False,
+            )
+        except BaseException:
+            control.close()
+            raise
         execution.thread = thread
         self._live[spec.key] = execution
         self._threads = [t for t in self._threads if t.is_alive()]

@@ -1,14 +1,18 @@
 """The shim: a tiny POSIX ``sh`` supervisor between the daemon and each agent.
 
-Every agent execution runs as ``/bin/sh -c SCRIPT kandevd-shim EXIT INPUT LOG argv...``
+Every agent execution runs as
+``/bin/sh -c SCRIPT kandevd-shim EXIT INPUT LOG STDOUT argv...``
 (no script file on disk, no Python per execution: one ``sh`` exec and one
 fork are all it costs). The shim leads its own session and process group
 (its stdin is /dev/null, its stdout and stderr the log); it runs the agent as
-its child with stdin from ``INPUT`` and stdout and stderr appended to
-``LOG``, then writes the agent's status to ``EXIT`` as one line ``<code>\\n``
-in a single write, and exits with that same code. So the status of an agent
-is on disk even when no daemon was alive to wait for it (live restore, like a
-containerd shim or conmon).
+its child with stdin from ``INPUT``, stderr appended to ``LOG`` and stdout
+appended to ``STDOUT`` (a file of its own, so the summary line is the last
+line of stdout whatever the agent writes to stderr after it; the daemon
+appends it to the log once the execution ended), then writes the agent's
+status to ``EXIT`` as one line ``<code>\\n`` in a single write, and exits
+with that same code. So the status of an agent is on disk even when no
+daemon was alive to wait for it (live restore, like a containerd shim or
+conmon).
 
 The shim traps TERM, INT and HUP with a no-op handler: a signal sent to the
 group ends the agent but the shim lives on to record the status. (A trap
@@ -29,8 +33,8 @@ can anyone reading its status.
 
 This module also holds the small ``/proc`` helpers used to recognise a shim
 again after a daemon restart (its pid plus its start time, which tells a
-reused pid apart), and the reader of a log's last line, from which the
-agent's summary is taken now that its stdout goes to the log.
+reused pid apart), and the readers of a file's last line, from which the
+agent's summary is taken.
 """
 
 from __future__ import annotations
@@ -47,20 +51,24 @@ SHELL = "/bin/sh"
 #: The shim's files inside an execution's record folder.
 EXIT_FILE = "exit"
 RECORD_FILE = "record.json"
+#: The agent's stdout while it runs (appended to the log when it ended).
+STDOUT_FILE = "stdout"
+#: The summary taken from the stdout file before it is merged into the log.
+SUMMARY_FILE = "summary.json"
 
-# $1 exit file, $2 input file, $3 log file, then the agent's argv. The shim's
-# own stdout and stderr are the log (the runner opens it so); only builtins run
-# in the shim itself. While the agent runs, the shim's stderr is /dev/null:
-# dash reports an agent killed by a signal ("Terminated") on its stderr, which
-# would otherwise become the log's last line, where the summary is read. The
-# agent gets its redirections in a subshell that execs it (a simple command's
-# redirections would be the shell's own while it waits), so the errors of
-# those redirections and of exec ("not found") still land in the log.
+# $1 exit file, $2 input file, $3 log file, $4 stdout file, then the agent's
+# argv. The shim's own stdout and stderr are the log (the runner opens it so);
+# only builtins run in the shim itself. While the agent runs, the shim's
+# stderr is /dev/null: dash reports an agent killed by a signal
+# ("Terminated") on its stderr, noise in the log. The agent gets its
+# redirections in a subshell that execs it (a simple command's redirections
+# would be the shell's own while it waits); stderr is redirected first, so the
+# errors of the other redirections and of exec ("not found") land in the log.
 SCRIPT = """trap : TERM INT HUP
-E=$1 I=$2 L=$3
-shift 3
+E=$1 I=$2 L=$3 O=$4
+shift 4
 exec 2>/dev/null
-(exec "$@" >>"$L" 2>&1 <"$I")
+(exec "$@" 2>>"$L" >>"$O" <"$I")
 s=$?
 exec 2>&1
 printf '%s\\n' "$s" >"$E"
@@ -78,10 +86,14 @@ _LOG_PREFIX = b"[kandevd] "
 
 
 def shim_argv(exit_path: Path, input_path: Path, log_path: Path,
-              argv: tuple[str, ...] | list[str]) -> list[str]:
-    """The command line that runs ``argv`` under the shim."""
+              argv: tuple[str, ...] | list[str], stdout_path: Path | None = None) -> list[str]:
+    """The command line that runs ``argv`` under the shim.
+
+    The agent's stdout goes to ``stdout_path`` (default: the log too, both
+    appending).
+    """
     return [SHELL, "-c", SCRIPT, SHIM_NAME, str(exit_path), str(input_path), str(log_path),
-            *argv]
+            str(stdout_path if stdout_path is not None else log_path), *argv]
 
 
 def exit_code_from_status(status: int) -> int:
@@ -144,8 +156,14 @@ def process_running(pid: int, start_time: int) -> bool:
     return stat is not None and stat[1] == start_time and stat[0] not in ("Z", "X")
 
 
-def is_our_shim(pid: int) -> bool:
-    """True when ``pid`` runs as our uid and its command line is a shim's."""
+def is_our_shim(pid: int, exit_path: Path | None = None) -> bool:
+    """True when ``pid`` runs as our uid and its command line is a shim's.
+
+    With ``exit_path``, the shim must also write that exit file (its first
+    argument): a shim of another home, or of another attempt, is not ours.
+    Paths are compared as given, then resolved (a home reached through a
+    symbolic link).
+    """
     try:
         if os.stat(f"/proc/{pid}").st_uid != os.getuid():
             return False
@@ -153,7 +171,17 @@ def is_our_shim(pid: int) -> bool:
             argv = handle.read().split(b"\0")
     except OSError:
         return False
-    return len(argv) > 3 and argv[3] == SHIM_NAME.encode()
+    if len(argv) <= 4 or argv[3] != SHIM_NAME.encode():
+        return False
+    if exit_path is None:
+        return True
+    wanted = os.fsencode(exit_path)
+    if argv[4] == wanted:
+        return True
+    try:
+        return os.path.realpath(argv[4]) == os.path.realpath(wanted)
+    except (OSError, ValueError):
+        return False
 
 
 def find_shim(exit_path: Path) -> tuple[int, int] | None:
@@ -225,6 +253,19 @@ def last_log_line(path: Path, offset: int = 0, limit: int = TAIL_LIMIT) -> str |
     began before them, it is reported as ``<line too long>`` (a summary line
     is small, an agent writing a megabyte without a newline has none).
     """
+    return _last_line(path, offset, limit, _LOG_PREFIX)
+
+
+def last_line(path: Path, limit: int = TAIL_LIMIT) -> str | None:
+    """The last non-empty line of ``path`` (the agent's stdout file), None when none.
+
+    Like :func:`last_log_line` without skipping anything: every line of the
+    stdout file is the agent's.
+    """
+    return _last_line(path, 0, limit, None)
+
+
+def _last_line(path: Path, offset: int, limit: int, skip: bytes | None) -> str | None:
     try:
         with open(path, "rb") as handle:
             size = os.fstat(handle.fileno()).st_size
@@ -244,7 +285,7 @@ def last_log_line(path: Path, offset: int = 0, limit: int = TAIL_LIMIT) -> str |
     lines = data.split(b"\n")
     for index in range(len(lines) - 1, -1, -1):
         line = lines[index].strip()
-        if not line or line.startswith(_LOG_PREFIX):
+        if not line or (skip is not None and line.startswith(skip)):
             continue
         if index == 0 and not first_complete:
             return LINE_TOO_LONG

@@ -441,6 +441,11 @@ class RunRepository:
                                    (row["agent_id"],)).fetchone()
         return Claim(run_from_row(row), token, profile["profile"] if profile else "default")
 
+    def claimed_tokens(self) -> dict[str, str]:
+        """``{run_id: claim_token}`` of every claimed run."""
+        return {r["id"]: r["claim_token"] for r in self.store.query(
+            "SELECT id, claim_token FROM runs WHERE status = 'claimed'")}
+
     def adopt_claim(self, run_id: str, token: str) -> bool:
         """Make an earlier instance's claim this instance's own (its agent was adopted)."""
         return self.store.execute(

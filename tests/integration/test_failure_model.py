@@ -67,7 +67,7 @@ def wait_status(daemon: DaemonProcess, run_id: str, *wanted: str,
 
 
 def attempt_dirs(home: Path, run_id: str) -> list[Path]:
-    folder = home / "runs" / run_id / ".kandevd"
+    folder = home / "attempts" / run_id
     return sorted(folder.iterdir()) if folder.exists() else []
 
 

@@ -183,3 +183,28 @@ def test_after_commit_waits_for_the_outermost_commit_and_drops_on_rollback(
         raise RuntimeError("boom")
     store.after_commit(lambda: seen.append("now"))
     assert seen == ["inner", "now"]
+
+
+# -- the attempt journal -------------------------------------------------------------------
+
+
+def test_the_journal_keeps_only_current_claims_and_round_trips_an_outcome(
+        tmp_path: Path) -> None:
+    from kandevd.paths import HomeLayout
+    from kandevd.queue import journal
+    from kandevd.runtime import SUCCEEDED, ExecutionResult
+
+    layout = HomeLayout(tmp_path)
+    current = journal.attempt_dir(layout, "run_a", "t2")
+    stale = [journal.attempt_dir(layout, "run_a", "t1"), journal.attempt_dir(layout, "run_b", "t")]
+    result = ExecutionResult(key="run_a", outcome=SUCCEEDED, exit_code=0, summary="s",
+                             cost_cents=1.5, error=None, started_at=T0, ended_at=after(T0, 1),
+                             log_path=tmp_path / "a.log")
+    for directory in [current, *stale]:
+        assert journal.write_outcome(directory, result)
+    assert journal.read_outcome(current, "run_a") == result
+    assert journal.prune(layout, {"run_a": "t2"}) == 2
+    assert [p.name for p in (tmp_path / "attempts").iterdir()] == ["run_a"]
+    assert current.is_dir() and not any(d.exists() for d in stale)
+    (current / journal.OUTCOME_FILE).write_text("{not json")
+    assert journal.read_outcome(current, "run_a") is None  # unreadable: ignored, not fatal

@@ -198,3 +198,46 @@ def test_a_shim_left_running_is_found_and_kept_or_stopped(home: Path, tmp_path: 
             os.killpg(shim_pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def test_an_agent_whose_shim_was_killed_alone_is_stopped(home: Path, tmp_path: Path,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """A shim SIGKILLed on its own leaves its agent leaderless in the session: swept too."""
+    from kandevd.runtime import shim
+
+    fifo = tmp_path / "agent.pid"
+    os.mkfifo(fifo)
+    (tmp_path / "input.json").write_text("{}\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KANDEVD_")}
+    env.update(KANDEVD_HOME=str(home), KANDEVD_RUN_ID="run-7", KANDEVD_SESSION_ID="")
+    proc = subprocess.Popen(
+        shim.shim_argv(tmp_path / "exit", tmp_path / "input.json", tmp_path / "agent.log",
+                       ["sh", "-c", 'echo $$ > "$0"; exec sleep 120', str(fifo)],
+                       tmp_path / "stdout"),
+        stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+    with open(fifo) as handle:
+        agent = int(handle.read())
+    pidfd = os.pidfd_open(agent)
+    try:
+        os.kill(proc.pid, signal.SIGKILL)  # the shim alone, not its group
+        assert proc.wait(10) == -signal.SIGKILL
+        os.kill(agent, 0)  # the agent runs on, in a session without its leader
+        assert os.getsid(agent) == proc.pid
+        assert find_orphan_agents(home) == [agent]
+        assert orphans.scan(home)[0].members == (agent,)
+        # Keeping the session (an adopted shim's pid) keeps its agent too.
+        assert find_orphan_agents(home, keep=frozenset({proc.pid})) == []
+        with caplog.at_level(logging.INFO, logger="kandevd.runtime.orphans"):
+            assert stop_orphan_agents(home, grace_s=5.0) == 1
+        readable, _, _ = select.select([pidfd], [], [], 10)
+        assert readable == [pidfd]
+        assert f"stopping agent process {agent} (run run-7) left by a previous instance" \
+            in caplog.text
+        assert "stopped 1 agent process(es) left by a previous instance" in caplog.text
+        assert find_orphan_agents(home) == []
+    finally:
+        os.close(pidfd)
+        try:
+            os.kill(agent, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

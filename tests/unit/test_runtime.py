@@ -32,12 +32,15 @@ import kandevd
 from kandevd.agents import echo_argv
 from kandevd.runtime import (
     AgentRuntime,
+    ExecutionControl,
     ExecutionResult,
     ExecutionSpec,
     InProcessRunner,
+    ProcessRunner,
     RuntimeFull,
     RuntimeStopped,
 )
+from kandevd.runtime import process as process_module
 from kandevd.runtime.process import parse_summary_line
 from kandevd.runtime.records import read_record, record_alive
 
@@ -413,8 +416,8 @@ def test_summary_comes_from_this_execution_and_skips_our_notes(tmp_path: Path, m
     done.results.clear()
     result = done.wait("same-log")
     assert result.succeeded and (result.summary, result.cost_cents) == (None, None)
-    # ...and one killed on timeout keeps what it printed: our notes are skipped,
-    # and the shell does not add a "Terminated" line.
+    # ...and one killed on timeout keeps what it printed, and the shell does not
+    # add a "Terminated" line. Its stdout follows our notes in the log.
     slow = spec_for(tmp_path, "slow-summary", timeout_s=0.5, argv=(
         sys.executable, "-c",
         'import time; print(\'{"summary": "partial", "cost_cents": 7}\', flush=True); '
@@ -424,8 +427,99 @@ def test_summary_comes_from_this_execution_and_skips_our_notes(tmp_path: Path, m
     assert timed_out.outcome == "timed_out" and timed_out.exit_code == -signal.SIGTERM
     assert (timed_out.summary, timed_out.cost_cents) == ("partial", 7.0)
     lines = slow.log_path.read_text().splitlines()
-    assert lines[-1].startswith("[kandevd] timed out after 0.5s: sending SIGTERM")
+    assert lines[-2].startswith("[kandevd] timed out after 0.5s: sending SIGTERM")
+    assert lines[-1] == '{"summary": "partial", "cost_cents": 7}'
     assert "Terminated" not in lines
+
+
+def test_stderr_after_the_summary_does_not_hide_it(tmp_path: Path, make_runtime):
+    runtime = make_runtime()
+    done = Recorder()
+    script = ('import sys; print("progress"); print(\'{"summary": "ok", "cost_cents": 2}\'); '
+              'sys.stdout.flush(); print("warning: late", file=sys.stderr)')
+    for key, record in (("with-record", True), ("no-record", False)):
+        spec = spec_for(tmp_path, key, argv=(sys.executable, "-c", script))
+        if record:
+            spec = dataclasses.replace(spec, record_dir=tmp_path / "records" / key)
+        runtime.launch(spec, done)
+        result = done.wait(key)
+        assert (result.summary, result.cost_cents) == ("ok", 2.0)
+        # Both streams in the log: stdout after stderr; no stdout file left.
+        assert spec.log_path.read_text().splitlines() == [
+            "warning: late", "progress", '{"summary": "ok", "cost_cents": 2}']
+        if record:
+            assert not (tmp_path / "records" / key / "stdout").exists()
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == [
+        "no-record.input.json", "no-record.log", "with-record.input.json", "with-record.log"]
+
+
+class _StopAtSpawn(ExecutionControl):
+    """Requests a stop ``delay_s`` after the runner attached the freshly spawned shim."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__()
+        self.delay_s = delay_s
+
+    def attach(self, pgid: int) -> None:
+        super().attach(pgid)
+        time.sleep(self.delay_s)  # sweeps the moments of the shim's start-up
+        self.request_termination("stopped", "at once")
+
+
+def test_a_stop_right_after_the_spawn_is_not_lost(tmp_path: Path):
+    runner = ProcessRunner(kill_grace_s=30.0)
+    for index in range(30):
+        spec = spec_for(tmp_path, f"early-{index}", argv=("sleep", "5"))
+        control = _StopAtSpawn(index * 0.0005)
+        began = time.monotonic()
+        try:
+            result = runner.run(spec, control)
+        finally:
+            control.close()
+        elapsed = time.monotonic() - began
+        assert result.outcome == "stopped", (index, result)
+        assert elapsed < 1.0, (index, elapsed)  # not the 30 s kill grace
+
+
+class _ExitAndStop(ExecutionControl):
+    """Requests a stop only once the shim has exited (not reaped): both events at once."""
+
+    def attach(self, pgid: int) -> None:
+        super().attach(pgid)
+        os.waitid(os.P_PID, pgid, os.WEXITED | os.WNOWAIT)  # the shim exited
+        self.request_termination("stopped", "too late")
+
+
+def test_an_exit_seen_with_a_stop_request_counts_as_the_exit(tmp_path: Path):
+    spec = spec_for(tmp_path, "exit-first", argv=(sys.executable, "-c", "import sys; "
+                                                   "print('{\"summary\": \"s\"}'); sys.exit(4)"))
+    control = _ExitAndStop()
+    try:
+        result = ProcessRunner(kill_grace_s=30.0).run(spec, control)
+    finally:
+        control.close()
+    assert (result.outcome, result.exit_code, result.error, result.summary) == (
+        "failed", 4, "exit code 4", "s")
+    assert "SIGTERM" not in spec.log_path.read_text()
+
+
+def test_launch_when_free_gives_the_slot_back_when_start_fails(tmp_path: Path, make_runtime,
+                                                               monkeypatch):
+    runtime = make_runtime(max_concurrent=1)
+    done = Recorder()
+
+    def no_pipe() -> tuple[int, int]:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(process_module.os, "pipe", no_pipe)
+    with pytest.raises(OSError, match="Too many open files"):
+        runtime.launch_when_free(spec_for(tmp_path, "emfile"), done, lambda: False)
+    with pytest.raises(OSError, match="Too many open files"):
+        runtime.launch(spec_for(tmp_path, "emfile"), done)
+    monkeypatch.undo()
+    assert runtime.active == 0 and runtime.live_keys() == frozenset()
+    assert runtime.launch_when_free(spec_for(tmp_path, "after"), done, lambda: False)
+    assert done.wait("after").succeeded
 
 
 def test_a_record_dir_keeps_the_record_and_the_exit_file(tmp_path: Path, make_runtime):

@@ -171,7 +171,8 @@ def linked_spec(tmp_path: Path, key: str, link: Link, *, timeout_s: float = 30.0
 def run_shim(tmp_path: Path, argv: list[str]) -> subprocess.Popen[bytes]:
     (tmp_path / "input.json").write_text("{}\n")
     return subprocess.Popen(
-        shim.shim_argv(tmp_path / "exit", tmp_path / "input.json", tmp_path / "agent.log", argv),
+        shim.shim_argv(tmp_path / "exit", tmp_path / "input.json", tmp_path / "agent.log", argv,
+                       tmp_path / "stdout"),
         stdin=subprocess.DEVNULL, start_new_session=True)
 
 
@@ -212,9 +213,28 @@ def test_shim_records_the_exit_status(tmp_path: Path, argv: list[str], status: s
 
 def test_shim_feeds_stdin_from_the_input_file_and_appends_output(tmp_path: Path) -> None:
     (tmp_path / "agent.log").write_text("earlier\n")
+    (tmp_path / "stdout").write_text("before\n")
     proc = run_shim(tmp_path, ["sh", "-c", "cat; echo err >&2"])
     assert proc.wait(WAIT_S) == 0
-    assert (tmp_path / "agent.log").read_text() == "earlier\n{}\nerr\n"
+    # stderr is appended to the log, stdout to the stdout file.
+    assert (tmp_path / "agent.log").read_text() == "earlier\nerr\n"
+    assert (tmp_path / "stdout").read_text() == "before\n{}\n"
+
+
+def test_without_a_stdout_file_both_streams_go_to_the_log(tmp_path: Path) -> None:
+    (tmp_path / "input.json").write_text("{}\n")
+    proc = subprocess.Popen(
+        shim.shim_argv(tmp_path / "exit", tmp_path / "input.json", tmp_path / "agent.log",
+                       ["sh", "-c", "cat; echo err >&2"]),
+        stdin=subprocess.DEVNULL, start_new_session=True)
+    assert proc.wait(WAIT_S) == 0
+    assert (tmp_path / "agent.log").read_text() == "{}\nerr\n"
+
+
+def test_a_missing_agent_is_reported_in_the_log(tmp_path: Path) -> None:
+    proc = run_shim(tmp_path, [str(tmp_path / "no-such-agent")])
+    assert proc.wait(WAIT_S) == 127
+    assert "no-such-agent" in (tmp_path / "agent.log").read_text()
 
 
 def test_sigterm_to_the_group_kills_the_agent_and_the_shim_records_it(tmp_path: Path) -> None:
@@ -343,6 +363,16 @@ def test_record_alive_checks_start_time_and_that_it_is_a_shim(tmp_path: Path) ->
         own_start = shim.proc_start_time(os.getpid())
         assert own_start is not None
         assert not record_alive(make_record(tmp_path, os.getpid(), own_start))
+        # A shim all right, but one writing another exit file (another home, attempt).
+        other = tmp_path / "other"
+        other.mkdir()
+        assert shim.is_our_shim(proc.pid)
+        assert shim.is_our_shim(proc.pid, tmp_path / "exit")
+        assert not shim.is_our_shim(proc.pid, other / "exit")
+        assert not record_alive(make_record(other, proc.pid, start))
+        # The same file reached through a symbolic link is the same shim.
+        (tmp_path / "link").symlink_to(tmp_path)
+        assert record_alive(make_record(tmp_path / "link", proc.pid, start))
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -350,9 +380,12 @@ def test_record_alive_checks_start_time_and_that_it_is_a_shim(tmp_path: Path) ->
 
 
 def test_outcome_from_record(tmp_path: Path) -> None:
-    record = make_record(tmp_path, 1234, 99, log_offset=len(b'{"summary": "before"}\n'))
-    record.log_path.write_text('{"summary": "before"}\n{"summary": "mine", "cost_cents": 2}\n')
+    record = make_record(tmp_path, 1234, 99)
+    assert record.stdout_path == tmp_path / "stdout"
+    record.log_path.write_text('{"summary": "before"}\nstderr after the summary\n')
+    (tmp_path / "stdout").write_text('working\n{"summary": "mine", "cost_cents": 2}\n\n')
     assert outcome_from_record(record, tmp_path) is None  # no exit file: no outcome
+    assert (tmp_path / "stdout").exists()  # nothing collected before the end
     (tmp_path / "exit").write_text("0\n")
     ok = outcome_from_record(record, tmp_path)
     assert ok is not None
@@ -360,11 +393,54 @@ def test_outcome_from_record(tmp_path: Path) -> None:
         "succeeded", 0, "mine", 2.0, None)
     assert ok.key == "k" and ok.log_path == record.log_path
     assert ok.started_at == record.started_at <= ok.ended_at
+    # The stdout went into the log (after its stderr) and its file is gone.
+    merged = ('{"summary": "before"}\nstderr after the summary\n'
+              'working\n{"summary": "mine", "cost_cents": 2}\n\n')
+    assert record.log_path.read_text() == merged
+    assert not (tmp_path / "stdout").exists()
+    # Again (a restarted daemon restoring it once more): same summary, no duplicate.
+    again = outcome_from_record(record, tmp_path)
+    assert again is not None and (again.summary, again.cost_cents) == ("mine", 2.0)
+    assert record.log_path.read_text() == merged
     (tmp_path / "exit").write_text("143\n")
     killed = outcome_from_record(record)
     assert killed is not None
     assert (killed.outcome, killed.exit_code, killed.error) == (
         "failed", -15, "killed by signal SIGTERM")
+    assert killed.summary == "mine"
+
+
+@pytest.mark.parametrize("crash", ["after_state", "partial_append", "after_append"])
+def test_collecting_stdout_again_after_a_crash_neither_loses_nor_duplicates(
+        tmp_path: Path, crash: str) -> None:
+    record = make_record(tmp_path, 1234, 99)
+    (tmp_path / "exit").write_text("0\n")
+    stderr = "some stderr\n"
+    stdout = 'out\n{"summary": "kept", "cost_cents": 3}\n'
+    record.log_path.write_text(stderr)
+    (tmp_path / "stdout").write_text(stdout)
+    # What a daemon killed half-way through the merge leaves behind.
+    (tmp_path / "summary.json").write_text(json.dumps(
+        {"summary": "kept", "cost_cents": 3, "log_size": len(stderr)}))
+    if crash == "partial_append":
+        record.log_path.write_text(stderr + stdout[:5])
+    elif crash == "after_append":
+        record.log_path.write_text(stderr + stdout)
+    result = outcome_from_record(record, tmp_path)
+    assert result is not None and (result.summary, result.cost_cents) == ("kept", 3.0)
+    assert record.log_path.read_text() == stderr + stdout
+    assert not (tmp_path / "stdout").exists()
+
+
+def test_an_old_record_without_stdout_path_reads_the_default(tmp_path: Path) -> None:
+    record = make_record(tmp_path, 1234, 99)
+    write_record(record)
+    document = json.loads((tmp_path / "record.json").read_text())
+    assert document["stdout_path"] == str(tmp_path / "stdout")
+    del document["stdout_path"]
+    (tmp_path / "record.json").write_text(json.dumps(document))
+    old = read_record(tmp_path)
+    assert old is not None and old.stdout_path == tmp_path / "stdout"
 
 
 # -- detaching and adopting ----------------------------------------------------------------
@@ -390,7 +466,9 @@ def test_a_detached_agent_runs_on_and_its_shim_writes_the_exit_file(
     assert result is not None
     assert (result.outcome, result.summary, result.cost_cents) == ("succeeded", "x", 4.0)
     assert not record_alive(record)
-    assert sorted(p.name for p in spec.record_dir.iterdir()) == ["exit", "record.json"]
+    assert sorted(p.name for p in spec.record_dir.iterdir()) == [
+        "exit", "record.json", "summary.json"]  # the stdout file went into the log
+    assert spec.log_path.read_text().endswith('working\n{"summary": "x", "cost_cents": 4}\n')
 
 
 def test_a_fresh_runtime_adopts_a_running_agent(tmp_path: Path, link: Link, make_runtime: Any,
@@ -650,7 +728,8 @@ def test_records_json_fields(tmp_path: Path, link: Link, make_runtime: Any,
     document = json.loads((spec.record_dir / "record.json").read_text())
     assert set(document) == {"pid", "pid_start", "key", "run_id", "session_id", "started_at",
                              "deadline", "timeout_s", "log_path", "input_path", "argv",
-                             "log_offset"}
+                             "log_offset", "stdout_path"}
+    assert document["stdout_path"] == str(spec.record_dir / "stdout")
     assert document["pid"] == record.pid and document["timeout_s"] == 30.0
     assert document["started_at"].endswith("Z") and document["deadline"].endswith("Z")
     assert stat_mode(spec.record_dir) == 0o700

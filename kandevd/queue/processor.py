@@ -495,7 +495,8 @@ class RunQueue:
             else:
                 log.warning("run %s: %s re-queued", run_id, what)
 
-    def restore_after_restart(self, *, adopt: bool) -> frozenset[int]:
+    def restore_after_restart(self, *, adopt: bool, only_success: bool = False
+                              ) -> frozenset[int]:
         """At start-up, before any recovery: settle what earlier instances left claimed.
 
         For each of their claims, in this order: an outcome file is recorded;
@@ -508,7 +509,8 @@ class RunQueue:
         kept: set[int] = set()
         for row in self.repo.foreign_claims():
             try:
-                pid = self._restore_one(row["id"], row["claim_token"], adopt=adopt)
+                pid = self._restore_one(row["id"], row["claim_token"], adopt=adopt,
+                                        only_success=only_success)
             except Exception:
                 log.exception("run %s: restoring its execution failed; it will be rescued",
                               row["id"])
@@ -517,7 +519,8 @@ class RunQueue:
                 kept.add(pid)
         return frozenset(kept)
 
-    def _restore_one(self, run_id: str, token: str | None, *, adopt: bool) -> int | None:
+    def _restore_one(self, run_id: str, token: str | None, *, adopt: bool,
+                     only_success: bool = False) -> int | None:
         """Settle one claim an earlier instance left; the adopted shim's pid, if any.
 
         The order matters: the daemon's own outcome file first; then whether
@@ -543,7 +546,7 @@ class RunQueue:
         if record_alive(record):
             return self._adopt(claim, record, directory) if adopt else None
         ended = outcome_from_record(record, directory)
-        if ended is None or (interrupted and not ended.succeeded):
+        if ended is None or ((interrupted or only_success) and not ended.succeeded):
             return None  # nothing known, or stopped by the shutdown: rescued (re-queued)
         # Also after an interrupting shutdown: an agent that exited 0 all the same did
         # its work, and running it again would repeat it.
@@ -588,9 +591,10 @@ class RunQueue:
 
     def recover_after_restart(self) -> dict[str, str]:
         """Claims of earlier instances with no known outcome: re-queued, or the dead letter."""
-        # An agent that ended since the restore (or, without adoption, before the
-        # sweep stopped it) left its exit file: record it rather than run it again.
-        self.restore_after_restart(adopt=False)
+        # An agent that ended since the restore left its exit file: a clean exit is
+        # recorded rather than run again. (Any other status may be the sweep's own
+        # SIGTERM: such a run is re-queued like the rest, one attempt counted.)
+        self.restore_after_restart(adopt=False, only_success=True)
         recovered = self.repo.requeue_foreign_claims(self.clock(), keep=self.live_runs())
         pruned = journal.prune(self.layout, self.repo.claimed_tokens())
         if pruned:

@@ -25,19 +25,16 @@ One tick::
 from __future__ import annotations
 
 import logging
-import re
 import sqlite3
 from datetime import datetime
 from typing import Any
 
 from kandevd.lifecycle import Loop
 from kandevd.queue.processor import RunQueue
+from kandevd.store.db import is_environmental
 from kandevd.timeutil import after
 
 log = logging.getLogger("kandevd.queue.loop")
-
-#: SQLite errors that say the disk or the database is unavailable for now.
-_ENVIRONMENTAL = re.compile(r"full|locked|busy|disk I/O|readonly", re.IGNORECASE)
 
 
 class QueueLoop(Loop):
@@ -69,7 +66,7 @@ class QueueLoop(Loop):
             started = self.queue.drain(now, self.max_claims_per_tick)
             recovered = self._recover_stale(now)
         except sqlite3.OperationalError as exc:
-            if not _ENVIRONMENTAL.search(str(exc)):
+            if not is_environmental(exc):
                 raise  # a bug: the Loop logs it with its traceback
             # A full disk or a busy database is the environment, not a bug: one line,
             # and the next pass soon (outcomes already known are kept meanwhile).

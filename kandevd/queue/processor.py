@@ -27,6 +27,7 @@ soon as it has started (before the agent, in practice).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -45,6 +46,7 @@ from kandevd.queue import journal
 from kandevd.queue.groupcommit import GroupCommit
 from kandevd.runtime import (
     DETACHED,
+    ERROR,
     INTERRUPTED,
     STOPPED,
     AgentRuntime,
@@ -61,6 +63,7 @@ from kandevd.runtime.records import (
     record_alive,
 )
 from kandevd.runtime.specs import agent_execution
+from kandevd.store.db import is_environmental
 from kandevd.store.runs import Claim, EnqueueResult, RunRepository
 from kandevd.timeutil import utc_now
 
@@ -74,6 +77,9 @@ _NO_WRITE = frozenset({INTERRUPTED, STOPPED, DETACHED})
 #: 2 s apart, so a disk that frees up is noticed within about two seconds.
 _WRITE_RETRY_FIRST_S = 0.1
 _WRITE_RETRY_MAX_S = 2.0
+#: Refusals (other than a full disk or a busy database) after which an outcome is
+#: recorded as a plain failed attempt instead.
+_PLAIN_OUTCOME_AFTER = 10
 
 
 @dataclass
@@ -397,6 +403,17 @@ class RunQueue:
 
     def _write_refused(self, claim: Claim, result: ExecutionResult, exc: Exception) -> None:
         run_id = claim.run["id"]
+        if (not is_environmental(exc) and result.outcome != ERROR
+                and self._failure_counts.get(run_id, 0) + 1 >= _PLAIN_OUTCOME_AFTER):
+            # Refused again and again, and not for want of disk: something in this
+            # outcome itself cannot be stored. Record the attempt as failed without it,
+            # so the run is settled (and retried under the policy) instead of holding
+            # its agent for ever; the full outcome stays in the attempt's outcome file.
+            log.error("run %s: its outcome keeps being refused (%s); recording the attempt "
+                      "as failed without it", run_id, exc)
+            result = dataclasses.replace(
+                result, outcome=ERROR, summary=None, cost_cents=None,
+                error=f"its outcome could not be recorded: {type(exc).__name__}: {exc}")
         with self._lock:
             previous = next((u for u in self._unrecorded if u.claim.run["id"] == run_id), None)
             failures = (previous.failures if previous

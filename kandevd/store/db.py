@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sqlite3
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -27,6 +28,14 @@ from typing import Any
 log = logging.getLogger("kandevd.store")
 
 BUSY_TIMEOUT_MS = 10_000
+
+#: SQLite errors that say the disk or the database is unavailable for now.
+_ENVIRONMENTAL = re.compile(r"full|locked|busy|disk I/O|readonly", re.IGNORECASE)
+
+
+def is_environmental(exc: BaseException) -> bool:
+    """A full disk or a busy database: the environment, not a bug; it passes."""
+    return isinstance(exc, sqlite3.OperationalError) and bool(_ENVIRONMENTAL.search(str(exc)))
 
 
 class StoreError(RuntimeError):

@@ -724,6 +724,31 @@ def test_one_bad_outcome_does_not_hold_back_the_others(
     rig.queue.defer_outcomes(False)
 
 
+def test_an_outcome_refused_for_good_is_recorded_as_a_plain_failed_attempt(
+        rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    rig.queue.defer_outcomes(True)
+    rig.queue.monotonic = lambda: rig.clock().timestamp()
+    run = rig.enqueue("a1")
+    rig.tick()
+    rig.settle()
+
+    def finish(run_id: str, token: str, **kwargs: Any) -> bool:
+        raise RuntimeError("injected: this summary cannot be stored")
+
+    monkeypatch.setattr(rig.repo, "finish", finish)
+    for _ in range(12):
+        rig.tick()
+        rig.clock.advance(2.0)
+        if rig.status(run["id"]) != "claimed":
+            break
+    row = rig.repo.get(run["id"])
+    assert row["status"] == "queued" and row["retry_count"] == 1  # settled, retried later
+    assert row["error_message"].startswith("its outcome could not be recorded: RuntimeError")
+    assert rig.queue.live_agents() == frozenset() and rig.queue.unrecorded() == 0
+    assert rig.agents.started == [run["id"]]  # never run again to learn it
+    rig.queue.defer_outcomes(False)
+
+
 def test_stopping_the_loop_thread_flushes_and_ends_deferral(rig: Rig) -> None:
     """The real loop thread: outcomes while it runs, and after it has stopped."""
     finished: list[str] = []

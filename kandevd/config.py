@@ -36,6 +36,7 @@ DEFAULTS: dict[str, Any] = {
     },
     "runtime": {"max_concurrent": 4, "stop_grace_s": 20, "adopt_on_restart": True,
                 "keep_agents_on_stop": False},
+    "control": {"idle_timeout_s": 60},
     "office": {"enabled": True, "interval_s": 30, "recovery_lookback_hours": 24},
     "scheduler": {"enabled": True, "root": None, "history_retention_days": 90},
     "agents": {"default": {"command": None, "timeout_s": 3600, "env": {}}},
@@ -80,6 +81,11 @@ class RuntimeConfig:
 
 
 @dataclass(frozen=True)
+class ControlConfig:
+    idle_timeout_s: float = 60.0
+
+
+@dataclass(frozen=True)
 class OfficeConfig:
     enabled: bool
     interval_s: float
@@ -113,6 +119,7 @@ class Config:
     office: OfficeConfig
     scheduler: SchedulerConfig
     agents: Mapping[str, AgentProfile]
+    control: ControlConfig = ControlConfig()
     source: str | None = None
 
     def profile(self, name: str) -> AgentProfile:
@@ -220,6 +227,7 @@ def build_config(
         retry=RetryConfig(**{**merged["retry"], "delays_s": tuple(merged["retry"]["delays_s"])}),
         runtime=RuntimeConfig(**merged["runtime"]),
         office=OfficeConfig(**merged["office"]),
+        control=ControlConfig(idle_timeout_s=float(merged["control"]["idle_timeout_s"])),
         scheduler=SchedulerConfig(
             enabled=bool(sched["enabled"]) and not disabled_via_env,
             root=sched["root"],

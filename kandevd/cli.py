@@ -16,6 +16,7 @@ import click
 
 from kandevd import __version__
 from kandevd.cli_common import client_options, echo_json, home_option, invoke
+from kandevd.cli_db import db
 from kandevd.cli_jobs import jobs
 from kandevd.cli_runs import runs
 from kandevd.cli_scheduler import check_workflows, scheduler
@@ -164,6 +165,7 @@ def status(home: str | None, socket_path: str | None, as_json: bool) -> None:
 cli.add_command(runs)
 cli.add_command(jobs)
 cli.add_command(scheduler)
+cli.add_command(db)
 
 
 def main() -> None:

@@ -35,7 +35,8 @@ from kandevd.runtime import AgentRuntime
 from kandevd.runtime.orphans import stop_orphan_agents
 from kandevd.services import Services
 from kandevd.shutdown import MainThreadWaiter, ShutdownCoordinator, SignalWiring
-from kandevd.store.db import Store, open_store
+from kandevd.store.check import DatabaseUnusable, open_checked
+from kandevd.store.db import Store
 from kandevd.store.runs import RunRepository
 from kandevd.timeutil import rfc3339, utc_now
 
@@ -44,6 +45,7 @@ log = logging.getLogger("kandevd.daemon")
 EXIT_OK = 0
 EXIT_FORCED = 1
 EXIT_CANTCREAT = 73
+EXIT_IOERR = 74
 EXIT_TEMPFAIL = 75
 EXIT_CONFIG = 78
 
@@ -82,7 +84,10 @@ class Daemon:
     def _build(self) -> None:
         for folder in (self.layout.run_logs, self.layout.runs, self.layout.attempts):
             folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self.store = open_store(self.layout.db)
+        try:
+            self.store = open_checked(self.layout.db)
+        except DatabaseUnusable as exc:
+            raise StartupError(str(exc), EXIT_IOERR) from None
         self.bus = EventBus()
         self.runtime = AgentRuntime(self.config.runtime.max_concurrent,
                                     self.config.runtime.stop_grace_s)
@@ -297,7 +302,11 @@ class Daemon:
                         "max_concurrent": self.config.runtime.max_concurrent},
         }
         if self.store is not None:
-            result["store"] = {"statements": self.store.statements}
+            degraded = self.store.degraded
+            result["store"] = {"statements": self.store.statements,
+                               "status": "degraded" if degraded else "ok"}
+            if degraded:
+                result["store"]["reason"] = degraded
         if self.queue is not None and self.store is not None and not self.store.closed:
             try:
                 runs = self.queue.counts()

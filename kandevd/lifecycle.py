@@ -38,6 +38,7 @@ from __future__ import annotations
 import abc
 import enum
 import logging
+import sqlite3
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
@@ -220,6 +221,7 @@ class Loop(abc.ABC):
         self._wakeup = threading.Event()
         self.fanout = FanOut(name, self.log)
         self.ticks = 0
+        self._last_db_error: str | None = None  # the last database error a tick logged
         self._parent = parent
         if parent is not None:
             parent.subscribe(self._request_stop)
@@ -296,10 +298,21 @@ class Loop(abc.ABC):
                 self._wakeup.clear()
                 try:
                     delay = _wait_seconds(self.tick(self._clock()))
+                except sqlite3.DatabaseError as exc:
+                    # The database's state, not a bug in the tick: the store reports
+                    # damage once; here one line per new reason, no traceback flood.
+                    reason = str(exc)
+                    level = logging.DEBUG if reason == self._last_db_error else logging.WARNING
+                    self._last_db_error = reason
+                    self.log.log(level, "%s: tick failed: database error: %s; retrying in "
+                                 "%.1fs", self.name, reason, self.error_backoff_s)
+                    delay = self.error_backoff_s
                 except Exception:
                     self.log.exception("%s: tick failed; retrying in %.1fs",
                                        self.name, self.error_backoff_s)
                     delay = self.error_backoff_s
+                else:
+                    self._last_db_error = None
                 self.ticks += 1
                 if self._stopping.is_set():
                     break

@@ -57,6 +57,7 @@ class Store:
         self._closed = False
         self.statements = 0
         self._after_commit: list[Callable[[], None]] = []
+        self.degraded: str | None = None  # why the database is damaged (see _note_failure)
         conn = sqlite3.connect(
             self.path, check_same_thread=False, isolation_level=None,
             timeout=BUSY_TIMEOUT_MS / 1000,
@@ -92,7 +93,29 @@ class Store:
         with self._lock:
             if self._closed:
                 raise StoreClosedError()
-            yield self._conn
+            try:
+                yield self._conn
+            except sqlite3.DatabaseError as exc:
+                self._note_failure(exc)
+                raise
+
+    def _note_failure(self, exc: sqlite3.DatabaseError) -> None:
+        """A damaged database (corruption, I/O error) is reported once, then degraded.
+
+        A full disk, a busy database or a constraint violation passes and is
+        not damage. Corruption or an I/O error means the file cannot be
+        trusted: ``daemon.status`` says ``degraded`` with the reason, and one
+        error line tells the operator what to do, instead of a traceback per use.
+        """
+        # Corruption ("malformed", "not a database") is a plain DatabaseError; a
+        # constraint violation (IntegrityError) or a full disk is not damage.
+        damaged = type(exc) in (sqlite3.DatabaseError, sqlite3.InternalError) or (
+            isinstance(exc, sqlite3.OperationalError) and "disk I/O" in str(exc))
+        if damaged and self.degraded is None:
+            self.degraded = str(exc)
+            log.error("database %s is damaged (%s): requests that need it answer "
+                      "'unavailable'; stop the daemon, run `kandevd db check`, and "
+                      "restore a backup or recover it", self.path, exc)
 
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
@@ -112,7 +135,9 @@ class Store:
             try:
                 yield conn
                 conn.execute("COMMIT")
-            except BaseException:
+            except BaseException as exc:
+                if isinstance(exc, sqlite3.DatabaseError):
+                    self._note_failure(exc)
                 self._after_commit.clear()  # what they announce never happened
                 # Also when COMMIT itself failed: never leave a transaction open, or every
                 # later transaction() would silently "join" it. SQLite may already have

@@ -1,7 +1,8 @@
 """The ``kandevd`` command line (click).
 
 Exit codes follow sysexits where the contract says so: 0 ok, 1 error answer
-(or forced stop), 69 no daemon, 75 home locked, 78 bad config.
+(or forced stop), 69 no daemon, 73 home cannot be created or written, 75 home
+locked, 78 bad config (serve; validate answers 1, as CONTRACT.md section 1 says).
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ import json
 import os
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -21,11 +24,23 @@ from kandevd.cli_jobs import jobs
 from kandevd.cli_runs import runs
 from kandevd.cli_scheduler import check_workflows, scheduler
 from kandevd.config import ConfigError, load_config
-from kandevd.paths import HomeLayout, resolve_home
+from kandevd.paths import HomeError, HomeLayout, resolve_home
 
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
 EXIT_CONFIG = 78
+EXIT_CANTCREAT = 73
 EXIT_ERROR = 1
+# `validate` reports a bad config with this code: CONTRACT.md section 1 gives validate
+# "exit 0/1". `serve` uses EXIT_CONFIG (78). Both print the same one-line reason.
+EXIT_VALIDATE_BAD_CONFIG = EXIT_ERROR
+
+
+def config_option(help_text: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``--config FILE``. Not click.Path(dir_okay=False): click would answer a directory
+    with its own usage error (exit 2); load_config reports it like every other bad
+    config file (serve 78), with the path and the reason."""
+    return click.option("--config", "config_path", type=click.Path(readable=False), metavar="FILE",
+                        default=None, help=help_text)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -41,8 +56,7 @@ def cli() -> None:
 
 @cli.command()
 @home_option
-@click.option("--config", "config_path", type=click.Path(dir_okay=False, exists=False),
-              default=None, help="Config file (default: <home>/kandevd.yaml when it exists).")
+@config_option("Config file (default: <home>/kandevd.yaml when it exists).")
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="text",
               show_default=True, help="Log line format on stderr.")
 @click.option("--log-level", default="INFO", show_default=True,
@@ -63,27 +77,42 @@ def serve(home: str | None, config_path: str | None, log_format: str, log_level:
     sys.exit(Daemon(config, HomeLayout(root)).run())
 
 
-def restrict_tree(root: Path) -> None:
-    """copytree keeps the example's modes; a home is private: folders 0700, files 0600."""
-    os.chmod(root, 0o700)
-    for folder, dirs, files in os.walk(root):
+def restrict_tree(source: Path, root: Path) -> None:
+    """copytree keeps the example's modes; what it copied is made private: folders 0700,
+    files 0600. Only the example's own paths: the home itself and anything else in it
+    keep the modes they have."""
+    for folder, dirs, files in os.walk(source):
+        rel = Path(folder).relative_to(source)
         for name in dirs:
-            os.chmod(os.path.join(folder, name), 0o700)
+            target = root / rel / name
+            if name != "__pycache__" and target.is_dir() and not target.is_symlink():
+                os.chmod(target, 0o700)
         for name in files:
-            path = os.path.join(folder, name)
-            if not os.path.islink(path):
-                os.chmod(path, 0o600)
+            target = root / rel / name
+            if target.is_file() and not target.is_symlink():
+                os.chmod(target, 0o600)
 
 
 @cli.command()
 @home_option
 @click.option("--example", default=None, help="Copy examples/NAME into the home (e.g. demo).")
 def init(home: str | None, example: str | None) -> None:
-    """Lay out a home directory (folders 0700), optionally from an example."""
+    """Lay out a home directory (new folders 0700), optionally from an example.
+
+    An existing home keeps its mode (a warning says so when it is not 0700);
+    a home that cannot be created or written exits 73.
+    """
     root = resolve_home(home)
     layout = HomeLayout(root)
-    layout.prepare()
-    (layout.workspace).mkdir(mode=0o700, exist_ok=True)
+    try:
+        layout.prepare(warn=lambda message: click.echo(f"kandevd: warning: {message}", err=True))
+        layout.workspace.mkdir(mode=0o700, exist_ok=True)
+    except HomeError as exc:
+        click.echo(f"kandevd: cannot use home {root}: {exc}", err=True)
+        sys.exit(EXIT_CANTCREAT)
+    except OSError as exc:
+        click.echo(f"kandevd: cannot use home {root}: {exc.strerror or exc}", err=True)
+        sys.exit(EXIT_CANTCREAT)
     if example:
         from kandevd.paths import check_safe_name
 
@@ -95,16 +124,23 @@ def init(home: str | None, example: str | None) -> None:
         if not source.is_dir():
             known = sorted(p.name for p in EXAMPLES_DIR.iterdir()) if EXAMPLES_DIR.is_dir() else []
             raise click.ClickException(f"no example named {example!r} (known: {known})")
-        shutil.copytree(source, root, dirs_exist_ok=True,
-                        ignore=shutil.ignore_patterns("__pycache__"))
-        restrict_tree(root)
+        # Entry by entry, not copytree(source, root): that would copy the example
+        # folder's own mode onto the home.
+        for entry in sorted(source.iterdir()):
+            if entry.name == "__pycache__":
+                continue
+            if entry.is_dir():
+                shutil.copytree(entry, root / entry.name, dirs_exist_ok=True,
+                                ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                shutil.copy2(entry, root / entry.name)
+        restrict_tree(source, root)
     click.echo(f"home ready: {root}")
 
 
 @cli.command()
 @home_option
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
-              help="Config file to check.")
+@config_option("Config file to check (default: <home>/kandevd.yaml when it exists).")
 def validate(home: str | None, config_path: str | None) -> None:
     """Check the config and every workflow; exit 0 when all are valid, 1 otherwise.
 
@@ -123,7 +159,7 @@ def validate(home: str | None, config_path: str | None) -> None:
     except ConfigError as exc:
         click.echo(f"invalid: {exc}", err=True)
         click.echo("workflows not checked: the config is invalid", err=True)
-        sys.exit(EXIT_ERROR)
+        sys.exit(EXIT_VALIDATE_BAD_CONFIG)
     click.echo(f"config ok: {config.source or 'built-in defaults'}")
     if not check_workflows(scheduler_root(config, root)):
         sys.exit(EXIT_ERROR)

@@ -19,9 +19,10 @@ EXIT_UNAVAILABLE = 69
 EXIT_CONFIG = 78
 
 
-
 def home_option(func: Callable[..., Any]) -> Callable[..., Any]:
-    return click.option("--home", type=click.Path(file_okay=False), default=None,
+    # Not click.Path(file_okay=False): click's usage error would exit 2, where serve
+    # must answer a home it cannot use with 73 and the reason (kandevd.paths.HomeError).
+    return click.option("--home", type=click.Path(readable=False), metavar="DIR", default=None,
                         help="Home directory (default: $KANDEVD_HOME, else "
                              "~/.local/share/kandevd).")(func)
 

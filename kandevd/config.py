@@ -13,17 +13,21 @@ explicitly; nothing in kandevd reads configuration from globals.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cache
 from importlib import resources
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 import jsonschema
-import yaml
+
+from kandevd import yamlsafe
 
 DEFAULTS: dict[str, Any] = {
     "queue": {"safety_interval_s": 5, "max_claims_per_tick": 10, "stale_claim_s": 1800,
@@ -139,6 +143,28 @@ def _schema() -> dict[str, Any]:
     return json.loads(text)
 
 
+def _finite_number(checker: Any, instance: Any) -> bool:
+    """JSON Schema's "number", without NaN and the infinities (YAML .nan, .inf, -.inf):
+    ``minimum``/``maximum`` alone let NaN through, since every comparison with it is false."""
+    base = jsonschema.Draft202012Validator.TYPE_CHECKER
+    return base.is_type(instance, "number") and \
+        not (isinstance(instance, float) and not math.isfinite(instance))
+
+
+FiniteValidator = jsonschema.validators.extend(
+    jsonschema.Draft202012Validator,
+    type_checker=jsonschema.Draft202012Validator.TYPE_CHECKER.redefine("number", _finite_number),
+)
+
+
+@cache
+def _validator() -> Any:
+    return FiniteValidator(_schema())
+
+
+MAX_MESSAGE = 300
+
+
 def format_validation_error(error: jsonschema.ValidationError, prefix: str = "",
                             noun: str = "key") -> str:
     """``a.b.c: message`` for a jsonschema error; the root is named ``<root>``.
@@ -158,7 +184,10 @@ def format_validation_error(error: jsonschema.ValidationError, prefix: str = "",
             more = f" (also unknown: {', '.join(unknown[1:])})" if unknown[1:] else ""
             return f"{where}: unknown {noun}; allowed here: {allowed}{more}"
     where = ".".join(parts) or "<root>"
-    return f"{where}: {error.message}"
+    message = yamlsafe.one_line(error.message)
+    if len(message) > MAX_MESSAGE:  # the message quotes the value, which may be a big list
+        message = message[:MAX_MESSAGE] + "..."
+    return f"{where}: {message}"
 
 
 def _deep_merge(base: dict[str, Any], overlay: Mapping[str, Any]) -> dict[str, Any]:
@@ -171,24 +200,39 @@ def _deep_merge(base: dict[str, Any], overlay: Mapping[str, Any]) -> dict[str, A
     return merged
 
 
-def _check_keys(node: Any, path: tuple[str, ...] = ()) -> None:
+def _check_keys(document: Any) -> None:
     """YAML allows keys like ``true`` or ``1``; JSON Schema only sees string keys."""
-    if isinstance(node, Mapping):
-        for key, value in node.items():
-            if not isinstance(key, str):
-                where = ".".join(path) or "<root>"
-                raise ConfigError(f"{where}: key {key!r} must be a string (quote it in YAML)")
-            _check_keys(value, (*path, key))
-    elif isinstance(node, list):
-        for index, value in enumerate(node):
-            _check_keys(value, (*path, str(index)))
+    stack: list[tuple[tuple[str, ...], Any]] = [((), document)]
+    visited: set[int] = set()
+    while stack:
+        path, node = stack.pop()
+        if not isinstance(node, (Mapping, list)) or id(node) in visited:
+            continue
+        visited.add(id(node))  # a part shared through a YAML alias is checked once
+        if isinstance(node, Mapping):
+            for key, value in node.items():
+                if not isinstance(key, str):
+                    where = ".".join(path) or "<root>"
+                    raise ConfigError(f"{where}: key {key!r} must be a string "
+                                      "(quote it in YAML)")
+                stack.append(((*path, key), value))
+        else:
+            stack.extend(((*path, str(i)), value) for i, value in enumerate(node))
+
+
+def _check_finite(document: Any) -> None:
+    """NaN or an infinity anywhere is refused, with its key path (before the schema, whose
+    own finite "number" type would say less)."""
+    for path, value in yamlsafe.non_finite(document):
+        where = ".".join(path) or "<root>"
+        raise ConfigError(f"{where}: {yamlsafe.describe_non_finite(value)}")
 
 
 def validate_document(document: Any) -> None:
     """Raise ConfigError for the first (most relevant) schema violation."""
     _check_keys(document)
-    validator = jsonschema.Draft202012Validator(_schema())
-    errors = sorted(validator.iter_errors(document), key=lambda e: list(e.absolute_path))
+    _check_finite(document)
+    errors = sorted(_validator().iter_errors(document), key=lambda e: list(e.absolute_path))
     if errors:
         best = jsonschema.exceptions.best_match(errors) or errors[0]
         raise ConfigError(format_validation_error(best))
@@ -222,7 +266,7 @@ def build_config(
         )
     disabled_via_env = _env_scheduler_disabled(environ)
     sched = merged["scheduler"]
-    return Config(
+    config = Config(
         queue=QueueConfig(**merged["queue"]),
         retry=RetryConfig(**{**merged["retry"], "delays_s": tuple(merged["retry"]["delays_s"])}),
         runtime=RuntimeConfig(**merged["runtime"]),
@@ -238,25 +282,53 @@ def build_config(
         agents=MappingProxyType(agents),
         source=source,
     )
+    check_config_finite(config)
+    return config
+
+
+def check_config_finite(config: Config) -> None:
+    """The check after loading: no number the daemon will use is NaN or infinite.
+
+    The document was checked already; this guards the built values themselves
+    (defaults, merges and conversions included), so a loop interval or a timeout
+    can never be NaN whatever path built it.
+    """
+    stack: list[tuple[str, Any]] = [("", config)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, float):
+            if not math.isfinite(value):
+                raise ConfigError(f"{where}: {yamlsafe.describe_non_finite(value)}")
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            for item in dataclasses.fields(value):
+                if item.name not in ("name", "source"):
+                    stack.append((f"{where}.{item.name}".lstrip("."), getattr(value, item.name)))
+        elif isinstance(value, Mapping):
+            stack.extend((f"{where}.{key}", item) for key, item in value.items())
+        elif isinstance(value, (tuple, list)):
+            stack.extend((f"{where}.{index}", item) for index, item in enumerate(value))
 
 
 def load_config(
     path: Path | None, *, home: Path | None = None, environ: Mapping[str, str] | None = None
 ) -> Config:
-    """Load ``path``, else ``<home>/kandevd.yaml`` when it exists, else the defaults."""
+    """Load ``path``, else ``<home>/kandevd.yaml`` when it exists, else the defaults.
+
+    Every way a file can be unusable is a ConfigError of one line that starts with
+    the file's path: unreadable, a directory, not UTF-8, not YAML, an alias bomb,
+    NaN or infinity, an unknown key, a wrong type.
+    """
     if path is None and home is not None and (home / "kandevd.yaml").is_file():
         path = home / "kandevd.yaml"
     if path is None:
         return build_config(None, environ=environ)
     try:
-        text = Path(path).read_text("utf-8")
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read config: {exc.strerror or exc}") from exc
-    try:
-        document = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+        document = yamlsafe.load_file(Path(path), "config")
+    except yamlsafe.YamlError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
     try:
         return build_config(document, environ=environ, source=str(path))
     except ConfigError as exc:
-        raise ConfigError(f"{path}: {exc}") from exc
+        raise ConfigError(f"{path}: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply") from None

@@ -1,13 +1,36 @@
-"""Where things live: the home directory and the names inside it."""
+"""Where things live: the home directory and the names inside it.
+
+A home kandevd creates is made 0700. An existing home is used with the mode it
+has: kandevd never chmods it (the owner may have opened it to a group on
+purpose), it logs a warning naming the mode found when that is not 0700, and
+it refuses to start (exit 73, :class:`HomeError`) when it cannot write there.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_HOME = "~/.local/share/kandevd"
+ADVISED_MODE = 0o700
+
+log = logging.getLogger("kandevd.home")
+
+
+class HomeError(OSError):
+    """The home cannot be created or written (exit 73); the message says why, in one line."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
@@ -83,7 +106,64 @@ class HomeLayout:
     def workspace(self) -> Path:
         return self.root / "workspace"
 
-    def prepare(self) -> None:
-        ensure_dir(self.root)
-        os.chmod(self.root, 0o700)
-        ensure_dir(self.logs)
+    def prepare(self, warn: Callable[[str], None] | None = None) -> list[str]:
+        """Create what is missing (0700) and check the home can be used; never chmod.
+
+        Returns the warnings (also passed to ``warn``, by default logged): the
+        mode of an existing home that is not 0700. Raises :class:`HomeError`
+        when the home cannot be created, is not a directory, or is not writable.
+        """
+        created = not os.path.lexists(self.root)
+        try:
+            ensure_dir(self.root)
+        except OSError as exc:
+            raise HomeError(f"cannot create it: {exc.strerror or exc}") from None
+        try:
+            info = os.stat(self.root)
+        except OSError as exc:
+            raise HomeError(f"cannot use it: {exc.strerror or exc}") from None
+        if not stat.S_ISDIR(info.st_mode):
+            raise HomeError("it exists and is not a directory")
+        warnings = [] if created else home_mode_warnings(self.root, info)
+        for message in warnings:
+            (warn or log.warning)(message)
+        if not os.access(self.root, os.W_OK | os.X_OK):
+            raise HomeError(_not_writable(self.root, info))
+        try:
+            ensure_dir(self.logs)
+        except OSError as exc:
+            raise HomeError(f"cannot create {self.logs}: {exc.strerror or exc}") from None
+        return warnings
+
+
+def home_mode_warnings(root: Path, info: os.stat_result) -> list[str]:
+    """Why an existing home's mode is not the advised 0700, or nothing when it is."""
+    mode = stat.S_IMODE(info.st_mode) & 0o777
+    if mode == ADVISED_MODE:
+        return []
+    reasons = []
+    others = mode & 0o077
+    if others:
+        who = " and ".join(w for w, bits in (("group", 0o070), ("others", 0o007))
+                           if others & bits)
+        reasons.append(f"it is open to {who}, and it holds the database, the run logs and "
+                       "the control socket")
+    missing = ADVISED_MODE & ~mode
+    if missing:
+        reasons.append("its owner lacks " + "/".join(
+            name for name, bit in (("read", 0o400), ("write", 0o200), ("search", 0o100))
+            if missing & bit) + " permission, which kandevd needs there")
+    return [f"home {root} has mode {mode:04o}, not the advised 0700 ({'; '.join(reasons)}); "
+            f"it is used as it is, not changed (chmod 700 {root} to follow the advice)"]
+
+
+def _not_writable(root: Path, info: os.stat_result) -> str:
+    try:
+        read_only = bool(os.statvfs(root).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    why = "it is on a read-only file system" if read_only else (
+        f"mode {stat.S_IMODE(info.st_mode):04o}, owner uid {info.st_uid}, kandevd runs as uid "
+        f"{os.geteuid()}")
+    return (f"cannot write it ({why}): kandevd creates its lock, database, socket and logs "
+            "there; make it writable or choose another --home")

@@ -29,7 +29,7 @@ class DaemonProcess:
     def __init__(self, home: Path, config: dict[str, Any] | None = None, *,
                  env: dict[str, str] | None = None, args: list[str] | None = None) -> None:
         self.home = Path(home)
-        self.home.mkdir(parents=True, exist_ok=True)
+        self.home.mkdir(mode=0o700, parents=True, exist_ok=True)
         if config is not None:
             (self.home / "kandevd.yaml").write_text(yaml.safe_dump(config))
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}

@@ -18,19 +18,18 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
-import yaml
 
 from kandevd.config import format_validation_error
 from kandevd.products import schedule as product_schedule
 from kandevd.products.schedule import ProductSchedule
 from kandevd.workflows.manifest import ManifestError, Problem, check_workflow_name
+from kandevd.yamlsafe import YamlError
+from kandevd.yamlsafe import load_file as load_yaml
 
 PRODUCTS_DIR = "products"
 PRODUCT_FILE = "product.yaml"
 USERS_FILE = "users.yaml"
 LOCAL_USER = "local"
-MAX_YAML_BYTES = 1024 * 1024
-MAX_YAML_VALUES = 100_000
 
 
 @dataclass(frozen=True)
@@ -55,35 +54,6 @@ class User:
 LOCAL = User(LOCAL_USER)
 
 
-class YamlError(ValueError):
-    pass
-
-
-def load_yaml(path: Path) -> Any:
-    """Safe-load one YAML file; YamlError says where (with the line) and why."""
-    try:
-        if path.stat().st_size > MAX_YAML_BYTES:
-            raise YamlError(f"larger than {MAX_YAML_BYTES} bytes")
-        text = path.read_text("utf-8")
-    except UnicodeDecodeError as exc:
-        raise YamlError(f"not UTF-8 text: {exc.reason}") from None
-    except OSError as exc:
-        raise YamlError(f"cannot read: {exc.strerror or exc}") from None
-    try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        if node is not None and _expanded_size(node, {}) > MAX_YAML_VALUES:
-            raise YamlError(f"expands to more than {MAX_YAML_VALUES} values (through YAML "
-                            "aliases): refused")
-        return yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise YamlError(f"not valid YAML: {where}{problem}") from None
-    except RecursionError:
-        raise YamlError("not valid YAML: nested too deeply") from None
-
-
 @cache
 def _validator() -> jsonschema.Draft202012Validator:
     text = resources.files("kandevd.schemas").joinpath("product.json").read_text("utf-8")
@@ -94,21 +64,6 @@ def _validator() -> jsonschema.Draft202012Validator:
     if isinstance(schedules, dict):
         schedules["items"] = {"type": "object"}
     return jsonschema.Draft202012Validator(schema)
-
-
-def _expanded_size(node: yaml.Node, seen: dict[int, int]) -> int:
-    """How many values ``node`` stands for once every alias is expanded (memoized per
-    node, so an alias bomb is measured without being expanded)."""
-    if id(node) in seen:
-        return seen[id(node)]
-    seen[id(node)] = 1  # a recursive alias counts once while it is being measured
-    size = 1
-    if isinstance(node, yaml.SequenceNode):
-        size += sum(_expanded_size(child, seen) for child in node.value)
-    elif isinstance(node, yaml.MappingNode):
-        size += sum(_expanded_size(k, seen) + _expanded_size(v, seen) for k, v in node.value)
-    seen[id(node)] = size
-    return size
 
 
 def _json_safe(document: Any) -> Any:

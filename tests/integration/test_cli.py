@@ -8,8 +8,12 @@ checks documentation, not behaviour.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import socket
 import stat
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -157,3 +161,97 @@ def test_init_lays_out_a_home_and_copies_an_example(tmp_path: Path) -> None:
     for name in ("no-such-example", "../etc"):
         refused = run_cli(tmp_path / "x", "init", "--example", name)
         assert refused.returncode == 1 and name in refused.stderr
+
+
+# -- the home is not changed behind the user's back -------------------------------------
+
+ADVICE = "not the advised 0700"
+
+
+def test_a_new_home_is_created_0700_and_an_existing_0700_home_gets_no_warning(
+        tmp_path: Path) -> None:
+    home = tmp_path / "a" / "b" / "home"
+    daemon = DaemonProcess(home, None)
+    shutil.rmtree(tmp_path / "a")  # the harness made it; serve must create it
+    daemon.start()
+    try:
+        for folder in (tmp_path / "a", tmp_path / "a" / "b", home, home / "logs"):
+            assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
+        assert ADVICE not in daemon.log_text
+        assert daemon.stop() == 0
+        daemon.start()  # now an existing 0700 home
+        assert daemon.stop() == 0
+        assert ADVICE not in daemon.log_text
+    finally:
+        daemon.cleanup()
+
+
+@pytest.mark.parametrize(("mode", "reason"), [
+    (0o755, "it is open to group and others"),
+    (0o750, "it is open to group,"),
+    (0o500, "its owner lacks write permission"),
+])
+def test_an_existing_home_keeps_its_mode_and_a_warning_names_it(
+        tmp_path: Path, mode: int, reason: str) -> None:
+    if mode == 0o500 and os.geteuid() != 0:
+        pytest.skip("only root can run in a 0500 home (see the exit 73 test)")
+    home = tmp_path / "home"
+    home.mkdir()
+    home.chmod(mode)
+    daemon = DaemonProcess(home, None)
+    daemon.start()
+    try:
+        warning = daemon.wait_for_line(ADVICE)
+        assert "WARNING" in warning and f"has mode {mode:04o}, {ADVICE}" in warning, warning
+        assert reason in warning and "not changed" in warning, warning
+        assert stat.S_IMODE(home.stat().st_mode) == mode  # while it runs
+        assert daemon.stop() == 0
+    finally:
+        daemon.cleanup()
+    assert stat.S_IMODE(home.stat().st_mode) == mode  # and after it stopped
+    assert "Traceback" not in daemon.log_text
+
+
+def test_a_home_the_daemon_cannot_write_exits_73_and_is_left_as_it_is(tmp_path: Path) -> None:
+    from tests.integration.test_bad_config import as_ordinary_user
+
+    home = tmp_path / "home"
+    home.mkdir()
+    home.chmod(0o500)
+    preexec = as_ordinary_user()
+    result = subprocess.run([sys.executable, "-m", "kandevd", "serve", "--home", str(home)],
+                            capture_output=True, text=True, timeout=60, preexec_fn=preexec)
+    assert result.returncode == 73, result.stderr
+    assert f"cannot use home {home}: cannot write it (mode 0500" in result.stderr
+    assert "has mode 0500" in result.stderr and "Traceback" not in result.stderr
+    assert stat.S_IMODE(home.stat().st_mode) == 0o500 and not list(home.iterdir())
+
+
+def test_a_home_that_is_a_file_or_cannot_be_created_exits_73(tmp_path: Path) -> None:
+    a_file = tmp_path / "file"
+    a_file.write_text("not a home")
+    for home, reason in ((a_file, "it exists and is not a directory"),
+                         (a_file / "home", "cannot create it: Not a directory")):
+        for command in ("serve", "init"):
+            result = run_cli(home, command)
+            assert result.returncode == 73, (command, result.stderr)
+            assert f"cannot use home {home}: {reason}" in result.stderr, result.stderr
+            assert "Traceback" not in result.stderr
+    assert a_file.read_text() == "not a home"
+
+
+def test_init_keeps_an_existing_homes_mode_and_makes_only_what_it_copies_private(
+        tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    home.chmod(0o750)
+    mine = home / "notes.txt"
+    mine.write_text("mine")
+    mine.chmod(0o644)
+    result = run_cli(home, "init", "--example", "demo")
+    assert result.returncode == 0, result.stderr
+    assert f"home {home} has mode 0750, {ADVICE}" in result.stderr
+    assert stat.S_IMODE(home.stat().st_mode) == 0o750
+    assert stat.S_IMODE(mine.stat().st_mode) == 0o644  # not the example's: left alone
+    assert stat.S_IMODE((home / "kandevd.yaml").stat().st_mode) == 0o600
+    assert stat.S_IMODE((home / "workspace").stat().st_mode) == 0o700

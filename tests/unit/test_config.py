@@ -208,3 +208,87 @@ def test_the_env_wins_over_the_file_but_never_turns_a_disabled_scheduler_on() ->
                                environ={"SCHEDULER_ENABLED": "true"})
     assert off_in_file.scheduler.enabled is False
     assert off_in_file.scheduler.disabled_via_env is False
+
+
+# -- NaN, infinity, unreadable files, alias bombs ---------------------------------------
+
+
+@pytest.mark.parametrize(("document", "message"), [
+    ({"queue": {"safety_interval_s": float("nan")}}, "queue.safety_interval_s: NaN is not allowed"),
+    ({"retry": {"delays_s": [1, float("inf")]}}, "retry.delays_s.1: infinity is not allowed"),
+    ({"agents": {"default": {"timeout_s": float("-inf")}}},
+     "agents.default.timeout_s: -infinity is not allowed"),
+    ({"agents": {"x": {"env": {"A": float("nan")}}}}, "agents.x.env.A: NaN is not allowed"),
+    ({"runtime": {"max_concurrent": float("inf")}},
+     "runtime.max_concurrent: infinity is not allowed"),
+])
+def test_nan_and_infinity_are_refused_with_the_key_path(document: Any, message: str) -> None:
+    assert error_for(document) == message
+
+
+def test_the_schema_itself_refuses_nan_and_infinity() -> None:
+    """minimum/maximum let NaN through (every comparison with it is false): the validator's
+    "number" type excludes it, so the schema alone refuses too."""
+    from kandevd.config import FiniteValidator, _schema
+
+    validator = FiniteValidator(_schema())
+    for value in (float("nan"), float("inf"), float("-inf")):
+        for document in ({"queue": {"safety_interval_s": value}},
+                         {"agents": {"default": {"timeout_s": value}}},
+                         {"retry": {"jitter": value}}):
+            assert list(validator.iter_errors(document)), document
+    assert not list(validator.iter_errors({"queue": {"safety_interval_s": 0.5}}))
+
+
+def test_the_check_after_loading_refuses_a_non_finite_built_value() -> None:
+    from kandevd.config import check_config_finite
+
+    config = build_config(None, environ={})
+    check_config_finite(config)  # the defaults are fine
+    broken = dataclasses.replace(config, queue=dataclasses.replace(
+        config.queue, safety_interval_s=float("nan")))
+    with pytest.raises(ConfigError, match=r"^queue\.safety_interval_s: NaN is not allowed$"):
+        check_config_finite(broken)
+    broken = dataclasses.replace(config, retry=dataclasses.replace(
+        config.retry, delays_s=(1.0, float("-inf"))))
+    with pytest.raises(ConfigError, match=r"^retry\.delays_s\.1: -infinity is not allowed$"):
+        check_config_finite(broken)
+    profile = dataclasses.replace(config.agents["default"], timeout_s=float("inf"))
+    with pytest.raises(ConfigError, match=r"^agents\.default\.timeout_s: infinity"):
+        check_config_finite(dataclasses.replace(config, agents={"default": profile}))
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (b"queue:\n  safety_interval_s: .nan\n", "queue.safety_interval_s: NaN is not allowed"),
+    (b"retry:\n  max_age_s: -.inf\n", "retry.max_age_s: -infinity is not allowed"),
+    (b"a: \xff\n", "not UTF-8 text: invalid start byte (byte 0xff at offset 3, line 1)"),
+    (b"queue: {\n", "not valid YAML: line 2, column 1: "),
+    (b"a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1, 1]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
+     b"c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b, *b]\nd: &d [*c, *c, *c, *c, *c, *c, *c, *c,"
+     b" *c, *c]\ne: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d, *d]\n",
+     "expands to more than 100000 values (through YAML aliases): refused"),
+])
+def test_load_config_reports_a_bad_file_in_one_line(tmp_path: Path, content: bytes,
+                                                    message: str) -> None:
+    path = tmp_path / "kandevd.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, environ={})
+    text = str(info.value)
+    assert text.startswith(f"{path}: {message}") and "\n" not in text
+
+
+def test_load_config_refuses_a_directory_and_a_huge_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config: is a directory, not a file"):
+        load_config(tmp_path, environ={})
+    big = tmp_path / "big.yaml"
+    big.write_text("# " + "x" * (1024 * 1024) + "\n")
+    with pytest.raises(ConfigError, match="larger than 1048576 bytes"):
+        load_config(big, environ={})
+
+
+def test_a_utf8_bom_and_a_few_aliases_are_fine(tmp_path: Path) -> None:
+    path = tmp_path / "kandevd.yaml"
+    path.write_bytes(b"\xef\xbb\xbfagents:\n  a: {env: &e {K: v}}\n  b: {env: *e}\n")
+    config = load_config(path, environ={})
+    assert dict(config.agents["b"].env) == {"K": "v"}

@@ -1,0 +1,136 @@
+"""Loading YAML files a user hands to kandevd (kandevd.yaml, product.yaml, users.yaml).
+
+``yaml.safe_load`` alone is not enough for a daemon: a file of a few hundred
+bytes can use aliases to stand for billions of values ("billion laughs"), and
+everything that walks the result (JSON Schema, a deep copy) then runs for
+minutes. Here the document is composed once, its expanded size is measured
+on the node graph (memoized per node, so a bomb is measured without being
+expanded) and refused above :data:`MAX_YAML_VALUES`; only then is it built.
+
+Every failure is a :class:`YamlError` whose message is one line: what is
+wrong and, for a syntax error, the line and column.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+MAX_YAML_BYTES = 1024 * 1024
+MAX_YAML_VALUES = 100_000
+
+
+class YamlError(ValueError):
+    pass
+
+
+def read_text(path: Path, what: str = "") -> str:
+    """The file's text (UTF-8, at most :data:`MAX_YAML_BYTES`); YamlError says why not.
+
+    ``what`` names the file in "cannot read ..." (``cannot read config: ...``).
+    A directory is refused before it is opened; a pipe (``--config <(...)``) is read.
+    """
+    label = f"cannot read {what}".rstrip()
+    try:
+        info = os.stat(path)
+        if stat.S_ISDIR(info.st_mode):
+            raise YamlError(f"{label}: is a directory, not a file")
+        if stat.S_ISREG(info.st_mode) and info.st_size > MAX_YAML_BYTES:
+            raise YamlError(f"larger than {MAX_YAML_BYTES} bytes")
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_YAML_BYTES + 1)
+    except OSError as exc:
+        raise YamlError(f"{label}: {exc.strerror or exc}") from None
+    if len(data) > MAX_YAML_BYTES:
+        raise YamlError(f"larger than {MAX_YAML_BYTES} bytes")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise YamlError(f"not UTF-8 text: {exc.reason} (byte 0x{data[exc.start]:02x} at "
+                        f"offset {exc.start}, line {line})") from None
+
+
+def loads(text: str) -> Any:
+    """Safe-load one YAML document from ``text`` with the alias guard."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        if expanded_size(node, {}) > MAX_YAML_VALUES:
+            raise YamlError(f"expands to more than {MAX_YAML_VALUES} values (through YAML "
+                            "aliases): refused")
+        return loader.construct_document(node)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise YamlError(f"not valid YAML: {where}{one_line(str(problem))}") from None
+    except RecursionError:
+        raise YamlError("not valid YAML: nested too deeply") from None
+    finally:
+        loader.dispose()
+
+
+def load_file(path: Path, what: str = "") -> Any:
+    """Safe-load one YAML file; YamlError says where (with the line) and why."""
+    return loads(read_text(path, what))
+
+
+def expanded_size(node: yaml.Node, seen: dict[int, int]) -> int:
+    """How many values ``node`` stands for once every alias is expanded (memoized per
+    node, so an alias bomb is measured without being expanded)."""
+    if id(node) in seen:
+        return seen[id(node)]
+    seen[id(node)] = 1  # a recursive alias counts once while it is being measured
+    size = 1
+    if isinstance(node, yaml.SequenceNode):
+        size += sum(expanded_size(child, seen) for child in node.value)
+    elif isinstance(node, yaml.MappingNode):
+        size += sum(expanded_size(k, seen) + expanded_size(v, seen) for k, v in node.value)
+    seen[id(node)] = size
+    return size
+
+
+def non_finite(document: Any) -> Iterator[tuple[tuple[str, ...], float]]:
+    """Every NaN or infinity in a loaded document, with its key path (keys included).
+
+    Iterative and visiting each container once, so a document with shared (aliased)
+    parts or deep nesting costs no more than its size.
+    """
+    stack: list[tuple[tuple[str, ...], Any]] = [((), document)]
+    visited: set[int] = set()
+    while stack:
+        path, node = stack.pop()
+        if isinstance(node, float):
+            if not math.isfinite(node):
+                yield path, node
+        elif isinstance(node, (dict, list)):
+            if id(node) in visited:
+                continue
+            visited.add(id(node))
+            if isinstance(node, dict):
+                for key, value in reversed(list(node.items())):
+                    if isinstance(key, float) and not math.isfinite(key):
+                        yield (*path, str(key)), key
+                    stack.append(((*path, str(key)), value))
+            else:
+                for index in reversed(range(len(node))):
+                    stack.append(((*path, str(index)), node[index]))
+
+
+def describe_non_finite(value: float) -> str:
+    if math.isnan(value):
+        return "NaN is not allowed"
+    return f"{'-' if value < 0 else ''}infinity is not allowed"
+
+
+def one_line(text: str) -> str:
+    return " ".join(text.split())

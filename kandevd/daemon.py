@@ -111,7 +111,8 @@ class Daemon:
         self.services = services
         for module in self._method_modules():
             module.register(registry, services)
-        self.server = ControlServer(self.layout.socket, registry)
+        self.server = ControlServer(self.layout.socket, registry,
+                                    idle_timeout_s=self.config.control.idle_timeout_s)
 
     def _extra_loops(self) -> dict[str, Loop]:
         """Loops other than the queue (Office maintenance, cron), built from config."""

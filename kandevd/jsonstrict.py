@@ -23,6 +23,10 @@ class StrictJsonError(ValueError):
     """Valid JSON syntax that kandevd still cannot accept."""
 
 
+class UnpairedSurrogate(StrictJsonError):
+    """A ``\\ud800``-style escape of a lone surrogate, in a key or a value."""
+
+
 def _constant(name: str) -> Any:
     raise StrictJsonError(f"{name} is not a JSON number")
 
@@ -61,5 +65,5 @@ def _check_text(text: str) -> None:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
         bad = text[exc.start]
-        raise StrictJsonError(f"string {text[:40]!r} holds the lone surrogate "
-                              f"\\u{ord(bad):04x}, which is not valid Unicode") from None
+        raise UnpairedSurrogate(f"string {text[:40]!r} holds the lone surrogate "
+                                f"\\u{ord(bad):04x}, which is not valid Unicode") from None

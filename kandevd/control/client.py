@@ -25,11 +25,26 @@ class RpcCallError(Exception):
 
 
 class Client:
+    """One connection; ``call`` sends a request and waits for its answer.
+
+    The daemon closes a connection that stays idle (``control.idle_timeout_s``)
+    or that it needs to make room at its connection cap, and it does so only
+    between requests: a request it read is always answered. So when a
+    connection that already served a call turns out closed before any answer
+    byte arrives, the request was not run, and it is sent again once on a
+    fresh connection.
+    """
+
     def __init__(self, path: Path | str, *, timeout: float | None = 60.0) -> None:
         self.path = Path(path)
+        self.timeout = timeout
         self._ids = itertools.count(1)
+        self._used = False
+        self._connect()
+
+    def _connect(self) -> None:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.settimeout(timeout)
+        self._sock.settimeout(self.timeout)
         try:
             self._sock.connect(str(self.path))
         except OSError as exc:
@@ -37,17 +52,31 @@ class Client:
             raise DaemonUnavailable(self.path, exc.strerror or str(exc)) from None
         self._reader = self._sock.makefile("rb")
 
-    def call(self, method: str, params: dict[str, Any] | None = None) -> Any:
-        request_id = next(self._ids)
-        line = json.dumps({"jsonrpc": "2.0", "id": request_id, "method": method,
-                           "params": params or {}}) + "\n"
+    def _exchange(self, line: bytes) -> bytes | None:
+        """Send ``line`` and read one answer line; None when closed before any byte."""
         try:
-            self._sock.sendall(line.encode("utf-8"))
+            self._sock.sendall(line)
             raw = self._reader.readline()
+        except (BrokenPipeError, ConnectionResetError):
+            return None
         except OSError as exc:
             raise DaemonUnavailable(self.path, exc.strerror or str(exc)) from None
-        if not raw:
+        return raw or None
+
+    def call(self, method: str, params: dict[str, Any] | None = None) -> Any:
+        request_id = next(self._ids)
+        line = (json.dumps({"jsonrpc": "2.0", "id": request_id, "method": method,
+                            "params": params or {}}) + "\n").encode("utf-8")
+        raw = self._exchange(line)
+        if raw is None and self._used:  # closed while idle: the request was not run
+            self.close()
+            self._connect()
+            raw = self._exchange(line)
+        if raw is None:
             raise DaemonUnavailable(self.path, "connection closed before an answer")
+        if not raw.endswith(b"\n"):
+            raise DaemonUnavailable(self.path, "connection closed in the middle of an answer")
+        self._used = True
         response = json.loads(raw)
         if "error" in response:
             raise RpcCallError(response["error"])

@@ -2,8 +2,15 @@
 
 Errors are values from a closed set (the supervisor habit): a handler raises
 one of the :class:`RpcError` subclasses below, the server turns it into the
-``error`` member of the response. Anything else a handler raises is logged
+``error`` member of the response. A ``sqlite3.DatabaseError`` that escapes a
+handler is :class:`Unavailable`; anything else a handler raises is logged
 with its traceback and answered as -32603 "internal error" without one.
+
+Every request line gets a precise answer: text that is not UTF-8 or holds an
+unpaired surrogate (raw or as a ``\\ud800`` escape), ``NaN``/``Infinity``,
+numbers that overflow to infinity and nesting deeper than
+:data:`MAX_DEPTH` are -32700 before any method sees them, and
+:func:`encode` never writes anything but standard JSON.
 """
 
 from __future__ import annotations
@@ -21,6 +28,14 @@ INTERNAL_ERROR = -32603
 APPLICATION_ERROR = -32000
 
 MAX_LINE_BYTES = 1024 * 1024
+MAX_DEPTH = 64
+"""Deepest nesting of arrays and objects in a request, the envelope included.
+
+Far beyond any real payload, and far from Python's recursion limit, so that
+nothing downstream (schema checks, ``json.dumps`` of a stored payload, the
+response) can hit a RecursionError on a value the parser accepted."""
+MAX_MESSAGE_CHARS = 2000
+"""Error messages are cut there: one may quote a 1 MiB parameter."""
 
 
 class RpcError(Exception):
@@ -33,7 +48,10 @@ class RpcError(Exception):
         self.extra = data or {}
 
     def to_error(self) -> dict[str, Any]:
-        return {"code": self.code, "message": self.message,
+        message = self.message
+        if len(message) > MAX_MESSAGE_CHARS:
+            message = message[:MAX_MESSAGE_CHARS] + "... (truncated)"
+        return {"code": self.code, "message": message,
                 "data": {"kind": self.kind, **self.extra}}
 
 
@@ -81,6 +99,12 @@ class AlreadyRunning(RpcError):
     kind = "already_running"
 
 
+class Unavailable(RpcError):
+    """The store failed (locked, corrupt, disk full, gone): nothing the caller did."""
+
+    kind = "unavailable"
+
+
 def success(request_id: Any, result: Any) -> dict[str, Any]:
     return {"jsonrpc": "2.0", "id": request_id, "result": result}
 
@@ -90,7 +114,58 @@ def failure(request_id: Any, error: RpcError) -> dict[str, Any]:
 
 
 def encode(message: dict[str, Any]) -> bytes:
-    return (json.dumps(message, separators=(",", ":"), ensure_ascii=False) + "\n").encode("utf-8")
+    """One response line: standard JSON in UTF-8, or ValueError/TypeError.
+
+    ``allow_nan=False`` and strict UTF-8 make a NaN or a lone surrogate that
+    reached a result fail here, loudly, instead of going out as a line no
+    strict reader can take back.
+    """
+    text = json.dumps(message, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    return (text + "\n").encode("utf-8")
+
+
+_BAD_TEXT = "invalid UTF-8 or unpaired surrogate"
+
+
+def _depth_exceeds(value: Any, limit: int) -> bool:
+    """True when arrays/objects nest deeper than ``limit`` (iterative: no recursion)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children
+                     if isinstance(child, (dict, list)))
+    return False
+
+
+def loads_line(line: bytes) -> Any:
+    """Decode and parse one request line strictly; ParseError when it is bad."""
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ParseError(f"parse error: {_BAD_TEXT}: byte 0x{line[exc.start]:02x} at offset "
+                         f"{exc.start} is not UTF-8") from None
+    try:
+        value = jsonstrict.loads(text)
+    except jsonstrict.UnpairedSurrogate as exc:
+        raise ParseError(f"parse error: {_BAD_TEXT}: {exc}") from None
+    except RecursionError:
+        raise ParseError(f"parse error: the JSON is nested too deeply (more than {MAX_DEPTH} "
+                         "levels)") from None
+    except ValueError as exc:  # JSONDecodeError, StrictJsonError, int digits limit
+        raise ParseError(f"parse error: {exc}") from None
+    # Depth can only exceed the limit when there are that many openers at all.
+    if line.count(b"[") + line.count(b"{") > MAX_DEPTH and _depth_exceeds(value, MAX_DEPTH):
+        raise ParseError(f"parse error: the JSON is nested too deeply (more than {MAX_DEPTH} "
+                         "levels)")
+    return value
 
 
 def parse_request(line: bytes) -> tuple[Any, str, dict[str, Any], bool]:
@@ -98,12 +173,7 @@ def parse_request(line: bytes) -> tuple[Any, str, dict[str, Any], bool]:
 
     Raises ParseError / InvalidRequest (carrying the id when one was readable).
     """
-    try:
-        message = jsonstrict.loads(line.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise ParseError(f"parse error: {exc}") from None
-    except RecursionError:
-        raise ParseError("parse error: the JSON is nested too deeply") from None
+    message = loads_line(line)
     if not isinstance(message, dict):
         raise InvalidRequest("invalid request: a request must be a JSON object")
     request_id = message.get("id")

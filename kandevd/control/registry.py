@@ -80,8 +80,9 @@ class Registry:
         if errors:
             error = jsonschema.exceptions.best_match(errors) or errors[0]
             raise InvalidParams(format_validation_error(error, prefix="params", noun="parameter"))
-        # JSON Schema counts 2.0 as an integer; hand handlers the int they expect.
-        for name in ("limit", "offset"):
-            value = params.get(name)
-            if isinstance(value, float):
+        # JSON Schema counts 2.0 as an integer; hand handlers the int they expect
+        # (every integer param has a maximum, so the value is small and exact).
+        properties = method.validator.schema.get("properties", {})
+        for name, value in params.items():
+            if isinstance(value, float) and properties.get(name, {}).get("type") == "integer":
                 params[name] = int(value)

@@ -11,8 +11,24 @@ Security and robustness, following supervisor:
   refused unless it is root;
 * errors are codes from a closed set, never a traceback.
 
-Threads: one accept thread and one thread per connection (at most
-``max_connections``), all non-daemon and joined by :meth:`close`.
+Threads: one accept thread and one thread per connection, all non-daemon
+and joined by :meth:`close`. No client can lock the socket up:
+
+* a connection that completes no request for ``idle_timeout_s`` is closed
+  (an unfinished line counts as nothing: a slowloris client is closed too);
+  the wait is a socket timeout, never a poll;
+* a response that cannot be written within ``send_timeout_s`` (a client
+  that does not read) drops the connection;
+* the cap never locks a client out: at ``max_connections`` a new connection
+  is still accepted and the longest-idle connection (one not running a
+  request) is closed to make room; when every connection is running a
+  request, the new one takes one of ``reserved_connections`` extra slots
+  where only ``daemon.status`` and ``daemon.shutdown`` are served (others
+  answer ``refused``), so both are never refused for lack of connections.
+
+Every request line read gets its answer, in order, whatever it held; a
+``sqlite3.DatabaseError`` escaping a method is ``unavailable`` (logged once
+per distinct reason, without a traceback).
 
 Shutdown is in two steps so the coordinator can order them:
 :meth:`begin_drain` makes every method except ``daemon.status`` answer
@@ -27,18 +43,24 @@ import errno
 import logging
 import os
 import socket
+import sqlite3
 import stat
 import struct
 import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kandevd.control.protocol import (
     MAX_LINE_BYTES,
+    Conflict,
     InternalError,
     InvalidRequest,
+    Refused,
     RpcError,
     ShuttingDown,
+    Unavailable,
     encode,
     failure,
     parse_request,
@@ -81,19 +103,47 @@ def peer_uid(conn: socket.socket) -> int:
     return uid
 
 
+#: Served even on a connection admitted beyond the cap.
+PRIORITY_METHODS = frozenset({"daemon.status", "daemon.shutdown"})
+#: Upper bound of the send timeout (the idle timeout is used when smaller).
+MAX_SEND_TIMEOUT_S = 10.0
+_RECV_BYTES = 65536
+_MAX_REMEMBERED_DB_ERRORS = 100
+
+
+@dataclass(eq=False)
+class _Connection:
+    sock: socket.socket
+    limited: bool  # admitted beyond the cap: priority methods only
+    last_active: float  # time.monotonic() of the connect or of the last request done
+    busy: bool = False  # a request is running: never evicted
+    evicted: bool = False
+
+
 class ControlServer:
-    def __init__(self, path: Path, registry: Registry, *, max_connections: int = 64) -> None:
+    def __init__(self, path: Path, registry: Registry, *, max_connections: int = 64,
+                 idle_timeout_s: float = 60.0, send_timeout_s: float | None = None,
+                 reserved_connections: int = 4) -> None:
+        if idle_timeout_s <= 0:
+            raise ValueError("idle_timeout_s must be positive")
         self.path = Path(path)
         self.registry = registry
         self.max_connections = max_connections
+        self.reserved_connections = reserved_connections
+        self.idle_timeout_s = float(idle_timeout_s)
+        self.send_timeout_s = float(send_timeout_s if send_timeout_s is not None
+                                    else min(MAX_SEND_TIMEOUT_S, self.idle_timeout_s))
         self._listener: socket.socket | None = None
         self._accept_thread: threading.Thread | None = None
         self._lock = threading.Condition()
-        self._connections: dict[threading.Thread, socket.socket] = {}
+        self._connections: dict[threading.Thread, _Connection] = {}
         self._in_flight = 0
         self._draining = False
         self._closed = False
+        self._full_logged = False
+        self._db_errors_logged: set[str] = set()
         self.requests_served = 0
+        self.connections_evicted = 0
 
     # -- start ---------------------------------------------------------------
     def start(self) -> None:
@@ -116,7 +166,7 @@ class ControlServer:
             finally:
                 os.umask(old_umask)
             os.chmod(temp, 0o600)
-            listener.listen(64)
+            listener.listen(128)
             os.replace(temp, self.path)
         except BaseException:
             listener.close()
@@ -169,17 +219,19 @@ class ControlServer:
             self._closed = True
             connections = dict(self._connections)
         self._close_listener()
-        for conn in connections.values():
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        for state in connections.values():
+            _shutdown(state.sock)
         for thread in connections:
             thread.join()
 
     @property
     def draining(self) -> bool:
         return self._draining
+
+    def connection_count(self) -> int:
+        """Open connections (those closed to make room but not yet gone excluded)."""
+        with self._lock:
+            return sum(not c.evicted for c in self._connections.values())
 
     # -- accept --------------------------------------------------------------
     def _accept_loop(self) -> None:
@@ -191,14 +243,18 @@ class ControlServer:
             except OSError as exc:
                 if exc.errno in (errno.EINTR, errno.ECONNABORTED):
                     continue
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    log.warning("control socket: cannot accept a connection: %s", exc)
+                    time.sleep(0.1)  # out of descriptors: let idle timeouts free some
+                    continue
                 return  # listener shut down
             try:
                 self._admit(conn)
             except Exception:  # e.g. "can't start new thread": drop this one, keep accepting
                 log.exception("could not admit a control connection")
                 with self._lock:
-                    for thread, sock in list(self._connections.items()):
-                        if sock is conn and not thread.is_alive():
+                    for thread, state in list(self._connections.items()):
+                        if state.sock is conn and not thread.is_alive():
                             del self._connections[thread]
                 conn.close()
 
@@ -216,78 +272,176 @@ class ControlServer:
             if self._closed:
                 conn.close()
                 return
-            full = len(self._connections) >= self.max_connections
-            if not full:
-                thread = threading.Thread(target=self._serve, args=(conn,),
+            limited = self._make_room()
+            if limited is None:
+                admitted = False
+            else:
+                admitted = True
+                state = _Connection(conn, limited, time.monotonic())
+                thread = threading.Thread(target=self._serve, args=(state,),
                                           name="kandevd-control-conn")
-                self._connections[thread] = conn
+                self._connections[thread] = state
                 # Started under the lock: close() snapshots the connections under it
                 # too, and joining a registered-but-unstarted thread would raise.
                 thread.start()
-        if full:
+        if not admitted:
             self._reject(conn, "too many control connections")
+
+    def _make_room(self) -> bool | None:
+        """Under the lock: False (a regular slot), True (a limited one) or None (none).
+
+        At the cap the longest-idle regular connection is closed to make room;
+        when all are running a request, a reserved slot (priority methods only)
+        is used, closing the longest-idle limited connection if need be.
+        """
+        live = [c for c in self._connections.values() if not c.evicted]
+        regular = [c for c in live if not c.limited]
+        if len(regular) < self.max_connections:
+            self._full_logged = False
+            return False
+        if not self._full_logged:
+            self._full_logged = True
+            log.warning("control socket: %d connections open (the cap); closing the "
+                        "longest-idle ones to make room for new clients", len(regular))
+        if self._evict_longest_idle(regular):
+            return False
+        limited = [c for c in live if c.limited]
+        if len(limited) < self.reserved_connections or self._evict_longest_idle(limited):
+            return True
+        return None
+
+    def _evict_longest_idle(self, candidates: list[_Connection]) -> bool:
+        idle = [c for c in candidates if not c.busy]
+        if not idle:
+            return False
+        victim = min(idle, key=lambda c: c.last_active)
+        victim.evicted = True
+        self.connections_evicted += 1
+        log.debug("closing a control connection idle for %.1f s to make room",
+                  time.monotonic() - victim.last_active)
+        _shutdown(victim.sock)  # its thread wakes from recv/sendall and exits
+        return True
 
     @staticmethod
     def _reject(conn: socket.socket, message: str) -> None:
-        from kandevd.control.protocol import Refused
-
         try:
+            conn.settimeout(1.0)
             conn.sendall(encode(failure(None, Refused(message))))
         except OSError:
             pass
         conn.close()
 
     # -- one connection ------------------------------------------------------
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, state: _Connection) -> None:
+        sock = state.sock
+        buffer = bytearray()
+        scanned = 0  # no newline in buffer[:scanned]
+        deadline = time.monotonic() + self.idle_timeout_s
         try:
-            reader = conn.makefile("rb", buffering=65536)
             while True:
-                try:
-                    line = reader.readline(MAX_LINE_BYTES + 1)
-                except OSError:
-                    return
-                if not line:
-                    return
-                if (len(line) > MAX_LINE_BYTES and not line.endswith(b"\n")) \
-                        or len(line) > MAX_LINE_BYTES + 1:
-                    self._send(conn, failure(None, InvalidRequest(
-                        "invalid request: line exceeds the 1 MiB limit; closing connection")))
+                newline = buffer.find(b"\n", scanned)
+                if newline < 0:
+                    scanned = len(buffer)
+                    if len(buffer) > MAX_LINE_BYTES:
+                        self._too_long(state)
+                        return
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        self._idle_close(bool(buffer))
+                        return
+                    try:
+                        sock.settimeout(remaining)
+                        chunk = sock.recv(_RECV_BYTES)
+                    except TimeoutError:
+                        self._idle_close(bool(buffer))
+                        return
+                    except OSError:
+                        return
+                    if not chunk:  # EOF: a last line without its newline is still a line
+                        if buffer.strip():
+                            self._answer(state, bytes(buffer))
+                        return
+                    buffer += chunk
+                    continue
+                line = bytes(buffer[:newline + 1])
+                del buffer[:newline + 1]
+                scanned = 0
+                if len(line) > MAX_LINE_BYTES + 1:
+                    self._too_long(state)
                     return
                 if not line.strip():
-                    continue
-                response = self._handle_line(line)
-                if response is not None and not self._send(conn, response):
+                    continue  # a blank line is no request: it does not reset the idle clock
+                if not self._answer(state, line):
                     return
+                deadline = time.monotonic() + self.idle_timeout_s
         finally:
+            _shutdown(sock)
             try:
-                conn.close()
+                sock.close()
             except OSError:
                 pass
             with self._lock:
                 self._connections.pop(threading.current_thread(), None)
 
-    @staticmethod
-    def _send(conn: socket.socket, message: dict[str, Any]) -> bool:
+    def _idle_close(self, partial: bool) -> None:
+        log.debug("closing a control connection: no complete request in %.1f s%s",
+                  self.idle_timeout_s, " (an unfinished line)" if partial else "")
+
+    def _too_long(self, state: _Connection) -> None:
+        self._send(state, failure(None, InvalidRequest(
+            "invalid request: line exceeds the 1 MiB limit; closing connection")))
+
+    def _answer(self, state: _Connection, line: bytes) -> bool:
+        """Handle one request line and send its answer; False: drop the connection."""
+        with self._lock:
+            if state.evicted:
+                return False
+            state.busy = True
         try:
-            conn.sendall(encode(message))
+            response = self._handle_line(line, limited=state.limited)
+        finally:
+            with self._lock:
+                state.busy = False
+                state.last_active = time.monotonic()
+        return response is None or self._send(state, response)
+
+    def _send(self, state: _Connection, message: dict[str, Any]) -> bool:
+        try:
+            data = encode(message)
+        except (ValueError, TypeError):  # a NaN or a lone surrogate in a result: a bug
+            log.exception("a control response is not standard JSON")
+            data = encode(failure(message.get("id"), InternalError("internal error")))
+        try:
+            state.sock.settimeout(self.send_timeout_s)
+            state.sock.sendall(data)
             return True
+        except TimeoutError:
+            log.info("dropping a control connection that does not read its responses "
+                     "(nothing read for %.1f s)", self.send_timeout_s)
+            return False
         except OSError:
             return False
 
-    def _handle_line(self, line: bytes) -> dict[str, Any] | None:
+    def _handle_line(self, line: bytes, *, limited: bool = False) -> dict[str, Any] | None:
+        """The response to one line (None for a notification); never raises."""
         request_id: Any = None
+        name = "?"
         try:
-            request_id, name, params, notification = parse_request(line)
-        except RpcError as exc:
-            return failure(exc.extra.pop("id", None), exc)
-        try:
-            response = success(request_id, self.dispatch(name, params))
-        except RpcError as exc:
-            response = failure(request_id, exc)
+            try:
+                request_id, name, params, notification = parse_request(line)
+            except RpcError as exc:
+                return failure(exc.extra.pop("id", None), exc)
+            try:
+                if limited and name not in PRIORITY_METHODS:
+                    raise Refused("too many control connections: this one is limited to "
+                                  f"{', '.join(sorted(PRIORITY_METHODS))}; retry later")
+                response = success(request_id, self.dispatch(name, params))
+            except RpcError as exc:
+                response = failure(request_id, exc)
+            return None if notification else response
         except Exception:
             log.exception("method %s failed", name)
-            response = failure(request_id, InternalError("internal error"))
-        return None if notification else response
+            return failure(request_id, InternalError("internal error"))
 
     def dispatch(self, name: str, params: dict[str, Any]) -> Any:
         """Validate and run one method, honouring the drain."""
@@ -298,10 +452,35 @@ class ControlServer:
             self._in_flight += 1
         try:
             self.registry.check_params(method, params)
-            result = method.handler(params)
+            try:
+                result = method.handler(params)
+            except sqlite3.IntegrityError as exc:
+                # A constraint the database enforces (one claim per agent, a unique
+                # key) lost a race with another writer: the request conflicts.
+                raise Conflict(f"the write conflicts with the stored data: {exc}") from None
+            except sqlite3.DatabaseError as exc:
+                raise self._unavailable(name, exc) from None
             self.requests_served += 1
             return result
         finally:
             with self._lock:
                 self._in_flight -= 1
                 self._lock.notify_all()
+
+    def _unavailable(self, name: str, exc: sqlite3.DatabaseError) -> Unavailable:
+        reason = str(exc) or type(exc).__name__
+        with self._lock:
+            first = reason not in self._db_errors_logged
+            if first and len(self._db_errors_logged) < _MAX_REMEMBERED_DB_ERRORS:
+                self._db_errors_logged.add(reason)
+        if first:
+            log.error("method %s: database unavailable: %s (%s; logged once per reason)",
+                      name, reason, type(exc).__name__)
+        return Unavailable(f"database unavailable: {reason}")
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass

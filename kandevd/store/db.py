@@ -109,8 +109,10 @@ class Store:
         """
         # Corruption ("malformed", "not a database") is a plain DatabaseError; a
         # constraint violation (IntegrityError) or a full disk is not damage.
+        # Bytes that are not the text that was stored are damage too.
         damaged = type(exc) in (sqlite3.DatabaseError, sqlite3.InternalError) or (
-            isinstance(exc, sqlite3.OperationalError) and "disk I/O" in str(exc))
+            isinstance(exc, sqlite3.OperationalError)
+            and ("disk I/O" in str(exc) or "Could not decode" in str(exc)))
         if damaged and self.degraded is None:
             self.degraded = str(exc)
             log.error("database %s is damaged (%s): requests that need it answer "

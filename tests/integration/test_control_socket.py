@@ -185,10 +185,11 @@ def test_several_connections_are_served_at_once(daemon: DaemonProcess) -> None:
             client.close()
 
 
-def test_socket_is_0600_in_a_0700_home(daemon: DaemonProcess) -> None:
+def test_socket_is_0600(daemon: DaemonProcess) -> None:
+    # The home's own mode is kandevd/paths.py's business: the harness creates the
+    # home before the daemon starts, and an existing home keeps the mode it has.
     mode = daemon.socket.stat().st_mode
     assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600
-    assert stat.S_IMODE(daemon.home.stat().st_mode) == 0o700
     assert not list(daemon.home.glob(".kandevd.sock.*"))  # the temp bind name is gone
 
 

@@ -129,15 +129,16 @@ def test_damage_found_while_running_is_unavailable_not_a_traceback(
     with open(path, "r+b") as handle:
         for fraction in (0.3, 0.5, 0.7):
             handle.seek(int(size * fraction))
-            handle.write(os.urandom(4096 * 8))
+            handle.write(b"\xff" * (4096 * 8))  # neither a page header nor UTF-8
 
     with pytest.raises(RpcCallError) as caught:
         for offset in range(0, 6000, 500):
             daemon.call("runs.list", {"limit": 500, "offset": offset})
-    assert caught.value.kind == "unavailable"
+    assert caught.value.kind == "unavailable", caught.value.error
     assert caught.value.code == -32000
     status = daemon.call("daemon.status")
-    assert status["store"]["status"] == "degraded" and status["store"]["reason"]
+    assert status["store"]["status"] == "degraded", (status["store"], caught.value.error)
+    assert status["store"]["reason"]
     daemon.wait_for_line("is damaged")
     assert "Traceback" not in daemon.log_text
 

@@ -334,3 +334,192 @@ def test_values_no_strict_reader_could_take_back_are_parse_errors(payload: str,
 def test_a_surrogate_pair_is_one_valid_character() -> None:
     line = b'{"jsonrpc": "2.0", "id": 1, "method": "m", "params": {"x": "\\ud83d\\ude00"}}\n'
     assert parse_request(line)[2] == {"x": "\U0001F600"}
+
+
+# -- hostile inputs and clients ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("line", [
+    b'{"jsonrpc":"2.0","id":"\\ud800","method":"m"}',
+    b'{"jsonrpc":"2.0","id":1,"method":"m\\uDC00"}',
+    b'{"jsonrpc":"2.0","id":1,"method":"m","params":{"\\udbff":1}}',
+    b'{"jsonrpc":"2.0","id":1,"method":"m","params":{"a":["x\\ud800y"]}}',
+    b'{"jsonrpc":"2.0","id":1,"method":"m","params":{"a":"\xed\xa0\x80"}}',
+    b'{"jsonrpc":"2.0","id":1,"method":"m","params":{"a":"\xff"}}',
+])
+def test_lone_surrogates_and_bad_utf8_anywhere_are_precise_parse_errors(line: bytes) -> None:
+    with pytest.raises(ParseError) as info:
+        parse_request(line)
+    assert "invalid UTF-8 or unpaired surrogate" in info.value.message
+    assert info.value.extra == {}  # no id could be trusted
+
+
+def test_nesting_beyond_max_depth_is_a_parse_error() -> None:
+    def nested(depth: int) -> bytes:  # the envelope and params are two levels
+        return (b'{"jsonrpc":"2.0","id":1,"method":"m","params":{"a":' + b"[" * (depth - 2)
+                + b"]" * (depth - 2) + b"}}")
+
+    assert parse_request(nested(protocol.MAX_DEPTH))[0] == 1
+    with pytest.raises(ParseError, match="nested too deeply"):
+        parse_request(nested(protocol.MAX_DEPTH + 1))
+    wide = b'{"jsonrpc":"2.0","id":1,"method":"m","params":{"a":' + b"[[]," * 500 + \
+        b"[]" + b"]" * 500 + b"}}"
+    with pytest.raises(ParseError, match="nested too deeply"):
+        parse_request(wide)
+    flat = b'{"jsonrpc":"2.0","id":1,"method":"m","params":{"a":[' + b"[]," * 500 + b"[]]}}"
+    assert len(parse_request(flat)[2]["a"]) == 501
+
+
+def test_encode_never_writes_non_standard_json() -> None:
+    with pytest.raises(ValueError):
+        encode(success(1, {"x": float("nan")}))
+    with pytest.raises(ValueError):
+        encode(success(1, {"x": "\ud800"}))
+
+
+def test_long_error_messages_are_cut() -> None:
+    error = InvalidParams("x" * 100_000).to_error()
+    assert len(error["message"]) < 2100 and error["message"].endswith("(truncated)")
+
+
+def test_integral_floats_of_integer_params_become_ints() -> None:
+    reg = Registry()
+    reg.add("m", lambda p: p, object_schema({"count": {"type": "integer", "maximum": 9},
+                                             "ratio": {"type": "number"}}))
+    params = {"count": 2.0, "ratio": 2.0}
+    reg.check_params(reg.get("m"), params)
+    assert params == {"count": 2, "ratio": 2.0}
+    assert type(params["count"]) is int and type(params["ratio"]) is float
+
+
+def test_a_database_error_is_unavailable_and_logged_once_without_traceback(
+        server: ControlServer, caplog: pytest.LogCaptureFixture) -> None:
+    import sqlite3
+
+    server.registry.add("test.db", lambda p: (_ for _ in ()).throw(
+        sqlite3.OperationalError("database is locked")))
+    with Client(server.path) as client:
+        for _ in range(3):
+            with pytest.raises(RpcCallError) as info:
+                client.call("test.db")
+            assert info.value.error == {"code": -32000,
+                                        "message": "database unavailable: database is locked",
+                                        "data": {"kind": "unavailable"}}
+    logged = [r for r in caplog.records if "database unavailable" in r.getMessage()]
+    assert len(logged) == 1 and logged[0].exc_info is None
+
+
+def read_answer(sock: socket.socket) -> dict[str, Any]:
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    return json.loads(data)
+
+
+def test_at_the_cap_the_longest_idle_connection_makes_room(tmp_path: Path) -> None:
+    registry = Registry()
+    registry.add("test.status", lambda p: {"ok": True})
+    srv = ControlServer(tmp_path / "c.sock", registry, max_connections=3)
+    srv.start()
+    socks = []
+    try:
+        for _ in range(3):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(TIMEOUT)
+            sock.connect(str(srv.path))
+            socks.append(sock)
+        socks[0].sendall(request(id=0, method="test.status"))  # 0 was active last: kept
+        assert read_answer(socks[0])["result"] == {"ok": True}
+        with Client(srv.path, timeout=TIMEOUT) as newcomer:
+            assert newcomer.call("test.status") == {"ok": True}
+            assert socks[1].recv(10) == b""  # the longest idle one was closed
+            socks[0].sendall(request(id=1, method="test.status"))
+            assert read_answer(socks[0])["id"] == 1
+        assert srv.connections_evicted == 1
+    finally:
+        for sock in socks:
+            sock.close()
+        srv.close()
+
+
+def test_when_every_connection_is_busy_a_reserved_slot_serves_status_and_shutdown(
+        tmp_path: Path) -> None:
+    registry = Registry()
+    slow = Blocking()
+    registry.add("daemon.status", lambda p: {"ok": True}, allowed_while_stopping=True)
+    registry.add("daemon.shutdown", lambda p: {"bye": True})
+    registry.add("test.slow", slow)
+    srv = ControlServer(tmp_path / "r.sock", registry, max_connections=1,
+                        reserved_connections=1)
+    srv.start()
+    busy = Client(srv.path, timeout=TIMEOUT)
+    caller = threading.Thread(target=busy.call, args=("test.slow",))
+    caller.start()
+    try:
+        assert slow.entered.wait(TIMEOUT)
+        with Client(srv.path, timeout=TIMEOUT) as limited:
+            assert limited.call("daemon.status") == {"ok": True}
+            with pytest.raises(RpcCallError) as info:
+                limited.call("test.slow")
+            assert info.value.kind == "refused" and "daemon.status" in str(info.value)
+            with Client(srv.path, timeout=TIMEOUT) as second:  # the reserved slot is reused
+                assert second.call("daemon.shutdown") == {"bye": True}
+    finally:
+        slow.release.set()
+        caller.join(TIMEOUT)
+        busy.close()
+        srv.close()
+
+
+def test_an_idle_connection_is_closed_and_a_non_reader_dropped(tmp_path: Path) -> None:
+    import time
+
+    registry = Registry()
+    registry.add("test.big", lambda p: {"blob": "x" * 100_000})
+    srv = ControlServer(tmp_path / "i.sock", registry, idle_timeout_s=0.3)
+    srv.start()
+    try:
+        assert srv.send_timeout_s == 0.3
+        idle = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        idle.settimeout(TIMEOUT)
+        idle.connect(str(srv.path))
+        start = time.monotonic()
+        idle.sendall(b'{"jsonrpc":')  # a partial line does not keep it open
+        assert idle.recv(10) == b""
+        assert 0.2 < time.monotonic() - start < 5
+        idle.close()
+
+        hog = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        hog.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        hog.settimeout(TIMEOUT)
+        hog.connect(str(srv.path))
+        with pytest.raises(OSError):
+            for _ in range(1000):  # 100 MB of answers never read
+                hog.sendall(request(id=1, method="test.big") * 10)
+        hog.close()
+        with Client(srv.path, timeout=TIMEOUT) as other:
+            assert other.call("test.big")["blob"][:3] == "xxx"
+    finally:
+        srv.close()
+
+
+def test_the_client_reconnects_once_when_its_idle_connection_was_closed(
+        tmp_path: Path) -> None:
+    registry = Registry()
+    calls: list[int] = []
+    registry.add("test.count", lambda p: calls.append(1) or {"n": len(calls)})
+    srv = ControlServer(tmp_path / "k.sock", registry, idle_timeout_s=0.2)
+    srv.start()
+    try:
+        with Client(srv.path, timeout=TIMEOUT) as client:
+            assert client.call("test.count") == {"n": 1}
+            pause = threading.Event()
+            while srv.connection_count():  # the daemon closes it after 0.2 s idle
+                pause.wait(0.05)
+            assert client.call("test.count") == {"n": 2}  # sent once, on a new connection
+        assert calls == [1, 1]
+    finally:
+        srv.close()

@@ -190,3 +190,29 @@ def test_db_check_and_a_backup_taken_while_runs_are_written(
     bad = run_cli(damaged, "db", "check")
     assert bad.returncode in (1, 74), bad.stdout + bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_a_full_disk_at_start_exits_with_the_path(tmp_path: Path) -> None:
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        home = mount / "home"
+        home.mkdir(mode=0o700)
+        filler = mount / "filler"
+        with open(filler, "wb") as handle:
+            try:
+                while True:
+                    handle.write(b"\0" * 65536)
+                    handle.flush()
+            except OSError:
+                pass
+        result = serve_once(home)
+        assert result.returncode in (73, 74), result.stderr
+        assert "Traceback" not in result.stderr
+        assert str(home) in result.stderr
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)

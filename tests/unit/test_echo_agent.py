@@ -58,6 +58,8 @@ def test_turn_reads_execution_options_over_payload(tmp_path: Path):
 
 @pytest.mark.parametrize(("stdin", "message"), [
     ("not json at all", "not valid JSON"),
+    ("", "not valid JSON"),  # empty input: cut short, never a request
+    ('{"kind": "run", "pay', "not valid JSON"),  # cut in the middle
     ("[1, 2, 3]", "must be a JSON object"),
     ('{"kind": "run", "payload": [1]}', "payload must be a JSON object"),
     ('{"kind": "run", "payload": {"sleep_s": "long"}}', "option sleep_s"),

@@ -23,6 +23,7 @@ from kandevd.cli_db import db
 from kandevd.cli_jobs import jobs
 from kandevd.cli_runs import runs
 from kandevd.cli_scheduler import check_workflows, scheduler
+from kandevd.cli_wait import wait
 from kandevd.config import ConfigError, load_config
 from kandevd.paths import HomeError, HomeLayout, resolve_home
 
@@ -202,6 +203,7 @@ cli.add_command(runs)
 cli.add_command(jobs)
 cli.add_command(scheduler)
 cli.add_command(db)
+cli.add_command(wait)
 
 
 def main() -> None:

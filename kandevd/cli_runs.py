@@ -73,16 +73,18 @@ def enqueue(workspace_id: str, agent_id: str, reason: str, task_id: str | None, 
 @click.option("--reason", default=None, help="Only runs requested for this reason.")
 @click.option("--limit", type=int, default=50, show_default=True, help="Page size (max 500).")
 @click.option("--offset", type=int, default=0, show_default=True, help="Rows to skip.")
+@click.option("--order", type=click.Choice(["desc", "asc"]), default="desc", show_default=True,
+              help="Newest first (desc) or in request order (asc).")
 @click.option("--json", "as_json", is_flag=True, help="Print the raw JSON.")
 @client_options
 def list_runs(status: str | None, agent_id: str | None, workspace_id: str | None,
-              task_id: str | None, reason: str | None, limit: int, offset: int, as_json: bool,
-              home: str | None, socket_path: str | None) -> None:
-    """List runs in request order."""
+              task_id: str | None, reason: str | None, limit: int, offset: int, order: str,
+              as_json: bool, home: str | None, socket_path: str | None) -> None:
+    """List runs, newest first (--order asc: in request order)."""
     params = {k: v for k, v in {"status": status, "agent_id": agent_id,
                                 "workspace_id": workspace_id, "task_id": task_id,
-                                "reason": reason, "limit": limit,
-                                "offset": offset}.items() if v is not None}
+                                "reason": reason, "limit": limit, "offset": offset,
+                                "order": order}.items() if v is not None}
     result = invoke(home, socket_path, "runs.list", params)
     if as_json:
         echo_json(result)

@@ -557,7 +557,9 @@ class RunRepository:
             raise RunNotFound(run_id)
         return run_from_row(row)
 
-    def list(self, *, limit: int = 50, offset: int = 0, **filters: Any) -> dict[str, Any]:
+    def list(self, *, limit: int = 50, offset: int = 0, order: str = "asc",
+             **filters: Any) -> dict[str, Any]:
+        """Runs matching ``filters``, in request order (``order="desc"``: newest first)."""
         where, params = [], []
         for column in ("status", "agent_id", "workspace_id", "task_id", "reason"):
             value = filters.get(column)
@@ -566,7 +568,9 @@ class RunRepository:
                 params.append(value)
         clause = (" WHERE " + " AND ".join(where)) if where else ""
         total = self.store.query_one(f"SELECT COUNT(*) FROM runs{clause}", params)[0]
-        rows = self.store.query(f"SELECT * FROM runs{clause} ORDER BY seq LIMIT ? OFFSET ?",
+        direction = "DESC" if order == "desc" else "ASC"
+        rows = self.store.query(f"SELECT * FROM runs{clause} ORDER BY seq {direction}"
+                                " LIMIT ? OFFSET ?",
                                 [*params, limit, offset])
         return {"items": [run_from_row(r) for r in rows], "total": total,
                 "limit": limit, "offset": offset}

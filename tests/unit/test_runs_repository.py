@@ -646,3 +646,11 @@ def test_coalescing_absorbs_a_request_with_another_key_but_not_task_comments(
                            now=after(T0, 2), idempotency_key="task_comment:c1")
     assert comment.inserted
     assert count_runs(store) == 2
+
+
+def test_list_orders_by_request_either_way(repo: RunRepository) -> None:
+    runs = [enqueue(repo, at=after(T0, i)) for i in range(3)]
+    ids = [r["id"] for r in runs]
+    assert [r["id"] for r in repo.list()["items"]] == ids
+    assert [r["id"] for r in repo.list(order="desc")["items"]] == ids[::-1]
+    assert [r["id"] for r in repo.list(order="desc", limit=1, offset=1)["items"]] == [ids[1]]

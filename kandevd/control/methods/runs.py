@@ -22,7 +22,7 @@ ENQUEUE = object_schema({
 
 LIST = object_schema({
     "status": {"enum": list(STATUSES)}, "agent_id": ID, "workspace_id": ID, "task_id": ID,
-    "reason": {"type": "string"}, **paging_properties(),
+    "reason": {"type": "string"}, "order": {"enum": ["asc", "desc"]}, **paging_properties(),
 })
 
 
@@ -48,6 +48,7 @@ def register(registry: Registry, services: Services) -> None:
 
     def list_(p: dict[str, Any]) -> dict[str, Any]:
         return queue.repo.list(limit=p.get("limit", 50), offset=p.get("offset", 0),
+                               order=p.get("order", "asc"),
                                **{k: p.get(k) for k in ("status", "agent_id", "workspace_id",
                                                         "task_id", "reason")})
 

@@ -78,42 +78,49 @@ def serve(home: str | None, config_path: str | None, log_format: str, log_level:
     sys.exit(Daemon(config, HomeLayout(root)).run())
 
 
-def restrict_tree(source: Path, root: Path) -> None:
-    """copytree keeps the example's modes; what it copied is made private: folders 0700,
-    files 0600. Only the example's own paths: the home itself and anything else in it
-    keep the modes they have."""
+def copy_example(source: Path, root: Path, *, force: bool) -> tuple[list[Path], list[Path]]:
+    """Copy the example ``source`` into ``root``; ``(written, kept)`` relative paths.
+
+    A file that already exists in the home is kept as it is (the user may have
+    edited it) unless ``force``. What is written is private: new folders 0700,
+    files 0600 (0700 when executable); the home itself and everything else in
+    it keep their modes.
+    """
+    written: list[Path] = []
+    kept: list[Path] = []
     for folder, dirs, files in os.walk(source):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
         rel = Path(folder).relative_to(source)
-        for name in dirs:
-            target = root / rel / name
-            if name != "__pycache__" and target.is_dir() and not target.is_symlink():
-                os.chmod(target, 0o700)
-        for name in files:
-            target = root / rel / name
-            if target.is_file() and not target.is_symlink():
-                os.chmod(target, 0o600)
+        target_dir = root / rel
+        if not target_dir.exists():
+            target_dir.mkdir(mode=0o700, parents=True)
+        for name in sorted(files):
+            origin = Path(folder) / name
+            target = target_dir / name
+            if target.exists() and not force:
+                kept.append(rel / name)
+                continue
+            shutil.copyfile(origin, target)
+            os.chmod(target, 0o700 if os.access(origin, os.X_OK) else 0o600)
+            written.append(rel / name)
+    return written, kept
 
 
 @cli.command()
 @home_option
 @click.option("--example", default=None, help="Copy examples/NAME into the home (e.g. demo).")
-def init(home: str | None, example: str | None) -> None:
+@click.option("--force", is_flag=True, help="Overwrite files of the example that exist already.")
+def init(home: str | None, example: str | None, force: bool) -> None:
     """Lay out a home directory (new folders 0700), optionally from an example.
 
-    An existing home keeps its mode (a warning says so when it is not 0700);
-    a home that cannot be created or written exits 73.
+    Nothing that exists is overwritten (it says what it kept; --force
+    overwrites the example's files). Bad arguments fail before anything is
+    created. An existing home keeps its mode (a warning says so when it is not
+    0700); a home that cannot be created or written exits 73.
     """
     root = resolve_home(home)
     layout = HomeLayout(root)
-    try:
-        layout.prepare(warn=lambda message: click.echo(f"kandevd: warning: {message}", err=True))
-        layout.workspace.mkdir(mode=0o700, exist_ok=True)
-    except HomeError as exc:
-        click.echo(f"kandevd: cannot use home {root}: {exc}", err=True)
-        sys.exit(EXIT_CANTCREAT)
-    except OSError as exc:
-        click.echo(f"kandevd: cannot use home {root}: {exc.strerror or exc}", err=True)
-        sys.exit(EXIT_CANTCREAT)
+    source: Path | None = None
     if example:
         from kandevd.paths import check_safe_name
 
@@ -125,18 +132,22 @@ def init(home: str | None, example: str | None) -> None:
         if not source.is_dir():
             known = sorted(p.name for p in EXAMPLES_DIR.iterdir()) if EXAMPLES_DIR.is_dir() else []
             raise click.ClickException(f"no example named {example!r} (known: {known})")
-        # Entry by entry, not copytree(source, root): that would copy the example
-        # folder's own mode onto the home.
-        for entry in sorted(source.iterdir()):
-            if entry.name == "__pycache__":
-                continue
-            if entry.is_dir():
-                shutil.copytree(entry, root / entry.name, dirs_exist_ok=True,
-                                ignore=shutil.ignore_patterns("__pycache__"))
-            else:
-                shutil.copy2(entry, root / entry.name)
-        restrict_tree(source, root)
+    try:
+        layout.prepare(warn=lambda message: click.echo(f"kandevd: warning: {message}", err=True))
+        layout.workspace.mkdir(mode=0o700, exist_ok=True)
+        written, kept = copy_example(source, root, force=force) if source else ([], [])
+    except HomeError as exc:
+        click.echo(f"kandevd: cannot use home {root}: {exc}", err=True)
+        sys.exit(EXIT_CANTCREAT)
+    except OSError as exc:
+        click.echo(f"kandevd: cannot use home {root}: {exc.strerror or exc}", err=True)
+        sys.exit(EXIT_CANTCREAT)
+    for path in kept:
+        click.echo(f"kept {root / path} (it exists; --force overwrites it)")
+    if written:
+        click.echo(f"wrote {len(written)} file(s) of example {example!r}")
     click.echo(f"home ready: {root}")
+    click.echo(f"next: kandevd serve --home {root}")
 
 
 @cli.command()

@@ -255,3 +255,25 @@ def test_init_keeps_an_existing_homes_mode_and_makes_only_what_it_copies_private
     assert stat.S_IMODE(mine.stat().st_mode) == 0o644  # not the example's: left alone
     assert stat.S_IMODE((home / "kandevd.yaml").stat().st_mode) == 0o600
     assert stat.S_IMODE((home / "workspace").stat().st_mode) == 0o700
+
+
+def test_init_keeps_an_edited_file_and_says_so(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    first = run_cli(home, "init", "--example", "demo")
+    assert first.returncode == 0, first.stderr
+    config = home / "kandevd.yaml"
+    config.write_text(config.read_text() + "# edited by hand\n")
+    again = run_cli(home, "init", "--example", "demo")
+    assert again.returncode == 0, again.stderr
+    assert f"kept {config}" in again.stdout
+    assert config.read_text().endswith("# edited by hand\n")
+    assert f"next: kandevd serve --home {home}" in again.stdout
+    forced = run_cli(home, "init", "--example", "demo", "--force")
+    assert forced.returncode == 0 and "# edited by hand" not in config.read_text()
+
+
+def test_init_with_a_bad_example_creates_nothing(tmp_path: Path) -> None:
+    home = tmp_path / "never"
+    refused = run_cli(home, "init", "--example", "no-such-example")
+    assert refused.returncode != 0 and "no example named" in refused.stderr
+    assert not home.exists()

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import json
+import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import click
 
 from kandevd.cli_common import client_options, echo_json, invoke
 from kandevd.cli_format import table
+from kandevd.paths import HomeLayout, resolve_home
 from kandevd.store.runs import STATUSES
+
+#: How often ``runs logs --follow`` looks for more output (a log is a plain file).
+FOLLOW_POLL_S = 0.5
 
 COLUMNS = ("seq", "id", "status", "agent_id", "reason", "retry_count", "requested_at")
 
@@ -126,6 +133,42 @@ def retry(run_id: str, as_json: bool, home: str | None, socket_path: str | None)
     """Queue a failed or cancelled run again, with a fresh attempt budget."""
     run = invoke(home, socket_path, "runs.retry", {"id": run_id})
     echo_json(run) if as_json else click.echo(f"{run['id']} {run['status']}")
+
+
+@runs.command("logs")
+@click.argument("run_id")
+@click.option("--follow", "-f", is_flag=True,
+              help="Keep printing what is appended until the run is finished, failed or "
+                   "cancelled.")
+@client_options
+def logs(run_id: str, follow: bool, home: str | None, socket_path: str | None) -> None:
+    """Print a run's log: each attempt between `==== attempt N started/ended ====` lines."""
+    run = invoke(home, socket_path, "runs.get", {"id": run_id})
+    path = Path(run["log_path"]) if run.get("log_path") else \
+        HomeLayout(resolve_home(home)).run_logs / f"{run_id}.log"
+    offset = 0
+    while True:
+        offset = _print_from(path, offset)
+        if not follow or run["status"] in ("finished", "failed", "cancelled"):
+            if follow:
+                _print_from(path, offset)  # what the last attempt wrote as it ended
+            return
+        time.sleep(FOLLOW_POLL_S)
+        run = invoke(home, socket_path, "runs.get", {"id": run_id})
+
+
+def _print_from(path: Path, offset: int) -> int:
+    """Print ``path`` from byte ``offset``; the new offset (a missing file prints nothing)."""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(offset)
+            data = handle.read()
+    except FileNotFoundError:
+        return offset
+    if data:
+        sys.stdout.write(data.decode("utf-8", errors="replace"))
+        sys.stdout.flush()
+    return offset + len(data)
 
 
 @runs.command("explain")

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
 import uuid
@@ -65,7 +66,7 @@ from kandevd.runtime.records import (
 from kandevd.runtime.specs import agent_execution
 from kandevd.store.db import is_environmental
 from kandevd.store.runs import Claim, EnqueueResult, RunRepository
-from kandevd.timeutil import utc_now
+from kandevd.timeutil import rfc3339, utc_now
 
 log = logging.getLogger("kandevd.queue")
 
@@ -80,6 +81,20 @@ _WRITE_RETRY_MAX_S = 2.0
 #: Refusals (other than a full disk or a busy database) after which an outcome is
 #: recorded as a plain failed attempt instead.
 _PLAIN_OUTCOME_AFTER = 10
+
+
+def append_log_line(path: Path, text: str) -> None:
+    """One ``[kandevd]`` line in an execution's log (attempt separators); best effort."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+    except OSError:
+        return
+    try:
+        os.write(fd, f"[kandevd] {text}\n".encode())
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 @dataclass
@@ -275,6 +290,8 @@ class RunQueue:
         try:
             self.faults.before_start(run_id)
             spec = self._spec(claim)
+            append_log_line(spec.log_path, f"==== attempt {run.get('attempt', '?')} started "
+                                           f"{rfc3339(self.clock())} ====")
             self.runtime.start(reservation, spec,
                                lambda result: self._on_done(claim, result))
         except Exception as exc:
@@ -346,6 +363,10 @@ class RunQueue:
         process), the agent is not run again to learn it.
         """
         directory = journal.attempt_dir(self.layout, claim.run["id"], claim.token)
+        if result.outcome != DETACHED:
+            ending = result.outcome + (f" ({result.error})" if result.error else "")
+            append_log_line(result.log_path, f"==== attempt {claim.run.get('attempt', '?')} "
+                                             f"ended {rfc3339(result.ended_at)}: {ending} ====")
         if result.outcome == STOPPED:
             journal.discard(directory)  # cancelled: the run row already says so
         elif result.outcome != DETACHED:

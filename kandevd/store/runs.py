@@ -45,7 +45,7 @@ RUN_FIELDS = (
     "id", "seq", "workspace_id", "agent_id", "task_id", "reason", "payload", "status",
     "idempotency_key", "coalesced_count", "retry_count", "scheduled_retry_at", "requested_at",
     "claimed_at", "finished_at", "error_message", "cancel_reason", "output_summary",
-    "cost_cents", "log_path",
+    "cost_cents", "log_path", "attempt",
 )
 
 

@@ -334,3 +334,21 @@ def test_a_spent_hard_budget_refuses_the_claim(daemon_factory: Factory) -> None:
     other = enqueue(daemon, "a2")
     wait_status(daemon, other["id"], "finished")
     assert daemon.call("runs.get", {"id": held["id"]})["status"] == "queued"
+
+
+def test_runs_logs_shows_each_attempt_between_separators(
+        daemon_factory: Factory, tmp_path: Path) -> None:
+    marker = tmp_path / "failed-once"
+    daemon = daemon_factory(config(retry={"delays_s": [0], "jitter": 0}))
+    setup_agent(daemon)
+    run = enqueue(daemon, fail_once_marker=str(marker), summary="second time lucky")
+    wait_status(daemon, run["id"], "finished")
+    shown = run_cli(daemon.home, "runs", "logs", run["id"])
+    assert shown.returncode == 0, shown.stderr
+    lines = [line for line in shown.stdout.splitlines() if line.startswith("[kandevd] ====")]
+    assert [line.split()[2:4] for line in lines] == [
+        ["attempt", "1"], ["attempt", "1"], ["attempt", "2"], ["attempt", "2"]]
+    assert lines[1].endswith("failed (exit code 1) ====")
+    assert lines[3].endswith("succeeded ====")
+    followed = run_cli(daemon.home, "runs", "logs", run["id"], "--follow")
+    assert followed.returncode == 0 and followed.stdout == shown.stdout

@@ -26,6 +26,7 @@ from kandevd.cli_scheduler import check_workflows, scheduler
 from kandevd.cli_wait import wait
 from kandevd.config import ConfigError, load_config
 from kandevd.paths import HomeError, HomeLayout, resolve_home
+from kandevd.timeutil import parse_rfc3339, utc_now
 
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
 EXIT_CONFIG = 78
@@ -207,7 +208,18 @@ def status(home: str | None, socket_path: str | None, as_json: bool) -> None:
     loops = "  ".join(f"{name}={state}" for name, state in result["loops"].items())
     click.echo(f"loops    {loops}")
     runtime = result["runtime"]
-    click.echo(f"runtime  {runtime['active']}/{runtime['max_concurrent']} active")
+    click.echo(f"runtime  {runtime['active']}/{runtime['max_concurrent']} slots busy")
+    runs = result.get("runs")
+    if runs:
+        oldest = ""
+        if runs.get("oldest_queued_at"):
+            age = (utc_now() - parse_rfc3339(runs["oldest_queued_at"])).total_seconds()
+            oldest = f" (oldest waiting {max(age, 0):.0f}s)"
+        click.echo(f"queue    {runs['queued']} queued{oldest}, {runs['claimed']} claimed, "
+                   f"{runs['failed']} failed (dead letter), {runs['finished']} finished")
+    store = result.get("store") or {}
+    if store.get("status") == "degraded":
+        click.echo(f"store    DEGRADED: {store.get('reason')}")
 
 
 cli.add_command(runs)

@@ -142,7 +142,7 @@ def retry(run_id: str, as_json: bool, home: str | None, socket_path: str | None)
                    "cancelled.")
 @client_options
 def logs(run_id: str, follow: bool, home: str | None, socket_path: str | None) -> None:
-    """Print a run's log: each attempt between `==== attempt N started/ended ====` lines."""
+    """Print a run's log, each attempt framed by separator lines."""
     run = invoke(home, socket_path, "runs.get", {"id": run_id})
     path = Path(run["log_path"]) if run.get("log_path") else \
         HomeLayout(resolve_home(home)).run_logs / f"{run_id}.log"

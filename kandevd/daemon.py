@@ -316,7 +316,8 @@ class Daemon:
             else:
                 # ``failed`` is the dead letter: runs that used their attempts or retries.
                 result["runs"] = {**runs, "unrecorded_outcomes": self.queue.unrecorded(),
-                                  "adopted": self.queue.adopted_total}
+                                  "adopted": self.queue.adopted_total,
+                                  "oldest_queued_at": self.queue.repo.oldest_queued_at()}
         cron = self.loops.get("cron")
         if cron is not None:
             result["scheduler"] = cron.status()  # type: ignore[attr-defined]

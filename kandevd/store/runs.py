@@ -522,6 +522,12 @@ class RunRepository:
                 {"now": now_s, "id": run_id}).fetchone()
         return run_from_row(updated)
 
+    def oldest_queued_at(self) -> str | None:
+        """``requested_at`` of the oldest queued run (request order), or None."""
+        row = self.store.query_one("SELECT requested_at FROM runs WHERE status = 'queued'"
+                                   " ORDER BY seq LIMIT 1")
+        return row[0] if row else None
+
     def count_by_status(self) -> dict[str, int]:
         """``{status: number of runs}`` for every status (zeros included)."""
         counts = dict.fromkeys(STATUSES, 0)

@@ -174,8 +174,33 @@ def validate(home: str | None, config_path: str | None) -> None:
         click.echo("workflows not checked: the config is invalid", err=True)
         sys.exit(EXIT_VALIDATE_BAD_CONFIG)
     click.echo(f"config ok: {config.source or 'built-in defaults'}")
-    if not check_workflows(scheduler_root(config, root)):
+    profiles_ok = check_profiles(config, root)
+    if not check_workflows(scheduler_root(config, root)) or not profiles_ok:
         sys.exit(EXIT_ERROR)
+
+
+def check_profiles(config: Any, root: Path) -> bool:
+    """Say per agent profile whether its command can be executed; False if one cannot.
+
+    Resolved as the agent's start would (a relative path from a run folder, a
+    bare name through PATH with the profile's env), so a typo is found here
+    instead of failing every attempt of every run.
+    """
+    from kandevd.runtime.process import _executable_problem
+
+    ok = True
+    for name, profile in sorted(config.agents.items()):
+        if not profile.command:
+            click.echo(f"profile {name}: the built-in echo agent")
+            continue
+        path_env = dict(profile.env).get("PATH", os.environ.get("PATH"))
+        problem = _executable_problem(profile.command[0], root / "runs", path_env)
+        if problem is None:
+            click.echo(f"profile {name}: {profile.command[0]} ok")
+        else:
+            ok = False
+            click.echo(f"profile {name}: {problem}", err=True)
+    return ok
 
 
 @cli.command()

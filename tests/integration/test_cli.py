@@ -277,3 +277,16 @@ def test_init_with_a_bad_example_creates_nothing(tmp_path: Path) -> None:
     refused = run_cli(home, "init", "--example", "no-such-example")
     assert refused.returncode != 0 and "no example named" in refused.stderr
     assert not home.exists()
+
+
+def test_validate_flags_a_profile_whose_command_does_not_exist(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    config = tmp_path / "c.yaml"
+    config.write_text("agents:\n  good: {command: [sh]}\n  typo: {command: [no-such-agent-x]}\n")
+    result = run_cli(home, "validate", "--config", str(config))
+    assert result.returncode == 1
+    assert "profile good: sh ok" in result.stdout
+    assert "profile typo: cannot start agent: executable not found: no-such-agent-x" \
+        in result.stderr
+    assert "profile default: the built-in echo agent" in result.stdout

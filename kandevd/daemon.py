@@ -130,6 +130,8 @@ class Daemon:
     # -- running -----------------------------------------------------------------
     def run(self) -> int:
         try:
+            if not os.path.lexists(self.layout.root):
+                log.info("creating a new home %s (mode 0700)", self.layout.root)
             self.layout.prepare()
             self._lock.acquire()
         except HomeLocked as exc:
@@ -158,7 +160,8 @@ class Daemon:
             self._lock.release()
             return EXIT_OK
         try:
-            log.info("kandevd %s serving %s (pid %d)", __version__, self.layout.root, os.getpid())
+            log.info("kandevd %s serving %s (pid %d, config %s)", __version__, self.layout.root,
+                     os.getpid(), self.config.source or "built-in defaults")
             # A plain Event.wait() here could miss a signal the kernel hands to another
             # thread; the waiter's select() on the wakeup fd cannot (see kandevd.shutdown).
             while True:

@@ -21,6 +21,8 @@ from kandevd import __version__
 from kandevd.cli_common import client_options, echo_json, home_option, invoke
 from kandevd.cli_db import db
 from kandevd.cli_jobs import jobs
+from kandevd.cli_methods import methods
+from kandevd.cli_metrics import metrics
 from kandevd.cli_runs import runs
 from kandevd.cli_scheduler import check_workflows, scheduler
 from kandevd.cli_wait import wait
@@ -252,6 +254,8 @@ cli.add_command(jobs)
 cli.add_command(scheduler)
 cli.add_command(db)
 cli.add_command(wait)
+cli.add_command(methods)
+cli.add_command(metrics)
 
 
 def main() -> None:

@@ -41,6 +41,7 @@ DEFAULTS: dict[str, Any] = {
     "runtime": {"max_concurrent": 4, "stop_grace_s": 20, "adopt_on_restart": True,
                 "keep_agents_on_stop": False},
     "control": {"idle_timeout_s": 60},
+    "metrics": {"listen": None},
     "office": {"enabled": True, "interval_s": 30, "recovery_lookback_hours": 24},
     "scheduler": {"enabled": True, "root": None, "history_retention_days": 90},
     "agents": {"default": {"command": None, "timeout_s": 3600, "env": {}}},
@@ -90,6 +91,28 @@ class ControlConfig:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    """``metrics.listen``: ``"HOST:PORT"`` serves /metrics and /health; None = off."""
+
+    listen: str | None = None
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        """``(host, port)`` of ``listen`` (IPv6 hosts in brackets), or None."""
+        return None if self.listen is None else parse_listen(self.listen)
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """``"HOST:PORT"`` (``"[::1]:9464"`` for IPv6) -> ``(host, port)``; ConfigError if bad."""
+    host, sep, port = value.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"metrics.listen: {value!r} is not HOST:PORT with a port 1-65535")
+    return host, int(port)
+
+
+@dataclass(frozen=True)
 class OfficeConfig:
     enabled: bool
     interval_s: float
@@ -124,6 +147,7 @@ class Config:
     scheduler: SchedulerConfig
     agents: Mapping[str, AgentProfile]
     control: ControlConfig = ControlConfig()
+    metrics: MetricsConfig = MetricsConfig()
     source: str | None = None
 
     def profile(self, name: str) -> AgentProfile:
@@ -272,6 +296,7 @@ def build_config(
         runtime=RuntimeConfig(**merged["runtime"]),
         office=OfficeConfig(**merged["office"]),
         control=ControlConfig(idle_timeout_s=float(merged["control"]["idle_timeout_s"])),
+        metrics=MetricsConfig(listen=merged["metrics"]["listen"]),
         scheduler=SchedulerConfig(
             enabled=bool(sched["enabled"]) and not disabled_via_env,
             root=sched["root"],
@@ -283,6 +308,8 @@ def build_config(
         source=source,
     )
     check_config_finite(config)
+    if config.metrics.listen is not None:
+        parse_listen(config.metrics.listen)
     return config
 
 

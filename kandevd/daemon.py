@@ -27,12 +27,14 @@ from kandevd.control.server import ControlServer, NotASocket, SocketInUse
 from kandevd.faults import Faults
 from kandevd.homelock import HomeLock, HomeLocked
 from kandevd.lifecycle import Loop, StopSignal
+from kandevd.metrics import DaemonMetrics, MetricsHTTPServer, daemon_health
 from kandevd.office.budgets import exceeded_hard_budgets
 from kandevd.paths import HomeLayout
 from kandevd.queue.loop import QueueLoop
 from kandevd.queue.processor import RunQueue
 from kandevd.runtime import AgentRuntime
 from kandevd.runtime.orphans import stop_orphan_agents
+from kandevd.sdnotify import notifier, queue_status
 from kandevd.services import Services
 from kandevd.shutdown import MainThreadWaiter, ShutdownCoordinator, SignalWiring
 from kandevd.store.check import DatabaseUnusable, open_checked
@@ -79,6 +81,8 @@ class Daemon:
         self.queue: RunQueue | None = None
         self.server: ControlServer | None = None
         self.coordinator: ShutdownCoordinator | None = None
+        self.metrics: DaemonMetrics | None = None
+        self.metrics_http: MetricsHTTPServer | None = None
 
     # -- building ----------------------------------------------------------------
     def _build(self) -> None:
@@ -103,11 +107,15 @@ class Daemon:
         self.loops = {"queue": queue_loop}
         for name, loop in self._extra_loops().items():
             self.loops[name] = loop
+        cron = self.loops.get("cron")
+        self.metrics = DaemonMetrics(
+            self.status, cron.registry.jobs if cron is not None else None)  # type: ignore[attr-defined]
+        self.queue.metrics = self.metrics
         registry = Registry()
         services = Services(config=self.config, layout=self.layout, store=self.store,
                             bus=self.bus, runtime=self.runtime, queue=self.queue,
                             status=self.status, request_shutdown=self.request_shutdown,
-                            extras=dict(self.loops))
+                            extras=dict(self.loops), metrics=self.metrics)
         self.services = services
         for module in self._method_modules():
             module.register(registry, services)
@@ -162,6 +170,8 @@ class Daemon:
         try:
             log.info("kandevd %s serving %s (pid %d, config %s)", __version__, self.layout.root,
                      os.getpid(), self.config.source or "built-in defaults")
+            # systemd (Type=notify): the control socket listens, so the daemon is ready.
+            notifier().ready(queue_status(self.queue) or "running")
             # A plain Event.wait() here could miss a signal the kernel hands to another
             # thread; the waiter's select() on the wakeup fd cannot (see kandevd.shutdown).
             while True:
@@ -225,7 +235,9 @@ class Daemon:
                 started.append((f"stop {loop.name} loop", loop.stop))
             # Intake opens last, and the daemon is "running" (with its coordinator ready)
             # before it does: the first request can arrive the instant the socket listens.
-            self.coordinator = ShutdownCoordinator(self._shutdown_steps())
+            self.coordinator = ShutdownCoordinator(
+                self._shutdown_steps(),
+                on_started=lambda: notifier().stopping("graceful shutdown started"))
             self.state = "running"
             try:
                 self.server.start()
@@ -233,10 +245,13 @@ class Daemon:
                 raise StartupError(str(exc), EXIT_TEMPFAIL) from None
             except NotASocket as exc:
                 raise StartupError(str(exc), EXIT_CANTCREAT) from None
+            started.append(("close control connections", self.server.close))
+            self._start_metrics_http()
         except BaseException:
             self.state = "stopping"
             self.coordinator = None
             self.stop_signal.set()
+            self._stop_metrics_http()
             for _name, stop in reversed(started):
                 stop()
             if self.runtime is not None:
@@ -259,9 +274,28 @@ class Daemon:
             ("stop agent runtime", self._stop_runtime),
             ("close control connections", self.server.close),
             ("close event bus", self.bus.close),
+            ("stop metrics server", self._stop_metrics_http),
             ("close store", self.store.close),
         ]
         return steps
+
+    def _start_metrics_http(self) -> None:
+        """``metrics.listen``: serve /metrics and /health (after the control socket)."""
+        address = self.config.metrics.address
+        if address is None or self.metrics is None:
+            return
+        try:
+            server = MetricsHTTPServer(address, self.metrics, lambda: daemon_health(self))
+        except OSError as exc:
+            raise StartupError(f"metrics.listen {self.config.metrics.listen}: cannot listen: "
+                               f"{exc.strerror or exc}", EXIT_CANTCREAT) from None
+        server.start()
+        self.metrics_http = server
+
+    def _stop_metrics_http(self) -> None:
+        server, self.metrics_http = self.metrics_http, None
+        if server is not None:
+            server.stop()
 
     def _stop_runtime(self) -> None:
         """Stop the agents in order, or (``runtime.keep_agents_on_stop``) leave them running.
@@ -275,9 +309,12 @@ class Daemon:
 
     def reload(self) -> None:
         """SIGHUP: rescan workflow files (the cron loop does it on its next tick)."""
+        log.info("received SIGHUP: reloading workflow and product files; changes to %s "
+                 "need a restart", self.config.source or "the configuration")
         cron = self.loops.get("cron")
         if cron is not None:
             cron.request_reload()  # type: ignore[attr-defined]
+        notifier().status("reloaded workflow and product files")
 
     def request_shutdown(self) -> None:
         """Ask for the graceful stop (``daemon.shutdown``); the main thread runs it."""
@@ -286,7 +323,7 @@ class Daemon:
 
     def _force(self) -> None:
         if self.runtime is not None:
-            self.runtime.kill_all_now()
+            self.runtime.kill_all_now(quiet=True)  # inside a signal handler: no logging
 
     # -- status ------------------------------------------------------------------
     def status(self) -> dict[str, Any]:

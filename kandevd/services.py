@@ -31,3 +31,4 @@ class Services:
     status: Callable[[], dict[str, Any]]
     request_shutdown: Callable[[], None]
     extras: dict[str, Any] = field(default_factory=dict)
+    metrics: Any = None  # kandevd.metrics.DaemonMetrics (``daemon.metrics``)

@@ -16,8 +16,10 @@ The order is the whole point (see docs/architecture.md)::
 A failing step is logged and recorded, and the next step still runs.
 
 Signals: the handler only records the request (an Event) for the main
-thread; a second SIGINT/SIGTERM while the stop is in progress logs
-``Received second shutdown signal, forcing exit`` and exits 1 at once. For
+thread; a second SIGINT/SIGTERM while the stop is in progress writes
+``Received second shutdown signal, forcing exit`` straight to fd 2 (no
+logging module inside a handler), kills the agents and exits 1 at once.
+SIGHUP only sets ``reload_requested``; it never stops the daemon. For
 that to hold, the main thread must never sit in a wait a signal cannot end:
 the kernel may hand a process-directed signal to any thread, and the Python
 handler only runs when the main thread next executes bytecode. So the main
@@ -41,10 +43,15 @@ log = logging.getLogger("kandevd.shutdown")
 
 Step = tuple[str, Callable[[], None]]
 
+#: Written raw to fd 2 (no logging module inside a signal handler) on a forced exit.
+FORCED_LINE = b"kandevd: Received second shutdown signal, forcing exit\n"
+
 
 class ShutdownCoordinator:
-    def __init__(self, steps: Sequence[Step]) -> None:
+    def __init__(self, steps: Sequence[Step],
+                 on_started: Callable[[], None] | None = None) -> None:
         self._steps = list(steps)
+        self._on_started = on_started
         self._lock = threading.Lock()
         self._started = threading.Event()
         self._done = threading.Event()
@@ -62,6 +69,11 @@ class ShutdownCoordinator:
         if not first:
             self._done.wait()
             return self.failures
+        if self._on_started is not None:  # systemd's STOPPING=1, with the line below
+            try:
+                self._on_started()
+            except Exception:
+                log.exception("shutdown start notification failed; ignored")
         log.info("Graceful shutdown started")
         for name, step in self._steps:
             log.debug("shutdown: %s", name)
@@ -101,8 +113,8 @@ class SignalWiring:
             self._previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, self._handle_hup)
 
     def _handle_hup(self, _signum: int, _frame: FrameType | None) -> None:
+        # Only the flag: the main thread does the reload and says what it reloaded.
         assert self._reload_requested is not None
-        log.info("received SIGHUP: reloading")
         self._reload_requested.set()
 
     def restore(self) -> None:
@@ -112,13 +124,18 @@ class SignalWiring:
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
         if self._stop_requested.is_set() or self._is_stopping():
-            log.critical("Received second shutdown signal, forcing exit")
+            # No logging-module work here: the interrupted code may hold a handler's
+            # lock (a deadlock), and a half-written record is fine to lose. One raw
+            # write to stderr, kill the agents, and out.
+            try:
+                os.write(2, FORCED_LINE)
+            except OSError:
+                pass
             if self._on_force is not None:
                 try:
                     self._on_force()
-                except Exception:  # forcing exit must not be stopped by cleanup
+                except BaseException:  # forcing exit must not be stopped by cleanup
                     pass
-            logging.shutdown()
             os._exit(1)
         log.info("received %s", signal.Signals(signum).name)
         self._stop_requested.set()

@@ -26,6 +26,17 @@ class Method:
     handler: Handler
     validator: jsonschema.Draft202012Validator
     allowed_while_stopping: bool = False
+    summary: str = ""
+    """One line for ``rpc.discover`` and ``kandevd methods``. Not taken from the
+    handler's docstring: the registry built without a daemon (stand-in services)
+    must describe the methods exactly as the daemon's does."""
+    result: str = ""
+    """What the method returns, in words (results have no schema)."""
+
+    @property
+    def schema(self) -> dict[str, Any]:
+        schema: dict[str, Any] = self.validator.schema  # type: ignore[assignment]
+        return schema
 
 
 def object_schema(properties: dict[str, Any], required: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -40,8 +51,8 @@ MAX_OFFSET = 10**12
 
 def paging_properties() -> dict[str, Any]:
     return {
-        "limit": {"type": "integer", "minimum": 1, "maximum": 500},
-        "offset": {"type": "integer", "minimum": 0, "maximum": MAX_OFFSET},
+        "limit": {"type": "integer", "minimum": 1, "maximum": 500, "default": 50},
+        "offset": {"type": "integer", "minimum": 0, "maximum": MAX_OFFSET, "default": 0},
     }
 
 
@@ -50,13 +61,14 @@ class Registry:
         self._methods: dict[str, Method] = {}
 
     def add(self, name: str, handler: Handler, schema: dict[str, Any] | None = None, *,
-            allowed_while_stopping: bool = False) -> None:
+            allowed_while_stopping: bool = False, summary: str = "",
+            result: str = "") -> None:
         if name in self._methods:
             raise ValueError(f"method {name!r} registered twice")
         schema = schema or object_schema({})
         jsonschema.Draft202012Validator.check_schema(schema)
         self._methods[name] = Method(name, handler, jsonschema.Draft202012Validator(schema),
-                                     allowed_while_stopping)
+                                     allowed_while_stopping, summary, result)
 
     def method(self, name: str, schema: dict[str, Any] | None = None, **kwargs: Any
                ) -> Callable[[Handler], Handler]:
@@ -74,12 +86,23 @@ class Registry:
     def names(self) -> list[str]:
         return sorted(self._methods)
 
+    def methods(self) -> list[Method]:
+        """Every method, sorted by name."""
+        return [self._methods[name] for name in self.names()]
+
     @staticmethod
     def check_params(method: Method, params: dict[str, Any]) -> None:
-        errors = sorted(method.validator.iter_errors(params), key=lambda e: list(e.absolute_path))
+        errors = sorted(method.validator.iter_errors(params),
+                        key=lambda e: [str(p) for p in e.absolute_path])
         if errors:
-            error = jsonschema.exceptions.best_match(errors) or errors[0]
-            raise InvalidParams(format_validation_error(error, prefix="params", noun="parameter"))
+            # Every problem at once; best_match descends into each anyOf/oneOf error.
+            messages: list[str] = []
+            for error in errors:
+                best = jsonschema.exceptions.best_match([error]) or error
+                message = format_validation_error(best, prefix="params", noun="parameter")
+                if message not in messages:
+                    messages.append(message)
+            raise InvalidParams("; ".join(messages))
         # JSON Schema counts 2.0 as an integer; hand handlers the int they expect
         # (every integer param has a maximum, so the value is small and exact).
         properties = method.validator.schema.get("properties", {})

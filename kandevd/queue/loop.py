@@ -31,6 +31,7 @@ from typing import Any
 
 from kandevd.lifecycle import Loop
 from kandevd.queue.processor import RunQueue
+from kandevd.sdnotify import notifier, queue_status
 from kandevd.store.db import is_environmental
 from kandevd.timeutil import after
 
@@ -62,6 +63,14 @@ class QueueLoop(Loop):
         self.queue.defer_outcomes(False)
 
     def tick(self, now: datetime) -> float:
+        # systemd's watchdog (WATCHDOG_USEC) is pinged from the tick, which then comes
+        # at least every WATCHDOG_USEC/2: a wedged loop stops pinging and gets restarted.
+        systemd = notifier()
+        systemd.watchdog()
+        wait = self._pass(now)
+        return min(wait, systemd.watchdog_interval_s or wait)
+
+    def _pass(self, now: datetime) -> float:
         try:
             started = self.queue.drain(now, self.max_claims_per_tick)
             recovered = self._recover_stale(now)
@@ -92,6 +101,8 @@ class QueueLoop(Loop):
         if check is not None and after(check, -interval) <= now < check:
             return 0
         self._next_stale_check = after(now, interval)
+        if (status := notifier().enabled and queue_status(self.queue)):
+            notifier().status(status)
         return len(self.queue.recover_stale(now))
 
     def stats(self) -> dict[str, int]:

@@ -131,6 +131,7 @@ class RunQueue:
         self.signals_enabled = True
         self.claimed_total = 0
         self.adopted_total = 0
+        self.metrics: Any = None  # kandevd.metrics.DaemonMetrics, set by the daemon
         self.write_failures = 0
         # Outcomes of executions that end together share one commit (one fsync).
         self.commits = GroupCommit(repo.store)
@@ -487,6 +488,8 @@ class RunQueue:
 
     def _announce(self, claim: Claim, result: ExecutionResult, effect: Any) -> None:
         run_id = claim.run["id"]
+        if self.metrics is not None:
+            self.metrics.observe_execution(result)
         if result.outcome == INTERRUPTED:
             log.info("run %s interrupted by shutdown; stays claimed for the next start", run_id)
         elif result.outcome == DETACHED:

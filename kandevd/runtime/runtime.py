@@ -31,6 +31,7 @@ wait until the count is below the bound again.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -39,6 +40,7 @@ from dataclasses import dataclass
 
 from kandevd.runtime.process import (
     ERROR,
+    FAILED,
     INTERRUPTED,
     STOPPED,
     ExecutionControl,
@@ -46,6 +48,7 @@ from kandevd.runtime.process import (
     ExecutionSpec,
     ProcessRunner,
     Runner,
+    describe_exit,
 )
 from kandevd.runtime.records import ExecutionRecord
 from kandevd.timeutil import utc_now
@@ -434,15 +437,18 @@ class AgentRuntime:
             self._cond.notify_all()
         log.info("runtime stopped")
 
-    def kill_all_now(self) -> None:
-        """Forced exit: SIGKILL every live process group at once; join nothing."""
+    def kill_all_now(self, quiet: bool = False) -> None:
+        """Forced exit: SIGKILL every live process group at once; join nothing.
+
+        ``quiet``: no logging (called from a signal handler, see kandevd.shutdown).
+        """
         with self._cond:
             self._stopping = True
             executions = list(self._live.values())
         for execution in executions:
             execution.control.request_termination(INTERRUPTED, FORCED_REASON)
             execution.control.kill_now()
-        if executions:
+        if executions and not quiet:
             log.warning("killed %d execution(s) on forced exit", len(executions))
 
     # -- internals ---------------------------------------------------------
@@ -475,6 +481,7 @@ class AgentRuntime:
                     started_at=min(now, record.started_at) if record is not None else now,
                     ended_at=now, log_path=spec.log_path,
                 )
+            result = self._interrupted_if_stopping(execution, result)
             with self._cond:
                 execution.finished = True
             execution.control.close()
@@ -489,6 +496,23 @@ class AgentRuntime:
                     del self._live[spec.key]
                 self._cond.notify_all()
             self._notify_slot_listeners()
+
+    def _interrupted_if_stopping(self, execution: _Execution,
+                                 result: ExecutionResult) -> ExecutionResult:
+        """An agent a signal ended while the runtime stops, unasked by us, was interrupted.
+
+        The signal most likely came with the stop itself (a terminal's Ctrl-C reaching
+        the whole process group, systemd's final SIGKILL): the run stays queued for the
+        next start and uses no retry, instead of counting as an ordinary failure.
+        """
+        if (result.outcome == FAILED and result.exit_code is not None and result.exit_code < 0
+                and execution.control.requested is None and self.stopping):
+            log.info("execution %s: %s while the runtime was stopping: interrupted",
+                     result.key, describe_exit(result.exit_code))
+            return dataclasses.replace(
+                result, outcome=INTERRUPTED,
+                error=f"{INTERRUPTED}: {describe_exit(result.exit_code)} during shutdown")
+        return result
 
     def _notify_slot_listeners(self) -> None:
         with self._cond:

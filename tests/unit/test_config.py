@@ -29,6 +29,7 @@ CONTRACT_DEFAULTS: dict[str, Any] = {
     "runtime": {"max_concurrent": 4, "stop_grace_s": 20, "adopt_on_restart": True,
                 "keep_agents_on_stop": False},
     "control": {"idle_timeout_s": 60},
+    "metrics": {"listen": None},
     "office": {"enabled": True, "interval_s": 30, "recovery_lookback_hours": 24},
     "scheduler": {"enabled": True, "root": None, "history_retention_days": 90},
     "agents": {"default": {"command": None, "timeout_s": 3600, "env": {}}},
@@ -45,6 +46,7 @@ def as_document(config: Config) -> dict[str, Any]:
     return {
         "queue": section(config.queue), "retry": section(config.retry),
         "runtime": section(config.runtime), "control": section(config.control),
+        "metrics": section(config.metrics),
         "office": section(config.office),
         "scheduler": section(config.scheduler, drop=("disabled_via_env", "configured_enabled")),
         "agents": {name: {"command": None if p.command is None else list(p.command),

@@ -717,3 +717,30 @@ def test_stdin_object_arrives_as_one_json_line(tmp_path: Path, make_runtime):
     assert done.wait("stdin").succeeded
     first = spec.log_path.read_text().splitlines()[0]
     assert json.loads(first) == dict(spec.stdin)
+
+
+def test_a_signal_death_while_stopping_is_interrupted_not_failed(tmp_path: Path, make_runtime):
+    entered, gate = threading.Event(), threading.Event()
+
+    def agent(spec: ExecutionSpec) -> tuple[int, str | None, float | None]:
+        if spec.key == "before":
+            return (-15, None, None)  # not stopping yet: an ordinary failure
+        entered.set()
+        assert gate.wait(WAIT_S)
+        return (-2, None, None)  # e.g. the terminal's Ctrl-C reached the agent too
+
+    runtime = make_runtime(runner=InProcessRunner(agent), stop_grace_s=WAIT_S)
+    done = Recorder()
+    runtime.launch(spec_for(tmp_path, "before"), done)
+    assert done.wait("before").outcome == "failed"
+    runtime.launch(spec_for(tmp_path, "during"), done)
+    assert entered.wait(WAIT_S)
+    stopper = threading.Thread(target=runtime.stop)
+    stopper.start()
+    while not runtime.stopping:
+        time.sleep(0.01)
+    gate.set()
+    result = done.wait("during")
+    stopper.join(WAIT_S)
+    assert (result.outcome, result.exit_code) == ("interrupted", -2)
+    assert "killed by signal SIGINT" in (result.error or "")

@@ -188,7 +188,7 @@ def test_first_signal_only_sets_the_flag_the_second_forces_exit_1(
     assert proc.returncode == 1
     lines = err.strip().splitlines()
     assert lines[0] == f"received {first.name}"
-    assert lines[-1] == "Received second shutdown signal, forcing exit"
+    assert lines[-1] == "kandevd: Received second shutdown signal, forcing exit"
 
 
 def test_install_and_restore_put_back_the_previous_handlers() -> None:

@@ -1,4 +1,4 @@
-"""``daemon.*``: status and shutdown."""
+"""``daemon.*``: status and shutdown; ``rpc.discover``: the OpenRPC document."""
 
 from __future__ import annotations
 
@@ -16,5 +16,24 @@ def register(registry: Registry, services: Services) -> None:
         services.request_shutdown()
         return {}
 
-    registry.add("daemon.status", status, object_schema({}), allowed_while_stopping=True)
-    registry.add("daemon.shutdown", shutdown, object_schema({}))
+    def discover(_params: dict[str, Any]) -> dict[str, Any]:
+        from kandevd.control.openrpc import discover as openrpc_discover
+
+        return openrpc_discover(registry)
+
+    registry.add("daemon.status", status, object_schema({}), allowed_while_stopping=True,
+                 summary="The daemon's state, loops, store, run counts and scheduler.",
+                 result="{version, pid, state, started_at, home, boot_id, loops, runtime, "
+                        "store, runs, scheduler, ...}")
+    registry.add("daemon.shutdown", shutdown, object_schema({}),
+                 summary="Start a graceful shutdown (running requests finish first).",
+                 result="{}")
+    def metrics(_params: dict[str, Any]) -> str:
+        return "" if services.metrics is None else services.metrics.exposition()
+
+    registry.add("daemon.metrics", metrics, object_schema({}),
+                 summary="The Prometheus text exposition of the daemon's metrics.",
+                 result="string (the Prometheus text format)")
+    registry.add("rpc.discover", discover, object_schema({}),
+                 summary="Every method and its params, as an OpenRPC document.",
+                 result="{openrpc, info, methods}")

@@ -1,0 +1,241 @@
+"""``rpc.discover``: the registry as an OpenRPC document, and the generated method reference.
+
+The document is built from each method's own params JSON Schema, so it cannot
+drift from what the daemon checks. :func:`markdown_reference` renders the same
+data for docs/protocol.md (between the ``methods:begin``/``methods:end``
+markers); ``python -m kandevd.control.openrpc --write`` refreshes that section
+and ``--check`` exits 1 when it is stale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from kandevd import __version__
+from kandevd.control.registry import Method, Registry
+
+OPENRPC_VERSION = "1.2.6"
+DOCS_PATH = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
+BEGIN = "<!-- methods:begin -->"
+END = "<!-- methods:end -->"
+
+# One line per method where its module gives none (registry.add(summary=...) wins).
+# Results have no schema: OpenRPC's result is {"name": "result", "schema": {}} plus
+# registry.add(result=...) as its description when the module gives one.
+SUMMARIES: dict[str, str] = {
+    "agents.create": "Create an agent in a workspace.",
+    "agents.get": "One agent by id.",
+    "agents.list": "Agents, optionally of one workspace or status.",
+    "agents.update": "Change an agent's fields.",
+    "office.budgets.create": "Create a budget.",
+    "office.budgets.list": "Budgets of a workspace.",
+    "office.projects.create": "Create a project in a workspace.",
+    "office.projects.list": "Projects of a workspace.",
+    "office.routines.create": "Create a routine (a cron-driven run of an agent).",
+    "office.routines.list": "Routines of a workspace.",
+    "office.routines.update": "Change a routine's fields.",
+    "products.activity": "A user was active in a product (quiet_minutes schedules wait).",
+    "runs.cancel": "Cancel a queued or running run.",
+    "runs.enqueue": "Queue a run of an agent (idempotent by key, coalescing by default).",
+    "runs.explain": "Why a run is where it is (its gates and history).",
+    "runs.get": "One run by id.",
+    "runs.list": "Runs, filtered and paged.",
+    "runs.retry": "Queue a failed or cancelled run again.",
+    "scheduler.config.get": "The scheduler's settings (the global pause).",
+    "scheduler.config.put": "Set or clear the global pause.",
+    "scheduler.jobs.create": "Add a schedule to a workflow.",
+    "scheduler.jobs.delete": "Remove a workflow schedule.",
+    "scheduler.jobs.disable": "Disable a job.",
+    "scheduler.jobs.enable": "Enable a job.",
+    "scheduler.jobs.get": "One job by id.",
+    "scheduler.jobs.list": "Workflow and product jobs.",
+    "scheduler.jobs.next": "A job's (or an expression's) coming fire times.",
+    "scheduler.jobs.runs": "A job's past runs.",
+    "scheduler.jobs.stop": "Stop a job's running session.",
+    "scheduler.jobs.trigger": "Fire a job now.",
+    "scheduler.jobs.update": "Change a workflow schedule.",
+    "scheduler.reload": "Rescan the workflow root, products and users (as SIGHUP does).",
+    "tasks.create": "Create a task.",
+    "tasks.get": "One task by id.",
+    "tasks.launch": "Queue a run for a task.",
+    "tasks.list": "Tasks, filtered and paged.",
+    "tasks.move": "Move a task to a workflow step.",
+    "tasks.update": "Change a task's fields.",
+    "workflows.create": "Create a workflow.",
+    "workflows.get": "One workflow by id.",
+    "workflows.list": "Workflows, optionally of one workspace or style.",
+    "workspaces.create": "Create a workspace.",
+    "workspaces.get": "One workspace by id.",
+    "workspaces.list": "Workspaces, paged.",
+    "workspaces.update": "Change a workspace's fields.",
+}
+
+
+class _Stub:
+    """Stands in for every service when the registry is built without a daemon:
+    ``register`` only captures services in closures, it never calls them."""
+
+    def __getattr__(self, _name: str) -> _Stub:
+        return _Stub()
+
+    def __getitem__(self, _key: Any) -> _Stub:
+        return _Stub()
+
+    def __call__(self, *_args: Any, **_kwargs: Any) -> _Stub:
+        return _Stub()
+
+
+def build_registry() -> Registry:
+    """The daemon's registry, built in-process (handlers unusable, schemas real)."""
+    from kandevd import extensions
+
+    registry = Registry()
+    stub: Any = _Stub()
+    for module in extensions.method_modules():
+        module.register(registry, stub)
+    return registry
+
+
+def _summary(method: Method) -> str:
+    return method.summary or SUMMARIES.get(method.name, "")
+
+
+def method_entry(method: Method) -> dict[str, Any]:
+    schema = method.schema
+    required = set(schema.get("required", []))
+    params = [{"name": name, "required": name in required, "schema": sub}
+              for name, sub in schema.get("properties", {}).items()]
+    entry: dict[str, Any] = {"name": method.name}
+    if summary := _summary(method):
+        entry["summary"] = summary
+    entry["params"] = params
+    entry["paramStructure"] = "by-name"
+    result: dict[str, Any] = {"name": "result", "schema": {}}
+    if method.result:
+        result["description"] = method.result
+    entry["result"] = result
+    return entry
+
+
+def discover(registry: Registry) -> dict[str, Any]:
+    """The OpenRPC document of every method, sorted by name."""
+    return {"openrpc": OPENRPC_VERSION, "info": {"title": "kandevd", "version": __version__},
+            "methods": [method_entry(m) for m in registry.methods()]}
+
+
+# -- human rendering -----------------------------------------------------------------
+
+def type_text(schema: dict[str, Any]) -> str:
+    """``string``, ``integer 1..500``, ``"asc" | "desc"``, ``object``..."""
+    if "enum" in schema:
+        return " | ".join(json.dumps(v) for v in schema["enum"])
+    if "const" in schema:
+        return json.dumps(schema["const"])
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        text = " | ".join(str(k) for k in kind)
+    elif kind:
+        text = str(kind)
+    elif "anyOf" in schema or "oneOf" in schema:
+        text = " | ".join(type_text(s) for s in schema.get("anyOf", schema.get("oneOf", [])))
+    else:
+        text = "any"
+    if kind == "array" and isinstance(schema.get("items"), dict):
+        text = f"array of {type_text(schema['items'])}"
+    low, high = schema.get("minimum"), schema.get("maximum")
+    if low is not None or high is not None:
+        text += f" {'' if low is None else low}..{'' if high is None else high}"
+    low, high = schema.get("minLength"), schema.get("maxLength")
+    if low is not None or high is not None:
+        text += f" (length {'' if low is None else low}..{'' if high is None else high})"
+    if "pattern" in schema:
+        text += f" matching `{schema['pattern']}`"
+    return text
+
+
+def param_summary(entry: dict[str, Any]) -> str:
+    """``{id, limit?, offset?}``: the param names, optional ones with ``?``."""
+    names = [p["name"] + ("" if p["required"] else "?") for p in entry["params"]]
+    return "{" + ", ".join(names) + "}"
+
+
+def param_lines(entry: dict[str, Any]) -> list[str]:
+    lines = []
+    for param in entry["params"]:
+        schema = param["schema"]
+        text = f"{param['name']}: {type_text(schema)}"
+        text += ", required" if param["required"] else ", optional"
+        if "default" in schema:
+            text += f", default {json.dumps(schema['default'])}"
+        if schema.get("description"):
+            text += f": {schema['description']}"
+        lines.append(text)
+    return lines
+
+
+def markdown_reference(registry: Registry | None = None) -> str:
+    """The method reference of docs/protocol.md (without the markers)."""
+    document = discover(registry or build_registry())
+    out = ["Generated from the registry's JSON Schemas by",
+           "`python -m kandevd.control.openrpc --write`; do not edit by hand.",
+           "`rpc.discover` returns the same data as an OpenRPC document.", ""]
+    for entry in document["methods"]:
+        out.append(f"### `{entry['name']}`")
+        out.append("")
+        if entry.get("summary"):
+            out.append(entry["summary"])
+            out.append("")
+        if entry["result"].get("description"):
+            out.append(f"Result: {entry['result']['description']}")
+            out.append("")
+        lines = param_lines(entry)
+        if lines:
+            out.extend(f"- `{line.split(':', 1)[0]}`:{line.split(':', 1)[1]}" for line in lines)
+        else:
+            out.append("No params.")
+        out.append("")
+    return "\n".join(out)
+
+
+def render_docs(text: str, reference: str) -> str:
+    """``text`` with the section between the markers replaced by ``reference``."""
+    start, end = text.find(BEGIN), text.find(END)
+    if start < 0 or end < start:
+        raise ValueError(f"{DOCS_PATH.name}: missing {BEGIN} ... {END} markers")
+    return text[:start + len(BEGIN)] + "\n\n" + reference.rstrip("\n") + "\n\n" + text[end:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kandevd.control.openrpc",
+                                     description="Print the OpenRPC document or the method "
+                                                 "reference of docs/protocol.md.")
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--markdown", action="store_true", help="print the markdown reference")
+    group.add_argument("--write", action="store_true", help="refresh docs/protocol.md")
+    group.add_argument("--check", action="store_true", help="exit 1 when docs/protocol.md is stale")
+    args = parser.parse_args(argv)
+    if args.markdown:
+        sys.stdout.write(markdown_reference())
+        return 0
+    if args.write or args.check:
+        current = DOCS_PATH.read_text(encoding="utf-8")
+        wanted = render_docs(current, markdown_reference())
+        if args.check:
+            if wanted != current:
+                print(f"{DOCS_PATH} is stale: run python -m kandevd.control.openrpc --write",
+                      file=sys.stderr)
+                return 1
+            return 0
+        if wanted != current:
+            DOCS_PATH.write_text(wanted, encoding="utf-8")
+        return 0
+    print(json.dumps(discover(build_registry()), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""Prometheus metrics: ``daemon.metrics`` and the optional ``metrics.listen`` HTTP server.
+
+Values are read at scrape time by a custom collector (from ``daemon.status()``
+and the cron registry), on a private :class:`CollectorRegistry` (never the
+global default one). The one thing observed as it happens is the execution
+duration histogram (:meth:`DaemonMetrics.observe_execution`, called by the
+run queue when an outcome is announced).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kandevd.timeutil import parse_rfc3339, utc_now
+
+log = logging.getLogger("kandevd.metrics")
+
+DURATION_BUCKETS = (0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 1800, 3600, 7200)
+
+
+class _StatusCollector(Collector):
+    """Turns one ``daemon.status()`` (plus the cron jobs' counters) into metric families."""
+
+    def __init__(self, status: Callable[[], dict[str, Any]],
+                 cron_jobs: Callable[[], list[Any]]) -> None:
+        self._status = status
+        self._cron_jobs = cron_jobs
+
+    def describe(self) -> list[Metric]:
+        return []  # values come at scrape time; nothing to check at registration
+
+    def collect(self) -> Iterator[Metric]:
+        status = self._status()
+        up = GaugeMetricFamily("kandevd_up", "1 while the daemon is running, 0 while stopping",
+                               value=1 if status.get("state") == "running" else 0)
+        yield up
+        store = status.get("store") or {}
+        yield GaugeMetricFamily("kandevd_store_degraded", "1 when the store is degraded",
+                                value=1 if store.get("status") == "degraded" else 0)
+        runtime = status.get("runtime") or {}
+        yield GaugeMetricFamily("kandevd_runtime_slots_busy", "Agent executions running now",
+                                value=runtime.get("active", 0))
+        yield GaugeMetricFamily("kandevd_runtime_slots_max", "runtime.max_concurrent",
+                                value=runtime.get("max_concurrent", 0))
+        runs = status.get("runs")
+        if runs is not None:
+            yield from self._runs(runs)
+        stats = status.get("stats") or {}
+        queue = stats.get("queue")
+        if queue:
+            yield CounterMetricFamily("kandevd_queue_ticks", "Queue loop ticks",
+                                      value=queue.get("ticks", 0))
+            yield CounterMetricFamily("kandevd_claims", "Runs claimed since start",
+                                      value=queue.get("claimed", 0))
+            yield CounterMetricFamily("kandevd_outcomes_recorded",
+                                      "Execution outcomes written since start",
+                                      value=queue.get("outcomes", 0))
+            yield CounterMetricFamily("kandevd_outcome_commits",
+                                      "Group commits of outcomes since start",
+                                      value=queue.get("outcome_commits", 0))
+        office = stats.get("office")
+        if office:
+            yield CounterMetricFamily("kandevd_office_ticks", "Office loop ticks",
+                                      value=office.get("ticks", 0))
+            yield CounterMetricFamily("kandevd_office_handler_errors",
+                                      "Office handler runs that raised",
+                                      value=office.get("handler_errors", 0))
+        cron = stats.get("cron")
+        if cron:
+            yield CounterMetricFamily("kandevd_cron_fires", "Cron fires since start",
+                                      value=cron.get("fires", 0))
+            yield from self._cron()
+
+    @staticmethod
+    def _runs(runs: dict[str, Any]) -> Iterator[Metric]:
+        by_status = GaugeMetricFamily("kandevd_runs", "Runs by status", labels=["status"])
+        for name, value in runs.items():
+            if isinstance(value, int) and name not in ("unrecorded_outcomes", "adopted"):
+                by_status.add_metric([name], value)
+        yield by_status
+        oldest = runs.get("oldest_queued_at")
+        age = 0.0
+        if oldest:
+            age = max(0.0, (utc_now() - parse_rfc3339(oldest)).total_seconds())
+        yield GaugeMetricFamily("kandevd_oldest_queued_age_seconds",
+                                "Age of the oldest queued run (0 when none is queued)",
+                                value=age)
+        yield GaugeMetricFamily("kandevd_unrecorded_outcomes",
+                                "Outcomes the database has not accepted yet",
+                                value=runs.get("unrecorded_outcomes", 0))
+        yield CounterMetricFamily("kandevd_adopted_agents",
+                                  "Agents adopted from an earlier instance since start",
+                                  value=runs.get("adopted", 0))
+
+    def _cron(self) -> Iterator[Metric]:
+        runs = CounterMetricFamily("kandevd_cron_job_runs",
+                                   "Sessions finished per cron job (history included)",
+                                   labels=["job"])
+        skips = CounterMetricFamily("kandevd_cron_job_skips", "Cron fires skipped per job",
+                                    labels=["job", "reason"])
+        for job in self._cron_jobs():
+            state = job.state
+            runs.add_metric([job.key], state.run_count)
+            for reason in ("overlap", "paused", "disabled"):
+                skips.add_metric([job.key, reason], getattr(state, f"skipped_{reason}"))
+        yield runs
+        yield skips
+
+
+class DaemonMetrics:
+    """The daemon's metrics: a private registry and its text exposition."""
+
+    def __init__(self, status: Callable[[], dict[str, Any]],
+                 cron_jobs: Callable[[], list[Any]] | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_StatusCollector(status, cron_jobs or (lambda: [])))
+        self._durations = Histogram(
+            "kandevd_execution_duration_seconds", "Wall time of agent executions",
+            labelnames=["outcome"], buckets=DURATION_BUCKETS, registry=self.registry)
+
+    def observe_execution(self, result: Any) -> None:
+        """Record one ended execution (never raises: metrics must not break the queue)."""
+        try:
+            self._durations.labels(str(result.outcome)).observe(float(result.duration_s))
+        except Exception:
+            log.debug("execution duration not recorded", exc_info=True)
+
+    def exposition(self) -> str:
+        """The Prometheus text exposition format."""
+        return generate_latest(self.registry).decode("utf-8")
+
+
+class MetricsHTTPServer:
+    """``/metrics`` and ``/health`` over HTTP in one non-daemon thread, joined at stop."""
+
+    def __init__(self, address: tuple[str, int], metrics: DaemonMetrics,
+                 healthy: Callable[[], tuple[bool, str]]) -> None:
+        handler = _handler(metrics, healthy)
+        # Binding here: a port in use fails the start (OSError), before any thread runs.
+        self._server = ThreadingHTTPServer(address, handler)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def address(self) -> tuple[str, int]:
+        host, port = self._server.server_address[:2]
+        return str(host), int(port)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._server.serve_forever,
+                                        name="kandevd-metrics-http", daemon=False)
+        self._thread.start()
+        log.info("metrics served on http://%s:%d/metrics", *self.address)
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._server.shutdown()
+            self._thread.join()
+            self._thread = None
+        self._server.server_close()
+
+
+def _handler(metrics: DaemonMetrics,
+             healthy: Callable[[], tuple[bool, str]]) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        server_version = "kandevd"
+
+        def do_GET(self) -> None:
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                try:
+                    body, code = metrics.exposition().encode("utf-8"), 200
+                    ctype = CONTENT_TYPE_LATEST
+                except Exception:
+                    log.exception("metrics scrape failed")
+                    body, code, ctype = b"scrape failed\n", 500, "text/plain; charset=utf-8"
+            elif path == "/health":
+                ok, why = healthy()
+                body, code = (why + "\n").encode("utf-8"), 200 if ok else 503
+                ctype = "text/plain; charset=utf-8"
+            else:
+                body, code, ctype = b"not found\n", 404, "text/plain; charset=utf-8"
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            log.debug("metrics http: " + format, *args)
+
+    return Handler
+
+
+def daemon_health(daemon: Any) -> tuple[bool, str]:
+    """``/health``: ok while running with a usable store; else 503 with the reason."""
+    if daemon.state != "running":
+        return False, daemon.state
+    store = daemon.store
+    if store is not None and store.degraded:
+        return False, "store degraded"
+    return True, "ok"

@@ -1,0 +1,165 @@
+"""kandevd.metrics: the exposition parses, values come from status, the HTTP server."""
+
+from __future__ import annotations
+
+import threading
+import urllib.error
+import urllib.request
+from datetime import timedelta
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kandevd.config import ConfigError, build_config
+from kandevd.metrics import DaemonMetrics, MetricsHTTPServer, daemon_health
+from kandevd.timeutil import rfc3339, utc_now
+
+
+def fake_status(**over: Any) -> dict[str, Any]:
+    status: dict[str, Any] = {
+        "state": "running",
+        "runtime": {"active": 2, "max_concurrent": 4},
+        "store": {"statements": 10, "status": "ok"},
+        "runs": {"queued": 3, "claimed": 2, "finished": 7, "failed": 1, "cancelled": 0,
+                 "unrecorded_outcomes": 1, "adopted": 2,
+                 "oldest_queued_at": rfc3339(utc_now() - timedelta(seconds=90))},
+        "stats": {"queue": {"ticks": 5, "claimed": 9, "outcome_commits": 4, "outcomes": 8},
+                  "office": {"ticks": 3, "handler_errors": 1},
+                  "cron": {"fires": 6}},
+    }
+    status.update(over)
+    return status
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def job(key: str, runs: int, overlap: int) -> SimpleNamespace:
+    state = SimpleNamespace(run_count=runs, skipped_overlap=overlap, skipped_paused=0,
+                            skipped_disabled=0)
+    return SimpleNamespace(key=key, state=state)
+
+
+def test_exposition_parses_and_reads_status() -> None:
+    metrics = DaemonMetrics(fake_status, lambda: [job("wf/nightly", 4, 2)])
+    got = samples(metrics.exposition())
+    assert got[("kandevd_up", ())] == 1
+    assert got[("kandevd_runs", (("status", "queued"),))] == 3
+    assert got[("kandevd_runs", (("status", "failed"),))] == 1
+    assert ("kandevd_runs", (("status", "adopted"),)) not in got
+    assert 89 <= got[("kandevd_oldest_queued_age_seconds", ())] < 200
+    assert got[("kandevd_claims_total", ())] == 9
+    assert got[("kandevd_outcomes_recorded_total", ())] == 8
+    assert got[("kandevd_runtime_slots_busy", ())] == 2
+    assert got[("kandevd_runtime_slots_max", ())] == 4
+    assert got[("kandevd_unrecorded_outcomes", ())] == 1
+    assert got[("kandevd_adopted_agents_total", ())] == 2
+    assert got[("kandevd_office_ticks_total", ())] == 3
+    assert got[("kandevd_office_handler_errors_total", ())] == 1
+    assert got[("kandevd_cron_fires_total", ())] == 6
+    assert got[("kandevd_cron_job_runs_total", (("job", "wf/nightly"),))] == 4
+    assert got[("kandevd_cron_job_skips_total",
+                (("job", "wf/nightly"), ("reason", "overlap")))] == 2
+    assert got[("kandevd_store_degraded", ())] == 0
+
+
+def test_values_are_read_at_scrape_time() -> None:
+    state = {"active": 0}
+    metrics = DaemonMetrics(lambda: fake_status(runtime={"active": state["active"],
+                                                         "max_concurrent": 4}))
+    assert samples(metrics.exposition())[("kandevd_runtime_slots_busy", ())] == 0
+    state["active"] = 3
+    assert samples(metrics.exposition())[("kandevd_runtime_slots_busy", ())] == 3
+
+
+def test_missing_sections_are_left_out() -> None:
+    metrics = DaemonMetrics(lambda: {"state": "stopping", "runtime": {}})
+    got = samples(metrics.exposition())
+    assert got[("kandevd_up", ())] == 0
+    assert not any(name.startswith("kandevd_runs") for name, _ in got)
+    assert ("kandevd_oldest_queued_age_seconds", ()) not in got
+
+
+def test_execution_histogram_is_none_safe() -> None:
+    metrics = DaemonMetrics(fake_status)
+    metrics.observe_execution(SimpleNamespace(outcome="succeeded", duration_s=2.5))
+    metrics.observe_execution(object())  # never raises
+    got = samples(metrics.exposition())
+    assert got[("kandevd_execution_duration_seconds_count", (("outcome", "succeeded"),))] == 1
+    assert got[("kandevd_execution_duration_seconds_sum", (("outcome", "succeeded"),))] == 2.5
+
+
+def test_two_instances_do_not_share_a_registry() -> None:
+    first, second = DaemonMetrics(fake_status), DaemonMetrics(fake_status)
+    first.observe_execution(SimpleNamespace(outcome="failed", duration_s=1.0))
+    assert "outcome=\"failed\"" not in second.exposition()
+
+
+def get(url: str) -> tuple[int, str, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, response.headers["Content-Type"], response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers["Content-Type"], exc.read().decode()
+
+
+def test_http_server_serves_metrics_and_health_and_joins() -> None:
+    health = {"value": (True, "ok")}
+    server = MetricsHTTPServer(("127.0.0.1", 0), DaemonMetrics(fake_status),
+                               lambda: health["value"])
+    server.start()
+    try:
+        host, port = server.address
+        base = f"http://{host}:{port}"
+        code, ctype, body = get(base + "/metrics")
+        assert code == 200 and ctype.startswith("text/plain")
+        assert samples(body)[("kandevd_up", ())] == 1
+        assert get(base + "/health")[::2] == (200, "ok\n")
+        health["value"] = (False, "stopping")
+        assert get(base + "/health")[::2] == (503, "stopping\n")
+        assert get(base + "/nope")[0] == 404
+    finally:
+        server.stop()
+    assert not any(t.name == "kandevd-metrics-http" for t in threading.enumerate())
+
+
+def test_port_in_use_is_an_oserror() -> None:
+    first = MetricsHTTPServer(("127.0.0.1", 0), DaemonMetrics(fake_status), lambda: (True, "ok"))
+    try:
+        with pytest.raises(OSError):
+            MetricsHTTPServer(first.address, DaemonMetrics(fake_status), lambda: (True, "ok"))
+    finally:
+        first.stop()
+
+
+def test_daemon_health() -> None:
+    store = SimpleNamespace(degraded=None)
+    assert daemon_health(SimpleNamespace(state="running", store=store)) == (True, "ok")
+    assert daemon_health(SimpleNamespace(state="stopping", store=store))[0] is False
+    store.degraded = "disk full"
+    assert daemon_health(SimpleNamespace(state="running", store=store)) == (
+        False, "store degraded")
+
+
+@pytest.mark.parametrize("listen", ["127.0.0.1:9464", "localhost:1", "[::1]:65535",
+                                    "0.0.0.0:8080"])
+def test_good_listen(listen: str) -> None:
+    config = build_config({"metrics": {"listen": listen}}, environ={})
+    assert config.metrics.listen == listen
+    assert config.metrics.address is not None
+
+
+@pytest.mark.parametrize("listen", ["127.0.0.1", "127.0.0.1:", ":9464", "host:0",
+                                    "host:65536", "host:99999", "host:port", 9464, ""])
+def test_bad_listen_is_a_config_error(listen: Any) -> None:
+    with pytest.raises(ConfigError, match=r"metrics\.listen"):
+        build_config({"metrics": {"listen": listen}}, environ={})
+
+
+def test_metrics_default_off() -> None:
+    config = build_config(None, environ={})
+    assert config.metrics.listen is None and config.metrics.address is None

@@ -66,6 +66,12 @@ class _StatusCollector(Collector):
             yield CounterMetricFamily("kandevd_outcome_commits",
                                       "Group commits of outcomes since start",
                                       value=queue.get("outcome_commits", 0))
+            yield CounterMetricFamily("kandevd_retries",
+                                      "Failed attempts re-queued under the retry policy",
+                                      value=queue.get("retries", 0))
+            yield CounterMetricFamily("kandevd_rescued_claims",
+                                      "Claims rescued: stale, or left by an earlier instance",
+                                      value=queue.get("rescued", 0))
         office = stats.get("office")
         if office:
             yield CounterMetricFamily("kandevd_office_ticks", "Office loop ticks",
@@ -106,13 +112,31 @@ class _StatusCollector(Collector):
                                    labels=["job"])
         skips = CounterMetricFamily("kandevd_cron_job_skips", "Cron fires skipped per job",
                                     labels=["job", "reason"])
+        failures = GaugeMetricFamily("kandevd_cron_job_consecutive_failures",
+                                     "Sessions in a row that ended in error, per cron job",
+                                     labels=["job"])
+        last_success = GaugeMetricFamily(
+            "kandevd_cron_job_last_success_timestamp_seconds",
+            "When the job's last successful session ended (Unix time)", labels=["job"])
+        next_fire = GaugeMetricFamily("kandevd_cron_job_next_fire_timestamp_seconds",
+                                      "The job's next fire time (Unix time)", labels=["job"])
         for job in self._cron_jobs():
             state = job.state
             runs.add_metric([job.key], state.run_count)
             for reason in ("overlap", "paused", "disabled"):
                 skips.add_metric([job.key, reason], getattr(state, f"skipped_{reason}"))
+            failures.add_metric([job.key], getattr(state, "consecutive_failures", 0))
+            success = getattr(state, "last_success_at", None)
+            if success:
+                last_success.add_metric([job.key], parse_rfc3339(success).timestamp())
+            upcoming = getattr(state, "next_fire", None)
+            if upcoming is not None:
+                next_fire.add_metric([job.key], upcoming.timestamp())
         yield runs
         yield skips
+        yield failures
+        yield last_success
+        yield next_fire
 
 
 class DaemonMetrics:

@@ -109,4 +109,5 @@ class QueueLoop(Loop):
         """Counters for ``daemon.status``."""
         commits = self.queue.commits
         return {"ticks": self.ticks, "claimed": self.queue.claimed_total,
-                "outcome_commits": commits.commits, "outcomes": commits.operations}
+                "outcome_commits": commits.commits, "outcomes": commits.operations,
+                "retries": self.queue.retries_total, "rescued": self.queue.rescued_total}

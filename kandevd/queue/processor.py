@@ -131,6 +131,8 @@ class RunQueue:
         self.signals_enabled = True
         self.claimed_total = 0
         self.adopted_total = 0
+        self.retries_total = 0  # failed attempts re-queued under the retry policy
+        self.rescued_total = 0  # claims rescued (stale, or left by an earlier instance)
         self.metrics: Any = None  # kandevd.metrics.DaemonMetrics, set by the daemon
         self.write_failures = 0
         # Outcomes of executions that end together share one commit (one fsync).
@@ -512,6 +514,7 @@ class RunQueue:
     def _announce_failure(self, updated: dict[str, Any], error: str | None) -> None:
         run_id = updated["id"]
         if updated["status"] == "queued":
+            self.retries_total += 1
             log.info("run %s failed (%s); retry %d at %s", run_id, error,
                      updated["retry_count"], updated["scheduled_retry_at"])
             self.bus.publish("run.retry_scheduled", {"run": updated})
@@ -529,6 +532,7 @@ class RunQueue:
         return recovered
 
     def _log_rescued(self, rescued: dict[str, str], what: str) -> None:
+        self.rescued_total += len(rescued)
         for run_id, status in rescued.items():
             if status == "failed":
                 log.warning("run %s: %s; attempts used up, the run failed (dead letter)",
@@ -641,8 +645,9 @@ class RunQueue:
         if pruned:
             log.info("removed %d attempt folder(s) of earlier attempts", pruned)
         if recovered:
-            log.info("re-queued %d run(s) claimed by a previous daemon instance",
-                     sum(1 for status in recovered.values() if status == "queued"))
+            requeued = sum(1 for status in recovered.values() if status == "queued")
+            self.rescued_total += requeued
+            log.info("re-queued %d run(s) claimed by a previous daemon instance", requeued)
         self._log_rescued({k: v for k, v in recovered.items() if v == "failed"},
                           "claimed by a previous daemon instance")
         return recovered

@@ -66,6 +66,7 @@ class JobState:
     skipped_disabled: int = 0
     missed_while_down: int = 0
     next_fire: datetime | None = None
+    last_success_at: str | None = None
 
     def record(self, entry: dict[str, Any]) -> None:
         """Fold a completed history entry into the state."""
@@ -79,6 +80,7 @@ class JobState:
             self.consecutive_failures += 1
         elif self.last_status == hist.SUCCESS:
             self.consecutive_failures = 0
+            self.last_success_at = entry.get("completed_at") or entry.get("started_at")
 
 
 @dataclass

@@ -163,3 +163,36 @@ def test_bad_listen_is_a_config_error(listen: Any) -> None:
 def test_metrics_default_off() -> None:
     config = build_config(None, environ={})
     assert config.metrics.listen is None and config.metrics.address is None
+
+
+def test_cron_job_series_carry_failures_last_success_and_next_fire() -> None:
+    from datetime import UTC, datetime
+    from types import SimpleNamespace
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kandevd.metrics import DaemonMetrics
+    from kandevd.scheduler.registry import JobState
+
+    state = JobState()
+    state.record({"status": "success", "started_at": "2026-12-01T10:00:00.000000Z",
+                  "completed_at": "2026-12-01T10:00:05.000000Z"})
+    state.record({"status": "error", "started_at": "2026-12-01T11:00:00.000000Z"})
+    state.next_fire = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
+    job = SimpleNamespace(key="workflow:w:s", state=state)
+    status = {"state": "running", "runtime": {"active": 0, "max_concurrent": 4},
+              "stats": {"cron": {"fires": 2},
+                        "queue": {"ticks": 1, "claimed": 0, "outcomes": 0,
+                                  "outcome_commits": 0, "retries": 3, "rescued": 1}}}
+    metrics = DaemonMetrics(lambda: status, lambda: [job])
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(metrics.exposition())
+               for s in family.samples}
+    label = (("job", "workflow:w:s"),)
+    assert samples[("kandevd_cron_job_consecutive_failures", label)] == 1
+    assert samples[("kandevd_cron_job_last_success_timestamp_seconds", label)] == \
+        datetime(2026, 12, 1, 10, 0, 5, tzinfo=UTC).timestamp()
+    assert samples[("kandevd_cron_job_next_fire_timestamp_seconds", label)] == \
+        state.next_fire.timestamp()
+    assert samples[("kandevd_retries_total", ())] == 3
+    assert samples[("kandevd_rescued_claims_total", ())] == 1

@@ -23,6 +23,7 @@ from kandevd.cli_db import db
 from kandevd.cli_jobs import jobs
 from kandevd.cli_methods import methods
 from kandevd.cli_metrics import metrics
+from kandevd.cli_model import MODEL_GROUPS
 from kandevd.cli_runs import runs
 from kandevd.cli_scheduler import check_workflows, scheduler
 from kandevd.cli_wait import wait
@@ -210,7 +211,13 @@ def check_profiles(config: Any, root: Path) -> bool:
 @click.argument("params_json", required=False, default="{}")
 @client_options
 def call(method: str, params_json: str, home: str | None, socket_path: str | None) -> None:
-    """Send one raw JSON-RPC request and print the result as JSON."""
+    """Send one raw JSON-RPC request and print the result as JSON.
+
+    PARAMS_JSON is a JSON object (default {}); `-` reads it from stdin. An
+    error answer prints the JSON-RPC error object on stderr (exit 1).
+    """
+    if params_json == "-":
+        params_json = click.get_text_stream("stdin").read()
     try:
         params = json.loads(params_json)
     except ValueError as exc:
@@ -256,6 +263,8 @@ cli.add_command(db)
 cli.add_command(wait)
 cli.add_command(methods)
 cli.add_command(metrics)
+for group in MODEL_GROUPS:
+    cli.add_command(group)
 
 
 def main() -> None:

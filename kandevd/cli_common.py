@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -46,8 +47,37 @@ def invoke(home: str | None, socket_path: str | None, method: str,
         click.echo(f"kandevd: {exc}", err=True)
         sys.exit(EXIT_UNAVAILABLE)
     except RpcCallError as exc:
-        click.echo(json.dumps(exc.error, indent=2), err=True)
+        ctx = click.get_current_context(silent=True)
+        if ctx is not None and ctx.params.get("as_json") is False:
+            click.echo(f"kandevd: {error_line(exc.error, ctx.command)}", err=True)
+        else:  # --json, and the raw `call`, keep the JSON-RPC error object
+            click.echo(json.dumps(exc.error, indent=2), err=True)
         sys.exit(EXIT_ERROR)
+
+
+_FIELD = re.compile(r"^(?:params\.)?([A-Za-z_][A-Za-z0-9_]*)(?=[.:\s])")
+
+
+def error_line(error: dict[str, Any], command: click.Command | None = None) -> str:
+    """One readable line for a JSON-RPC error: ``--limit: 600 is greater than ...``.
+
+    A leading ``params.<name>`` (or bare ``<name>:``) naming a parameter that the
+    command fills from an option or argument is shown as that option (``--limit``)
+    or argument (``ID``). Errors other than invalid params end with their kind.
+    """
+    message = " ".join(str(error.get("message") or "error").split())
+    match = _FIELD.match(message)
+    if match and command is not None:
+        for param in command.params:
+            if param.name == match.group(1) and param.name not in ("home", "socket_path"):
+                shown = (param.opts[0] if isinstance(param, click.Option)
+                         else param.human_readable_name)
+                message = shown + message[match.end():]
+                break
+    kind = (error.get("data") or {}).get("kind")
+    if kind and kind != "invalid_params" and kind not in message:
+        message = f"{message} ({kind})"
+    return message
 
 
 def echo_json(value: Any) -> None:

@@ -461,11 +461,11 @@ class RunQueue:
             self._live.pop(run_id, None)
             self._cancel_requested.discard(run_id)
             failures = self._failure_counts.pop(run_id, 0)
+        if result.outcome not in (INTERRUPTED, DETACHED):
+            journal.discard(journal.attempt_dir(self.layout, run_id, claim.token))
         if failures:
             log.info("run %s: its outcome was written after %d refused attempt(s)", run_id,
                      failures)
-        if result.outcome not in (INTERRUPTED, DETACHED):
-            journal.discard(journal.attempt_dir(self.layout, run_id, claim.token))
 
     def _apply(self, claim: Claim, result: ExecutionResult) -> Any:
         """The database side of an outcome; returns what :meth:`_announce` reports.

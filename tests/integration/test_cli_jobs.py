@@ -133,8 +133,11 @@ def test_jobs_commands_against_a_daemon(daemon_factory: Callable[..., DaemonProc
     assert set(schedules_by_id(folder)) == {"daily", "weekly"}
     assert manifest_of(folder)["custom"] == {"keep": [1, 2]}
 
-    # an error answer: exit 1, the error object on stderr
+    # an error answer: exit 1, one readable line on stderr (the error object with --json)
     missing = run_cli(home, "jobs", "get", "workflow:demo:nope")
+    assert missing.returncode == 1 and missing.stdout == ""
+    assert missing.stderr == "kandevd: no job 'workflow:demo:nope' (not_found)\n"
+    missing = run_cli(home, "jobs", "get", "workflow:demo:nope", "--json")
     assert missing.returncode == 1 and missing.stdout == ""
     assert json.loads(missing.stderr)["data"]["kind"] == "not_found"
 
@@ -154,7 +157,8 @@ def test_jobs_commands_against_a_daemon(daemon_factory: Callable[..., DaemonProc
     assert "manual" in first and "success" in first and session_id in first
     assert history.splitlines()[-1] == "1 of 1 run(s)"
     stop = run_cli(home, "jobs", "stop", JOB)
-    assert stop.returncode == 1 and json.loads(stop.stderr)["data"]["kind"] == "not_running"
+    assert stop.returncode == 1 and stop.stderr.startswith("kandevd: ")
+    assert stop.stderr.rstrip().endswith("(not_running)") and len(stop.stderr.splitlines()) == 1
 
     # scheduler pause / status / resume
     assert "scheduler paused by alice" in cli_ok(home, "scheduler", "pause", "--by", "alice")

@@ -19,11 +19,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kandevd.office.loop import COUNTERS as OFFICE_COUNTERS
 from kandevd.timeutil import parse_rfc3339, utc_now
 
 log = logging.getLogger("kandevd.metrics")
 
 DURATION_BUCKETS = (0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 1800, 3600, 7200)
+WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 30.0,
+                120.0, 600.0)
 
 
 class _StatusCollector(Collector):
@@ -79,6 +82,22 @@ class _StatusCollector(Collector):
             yield CounterMetricFamily("kandevd_office_handler_errors",
                                       "Office handler runs that raised",
                                       value=office.get("handler_errors", 0))
+            scans = CounterMetricFamily("kandevd_office_handler_scans",
+                                        "Office handler runs that scanned", labels=["handler"])
+            skips = CounterMetricFamily("kandevd_office_handler_skips",
+                                        "Office handler runs skipped (nothing configured)",
+                                        labels=["handler"])
+            actions = CounterMetricFamily("kandevd_office_handler_actions",
+                                          "Runs queued or alerts sent by an Office handler",
+                                          labels=["handler"])
+            for handler, (scan_key, acted_key) in OFFICE_COUNTERS.items():
+                scanned = office.get(scan_key, 0)
+                scans.add_metric([handler], scanned)
+                skips.add_metric([handler], max(office.get("ticks", 0) - scanned, 0))
+                actions.add_metric([handler], office.get(acted_key, 0))
+            yield scans
+            yield skips
+            yield actions
         cron = stats.get("cron")
         if cron:
             yield CounterMetricFamily("kandevd_cron_fires", "Cron fires since start",
@@ -149,6 +168,18 @@ class DaemonMetrics:
         self._durations = Histogram(
             "kandevd_execution_duration_seconds", "Wall time of agent executions",
             labelnames=["outcome"], buckets=DURATION_BUCKETS, registry=self.registry)
+        self._queue_wait = Histogram(
+            "kandevd_queue_wait_seconds",
+            "From a run's request to its first claim (the wake latency when its agent was free)",
+            buckets=WAIT_BUCKETS, registry=self.registry)
+
+    def observe_first_claim(self, requested_at: str, claimed_at: str) -> None:
+        """A run's first claim: how long it waited from its request (never raises)."""
+        try:
+            waited = (parse_rfc3339(claimed_at) - parse_rfc3339(requested_at)).total_seconds()
+            self._queue_wait.observe(max(waited, 0.0))
+        except Exception:
+            log.debug("queue wait not recorded", exc_info=True)
 
     def observe_execution(self, result: Any) -> None:
         """Record one ended execution (never raises: metrics must not break the queue)."""

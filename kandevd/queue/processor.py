@@ -312,6 +312,8 @@ class RunQueue:
             cancelled = run_id in self._cancel_requested
         if cancelled:  # runs.cancel came between the claim and the start
             self.runtime.stop_execution(run_id, "cancelled")
+        if self.metrics is not None and run.get("attempt") == 1 and run.get("claimed_at"):
+            self.metrics.observe_first_claim(run["requested_at"], run["claimed_at"])
         log.info("run %s claimed (agent %s, reason %s, seq %d)", run_id, run["agent_id"],
                  run["reason"], run["seq"])
         self.bus.publish("run.claimed", {"run": run})

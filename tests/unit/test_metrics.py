@@ -196,3 +196,26 @@ def test_cron_job_series_carry_failures_last_success_and_next_fire() -> None:
         state.next_fire.timestamp()
     assert samples[("kandevd_retries_total", ())] == 3
     assert samples[("kandevd_rescued_claims_total", ())] == 1
+
+
+def test_queue_wait_histogram_and_office_handler_series() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kandevd.metrics import DaemonMetrics
+
+    status = {"state": "running", "runtime": {"active": 0, "max_concurrent": 4},
+              "stats": {"office": {"ticks": 10, "handler_errors": 0, "recovery_scans": 4,
+                                   "recovered": 2, "routine_scans": 0, "routine_fires": 0,
+                                   "budget_scans": 10, "budget_alerts": 1}}}
+    metrics = DaemonMetrics(lambda: status)
+    metrics.observe_first_claim("2026-12-01T10:00:00.000000Z", "2026-12-01T10:00:00.003000Z")
+    metrics.observe_first_claim("not a time", "2026-12-01T10:00:00Z")  # ignored, no raise
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(metrics.exposition())
+               for s in family.samples}
+    assert samples[("kandevd_queue_wait_seconds_count", ())] == 1
+    assert samples[("kandevd_queue_wait_seconds_bucket", (("le", "0.005"),))] == 1
+    assert samples[("kandevd_queue_wait_seconds_bucket", (("le", "0.0025"),))] == 0
+    assert samples[("kandevd_office_handler_skips_total", (("handler", "recovery"),))] == 6
+    assert samples[("kandevd_office_handler_scans_total", (("handler", "budgets"),))] == 10
+    assert samples[("kandevd_office_handler_actions_total", (("handler", "recovery"),))] == 2

@@ -100,6 +100,112 @@ def build_registry() -> Registry:
     return registry
 
 
+#: What each method returns (methods that give ``registry.add(result=...)`` win).
+RESULTS: dict[str, str] = {
+    'agents.create':
+        ('AGENT {id, workspace_id, name, profile, cooldown_s, status, cooldown_until, '
+         'last_finished_at, created_at, updated_at}'),
+    'agents.get':
+        'AGENT; not_found for an unknown id',
+    'agents.list':
+        '{items: [AGENT], total, limit, offset}',
+    'agents.update':
+        'AGENT as updated',
+    'office.budgets.create':
+        ('BUDGET {id, workspace_id, scope_type, scope_id, limit_cents, period, '
+         'alert_threshold_pct, action_on_exceed, created_at}'),
+    'office.budgets.list':
+        '{items: [BUDGET], total, limit, offset}',
+    'office.projects.create':
+        'PROJECT {id, workspace_id, name, created_at}',
+    'office.projects.list':
+        '{items: [PROJECT], total, limit, offset}',
+    'office.routines.create':
+        ('ROUTINE {id, workspace_id, agent_id, name, cron_expression, timezone, payload, '
+         'status, concurrency_policy, catch_up_policy, catch_up_max, next_run_at, last_run_at,'
+         ' ...}'),
+    'office.routines.list':
+        '{items: [ROUTINE], total, limit, offset}',
+    'office.routines.update':
+        'ROUTINE as updated (next_run_at recomputed when the schedule changed)',
+    'products.activity':
+        '{user_id, profile, at}: the activity recorded',
+    'runs.cancel':
+        'RUN, now cancelled; conflict when it is already finished, failed or cancelled',
+    'runs.enqueue':
+        '{run: RUN, deduplicated: bool, coalesced: bool}',
+    'runs.explain':
+        '{eligible: bool, blockers: [name], details: {blocker: detail}}',
+    'runs.get':
+        ('RUN {id, seq, workspace_id, agent_id, task_id, reason, payload, status, '
+         'idempotency_key, coalesced_count, retry_count, scheduled_retry_at, requested_at, '
+         'claimed_at, finished_at, error_message, cancel_reason, output_summary, cost_cents, '
+         'log_path, attempt}'),
+    'runs.list':
+        '{items: [RUN], total, limit, offset}, in request order (order: desc = newest first)',
+    'runs.retry':
+        'RUN, queued again; conflict unless it was failed or cancelled',
+    'scheduler.config.get':
+        ('{globally_paused, paused_at, paused_by, updated_at, execution_enabled, '
+         'disabled_via_env, disabled_reason, ...switches}'),
+    'scheduler.config.put':
+        'the scheduler config as stored (see scheduler.config.get)',
+    'scheduler.jobs.create':
+        'JOB of the new schedule',
+    'scheduler.jobs.delete':
+        '{id, deleted: true}',
+    'scheduler.jobs.disable':
+        'JOB, disabled',
+    'scheduler.jobs.enable':
+        'JOB, enabled',
+    'scheduler.jobs.get':
+        'JOB (see docs/scheduling.md, Jobs)',
+    'scheduler.jobs.list':
+        '{items: [JOB], total, limit, offset}',
+    'scheduler.jobs.next':
+        '{times: [{utc, local}], timezone, cron_expression}',
+    'scheduler.jobs.runs':
+        '{items: [history entry], total, limit, offset}, newest first',
+    'scheduler.jobs.stop':
+        '{id, session_id, run_id, ...}; not_running when no session is in flight',
+    'scheduler.jobs.trigger':
+        '{id, session_id, run_id, ...}; already_running when a session is in flight',
+    'scheduler.jobs.update':
+        'JOB as updated',
+    'scheduler.reload':
+        'what changed: workflows and jobs added, removed, changed, and the problems found',
+    'tasks.create':
+        ('TASK {id, workspace_id, workflow_id, step_id, title, project_id, state, '
+         'runner_agent_id, runner, created_at, updated_at}'),
+    'tasks.get':
+        'TASK',
+    'tasks.launch':
+        '{session_id}: the launched execution (it bypasses the queue)',
+    'tasks.list':
+        '{items: [TASK], total, limit, offset}',
+    'tasks.move':
+        ('{task: TASK, actions: [{action, target, agent_id?, run_id?, deduplicated?, '
+         'coalesced?, skipped?}]}'),
+    'tasks.update':
+        'TASK as updated',
+    'workflows.create':
+        ('WORKFLOW {id, workspace_id, name, style, steps: [{id, name, agent_id, on_enter}], '
+         'created_at}'),
+    'workflows.get':
+        'WORKFLOW',
+    'workflows.list':
+        '{items: [WORKFLOW], total, limit, offset}',
+    'workspaces.create':
+        'WORKSPACE {id, name, office_workflow_id, created_at, updated_at}',
+    'workspaces.get':
+        'WORKSPACE',
+    'workspaces.list':
+        '{items: [WORKSPACE], total, limit, offset}',
+    'workspaces.update':
+        'WORKSPACE as updated',
+}
+
+
 def _summary(method: Method) -> str:
     return method.summary or SUMMARIES.get(method.name, "")
 
@@ -115,8 +221,9 @@ def method_entry(method: Method) -> dict[str, Any]:
     entry["params"] = params
     entry["paramStructure"] = "by-name"
     result: dict[str, Any] = {"name": "result", "schema": {}}
-    if method.result:
-        result["description"] = method.result
+    description = method.result or RESULTS.get(method.name)
+    if description:
+        result["description"] = description
     entry["result"] = result
     return entry
 

@@ -101,6 +101,7 @@ class Daemon:
         self.queue = RunQueue(repo, self.runtime, self.config, self.layout, self.bus,
                               faults=Faults.from_env())
         self.runtime.add_slot_listener(self.queue.signal)
+        self.runtime.shutdown_requested = self.stop_requested.is_set
         queue_loop = QueueLoop(self.queue, safety_interval_s=self.config.queue.safety_interval_s,
                                max_claims_per_tick=self.config.queue.max_claims_per_tick,
                                parent=self.stop_signal)

@@ -124,6 +124,8 @@ class AgentRuntime:
         self._next_ticket = 0
         self._waiter_slots = 0  # slots held by executions started by launch_when_free
         self._grace_deadline: float | None = None  # set by begin_grace()
+        #: The daemon's "stop requested" (set from its signal handler), if any.
+        self.shutdown_requested: Callable[[], bool] | None = None
 
     # -- introspection -----------------------------------------------------
 
@@ -497,6 +499,19 @@ class AgentRuntime:
                 self._cond.notify_all()
             self._notify_slot_listeners()
 
+    def _stop_is_coming(self) -> bool:
+        """The runtime stops, its grace began, or the daemon's stop was requested.
+
+        The last one matters when a signal reaches the agents together with the
+        daemon (systemd's control group, a terminal's process group): an agent
+        may die before the shutdown has reached the runtime.
+        """
+        with self._cond:
+            if self._stopping or self._grace_deadline is not None:
+                return True
+        requested = self.shutdown_requested
+        return bool(requested is not None and requested())
+
     def _interrupted_if_stopping(self, execution: _Execution,
                                  result: ExecutionResult) -> ExecutionResult:
         """An agent a signal ended while the runtime stops, unasked by us, was interrupted.
@@ -506,7 +521,7 @@ class AgentRuntime:
         next start and uses no retry, instead of counting as an ordinary failure.
         """
         if (result.outcome == FAILED and result.exit_code is not None and result.exit_code < 0
-                and execution.control.requested is None and self.stopping):
+                and execution.control.requested is None and self._stop_is_coming()):
             log.info("execution %s: %s while the runtime was stopping: interrupted",
                      result.key, describe_exit(result.exit_code))
             return dataclasses.replace(

@@ -352,3 +352,29 @@ def test_runs_logs_shows_each_attempt_between_separators(
     assert lines[3].endswith("succeeded ====")
     followed = run_cli(daemon.home, "runs", "logs", run["id"], "--follow")
     assert followed.returncode == 0 and followed.stdout == shown.stdout
+
+
+def test_a_signal_to_the_whole_group_on_stop_uses_no_retry(
+        daemon_factory: Factory, tmp_path: Path) -> None:
+    """As systemd with KillMode=control-group or a terminal's Ctrl-C would: the stop
+    signal reaches the daemon and its agents at once. The agent's death is an
+    interruption (the next start runs it again), never a failed attempt."""
+    touch = tmp_path / "executed"
+    home = tmp_path / "home"
+    first = daemon_factory(config(), home=home)
+    setup_agent(first)
+    run = enqueue(first, touch=str(touch), sleep_s=30)
+    first.wait_for_line(f"run {run['id']} claimed")
+    [shim] = first.wait_until(first.agent_pids, what="the agent's shim")
+    assert first.proc is not None
+    os.kill(first.proc.pid, signal.SIGTERM)
+    os.killpg(shim, signal.SIGTERM)
+    assert first.wait() == 0
+    with first.db() as conn:
+        row = conn.execute("SELECT status, retry_count FROM runs WHERE id = ?",
+                           (run["id"],)).fetchone()
+    assert (row["status"], row["retry_count"]) == ("claimed", 0)  # left for the next start
+    second = daemon_factory(config(), home=home)
+    second.call("runs.get", {"id": run["id"]})
+    requeued = wait_status(second, run["id"], "queued", "claimed")
+    assert requeued["retry_count"] == 0

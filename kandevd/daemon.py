@@ -81,6 +81,7 @@ class Daemon:
         self.queue: RunQueue | None = None
         self.server: ControlServer | None = None
         self.coordinator: ShutdownCoordinator | None = None
+        self._wiring: SignalWiring | None = None
         self.metrics: DaemonMetrics | None = None
         self.metrics_http: MetricsHTTPServer | None = None
 
@@ -155,6 +156,7 @@ class Daemon:
         wiring = SignalWiring(self.stop_requested, lambda: self.state == "stopping",
                               on_force=self._force, reload_requested=self.reload_requested)
         wiring.install()
+        self._wiring = wiring
         self._waiter.install()
         try:
             started = self._start()
@@ -205,6 +207,9 @@ class Daemon:
 
         def work() -> None:
             try:
+                received = self._wiring.received if self._wiring is not None else None
+                if received:
+                    log.info("received %s", received)
                 coordinator.shutdown()
             finally:
                 done.set()

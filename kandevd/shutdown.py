@@ -105,6 +105,7 @@ class SignalWiring:
         self._on_force = on_force
         self._reload_requested = reload_requested
         self._previous: dict[int, object] = {}
+        self.received: str | None = None  # the stop signal's name, logged by the stopper
 
     def install(self) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -128,6 +129,9 @@ class SignalWiring:
             # lock (a deadlock), and a half-written record is fine to lose. One raw
             # write to stderr, kill the agents, and out.
             try:
+                # Never block here: stderr may be a pipe nobody reads any more (the
+                # very reason the stop hangs); the line is then lost, the exit is not.
+                os.set_blocking(2, False)
                 os.write(2, FORCED_LINE)
             except OSError:
                 pass
@@ -137,7 +141,10 @@ class SignalWiring:
                 except BaseException:  # forcing exit must not be stopped by cleanup
                     pass
             os._exit(1)
-        log.info("received %s", signal.Signals(signum).name)
+        # Not logged here either: a blocked log handler (stderr nobody reads) would
+        # keep the main thread in this handler, and the second signal's handler could
+        # then never run. The shutdown worker logs it.
+        self.received = signal.Signals(signum).name
         self._stop_requested.set()
 
 

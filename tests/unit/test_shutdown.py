@@ -187,8 +187,9 @@ def test_first_signal_only_sets_the_flag_the_second_forces_exit_1(
             proc.wait()
     assert proc.returncode == 1
     lines = err.strip().splitlines()
-    assert lines[0] == f"received {first.name}"
-    assert lines[-1] == "kandevd: Received second shutdown signal, forcing exit"
+    # The handler logs nothing (a blocked log handler must not hold the main thread in
+    # it); it only records which signal came, for the shutdown worker to log.
+    assert lines == ["kandevd: Received second shutdown signal, forcing exit"]
 
 
 def test_install_and_restore_put_back_the_previous_handlers() -> None:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import click
 
-from kandevd.control.client import DaemonUnavailable, RpcCallError
+from kandevd.control.client import Client, DaemonUnavailable, RpcCallError
 from kandevd.control.client import call as rpc_call
 from kandevd.paths import HomeLayout, resolve_home
 
@@ -36,6 +37,23 @@ def client_options(func: Callable[..., Any]) -> Callable[..., Any]:
 
 def _socket(home: str | None, socket_path: str | None) -> Path:
     return Path(socket_path) if socket_path else HomeLayout(resolve_home(home)).socket
+
+
+@contextmanager
+def connect(home: str | None, socket_path: str | None) -> Iterator[Client]:
+    """One connection for many calls; no daemon listening exits 69 as ``invoke`` does."""
+    try:
+        client = Client(_socket(home, socket_path))
+    except DaemonUnavailable as exc:
+        click.echo(f"kandevd: {exc}", err=True)
+        sys.exit(EXIT_UNAVAILABLE)
+    try:
+        yield client
+    except DaemonUnavailable as exc:
+        click.echo(f"kandevd: {exc}", err=True)
+        sys.exit(EXIT_UNAVAILABLE)
+    finally:
+        client.close()
 
 
 def invoke(home: str | None, socket_path: str | None, method: str,

@@ -10,8 +10,9 @@ from typing import Any
 
 import click
 
-from kandevd.cli_common import client_options, echo_json, invoke
+from kandevd.cli_common import client_options, connect, echo_json, invoke
 from kandevd.cli_format import table
+from kandevd.control.client import RpcCallError
 from kandevd.paths import HomeLayout, resolve_home
 from kandevd.store.runs import STATUSES
 
@@ -38,19 +39,29 @@ def runs() -> None:
 
 
 @runs.command("enqueue")
-@click.option("--workspace", "workspace_id", required=True, help="Workspace id.")
-@click.option("--agent", "agent_id", required=True, help="Agent id.")
-@click.option("--reason", required=True, help="Why the run is requested.")
+@click.option("--workspace", "workspace_id", default=None, help="Workspace id.")
+@click.option("--agent", "agent_id", default=None, help="Agent id.")
+@click.option("--reason", default=None, help="Why the run is requested.")
 @click.option("--task", "task_id", default=None, help="Task id.")
 @click.option("--payload", default="{}", help="Payload as a JSON object.")
 @click.option("--key", "idempotency_key", default=None, help="Idempotency key.")
 @click.option("--no-coalesce", is_flag=True, help="Never merge into a recent queued run.")
+@click.option("--from-file", "from_file", type=click.File("r", encoding="utf-8"), default=None,
+              help="Queue one run per line of this JSONL file (- for stdin); each line holds "
+                   "runs.enqueue params.")
 @click.option("--json", "as_json", is_flag=True, help="Print the raw JSON.")
 @client_options
-def enqueue(workspace_id: str, agent_id: str, reason: str, task_id: str | None, payload: str,
-            idempotency_key: str | None, no_coalesce: bool, as_json: bool,
-            home: str | None, socket_path: str | None) -> None:
-    """Queue a run for an agent."""
+def enqueue(workspace_id: str | None, agent_id: str | None, reason: str | None,
+            task_id: str | None, payload: str, idempotency_key: str | None, no_coalesce: bool,
+            from_file: Any, as_json: bool, home: str | None, socket_path: str | None) -> None:
+    """Queue a run for an agent (or one per line of --from-file)."""
+    if from_file is not None:
+        _enqueue_lines(from_file, as_json, home, socket_path)
+        return
+    missing = [name for name, value in (("--workspace", workspace_id), ("--agent", agent_id),
+                                        ("--reason", reason)) if not value]
+    if missing:
+        raise click.UsageError(f"missing {', '.join(missing)} (or give --from-file)")
     try:
         payload_obj = json.loads(payload)
     except ValueError as exc:
@@ -69,6 +80,44 @@ def enqueue(workspace_id: str, agent_id: str, reason: str, task_id: str | None, 
     note = " (deduplicated)" if result["deduplicated"] else (
         " (coalesced)" if result["coalesced"] else "")
     click.echo(f"{result['run']['id']} {result['run']['status']}{note}")
+
+
+def _enqueue_lines(lines: Any, as_json: bool, home: str | None,
+                   socket_path: str | None) -> None:
+    """Every non-empty line is a runs.enqueue params object; one connection for all.
+
+    Each line is answered in order (``<line>: <run id> <status>`` or the error);
+    a bad line does not stop the others, and the exit status is 1 if any failed.
+    """
+    requests: list[tuple[int, dict[str, Any]]] = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            params = json.loads(line)
+        except ValueError as exc:
+            raise click.BadParameter(f"line {number}: not valid JSON: {exc}",
+                                     param_hint="--from-file") from None
+        if not isinstance(params, dict):
+            raise click.BadParameter(f"line {number}: not a JSON object",
+                                     param_hint="--from-file")
+        requests.append((number, params))
+    failed = 0
+    with connect(home, socket_path) as client:
+        for number, params in requests:
+            try:
+                result = client.call("runs.enqueue", params)
+            except RpcCallError as exc:
+                failed += 1
+                click.echo(f"line {number}: {exc} ({exc.kind or exc.code})", err=True)
+                continue
+            if as_json:
+                click.echo(json.dumps({"line": number, **result}))
+            else:
+                click.echo(f"line {number}: {result['run']['id']} {result['run']['status']}")
+    click.echo(f"{len(requests) - failed} of {len(requests)} queued", err=True)
+    if failed:
+        sys.exit(1)
 
 
 @runs.command("list")

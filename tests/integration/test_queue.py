@@ -394,3 +394,21 @@ def test_runs_cli_list_get_explain_cancel(daemon_factory: Factory) -> None:
     daemon.stop()
     offline = run_cli(home, "runs", "list")
     assert offline.returncode == 69
+
+
+def test_runs_enqueue_from_a_jsonl_file(daemon_factory: Factory, tmp_path: Path) -> None:
+    daemon = daemon_factory(config())
+    add_agents(daemon, {"ws1": ["a1"]}, status="paused")
+    lines = [{"workspace_id": "ws1", "agent_id": "a1", "reason": f"r{i}", "coalesce": False}
+             for i in range(3)]
+    source = tmp_path / "runs.jsonl"
+    source.write_text("\n".join(json.dumps(line) for line in lines)
+                      + '\n\n{"workspace_id": "ws1", "agent_id": "nope", "reason": "x"}\n')
+    done = run_cli(daemon.home, "runs", "enqueue", "--from-file", str(source))
+    assert done.returncode == 1  # the fourth line names an unknown agent
+    assert [line.split()[0:2] for line in done.stdout.splitlines()] == [
+        ["line", "1:"], ["line", "2:"], ["line", "3:"]]
+    assert "line 5:" in done.stderr and "3 of 4 queued" in done.stderr
+    assert daemon.call("runs.list", {"agent_id": "a1"})["total"] == 3
+    missing = run_cli(daemon.home, "runs", "enqueue", "--workspace", "ws1")
+    assert missing.returncode == 2 and "--agent" in missing.stderr

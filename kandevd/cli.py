@@ -64,22 +64,29 @@ def cli() -> None:
 @config_option("Config file (default: <home>/kandevd.yaml when it exists).")
 @click.option("--log-format", type=click.Choice(["text", "json"]), default="text",
               show_default=True, help="Log line format on stderr.")
-@click.option("--log-level", default="INFO", show_default=True,
+@click.option("--log-level", default=None,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
-              help="Lowest level that is logged.")
-def serve(home: str | None, config_path: str | None, log_format: str, log_level: str) -> None:
+              help="Lowest level that is logged (default: the config's log.level, else "
+                   "INFO). Given here, SIGHUP does not change it.")
+def serve(home: str | None, config_path: str | None, log_format: str,
+          log_level: str | None) -> None:
     """Run the daemon in the foreground until SIGINT/SIGTERM or `daemon.shutdown`."""
     from kandevd.daemon import Daemon
-    from kandevd.logsetup import configure_logging
+    from kandevd.logsetup import configure_logging, set_level
 
-    configure_logging(log_format, log_level)
+    configure_logging(log_format, log_level or "INFO")
     root = resolve_home(home)
     try:
         config = load_config(Path(config_path) if config_path else None, home=root)
     except ConfigError as exc:
         click.echo(f"kandevd: bad config: {exc}", err=True)
         sys.exit(EXIT_CONFIG)
-    sys.exit(Daemon(config, HomeLayout(root)).run())
+    if log_level is None and config.log_level is not None:
+        set_level(config.log_level)
+    daemon = Daemon(config, HomeLayout(root),
+                    config_path=Path(config_path) if config_path else None,
+                    log_level_fixed=log_level is not None)
+    sys.exit(daemon.run())
 
 
 def copy_example(source: Path, root: Path, *, force: bool) -> tuple[list[Path], list[Path]]:

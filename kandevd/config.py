@@ -42,6 +42,7 @@ DEFAULTS: dict[str, Any] = {
                 "keep_agents_on_stop": False},
     "control": {"idle_timeout_s": 60},
     "metrics": {"listen": None},
+    "log": {"level": None},
     "office": {"enabled": True, "interval_s": 30, "recovery_lookback_hours": 24},
     "scheduler": {"enabled": True, "root": None, "history_retention_days": 90},
     "agents": {"default": {"command": None, "timeout_s": 3600, "env": {}}},
@@ -148,6 +149,9 @@ class Config:
     agents: Mapping[str, AgentProfile]
     control: ControlConfig = ControlConfig()
     metrics: MetricsConfig = MetricsConfig()
+    #: ``log.level``: the lowest level logged when ``serve --log-level`` is not
+    #: given (None = INFO). The one setting SIGHUP applies without a restart.
+    log_level: str | None = None
     source: str | None = None
 
     def profile(self, name: str) -> AgentProfile:
@@ -297,6 +301,7 @@ def build_config(
         office=OfficeConfig(**merged["office"]),
         control=ControlConfig(idle_timeout_s=float(merged["control"]["idle_timeout_s"])),
         metrics=MetricsConfig(listen=merged["metrics"]["listen"]),
+        log_level=merged["log"]["level"].upper() if merged["log"]["level"] else None,
         scheduler=SchedulerConfig(
             enabled=bool(sched["enabled"]) and not disabled_via_env,
             root=sched["root"],
@@ -334,6 +339,24 @@ def check_config_finite(config: Config) -> None:
             stack.extend((f"{where}.{key}", item) for key, item in value.items())
         elif isinstance(value, (tuple, list)):
             stack.extend((f"{where}.{index}", item) for index, item in enumerate(value))
+
+
+def config_changes(running: Config, fresh: Config) -> list[str]:
+    """The settings that differ between two configs, ``log.level`` and the file aside.
+
+    Named by section (``queue``, ``runtime``, ...) and, for agent profiles, by
+    ``agents.<name>``: what SIGHUP reports as needing a restart.
+    """
+    changed: list[str] = []
+    for item in dataclasses.fields(Config):
+        if item.name in ("log_level", "source", "agents"):
+            continue
+        if getattr(running, item.name) != getattr(fresh, item.name):
+            changed.append(item.name)
+    for name in sorted(set(running.agents) | set(fresh.agents)):
+        if running.agents.get(name) != fresh.agents.get(name):
+            changed.append(f"agents.{name}")
+    return changed
 
 
 def load_config(

@@ -13,20 +13,23 @@ Stop order is the reverse, owned by :class:`kandevd.shutdown.ShutdownCoordinator
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
 import uuid
+from pathlib import Path
 from typing import Any
 
 from kandevd import __version__
 from kandevd.bus import EventBus
-from kandevd.config import Config
+from kandevd.config import Config, ConfigError, config_changes, load_config
 from kandevd.control.registry import Registry
 from kandevd.control.server import ControlServer, NotASocket, SocketInUse
 from kandevd.faults import Faults
 from kandevd.homelock import HomeLock, HomeLocked
 from kandevd.lifecycle import Loop, StopSignal
+from kandevd.logsetup import current_level, set_level
 from kandevd.metrics import DaemonMetrics, MetricsHTTPServer, daemon_health
 from kandevd.office.budgets import exceeded_hard_budgets
 from kandevd.paths import HomeLayout
@@ -63,9 +66,14 @@ class StartupError(Exception):
 
 
 class Daemon:
-    def __init__(self, config: Config, layout: HomeLayout) -> None:
+    def __init__(self, config: Config, layout: HomeLayout, *, config_path: Path | None = None,
+                 log_level_fixed: bool = False) -> None:
         self.config = config
         self.layout = layout
+        #: What SIGHUP re-reads: the ``--config`` file, else ``<home>/kandevd.yaml``.
+        self._config_path = config_path
+        #: ``serve --log-level`` was given: it wins over ``log.level`` on SIGHUP too.
+        self._log_level_fixed = log_level_fixed
         self.boot_id = uuid.uuid4().hex
         self.started_at = utc_now()
         self.state = "starting"
@@ -314,13 +322,37 @@ class Daemon:
         self.runtime.stop(keep_agents=self.config.runtime.keep_agents_on_stop)
 
     def reload(self) -> None:
-        """SIGHUP: rescan workflow files (the cron loop does it on its next tick)."""
-        log.info("received SIGHUP: reloading workflow and product files; changes to %s "
-                 "need a restart", self.config.source or "the configuration")
+        """SIGHUP: rescan workflow and product files, re-read the config's log level.
+
+        Everything else in the config is built into running objects (the store,
+        the runtime's slots, the loops' intervals), so a change there is named in
+        the log as needing a restart rather than half-applied.
+        """
+        log.info("received SIGHUP: reloading workflow and product files")
         cron = self.loops.get("cron")
         if cron is not None:
             cron.request_reload()  # type: ignore[attr-defined]
+        self._reload_config()
         notifier().status("reloaded workflow and product files")
+
+    def _reload_config(self) -> None:
+        try:
+            fresh = load_config(self._config_path, home=self.layout.root)
+        except ConfigError as exc:
+            log.warning("SIGHUP: config not reloaded, the running one stays: %s", exc)
+            return
+        wanted = fresh.log_level or "INFO"
+        if self._log_level_fixed:
+            if fresh.log_level is not None and wanted != current_level():
+                log.warning("SIGHUP: log.level %s ignored: serve --log-level %s wins",
+                         wanted, current_level())
+        elif wanted != current_level():
+            set_level(wanted)
+            log.warning("SIGHUP: log level is now %s", wanted)
+        changed = config_changes(self.config, fresh)
+        if changed:
+            log.warning("SIGHUP: changes to %s need a restart", ", ".join(changed))
+        self.config = dataclasses.replace(self.config, log_level=fresh.log_level)
 
     def request_shutdown(self) -> None:
         """Ask for the graceful stop (``daemon.shutdown``); the main thread runs it."""

@@ -33,6 +33,16 @@ def configure_logging(fmt: str = "text", level: str = "INFO") -> None:
     for existing in list(root.handlers):
         root.removeHandler(existing)
     root.addHandler(handler)
+    set_level(level)
+
+
+def set_level(level: str) -> None:
+    """Set the lowest level logged (at start-up and on SIGHUP)."""
+    root = logging.getLogger()
     root.setLevel(level.upper())
     # APScheduler is chatty at INFO about every job it runs.
     logging.getLogger("apscheduler").setLevel(max(logging.WARNING, root.level))
+
+
+def current_level() -> str:
+    return logging.getLevelName(logging.getLogger().level)

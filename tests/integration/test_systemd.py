@@ -87,9 +87,53 @@ def test_sighup_keeps_the_daemon_up_and_says_what_it_reloaded(daemon_factory, sy
         mark = daemon.mark()
     assert daemon.call("daemon.status")["state"] == "running"
     assert daemon.proc is not None and daemon.proc.poll() is None
-    assert "need a restart" in daemon.log_text
     assert daemon.stop(signal.SIGTERM) == 0
     assert "Traceback" not in daemon.log_text
+
+
+def test_sighup_applies_the_log_level_and_names_what_needs_a_restart(daemon_factory) -> None:
+    import yaml
+
+    from tests.conftest import FAST_CONFIG
+
+    daemon = daemon_factory()
+    assert daemon.call("daemon.status")["state"] == "running"
+    config_file = daemon.home / "kandevd.yaml"
+    edited = {**FAST_CONFIG, "log": {"level": "DEBUG"},
+              "queue": {**FAST_CONFIG.get("queue", {}), "max_attempts": 2}}
+    config_file.write_text(yaml.safe_dump(edited))
+    mark = daemon.mark()
+    daemon.send_signal(signal.SIGHUP)
+    daemon.wait_for_line("SIGHUP: log level is now DEBUG", after=mark)
+    line = daemon.wait_for_line("need a restart", after=mark)
+    assert "changes to queue need a restart" in line
+    # A broken file is reported and the running config stays.
+    config_file.write_text("queue: [not, a, mapping]\n")
+    mark = daemon.mark()
+    daemon.send_signal(signal.SIGHUP)
+    line = daemon.wait_for_line("SIGHUP: config not reloaded", after=mark)
+    assert "kandevd.yaml" in line and "queue" in line
+    assert daemon.call("daemon.status")["state"] == "running"
+    assert daemon.stop(signal.SIGTERM) == 0
+    assert "Traceback" not in daemon.log_text
+
+
+def test_a_log_level_given_on_the_command_line_wins_over_sighup(daemon_factory) -> None:
+    import yaml
+
+    from tests.conftest import FAST_CONFIG
+
+    from tests.harness import run_cli
+
+    daemon = daemon_factory(args=["--log-level", "WARNING"], start=False)
+    daemon.start(wait_ready=False)  # at WARNING the "listening" line is not logged
+    assert run_cli(daemon.home, "wait", "--timeout", "30").returncode == 0
+    (daemon.home / "kandevd.yaml").write_text(
+        yaml.safe_dump({**FAST_CONFIG, "log": {"level": "DEBUG"}}))
+    mark = daemon.mark()
+    daemon.send_signal(signal.SIGHUP)
+    daemon.wait_for_line("log.level DEBUG ignored: serve --log-level WARNING wins", after=mark)
+    assert daemon.stop(signal.SIGTERM) == 0
 
 
 def test_without_notify_socket_nothing_changes(daemon_factory) -> None:

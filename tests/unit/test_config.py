@@ -34,6 +34,9 @@ CONTRACT_DEFAULTS: dict[str, Any] = {
     "scheduler": {"enabled": True, "root": None, "history_retention_days": 90},
     "agents": {"default": {"command": None, "timeout_s": 3600, "env": {}}},
 }
+#: Keys the daemon offers beyond the contract's list (every one optional).
+EXTENSIONS: dict[str, Any] = {"log": {"level": None}}
+ALL_DEFAULTS: dict[str, Any] = {**CONTRACT_DEFAULTS, **EXTENSIONS}
 
 
 def as_document(config: Config) -> dict[str, Any]:
@@ -46,7 +49,7 @@ def as_document(config: Config) -> dict[str, Any]:
     return {
         "queue": section(config.queue), "retry": section(config.retry),
         "runtime": section(config.runtime), "control": section(config.control),
-        "metrics": section(config.metrics),
+        "metrics": section(config.metrics), "log": {"level": config.log_level},
         "office": section(config.office),
         "scheduler": section(config.scheduler, drop=("disabled_via_env", "configured_enabled")),
         "agents": {name: {"command": None if p.command is None else list(p.command),
@@ -65,16 +68,16 @@ def error_for(document: Any) -> str:
 
 
 def test_defaults_are_the_contracts() -> None:
-    assert DEFAULTS == CONTRACT_DEFAULTS
+    assert DEFAULTS == ALL_DEFAULTS
     config = build_config(None, environ={})
-    assert as_document(config) == CONTRACT_DEFAULTS
+    assert as_document(config) == ALL_DEFAULTS
     assert config.source is None
     assert config.scheduler.disabled_via_env is False
 
 
 def test_the_shipped_annotated_config_matches_the_defaults() -> None:
     document = yaml.safe_load((REPO / "conf" / "kandevd.yaml").read_text())
-    assert document == CONTRACT_DEFAULTS
+    assert document == ALL_DEFAULTS
     assert build_config(document, environ={}).queue == build_config(None, environ={}).queue
 
 
@@ -104,7 +107,7 @@ def test_config_is_immutable_and_building_never_touches_the_defaults() -> None:
         config.agents["x"] = config.agents["default"]  # type: ignore[index]
     with pytest.raises(TypeError):
         config.agents["default"].env["B"] = "2"  # type: ignore[index]
-    assert DEFAULTS == CONTRACT_DEFAULTS
+    assert DEFAULTS == ALL_DEFAULTS
 
 
 # -- errors name the key path -------------------------------------------------------------
@@ -294,3 +297,20 @@ def test_a_utf8_bom_and_a_few_aliases_are_fine(tmp_path: Path) -> None:
     path.write_bytes(b"\xef\xbb\xbfagents:\n  a: {env: &e {K: v}}\n  b: {env: *e}\n")
     config = load_config(path, environ={})
     assert dict(config.agents["b"].env) == {"K": "v"}
+
+
+def test_log_level_is_read_upper_cased_and_unknown_levels_are_refused() -> None:
+    assert build_config({"log": {"level": "debug"}}, environ={}).log_level == "DEBUG"
+    assert build_config(None, environ={}).log_level is None
+    with pytest.raises(ConfigError, match="log.level"):
+        build_config({"log": {"level": "LOUD"}}, environ={})
+
+
+def test_config_changes_names_sections_and_profiles_but_not_the_log_level() -> None:
+    from kandevd.config import config_changes
+
+    running = build_config({"log": {"level": "INFO"}}, environ={})
+    fresh = build_config({"log": {"level": "DEBUG"}, "queue": {"max_attempts": 2},
+                          "agents": {"coder": {"command": ["/bin/true"]}}}, environ={})
+    assert config_changes(running, fresh) == ["queue", "agents.coder"]
+    assert config_changes(running, build_config({"log": {"level": "ERROR"}}, environ={})) == []

@@ -334,6 +334,15 @@ class ControlServer:
     # -- one connection ------------------------------------------------------
     def _serve(self, state: _Connection) -> None:
         sock = state.sock
+        timeout = _KernelTimeouts(sock)
+        try:
+            timeout.send(self.send_timeout_s)
+        except OSError:
+            _shutdown(sock)
+            sock.close()
+            with self._lock:
+                self._connections.pop(threading.current_thread(), None)
+            return
         buffer = bytearray()
         scanned = 0  # no newline in buffer[:scanned]
         deadline = time.monotonic() + self.idle_timeout_s
@@ -350,9 +359,11 @@ class ControlServer:
                         self._idle_close(bool(buffer))
                         return
                     try:
-                        sock.settimeout(remaining)
+                        # Between requests the kernel timeout is the whole idle time (set
+                        # once); only inside an unfinished line is it cut to what is left.
+                        timeout.receive(remaining if buffer else self.idle_timeout_s)
                         chunk = sock.recv(_RECV_BYTES)
-                    except TimeoutError:
+                    except (TimeoutError, BlockingIOError):
                         self._idle_close(bool(buffer))
                         return
                     except OSError:
@@ -412,10 +423,9 @@ class ControlServer:
             log.exception("a control response is not standard JSON")
             data = encode(failure(message.get("id"), InternalError("internal error")))
         try:
-            state.sock.settimeout(self.send_timeout_s)
-            state.sock.sendall(data)
+            _send_all(state.sock, data, self.send_timeout_s)
             return True
-        except TimeoutError:
+        except (TimeoutError, BlockingIOError):
             log.info("dropping a control connection that does not read its responses "
                      "(nothing read for %.1f s)", self.send_timeout_s)
             return False
@@ -453,7 +463,8 @@ class ControlServer:
         try:
             self.registry.check_params(method, params)
             try:
-                result = method.handler(params)
+                with self.registry.reading(method):  # a read never waits for a writer
+                    result = method.handler(params)
             except sqlite3.IntegrityError as exc:
                 # A constraint the database enforces (one claim per agent, a unique
                 # key) lost a race with another writer: the request conflicts.
@@ -477,6 +488,55 @@ class ControlServer:
             log.error("method %s: database unavailable: %s (%s; logged once per reason)",
                       name, reason, type(exc).__name__)
         return Unavailable(f"database unavailable: {reason}")
+
+
+class _KernelTimeouts:
+    """Receive and send timeouts kept in the kernel (SO_RCVTIMEO, SO_SNDTIMEO).
+
+    The socket stays in blocking mode, so a request costs one ``recv`` and one
+    ``send``: Python's own timeouts would add a ``poll`` before each and two
+    ``fcntl`` calls per ``settimeout``, half the system calls of a round trip.
+    A timed-out call raises BlockingIOError (EAGAIN). Each option is set only
+    when its value changes.
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.settimeout(None)
+        self._sock = sock
+        self._receive: float | None = None
+
+    def receive(self, seconds: float) -> None:
+        if seconds != self._receive:
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(seconds))
+            self._receive = seconds
+
+    def send(self, seconds: float) -> None:
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(seconds))
+
+
+def _timeval(seconds: float) -> bytes:
+    whole = int(seconds)
+    micros = int((seconds - whole) * 1_000_000)
+    if whole == 0 and micros == 0:
+        micros = 1  # zero would mean "no timeout"
+    return struct.pack("ll", whole, micros)
+
+
+def _send_all(sock: socket.socket, data: bytes, timeout_s: float) -> None:
+    """``sendall`` bounded by ``timeout_s`` overall, on a socket with SO_SNDTIMEO set.
+
+    One ``send`` in the common case; a client that reads too slowly to take the
+    response within the timeout gets TimeoutError.
+    """
+    sent = sock.send(data)
+    if sent == len(data):
+        return
+    deadline = time.monotonic() + timeout_s
+    view = memoryview(data)[sent:]
+    while view:
+        if time.monotonic() >= deadline:
+            raise TimeoutError("response not taken in time")
+        view = view[sock.send(view):]
 
 
 def _shutdown(sock: socket.socket) -> None:

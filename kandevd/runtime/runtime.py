@@ -19,7 +19,13 @@ Runtime states::
                           then interrupt the rest (SIGTERM, kill grace, SIGKILL);
                           join every worker --> stopped
 
-Each execution gets one non-daemon worker thread, owned and joined here.
+Executions run on a pool of non-daemon worker threads owned here: started
+on demand up to ``max_concurrent`` (plus one per adopted execution beyond
+the bound), kept waiting for the next execution, and joined by ``stop()``.
+No thread is created per execution. A worker takes an execution off the
+pool's queue before it runs it, so a worker that dies (a BaseException out
+of a runner) loses that one execution's bookkeeping, never runs it again;
+the next submission finds no idle worker and starts a replacement.
 ``kill_all_now()`` is the forced-exit path: SIGKILL everything, join nothing.
 
 ``adopt()`` takes over an execution an earlier daemon instance started (its
@@ -35,6 +41,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -115,7 +122,10 @@ class AgentRuntime:
         self._cond = threading.Condition()
         self._held = 0  # reservations not yet started or released
         self._live: dict[str, _Execution] = {}
-        self._threads: list[threading.Thread] = []
+        self._threads: list[threading.Thread] = []  # the pool's workers
+        self._jobs: deque[_Execution] = deque()  # registered, not yet taken by a worker
+        self._idle_workers = 0
+        self._pool_closed = False  # stop(): workers exit once the queue is empty
         self._listeners: list[Callable[[], None]] = []
         self._stopping = False  # no new reservations or starts (stop or kill_all_now)
         self._stop_begun = False  # stop() has a first caller doing the work
@@ -245,33 +255,51 @@ class AgentRuntime:
         """
         control = ExecutionControl()
         execution = _Execution(spec, control, on_done, record=record)
-        try:
-            thread = threading.Thread(
-                target=self._work, args=(execution,), name=f"kandevd-exec-{spec.key}",
-                daemon=False,
-            )
-        except BaseException:
-            control.close()
-            raise
-        execution.thread = thread
         self._live[spec.key] = execution
-        self._threads = [t for t in self._threads if t.is_alive()]
-        self._threads.append(thread)
         return execution
 
     def _start_worker(self, execution: _Execution) -> None:
-        assert execution.thread is not None
-        thread = execution.thread
-        try:
-            thread.start()
-        except BaseException:  # e.g. "can't start new thread": give the slot back
-            with self._cond:
-                self._live.pop(execution.spec.key, None)
-                self._threads.remove(thread)
+        """Queue ``execution`` for the pool, starting a worker if none is idle."""
+        with self._cond:
+            self._jobs.append(execution)
+            if len(self._jobs) <= self._idle_workers:
                 self._cond.notify_all()
+                return
+            self._threads = [t for t in self._threads if t.is_alive()]
+            thread = threading.Thread(target=self._worker, daemon=False,
+                                      name=f"kandevd-exec-worker-{len(self._threads) + 1}")
+            try:
+                thread.start()
+            except BaseException:  # e.g. "can't start new thread": give the slot back
+                self._jobs.remove(execution)
+                self._live.pop(execution.spec.key, None)
+                self._cond.notify_all()
+                failed = True
+            else:
+                self._threads.append(thread)
+                failed = False
+        if failed:
             execution.control.close()
             self._notify_slot_listeners()
-            raise
+            raise RuntimeError(f"cannot start a worker thread for execution "
+                               f"{execution.spec.key}")
+
+    def _worker(self) -> None:
+        """A pool worker: run executions one after another until the pool closes."""
+        me = threading.current_thread()
+        while True:
+            with self._cond:
+                while not self._jobs and not self._pool_closed:
+                    self._idle_workers += 1
+                    try:
+                        self._cond.wait()
+                    finally:
+                        self._idle_workers -= 1
+                if not self._jobs:
+                    return
+                execution = self._jobs.popleft()
+                execution.thread = me
+            self._work(execution)
 
     def launch(self, spec: ExecutionSpec, on_done: Callable[[ExecutionResult], None]) -> None:
         """Reserve and start in one step; raises RuntimeFull or RuntimeStopped."""
@@ -432,6 +460,8 @@ class AgentRuntime:
             # kill grace, so every execution ends; on_done then frees the slot.
             while self._others_live(me):
                 self._cond.wait()
+            self._pool_closed = True
+            self._cond.notify_all()
             threads = list(self._threads)
         self._join_all(threads, me)
         with self._cond:
@@ -468,13 +498,18 @@ class AgentRuntime:
     def _work(self, execution: _Execution) -> None:
         spec = execution.spec
         record = execution.record
+        fatal: BaseException | None = None
         try:
             try:
                 if record is not None:
                     result = self._runner.adopt(spec, execution.control, record)
                 else:
                     result = self._runner.run(spec, execution.control)
-            except Exception as exc:  # a runner bug must not kill the worker silently
+            except BaseException as exc:  # a runner bug must not kill the worker silently
+                if not isinstance(exc, Exception):
+                    # Not ours to swallow (SystemExit, KeyboardInterrupt): this worker
+                    # dies after the execution is settled; the pool starts another.
+                    fatal = exc
                 log.exception("runner failed for execution %s", spec.key)
                 now = utc_now()
                 result = ExecutionResult(
@@ -498,6 +533,8 @@ class AgentRuntime:
                     del self._live[spec.key]
                 self._cond.notify_all()
             self._notify_slot_listeners()
+        if fatal is not None:
+            raise fatal
 
     def _stop_is_coming(self) -> bool:
         """The runtime stops, its grace began, or the daemon's stop was requested.

@@ -218,7 +218,7 @@ def test_success_records_summary_cost_env_and_private_files(tmp_path: Path, make
     assert result.error is None
     assert result.started_at <= result.ended_at
     assert result.log_path == spec.log_path
-    assert done.threads["run-ok"] == "kandevd-exec-run-ok"
+    assert done.threads["run-ok"].startswith("kandevd-exec-worker-")  # the pool's
     text = spec.log_path.read_text()
     assert "echo: run run-ok" in text
     assert f"KANDEVD_RUN_ID=run-ok KANDEVD_SESSION_ID=sess-run-ok KANDEVD_HOME={tmp_path}" in text
@@ -629,7 +629,7 @@ def test_in_process_runner(tmp_path: Path, make_runtime):
     assert (ok.outcome, ok.summary, ok.cost_cents) == ("succeeded", "did ok", 1.5)
     assert (bad.outcome, bad.exit_code, bad.error) == ("failed", 2, "exit code 2")
     assert boom.outcome == "error" and "kaboom" in (boom.error or "")
-    assert done.threads["ok"] == "kandevd-exec-ok"
+    assert done.threads["ok"].startswith("kandevd-exec-worker-")
     assert not (tmp_path / "runs").exists()  # no child, no files
 
 
@@ -744,3 +744,54 @@ def test_a_signal_death_while_stopping_is_interrupted_not_failed(tmp_path: Path,
     stopper.join(WAIT_S)
     assert (result.outcome, result.exit_code) == ("interrupted", -2)
     assert "killed by signal SIGINT" in (result.error or "")
+
+
+def test_the_pool_reuses_its_workers_and_stop_joins_them(tmp_path: Path, make_runtime):
+    """No thread per execution: a few workers serve many executions, and stop() joins them."""
+    runtime = make_runtime(max_concurrent=2, runner=InProcessRunner(lambda spec: (0, None, None)))
+    done = Recorder()
+    before = {t.ident for t in threading.enumerate()}
+    for index in range(20):  # each waits for a free slot: at most 2 at once
+        assert runtime.launch_when_free(spec_for(tmp_path, f"r{index}"), done, lambda: False)
+    for index in range(20):
+        assert done.wait(f"r{index}").outcome == "succeeded"
+    workers = {t for t in threading.enumerate()
+               if t.name.startswith("kandevd-exec-worker-") and t.ident not in before}
+    assert 1 <= len(workers) <= 2
+    assert set(done.threads.values()) <= {t.name for t in workers}
+    runtime.stop()
+    assert not any(t.is_alive() for t in workers)
+
+
+class _WorkerDeath(BaseException):
+    """Not an Exception: nothing in the runtime catches it, so the worker dies."""
+
+
+def test_a_dead_worker_never_runs_its_execution_again(tmp_path: Path, make_runtime):
+    calls: list[str] = []
+
+    def agent(spec: ExecutionSpec) -> tuple[int, str | None, float | None]:
+        calls.append(spec.key)
+        if spec.key == "dies":
+            raise _WorkerDeath()
+        return (0, None, None)
+
+    runtime = make_runtime(max_concurrent=1, runner=InProcessRunner(agent))
+    done = Recorder()
+    slots = SlotCounter()
+    runtime.add_slot_listener(slots)
+    unraisable: list[Any] = []
+    previous_hook = threading.excepthook
+    threading.excepthook = unraisable.append  # the dying worker's traceback, kept quiet
+    try:
+        runtime.launch(spec_for(tmp_path, "dies"), done)
+        slots.wait_for(1)  # its slot frees as the worker dies
+        assert runtime.active == 0
+        runtime.launch(spec_for(tmp_path, "after"), done)  # a replacement worker runs it
+        assert done.wait("after").outcome == "succeeded"
+    finally:
+        threading.excepthook = previous_hook
+    assert calls == ["dies", "after"]  # the dead worker's execution ran once
+    dead = done.results["dies"]  # and was settled: an error, never left live
+    assert dead.outcome == "error" and "_WorkerDeath" in (dead.error or "")
+    assert [type(u.exc_value) for u in unraisable] == [_WorkerDeath]

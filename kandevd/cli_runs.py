@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -82,12 +83,20 @@ def enqueue(workspace_id: str | None, agent_id: str | None, reason: str | None,
     click.echo(f"{result['run']['id']} {result['run']['status']}{note}")
 
 
+#: Lines sent per runs.enqueue_many request by ``runs enqueue --from-file``.
+FROM_FILE_BATCH = 500
+
+
 def _enqueue_lines(lines: Any, as_json: bool, home: str | None,
                    socket_path: str | None) -> None:
-    """Every non-empty line is a runs.enqueue params object; one connection for all.
+    """Every non-empty line is a runs.enqueue params object; batches of 500, one connection.
 
-    Each line is answered in order (``<line>: <run id> <status>`` or the error);
-    a bad line does not stop the others, and the exit status is 1 if any failed.
+    Each batch is one ``runs.enqueue_many`` (one transaction). A line the daemon
+    refuses is reported (``line N: why``) and the rest of its batch is sent
+    again without it, so a bad line does not stop the others; the exit status
+    is 1 if any failed. Each queued line is printed (``line N: <run id>
+    <status>``; ``--json``: one object per line); a progress bar goes to a
+    terminal's stderr; a summary ends the output.
     """
     requests: list[tuple[int, dict[str, Any]]] = []
     for number, line in enumerate(lines, start=1):
@@ -102,22 +111,55 @@ def _enqueue_lines(lines: Any, as_json: bool, home: str | None,
             raise click.BadParameter(f"line {number}: not a JSON object",
                                      param_hint="--from-file")
         requests.append((number, params))
-    failed = 0
-    with connect(home, socket_path) as client:
-        for number, params in requests:
-            try:
-                result = client.call("runs.enqueue", params)
-            except RpcCallError as exc:
-                failed += 1
-                click.echo(f"line {number}: {exc} ({exc.kind or exc.code})", err=True)
-                continue
-            if as_json:
-                click.echo(json.dumps({"line": number, **result}))
-            else:
-                click.echo(f"line {number}: {result['run']['id']} {result['run']['status']}")
-    click.echo(f"{len(requests) - failed} of {len(requests)} queued", err=True)
-    if failed:
+    counts = {"queued": 0, "deduplicated": 0, "coalesced": 0, "failed": 0}
+    show_bar = sys.stderr.isatty() and not as_json and len(requests) > FROM_FILE_BATCH
+    with connect(home, socket_path) as client, click.progressbar(
+            length=len(requests), label="enqueueing", file=sys.stderr,
+            hidden=not show_bar) as bar:
+        for start in range(0, len(requests), FROM_FILE_BATCH):
+            batch = requests[start:start + FROM_FILE_BATCH]
+            for number, result in _send_batch(client, batch, counts):
+                if as_json:
+                    click.echo(json.dumps({"line": number, **result}))
+                elif not show_bar:
+                    click.echo(f"line {number}: {result['run_id']} {result['status']}"
+                               + _note(result))
+            bar.update(len(batch))
+    ok = len(requests) - counts["failed"]
+    click.echo(f"{ok} of {len(requests)} queued ({counts['deduplicated']} deduplicated, "
+               f"{counts['coalesced']} coalesced, {counts['failed']} failed)", err=True)
+    if counts["failed"]:
         sys.exit(1)
+
+
+def _note(result: dict[str, Any]) -> str:
+    if result.get("deduplicated"):
+        return " (deduplicated)"
+    return " (coalesced)" if result.get("coalesced") else ""
+
+
+def _send_batch(client: Any, batch: list[tuple[int, dict[str, Any]]],
+                counts: dict[str, int]) -> list[tuple[int, dict[str, Any]]]:
+    """Send ``batch`` until it is accepted, dropping each line the daemon names as bad."""
+    while batch:
+        try:
+            answer = client.call("runs.enqueue_many", {"runs": [p for _n, p in batch]})
+        except RpcCallError as exc:
+            index = (exc.error.get("data") or {}).get("index")
+            if not isinstance(index, int) or not 0 <= index < len(batch):
+                raise  # not about one line (e.g. the daemon is stopping): stop here
+            number = batch[index][0]
+            message = re.sub(r"params\.runs\.\d+\.?", "", exc.args[0])  # the line says where
+            click.echo(f"line {number}: {message} ({exc.kind or exc.code})", err=True)
+            counts["failed"] += 1
+            batch = batch[:index] + batch[index + 1:]
+            continue
+        results = answer["results"]
+        for result in results:
+            counts["deduplicated"] += bool(result["deduplicated"])
+            counts["coalesced"] += bool(result["coalesced"])
+        return [(number, result) for (number, _p), result in zip(batch, results, strict=True)]
+    return []
 
 
 @runs.command("list")

@@ -31,7 +31,7 @@ from kandevd import yamlsafe
 
 DEFAULTS: dict[str, Any] = {
     "queue": {"safety_interval_s": 5, "max_claims_per_tick": 10, "stale_claim_s": 1800,
-              "max_attempts": 6},
+              "max_attempts": 6, "retention_days": 30},
     "retry": {
         "max_retries": 4,
         "delays_s": [120, 600, 1800, 7200],
@@ -68,6 +68,8 @@ class QueueConfig:
     max_claims_per_tick: int
     stale_claim_s: float
     max_attempts: int = 6
+    #: Terminal runs older than this many days are pruned with their files; 0 = keep.
+    retention_days: float = 30
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from kandevd.services import Services
 from kandevd.shutdown import MainThreadWaiter, ShutdownCoordinator, SignalWiring
 from kandevd.store.check import DatabaseUnusable, open_checked
 from kandevd.store.db import Store
+from kandevd.store.retention import RunPruner, db_status
 from kandevd.store.runs import RunRepository
 from kandevd.timeutil import rfc3339, utc_now
 
@@ -113,6 +114,8 @@ class Daemon:
         self.runtime.shutdown_requested = self.stop_requested.is_set
         queue_loop = QueueLoop(self.queue, safety_interval_s=self.config.queue.safety_interval_s,
                                max_claims_per_tick=self.config.queue.max_claims_per_tick,
+                               pruner=RunPruner(self.store, self.layout,
+                                                self.config.queue.retention_days),
                                parent=self.stop_signal)
         self.loops = {"queue": queue_loop}
         for name, loop in self._extra_loops().items():
@@ -386,6 +389,12 @@ class Daemon:
                                "status": "degraded" if degraded else "ok"}
             if degraded:
                 result["store"]["reason"] = degraded
+            if not self.store.closed:
+                try:
+                    result["store"]["db"] = db_status(self.store,
+                                                      self.config.queue.retention_days)
+                except Exception:  # status must answer even when the store cannot
+                    log.exception("daemon.status: reading the database size failed")
         if self.queue is not None and self.store is not None and not self.store.closed:
             try:
                 runs = self.queue.counts()

@@ -4,11 +4,18 @@ A method is a handler ``handler(params) -> result`` plus the JSON Schema of
 its params. The schema is checked before the handler runs, so handlers see
 only well-typed params and an unknown parameter or a wrong type is always
 -32602 with the offending path in the message.
+
+A method that only reads (``reads``: every ``*.get`` and ``*.list``, and
+what registers with ``reads=True``) runs inside :meth:`Registry.reading`,
+the store's read connections (:meth:`kandevd.store.db.Store.reading`), so
+it never waits behind a write transaction. Writes inside it still go to the
+writer; a misflagged method is slower, never wrong.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +39,8 @@ class Method:
     must describe the methods exactly as the daemon's does."""
     result: str = ""
     """What the method returns, in words (results have no schema)."""
+    reads: bool = False
+    """Only reads the store: served from the store's read connections."""
 
     @property
     def schema(self) -> dict[str, Any]:
@@ -56,19 +65,35 @@ def paging_properties() -> dict[str, Any]:
     }
 
 
+#: Names ending so are reads unless registered with ``reads=False``.
+READ_SUFFIXES = (".get", ".list")
+
+Reader = Callable[[], AbstractContextManager[Any]]
+
+
 class Registry:
-    def __init__(self) -> None:
+    def __init__(self, reader: Reader | None = None) -> None:
         self._methods: dict[str, Method] = {}
+        self.reader = reader
+        """``Store.reading`` (set by the daemon's method modules); None: reads use the writer."""
 
     def add(self, name: str, handler: Handler, schema: dict[str, Any] | None = None, *,
             allowed_while_stopping: bool = False, summary: str = "",
-            result: str = "") -> None:
+            result: str = "", reads: bool | None = None) -> None:
         if name in self._methods:
             raise ValueError(f"method {name!r} registered twice")
         schema = schema or object_schema({})
         jsonschema.Draft202012Validator.check_schema(schema)
+        if reads is None:
+            reads = name.endswith(READ_SUFFIXES)
         self._methods[name] = Method(name, handler, jsonschema.Draft202012Validator(schema),
-                                     allowed_while_stopping, summary, result)
+                                     allowed_while_stopping, summary, result, reads)
+
+    def reading(self, method: Method) -> AbstractContextManager[Any]:
+        """Where ``method`` runs: the store's read connections if it only reads."""
+        if method.reads and self.reader is not None:
+            return self.reader()
+        return nullcontext()
 
     def method(self, name: str, schema: dict[str, Any] | None = None, **kwargs: Any
                ) -> Callable[[Handler], Handler]:

@@ -21,8 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from kandevd.paths import HomeLayout
-from kandevd.runtime import OUTCOMES, ExecutionResult
+from kandevd.runtime import FAILED, OUTCOMES, SUCCEEDED, ExecutionResult
 from kandevd.runtime.process import make_private_dirs
+from kandevd.runtime.records import read_exit_status
+from kandevd.runtime.shim import EXIT_FILE, RECORD_FILE, STDOUT_FILE, SUMMARY_FILE
 from kandevd.timeutil import parse_rfc3339, rfc3339
 
 log = logging.getLogger("kandevd.queue.journal")
@@ -63,6 +65,19 @@ def write_outcome(directory: Path, result: ExecutionResult) -> bool:
     return True
 
 
+def exit_file_tells(directory: Path, result: ExecutionResult) -> bool:
+    """Does the shim's exit file in ``directory`` already record ``result``?
+
+    True for an agent that exited on its own (``succeeded``/``failed`` with
+    its exit code) whose exit file exists: a restart derives the same outcome
+    from it (with the summary its stdout left), so ``outcome.json`` would
+    only repeat it at the price of a file creation and an fsync per run.
+    """
+    if result.outcome not in (SUCCEEDED, FAILED) or result.exit_code is None:
+        return False
+    return read_exit_status(directory) == result.exit_code
+
+
 def read_outcome(directory: Path, key: str) -> ExecutionResult | None:
     """The outcome written by :func:`write_outcome`, or None (absent or unreadable)."""
     path = directory / OUTCOME_FILE
@@ -88,9 +103,29 @@ def read_outcome(directory: Path, key: str) -> ExecutionResult | None:
         return None
 
 
+#: What an attempt's folder normally holds (see kandevd.runtime.shim).
+_ATTEMPT_FILES = (OUTCOME_FILE, RECORD_FILE, EXIT_FILE, STDOUT_FILE, SUMMARY_FILE)
+
+
 def discard(directory: Path) -> None:
-    """Remove an attempt's folder once the database holds its outcome."""
-    shutil.rmtree(directory, ignore_errors=True)
+    """Remove an attempt's folder once the database holds its outcome.
+
+    The files it normally holds are unlinked by name (no directory walk);
+    only a folder that still holds something else is removed recursively.
+    """
+    for name in _ATTEMPT_FILES:
+        try:
+            os.unlink(directory / name)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            break
+    try:
+        directory.rmdir()
+    except FileNotFoundError:
+        pass
+    except OSError:
+        shutil.rmtree(directory, ignore_errors=True)
     try:
         directory.parent.rmdir()  # the run's folder, when this was its last attempt
     except OSError:

@@ -16,7 +16,9 @@ One tick::
            -> start each execution
     stale claims: at most once per safety interval, claims older than
            queue.stale_claim_s with no live execution here are re-queued (or
-           fail for good once the run has used queue.max_attempts)
+           fail for good once the run has used queue.max_attempts); then
+           retention prunes old terminal runs, a bounded amount
+           (kandevd.store.retention)
     wait:  0 when the tick used its whole claim budget or re-queued something,
            else until the next scheduled retry, cooldown end or retry of an
            outcome the database refused, at most the safety interval
@@ -33,6 +35,7 @@ from kandevd.lifecycle import Loop
 from kandevd.queue.processor import RunQueue
 from kandevd.sdnotify import notifier, queue_status
 from kandevd.store.db import is_environmental
+from kandevd.store.retention import RunPruner
 from kandevd.timeutil import after
 
 log = logging.getLogger("kandevd.queue.loop")
@@ -40,9 +43,10 @@ log = logging.getLogger("kandevd.queue.loop")
 
 class QueueLoop(Loop):
     def __init__(self, queue: RunQueue, *, safety_interval_s: float, max_claims_per_tick: int,
-                 **kwargs: Any) -> None:
+                 pruner: RunPruner | None = None, **kwargs: Any) -> None:
         super().__init__("queue", **kwargs)
         self.queue = queue
+        self.pruner = pruner
         self.safety_interval_s = float(safety_interval_s)
         self.max_claims_per_tick = int(max_claims_per_tick)
         self._next_stale_check: datetime | None = None
@@ -103,7 +107,22 @@ class QueueLoop(Loop):
         self._next_stale_check = after(now, interval)
         if (status := notifier().enabled and queue_status(self.queue)):
             notifier().status(status)
-        return len(self.queue.recover_stale(now))
+        recovered = len(self.queue.recover_stale(now))
+        self._prune(now)
+        return recovered
+
+    def _prune(self, now: datetime) -> None:
+        """Retention's bounded share of the safety pass; it never disturbs the queue."""
+        pruner = self.pruner
+        if pruner is None or not pruner.enabled:
+            return
+        try:
+            pruner.prune(now, live=self.queue.live_runs())
+        except Exception as exc:
+            if is_environmental(exc):  # a full disk or a busy database: one line
+                log.warning("retention pass failed (%s); trying again next safety pass", exc)
+            else:
+                log.exception("retention pass failed; trying again next safety pass")
 
     def stats(self) -> dict[str, int]:
         """Counters for ``daemon.status``."""

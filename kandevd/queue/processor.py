@@ -172,6 +172,23 @@ class RunQueue:
             self.repo.store.after_commit(announce)
         return result
 
+    def enqueue_many(self, items: list[dict[str, Any]]) -> list[EnqueueResult]:
+        """Persist a batch of run requests in one transaction (``runs.enqueue_many``).
+
+        All or nothing (see :meth:`RunRepository.enqueue_many`); the new runs
+        are announced after the commit, with one wake-up for the batch.
+        """
+        results = self.repo.enqueue_many(items, now=self.clock())
+        inserted = [result.run for result in results if result.inserted]
+        if inserted:
+            def announce() -> None:
+                for run in inserted:
+                    self.bus.publish("run.queued", {"run": run})
+                self.signal()
+
+            self.repo.store.after_commit(announce)
+        return results
+
     def retry(self, run_id: str) -> dict[str, Any]:
         """``runs.retry``: a failed or cancelled run queued again with a fresh attempt budget."""
         run = self.repo.retry(run_id, self.clock())
@@ -363,9 +380,13 @@ class RunQueue:
     def _on_done(self, claim: Claim, result: ExecutionResult) -> None:
         """An execution ended (in the runtime's worker thread).
 
-        The outcome goes to the attempt's folder first; only then may anyone
-        try the database, so whatever happens to that write (or to this
-        process), the agent is not run again to learn it.
+        The outcome is on disk before anyone tries the database, so whatever
+        happens to that write (or to this process), the agent is not run
+        again to learn it: the shim's exit file already says how an agent
+        that exited on its own ended (the next start reads it, see
+        :meth:`restore_after_restart`); any other outcome (a timeout, an
+        interruption, an error of ours) is written to the attempt's
+        ``outcome.json`` first. A refused write writes it too.
         """
         directory = journal.attempt_dir(self.layout, claim.run["id"], claim.token)
         if result.outcome != DETACHED:
@@ -374,7 +395,7 @@ class RunQueue:
                                              f"ended {rfc3339(result.ended_at)}: {ending} ====")
         if result.outcome == STOPPED:
             journal.discard(directory)  # cancelled: the run row already says so
-        elif result.outcome != DETACHED:
+        elif result.outcome != DETACHED and not journal.exit_file_tells(directory, result):
             journal.write_outcome(directory, result)
         with self._lock:
             deferred = self._defer
@@ -429,6 +450,9 @@ class RunQueue:
 
     def _write_refused(self, claim: Claim, result: ExecutionResult, exc: Exception) -> None:
         run_id = claim.run["id"]
+        directory = journal.attempt_dir(self.layout, run_id, claim.token)
+        if not (directory / journal.OUTCOME_FILE).exists():
+            journal.write_outcome(directory, result)  # kept for a restart too
         if (not is_environmental(exc) and result.outcome != ERROR
                 and self._failure_counts.get(run_id, 0) + 1 >= _PLAIN_OUTCOME_AFTER):
             # Refused again and again, and not for want of disk: something in this

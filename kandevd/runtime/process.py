@@ -728,7 +728,8 @@ class ProcessRunner:
         log.debug("execution %s started: shim pid %d, %s", spec.key, pid, spec.argv[0])
         # Only an execution with a record can be adopted, so only it may be left running.
         detachable = (spec.record_dir is not None
-                      and self._write_record(spec, pid, started_at, input_path, log_offset))
+                      and self._write_record(spec, pid, started_at, input_path, log_offset,
+                                             in_place=True))
         pidfd = _open_pidfd(pid)
         try:
             waited = self._wait(spec.key, control, sink, pid, pidfd,
@@ -768,12 +769,14 @@ class ProcessRunner:
             outcome, error = SUCCEEDED, None
         else:
             outcome, error = FAILED, describe_exit(exit_code)
-        level = logging.INFO if outcome in (SUCCEEDED, FAILED) else logging.WARNING
+        # A success is logged by whoever started the execution (the queue's "run ...
+        # finished"); one line per run is enough at INFO when thousands run a minute.
+        level = {SUCCEEDED: logging.DEBUG, FAILED: logging.INFO}.get(outcome, logging.WARNING)
         log.log(level, "execution %s ended: %s (exit %s)", spec.key, outcome, exit_code)
         return result(outcome, exit_code=exit_code, error=error, summary=summary, cost=cost)
 
     def _write_record(self, spec: ExecutionSpec, pid: int, started_at: datetime,
-                      input_path: Path, log_offset: int) -> bool:
+                      input_path: Path, log_offset: int, *, in_place: bool = False) -> bool:
         """Write ``record.json`` for the shim ``pid``; False when it could not be written."""
         from kandevd.runtime.records import ExecutionRecord, write_record
 
@@ -791,7 +794,7 @@ class ProcessRunner:
             log_offset=log_offset, stdout_path=spec.record_dir / shim.STDOUT_FILE,
         )
         try:
-            write_record(record)
+            write_record(record, in_place=in_place)
         except (OSError, ValueError) as exc:
             log.warning("execution %s: cannot write its record in %s (%s); it cannot be "
                         "adopted after a restart", spec.key, spec.record_dir, exc)

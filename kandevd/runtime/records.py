@@ -109,9 +109,31 @@ class ExecutionRecord:
         }
 
 
-def write_record(record: ExecutionRecord) -> None:
-    """Store ``record`` as ``<record_dir>/record.json`` (temporary file + rename)."""
-    shim.write_json_atomic(record.record_dir / RECORD_FILE, record.to_json())
+def write_record(record: ExecutionRecord, *, in_place: bool = False) -> None:
+    """Store ``record`` as ``<record_dir>/record.json`` (temporary file + rename).
+
+    ``in_place``: overwrite the record that exists already with one write,
+    creating no file (a file creation is the dearest step of an execution on
+    some file systems). A daemon killed in the middle of that write leaves a
+    record that does not parse, which the next start reads as no record: its
+    shim is then an orphan, stopped, and the run rescued, as when the daemon
+    dies just before the spawn.
+    """
+    path = record.record_dir / RECORD_FILE
+    if in_place:
+        data = json.dumps(record.to_json()).encode("utf-8")
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
+        except FileNotFoundError:
+            pass
+        else:
+            try:
+                written = os.write(fd, data)
+            finally:
+                os.close(fd)
+            if written == len(data):
+                return
+    shim.write_json_atomic(path, record.to_json())
 
 
 def read_record(record_dir: Path) -> ExecutionRecord | None:

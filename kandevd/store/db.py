@@ -1,13 +1,28 @@
-"""The SQLite store: one database file, one guarded connection.
+"""The SQLite store: one database file, one guarded writer connection, read connections.
 
-Threading model: the daemon opens exactly one ``sqlite3.Connection``
+Threading model: the daemon opens one writer ``sqlite3.Connection``
 (``check_same_thread=False``) and serialises every use of it with a
 re-entrant lock. SQLite allows one writer at a time anyway, our statements
-are short, and a single connection makes ``close()`` trivially correct: it
-takes the same lock, so it waits for whatever statement is running, and after
-it every use raises :class:`StoreClosedError` with a message that says this
-is a shutdown-order bug. Other processes (tests, the CLI, a second reader)
-may open the same file; WAL mode lets them read while the daemon writes.
+are short, and a single writer makes ``close()`` simple: it takes the same
+lock, so it waits for whatever statement is running, and after it every use
+raises :class:`StoreClosedError` with a message that says this is a
+shutdown-order bug. Other processes (tests, the CLI, a second reader) may
+open the same file; WAL mode lets them read while the daemon writes.
+
+Read connections: inside :meth:`Store.reading` the calling thread's
+:meth:`~Store.query`, :meth:`~Store.query_one` and :meth:`~Store.connection`
+run on a read-only connection (``mode=ro``) instead of the writer, without
+the writer's lock, so a read (``runs.list``, ``daemon.status``) never waits
+for a write transaction and never holds one up; WAL gives each statement the
+latest committed snapshot. The first use in a ``reading()`` block checks a
+connection out of a small pool; the block's end gives it back (so a thread
+per client connection does not leave a connection per thread behind). A
+thread inside a writer :meth:`~Store.transaction` keeps reading from the
+writer (it must see its own uncommitted writes); ``transaction()`` is always
+the writer. Each read connection has its own lock, which ``close()`` takes
+before closing it: a read in progress finishes first, and any later use
+raises :class:`StoreClosedError`. A ``:memory:`` store has no second
+connection to the same database: there ``reading()`` falls back to the writer.
 
 ``transaction()`` is ``BEGIN IMMEDIATE``: the write lock is taken up front,
 so a read-then-update (a claim) can never be interleaved with another writer.
@@ -50,17 +65,51 @@ class StoreClosedError(StoreError):
         )
 
 
+#: Idle read connections kept for the next ``reading()`` block; more are closed.
+MAX_IDLE_READERS = 4
+
+
+class _Reader:
+    """One read-only connection; ``lock`` is held while it is used, and by close.
+
+    Re-entrant, like the writer's: a read may nest ``connection()`` uses.
+    """
+
+    __slots__ = ("closed", "conn", "lock")
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self.conn = conn
+        self.lock = threading.RLock()
+        self.closed = False
+
+    def close(self) -> None:
+        with self.lock:  # waits for the statement in progress
+            if not self.closed:
+                self.closed = True
+                self.conn.close()
+
+
 class Store:
+    #: The class of every connection the store opens (a test may record statements).
+    connection_factory: type[sqlite3.Connection] = sqlite3.Connection
+
     def __init__(self, path: Path | str, *, synchronous: str = "FULL") -> None:
         self.path = str(path)
         self._lock = threading.RLock()
         self._closed = False
         self.statements = 0
+        self._count_lock = threading.Lock()
+        self._local = threading.local()  # reading depth, writer depth, checked-out reader
+        self._readers_lock = threading.Lock()
+        self._readers: set[_Reader] = set()  # every open read connection
+        self._idle_readers: list[_Reader] = []
+        self._memory = self.path == ":memory:" or self.path.startswith("file::memory:") \
+            or "mode=memory" in self.path
         self._after_commit: list[Callable[[], None]] = []
         self.degraded: str | None = None  # why the database is damaged (see _note_failure)
         conn = sqlite3.connect(
             self.path, check_same_thread=False, isolation_level=None,
-            timeout=BUSY_TIMEOUT_MS / 1000,
+            timeout=BUSY_TIMEOUT_MS / 1000, factory=self.connection_factory,
         )
         conn.row_factory = sqlite3.Row
         conn.execute("PRAGMA journal_mode=WAL")
@@ -78,9 +127,94 @@ class Store:
             os.chmod(self.path, 0o600)
 
     def _trace(self, statement: str) -> None:
-        self.statements += 1
-        if self._trace_file is not None:
-            self._trace_file.write(" ".join(statement.split()) + "\n")
+        with self._count_lock:  # readers trace from their own threads
+            self.statements += 1
+            if self._trace_file is not None:
+                self._trace_file.write(" ".join(statement.split()) + "\n")
+
+    # -- read connections ---------------------------------------------------------
+    @contextmanager
+    def reading(self) -> Iterator[None]:
+        """Route this thread's reads to a read-only connection for the block.
+
+        Nests; writes (``transaction()``, ``execute()``) still go to the writer,
+        and so do reads inside a writer transaction of this thread. A
+        ``:memory:`` store reads from the writer (there is no second connection
+        to an in-memory database).
+        """
+        local = self._local
+        local.reading = getattr(local, "reading", 0) + 1
+        try:
+            yield
+        finally:
+            local.reading -= 1
+            if local.reading == 0:
+                reader = getattr(local, "reader", None)
+                local.reader = None
+                if reader is not None:
+                    self._release_reader(reader)
+
+    def _reads_on_reader(self) -> bool:
+        local = self._local
+        return (not self._memory and getattr(local, "reading", 0) > 0
+                and getattr(local, "writing", 0) == 0)
+
+    def _checkout_reader(self) -> _Reader:
+        local = self._local
+        reader: _Reader | None = getattr(local, "reader", None)
+        if reader is not None:
+            return reader
+        with self._readers_lock:
+            if self._closed:
+                raise StoreClosedError()
+            reader = self._idle_readers.pop() if self._idle_readers else None
+        if reader is None:
+            reader = self._open_reader()
+        local.reader = reader
+        return reader
+
+    def _open_reader(self) -> _Reader:
+        uri = Path(self.path).absolute().as_uri() + "?mode=ro"
+        try:
+            conn = sqlite3.connect(uri, uri=True, check_same_thread=False,
+                                   isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000,
+                                   factory=self.connection_factory)
+        except sqlite3.DatabaseError as exc:
+            self._note_failure(exc)
+            raise
+        try:
+            conn.row_factory = sqlite3.Row
+            conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+            conn.execute("PRAGMA journal_mode")  # WAL: set by the writer, persistent
+            conn.set_trace_callback(self._trace)
+        except sqlite3.DatabaseError as exc:
+            conn.close()
+            self._note_failure(exc)
+            raise
+        reader = _Reader(conn)
+        with self._readers_lock:
+            if not self._closed:
+                self._readers.add(reader)
+                return reader
+        conn.close()
+        raise StoreClosedError()
+
+    def _release_reader(self, reader: _Reader) -> None:
+        with self._readers_lock:
+            if reader.closed:
+                self._readers.discard(reader)
+                return
+            if not self._closed and len(self._idle_readers) < MAX_IDLE_READERS:
+                self._idle_readers.append(reader)
+                return
+            self._readers.discard(reader)
+        reader.close()
+
+    @property
+    def readers_open(self) -> int:
+        """How many read connections are open (checked out or idle)."""
+        with self._readers_lock:
+            return len(self._readers)
 
     # -- access -----------------------------------------------------------------
     @property
@@ -89,7 +223,22 @@ class Store:
 
     @contextmanager
     def connection(self) -> Iterator[sqlite3.Connection]:
-        """The raw connection under the store lock (autocommit per statement)."""
+        """The raw connection under the store lock (autocommit per statement).
+
+        Inside :meth:`reading` (and outside a writer transaction of this
+        thread): this thread's read-only connection, under its own lock.
+        """
+        if self._reads_on_reader():
+            reader = self._checkout_reader()
+            with reader.lock:
+                if reader.closed or self._closed:
+                    raise StoreClosedError()
+                try:
+                    yield reader.conn
+                except sqlite3.DatabaseError as exc:
+                    self._note_failure(exc)
+                    raise
+            return
         with self._lock:
             if self._closed:
                 raise StoreClosedError()
@@ -133,7 +282,10 @@ class Store:
             if conn.in_transaction:  # nested use joins the outer transaction
                 yield conn
                 return
+            local = self._local
             conn.execute("BEGIN IMMEDIATE")
+            # This thread's reads see its own writes: on the writer until COMMIT.
+            local.writing = getattr(local, "writing", 0) + 1
             try:
                 yield conn
                 conn.execute("COMMIT")
@@ -148,6 +300,8 @@ class Store:
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
                 raise
+            finally:
+                local.writing -= 1
             callbacks, self._after_commit = self._after_commit, []
         for callback in callbacks:
             try:
@@ -184,7 +338,7 @@ class Store:
 
     # -- lifecycle --------------------------------------------------------------
     def close(self) -> None:
-        """Close the connection; waits for the statement in progress. Idempotent."""
+        """Close every connection; waits for the statements in progress. Idempotent."""
         with self._lock:
             if self._closed:
                 return
@@ -192,7 +346,13 @@ class Store:
                 # Only this thread can be inside a transaction now (we hold the lock):
                 # closing under it would break the transaction's own COMMIT.
                 raise StoreError("Store.close() called inside an open transaction")
-            self._closed = True
+            with self._readers_lock:
+                self._closed = True
+                readers = list(self._readers)
+                self._readers.clear()
+                self._idle_readers.clear()
+            for reader in readers:  # each waits for its read in progress
+                reader.close()
             try:
                 self._conn.execute("PRAGMA optimize")
             except sqlite3.Error:

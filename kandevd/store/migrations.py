@@ -167,12 +167,49 @@ def _v3_run_keys_and_step_entries(db: sqlite_utils.Database) -> None:
     db["runs"].create_index(["workspace_id"])
 
 
+def _v4_retention_indexes(db: sqlite_utils.Database) -> None:
+    # Retention (kandevd.store.retention) finds terminal runs by when they ended, oldest
+    # first, and asks whether a live idempotency key still names each one.
+    db.execute(
+        "CREATE INDEX runs_terminal_ended ON runs(COALESCE(finished_at, updated_at)) "
+        "WHERE status IN ('finished', 'failed', 'cancelled')"
+    )
+    db["run_keys"].create_index(["run_id"])
+
+
+def _v5_runs_read_indexes(db: sqlite_utils.Database) -> None:
+    # runs.list by one filter, in request order: (column, rowid) walks only the matching
+    # rows, in seq order, and counts its total from the index alone. status, task_id and
+    # workspace_id have theirs already (v1, v3); (agent_id, status) cannot give one agent's
+    # runs in seq order.
+    db.execute("CREATE INDEX runs_agent_seq ON runs(agent_id)")
+    db.execute("CREATE INDEX runs_reason_seq ON runs(reason)")
+    # Coalescing (RunRepository._coalesce) looks for a queued run of the agent and reason
+    # requested in the last seconds: a range of this small partial index.
+    db.execute(
+        "CREATE INDEX runs_queued_coalesce ON runs(agent_id, reason, requested_at) "
+        "WHERE status = 'queued'"
+    )
+    # Budget spend (kandevd.office.budgets.spent_cents): the scope's costs in the period,
+    # summed from the index alone: a range of (scope, when the cost was recorded). The
+    # expression and the partial-index term are exactly the query's; the two columns
+    # inside the expression are in the index too, or SQLite (3.40) would read each row.
+    for column in ("agent_id", "workspace_id"):
+        db.execute(
+            f"CREATE INDEX runs_spend_{column.removesuffix('_id')} ON runs({column},"
+            " COALESCE(finished_at, requested_at), cost_cents, finished_at, requested_at)"
+            " WHERE cost_cents IS NOT NULL"
+        )
+
+
 Migration = Callable[[sqlite_utils.Database], None]
 
 MIGRATIONS: list[tuple[int, str, Migration]] = [
     (1, "workspace model and runs queue", _v1_workspace_model_and_runs),
     (2, "runs: index of scheduled retries", _v2_runs_retry_index),
     (3, "run keys and task step entries", _v3_run_keys_and_step_entries),
+    (4, "runs: retention indexes", _v4_retention_indexes),
+    (5, "runs: indexes for lists, coalescing and budget spend", _v5_runs_read_indexes),
 ]
 
 

@@ -19,9 +19,10 @@ recover_stale, cancel.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import uuid
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
@@ -60,6 +61,14 @@ class RunReferenceError(ValueError):
 
 class RunConflict(RuntimeError):
     pass
+
+
+class BatchItemError(RunReferenceError):
+    """An item of ``enqueue_many`` that cannot be stored; ``index`` names it."""
+
+    def __init__(self, index: int, message: str) -> None:
+        super().__init__(f"runs.{index}.{message}")  # message: "<field>: <why>"
+        self.index = index
 
 
 def gave_up(attempts: int, last: str | None) -> str:
@@ -112,44 +121,106 @@ class RunRepository:
     def enqueue(self, *, workspace_id: str, agent_id: str, reason: str, now: datetime,
                 task_id: str | None = None, payload: dict[str, Any] | None = None,
                 idempotency_key: str | None = None, coalesce: bool = True) -> EnqueueResult:
+        with self.store.transaction() as conn:
+            return self._enqueue(conn, workspace_id=workspace_id, agent_id=agent_id,
+                                 reason=reason, now=now, task_id=task_id, payload=payload,
+                                 idempotency_key=idempotency_key, coalesce=coalesce)
+
+    def enqueue_many(self, items: Sequence[Mapping[str, Any]], *, now: datetime
+                     ) -> list[EnqueueResult]:
+        """Enqueue every item (the keyword arguments of :meth:`enqueue`) in one transaction.
+
+        All or nothing: an item that refers to nothing raises
+        :class:`BatchItemError` naming its index, and nothing of the batch is
+        stored. Items see the ones before them, so a key given twice
+        deduplicates and a repeated agent and reason coalesce, as they would
+        one request after the other. One commit (one fsync) for the batch.
+        """
+        refs: dict[tuple[str, str], str | None] = {}
+        stamps = (rfc3339(now), rfc3339(after(now, -COALESCE_WINDOW_S)))
+        results: list[EnqueueResult] = []
+        with self.store.transaction() as conn:
+            for index, item in enumerate(items):
+                try:
+                    results.append(self._enqueue(conn, now=now, refs=refs, stamps=stamps,
+                                                 **item))
+                except RunReferenceError as exc:
+                    raise BatchItemError(index, str(exc)) from None
+        return results
+
+    def _enqueue(self, conn: sqlite3.Connection, *, workspace_id: str, agent_id: str,
+                 reason: str, now: datetime, task_id: str | None = None,
+                 payload: dict[str, Any] | None = None, idempotency_key: str | None = None,
+                 coalesce: bool = True,
+                 refs: dict[tuple[str, str], str | None] | None = None,
+                 stamps: tuple[str, str] | None = None) -> EnqueueResult:
+        """One enqueue inside the caller's transaction.
+
+        A batch passes ``refs`` (reference checks already made) and ``stamps``
+        (``now`` and the coalescing window's start, formatted once).
+        """
         payload_json = json.dumps(payload or {}, separators=(",", ":"), sort_keys=True)
         key = idempotency_key or None
-        now_s = rfc3339(now)
-        with self.store.transaction() as conn:
-            refs = conn.execute(
-                "SELECT EXISTS (SELECT 1 FROM workspaces WHERE id = :ws) AS workspace,"
-                " (SELECT workspace_id FROM agents WHERE id = :agent) AS agent_workspace",
-                {"ws": workspace_id, "agent": agent_id}).fetchone()
-            if not refs["workspace"]:
-                raise RunReferenceError(f"workspace_id: workspace {workspace_id!r} does not exist")
-            if refs["agent_workspace"] is None:
-                raise RunReferenceError(f"agent_id: agent {agent_id!r} does not exist")
-            if refs["agent_workspace"] != workspace_id:
-                raise RunReferenceError(
-                    f"agent_id: agent {agent_id!r} belongs to workspace "
+        now_s = stamps[0] if stamps else rfc3339(now)
+        # "" = not checked yet (None = checked, fine; a text = why it cannot be stored).
+        problem = refs.get((workspace_id, agent_id), "") if refs is not None else ""
+        if problem == "":
+            problem = self._reference_problem(conn, workspace_id, agent_id)
+            if refs is not None:
+                refs[(workspace_id, agent_id)] = problem
+        if problem is not None:
+            raise RunReferenceError(problem)
+        if key is not None:
+            known = self._run_of_key(conn, key, now)
+            if known is not None:
+                return EnqueueResult(run_from_row(known), deduplicated=True)
+            # Expired (or never seen): the key is free again.
+            conn.execute("UPDATE runs SET key_active = 0 WHERE idempotency_key = ?"
+                         " AND key_active = 1", (key,))
+        if coalesce and not (key or "").startswith("task_comment:"):
+            merged = self._coalesce(conn, agent_id=agent_id, reason=reason, task_id=task_id,
+                                    key=key, payload_json=payload_json, now=now,
+                                    window_start=stamps[1] if stamps else None)
+            if merged is not None:
+                self._remember_key(conn, key, merged["id"], now_s)
+                return EnqueueResult(merged, coalesced=True)
+        run_id = "run_" + os.urandom(16).hex()  # as unique as a uuid4, a fifth of the time
+        seq = conn.execute(
+            "INSERT INTO runs (id, workspace_id, agent_id, task_id, reason, payload, status,"
+            " idempotency_key, key_active, requested_at, updated_at)"
+            " VALUES (?, ?, ?, ?, ?, ?, 'queued', ?, ?, ?, ?)",
+            (run_id, workspace_id, agent_id, task_id, reason,
+             payload_json, key, 1 if key else 0, now_s, now_s),
+        ).lastrowid
+        self._remember_key(conn, key, run_id, now_s)
+        # The row just written, without reading it back (RETURNING * and its
+        # conversion cost a batch of a thousand a third of its time); a unit test
+        # checks that this equals what runs.get reads.
+        return EnqueueResult({
+            "id": run_id, "seq": seq, "workspace_id": workspace_id, "agent_id": agent_id,
+            "task_id": task_id, "reason": reason, "payload": json.loads(payload_json),
+            "status": "queued", "idempotency_key": key, "coalesced_count": 0,
+            "retry_count": 0, "scheduled_retry_at": None, "requested_at": now_s,
+            "claimed_at": None, "finished_at": None, "error_message": None,
+            "cancel_reason": None, "output_summary": None, "cost_cents": None,
+            "log_path": None, "attempt": 0})
+
+    @staticmethod
+    def _reference_problem(conn: sqlite3.Connection, workspace_id: str,
+                           agent_id: str) -> str | None:
+        """Why ``workspace_id``/``agent_id`` cannot take a run, or None when they can."""
+        refs = conn.execute(
+            "SELECT EXISTS (SELECT 1 FROM workspaces WHERE id = :ws) AS workspace,"
+            " (SELECT workspace_id FROM agents WHERE id = :agent) AS agent_workspace",
+            {"ws": workspace_id, "agent": agent_id}).fetchone()
+        if not refs["workspace"]:
+            return f"workspace_id: workspace {workspace_id!r} does not exist"
+        if refs["agent_workspace"] is None:
+            return f"agent_id: agent {agent_id!r} does not exist"
+        if refs["agent_workspace"] != workspace_id:
+            return (f"agent_id: agent {agent_id!r} belongs to workspace "
                     f"{refs['agent_workspace']!r}, not {workspace_id!r}")
-            if key is not None:
-                known = self._run_of_key(conn, key, now)
-                if known is not None:
-                    return EnqueueResult(run_from_row(known), deduplicated=True)
-                # Expired (or never seen): the key is free again.
-                conn.execute("UPDATE runs SET key_active = 0 WHERE idempotency_key = ?"
-                             " AND key_active = 1", (key,))
-            if coalesce and not (key or "").startswith("task_comment:"):
-                merged = self._coalesce(conn, agent_id=agent_id, reason=reason, task_id=task_id,
-                                        key=key, payload_json=payload_json, now=now)
-                if merged is not None:
-                    self._remember_key(conn, key, merged["id"], now_s)
-                    return EnqueueResult(merged, coalesced=True)
-            row = conn.execute(
-                "INSERT INTO runs (id, workspace_id, agent_id, task_id, reason, payload, status,"
-                " idempotency_key, key_active, requested_at, updated_at)"
-                " VALUES (?, ?, ?, ?, ?, ?, 'queued', ?, ?, ?, ?) RETURNING *",
-                ("run_" + uuid.uuid4().hex, workspace_id, agent_id, task_id, reason,
-                 payload_json, key, 1 if key else 0, now_s, now_s),
-            ).fetchone()
-            self._remember_key(conn, key, row["id"], now_s)
-            return EnqueueResult(run_from_row(row))
+        return None
 
     @staticmethod
     def _run_of_key(conn: sqlite3.Connection, key: str, now: datetime) -> sqlite3.Row | None:
@@ -177,10 +248,12 @@ class RunRepository:
 
     @staticmethod
     def _coalesce(conn: sqlite3.Connection, *, agent_id: str, reason: str, task_id: str | None,
-                  key: str | None, payload_json: str, now: datetime) -> dict[str, Any] | None:
+                  key: str | None, payload_json: str, now: datetime,
+                  window_start: str | None = None) -> dict[str, Any] | None:
         sql = ("SELECT * FROM runs WHERE agent_id = ? AND reason = ? AND status = 'queued'"
                " AND requested_at > ?")
-        params: list[Any] = [agent_id, reason, rfc3339(after(now, -COALESCE_WINDOW_S))]
+        params: list[Any] = [agent_id, reason,
+                             window_start or rfc3339(after(now, -COALESCE_WINDOW_S))]
         if reason == "task_assigned":
             sql += " AND task_id IS ?"
             params.append(task_id)

@@ -122,7 +122,6 @@ def test_a_log_level_given_on_the_command_line_wins_over_sighup(daemon_factory) 
     import yaml
 
     from tests.conftest import FAST_CONFIG
-
     from tests.harness import run_cli
 
     daemon = daemon_factory(args=["--log-level", "WARNING"], start=False)

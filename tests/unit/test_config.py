@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 # CONTRACT.md section 2, verbatim: "Every key is optional; these are the defaults."
 CONTRACT_DEFAULTS: dict[str, Any] = {
     "queue": {"safety_interval_s": 5, "max_claims_per_tick": 10, "stale_claim_s": 1800,
-              "max_attempts": 6},
+              "max_attempts": 6, "retention_days": 30},
     "retry": {"max_retries": 4, "delays_s": [120, 600, 1800, 7200], "jitter": 0.25,
               "max_age_s": 86400},
     "runtime": {"max_concurrent": 4, "stop_grace_s": 20, "adopt_on_restart": True,
@@ -302,7 +302,7 @@ def test_a_utf8_bom_and_a_few_aliases_are_fine(tmp_path: Path) -> None:
 def test_log_level_is_read_upper_cased_and_unknown_levels_are_refused() -> None:
     assert build_config({"log": {"level": "debug"}}, environ={}).log_level == "DEBUG"
     assert build_config(None, environ={}).log_level is None
-    with pytest.raises(ConfigError, match="log.level"):
+    with pytest.raises(ConfigError, match=r"log\.level"):
         build_config({"log": {"level": "LOUD"}}, environ={})
 
 

@@ -99,6 +99,54 @@ def test_enqueue_persists_a_queued_run_in_request_order(repo: RunRepository,
     assert stored["claimed_at"] is None and stored["finished_at"] is None
 
 
+def test_the_run_enqueue_returns_is_the_stored_row(repo: RunRepository) -> None:
+    """enqueue builds its answer without reading the row back: it must equal the row."""
+    keyed = enqueue(repo, "a2", idempotency_key="k-1", payload={"b": [1, 2], "a": None})
+    assert repo.get(keyed["id"]) == keyed
+    many = repo.enqueue_many([{"workspace_id": "ws2", "agent_id": "b1", "reason": "x",
+                               "task_id": "t9", "idempotency_key": "k-2"}], now=T0)
+    assert repo.get(many[0].run["id"]) == many[0].run
+
+
+def test_enqueue_many_is_one_transaction_in_order_with_keys_and_coalescing(
+        repo: RunRepository, store: Store) -> None:
+    results = repo.enqueue_many([
+        {"workspace_id": "ws1", "agent_id": "a1", "reason": "r", "idempotency_key": "k"},
+        {"workspace_id": "ws1", "agent_id": "a1", "reason": "r", "idempotency_key": "k"},
+        {"workspace_id": "ws1", "agent_id": "a2", "reason": "s"},
+        {"workspace_id": "ws1", "agent_id": "a2", "reason": "s"},  # coalesces into the third
+        {"workspace_id": "ws2", "agent_id": "b1", "reason": "s", "coalesce": False},
+    ], now=T0)
+    flags = [(r.deduplicated, r.coalesced) for r in results]
+    assert flags == [(False, False), (True, False), (False, False), (False, True),
+                     (False, False)]
+    assert results[1].run["id"] == results[0].run["id"]
+    assert results[3].run["id"] == results[2].run["id"]
+    seqs = [r.run["seq"] for r in results if r.inserted]
+    assert seqs == sorted(seqs) and count_runs(store) == 3
+
+
+@pytest.mark.parametrize("bad", [
+    {"workspace_id": "nope", "agent_id": "a1", "reason": "r"},
+    {"workspace_id": "ws2", "agent_id": "a1", "reason": "r"},
+    {"workspace_id": "ws1", "agent_id": "ghost", "reason": "r"},
+])
+def test_enqueue_many_is_all_or_nothing_and_names_the_failing_index(
+        repo: RunRepository, store: Store, bad: dict[str, Any]) -> None:
+    from kandevd.store.runs import BatchItemError
+
+    good = {"workspace_id": "ws1", "agent_id": "a1", "reason": "r", "idempotency_key": "kk"}
+    statements = store.statements
+    with pytest.raises(BatchItemError) as info:
+        repo.enqueue_many([good, good, bad, good], now=T0)
+    assert info.value.index == 2 and str(info.value).startswith("runs.2.")
+    assert count_runs(store) == 0  # the first two were rolled back with the batch
+    assert store.query_one("SELECT COUNT(*) FROM run_keys")[0] == 0
+    assert store.statements > statements
+    # The key was never taken: the same good item alone is a new run.
+    assert repo.enqueue_many([good], now=T0)[0].inserted
+
+
 @pytest.mark.parametrize(("workspace", "agent", "field"), [
     ("nope", "a1", "workspace_id"),
     ("ws1", "ghost", "agent_id"),

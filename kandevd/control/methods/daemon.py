@@ -9,6 +9,9 @@ from kandevd.services import Services
 
 
 def register(registry: Registry, services: Services) -> None:
+    if registry.reader is None:  # reads (``Method.reads``) use the store's read connections
+        registry.reader = lambda: services.store.reading()
+
     def status(_params: dict[str, Any]) -> dict[str, Any]:
         return services.status()
 
@@ -22,18 +25,20 @@ def register(registry: Registry, services: Services) -> None:
         return openrpc_discover(registry)
 
     registry.add("daemon.status", status, object_schema({}), allowed_while_stopping=True,
+                 reads=True,
                  summary="The daemon's state, loops, store, run counts and scheduler.",
                  result="{version, pid, state, started_at, home, boot_id, loops, runtime, "
-                        "store, runs, scheduler, ...}")
+                        "store: {statements, status, reason?, db: {size_bytes, oldest_run_at, "
+                        "retention_days}}, runs, scheduler, ...}")
     registry.add("daemon.shutdown", shutdown, object_schema({}),
                  summary="Start a graceful shutdown (running requests finish first).",
                  result="{}")
     def metrics(_params: dict[str, Any]) -> str:
         return "" if services.metrics is None else services.metrics.exposition()
 
-    registry.add("daemon.metrics", metrics, object_schema({}),
+    registry.add("daemon.metrics", metrics, object_schema({}), reads=True,
                  summary="The Prometheus text exposition of the daemon's metrics.",
                  result="string (the Prometheus text format)")
-    registry.add("rpc.discover", discover, object_schema({}),
+    registry.add("rpc.discover", discover, object_schema({}), reads=True,
                  summary="Every method and its params, as an OpenRPC document.",
                  result="{openrpc, info, methods}")

@@ -116,7 +116,8 @@ class Store:
         conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
         conn.execute("PRAGMA foreign_keys=ON")
         conn.execute(f"PRAGMA synchronous={synchronous}")
-        conn.set_trace_callback(self._trace)
+        self._last_written: str | None = None
+        conn.set_trace_callback(self._trace_writer)
         self._trace_file = None
         trace_path = os.environ.get("KANDEVD_TRACE_SQL")
         if trace_path:
@@ -125,6 +126,20 @@ class Store:
         self._conn = conn
         if self.path != ":memory:" and os.path.exists(self.path):
             os.chmod(self.path, 0o600)
+
+    def _trace_writer(self, statement: str) -> None:
+        """The writer's trace: each statement once, not once more per trigger it fires.
+
+        SQLite reports the start of every trigger program (the run counts of
+        migration 6 fire on each run written) as the statement that fired it,
+        and Python passes the same text again; a repeat of the text just seen
+        on this connection is that. (Running the very same statement, values
+        included, twice in a row is then counted once: a diagnostic counter.)
+        """
+        if statement == self._last_written:
+            return
+        self._last_written = statement
+        self._trace(statement)
 
     def _trace(self, statement: str) -> None:
         with self._count_lock:  # readers trace from their own threads
@@ -153,6 +168,11 @@ class Store:
                 local.reader = None
                 if reader is not None:
                     self._release_reader(reader)
+
+    @property
+    def writing(self) -> bool:
+        """Is the calling thread inside :meth:`transaction`?"""
+        return getattr(self._local, "writing", 0) > 0
 
     def _reads_on_reader(self) -> bool:
         local = self._local

@@ -202,6 +202,23 @@ def _v5_runs_read_indexes(db: sqlite_utils.Database) -> None:
         )
 
 
+def _v6_run_counts(db: sqlite_utils.Database) -> None:
+    # daemon.status and the metrics count runs by status on every call: a GROUP BY over
+    # every run (milliseconds at 100,000). The counts are kept here instead, by the
+    # database itself, so no write path (the queue, retention, a migration) can forget.
+    db.execute("CREATE TABLE run_counts (status TEXT PRIMARY KEY, n INTEGER NOT NULL)"
+               " WITHOUT ROWID")
+    db.execute("INSERT INTO run_counts (status, n) SELECT status, COUNT(*) FROM runs"
+               " GROUP BY status")
+    add = ("INSERT INTO run_counts (status, n) VALUES (NEW.status, 1)"
+           " ON CONFLICT (status) DO UPDATE SET n = n + 1;")
+    remove = "UPDATE run_counts SET n = n - 1 WHERE status = OLD.status;"
+    db.execute(f"CREATE TRIGGER runs_count_insert AFTER INSERT ON runs BEGIN {add} END")
+    db.execute(f"CREATE TRIGGER runs_count_delete AFTER DELETE ON runs BEGIN {remove} END")
+    db.execute("CREATE TRIGGER runs_count_status AFTER UPDATE OF status ON runs"
+               f" WHEN NEW.status IS NOT OLD.status BEGIN {remove} {add} END")
+
+
 Migration = Callable[[sqlite_utils.Database], None]
 
 MIGRATIONS: list[tuple[int, str, Migration]] = [
@@ -210,6 +227,7 @@ MIGRATIONS: list[tuple[int, str, Migration]] = [
     (3, "run keys and task step entries", _v3_run_keys_and_step_entries),
     (4, "runs: retention indexes", _v4_retention_indexes),
     (5, "runs: indexes for lists, coalescing and budget spend", _v5_runs_read_indexes),
+    (6, "runs: counts by status kept by triggers", _v6_run_counts),
 ]
 
 

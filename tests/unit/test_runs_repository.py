@@ -702,3 +702,26 @@ def test_list_orders_by_request_either_way(repo: RunRepository) -> None:
     assert [r["id"] for r in repo.list()["items"]] == ids
     assert [r["id"] for r in repo.list(order="desc")["items"]] == ids[::-1]
     assert [r["id"] for r in repo.list(order="desc", limit=1, offset=1)["items"]] == [ids[1]]
+
+
+def test_the_counts_by_status_follow_every_write(repo: RunRepository, store: Store) -> None:
+    """run_counts is kept by triggers: inserts, status changes, deletes, all paths."""
+    def truth() -> dict[str, int]:
+        counts = {name: 0 for name in repo.count_by_status()}
+        for found in store.query("SELECT status, COUNT(*) AS n FROM runs GROUP BY status"):
+            counts[found["status"]] = found["n"]
+        return counts
+
+    runs = [enqueue(repo, agent) for agent in ("a1", "a2", "b1", "a1")]
+    repo.enqueue_many([{"workspace_id": "ws1", "agent_id": "a2", "reason": "m",
+                        "coalesce": False}], now=T0)
+    assert repo.count_by_status() == truth() and truth()["queued"] == 5
+    claims = repo.claim_batch(T0, 3)
+    repo.finish(claims[0].run["id"], claims[0].token, now=T0, summary=None, cost_cents=None,
+                log_path=None)
+    repo.cancel(runs[3]["id"], "no", T0)
+    assert repo.count_by_status() == truth()
+    store.execute("DELETE FROM runs WHERE id = ?", (claims[0].run["id"],))
+    store.execute("UPDATE runs SET reason = 'x'")  # not a status change: no count moves
+    assert repo.count_by_status() == truth()
+    assert sum(truth().values()) == count_runs(store) == 4

@@ -111,7 +111,7 @@ def register(registry: Registry, services: Services) -> None:
         except RunNotFound as exc:
             raise NotFound(str(exc)) from None
 
-    registry.add("runs.enqueue", enqueue, ENQUEUE)
+    registry.add("runs.enqueue", enqueue, ENQUEUE, quick_check=_plainly_valid)
     registry.add(
         "runs.enqueue_many", enqueue_many, ENQUEUE_MANY,
         summary=f"Queue up to {MAX_BATCH} runs in one transaction: all or nothing, in order.",

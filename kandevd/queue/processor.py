@@ -148,6 +148,19 @@ class RunQueue:
         if waker is not None and self.signals_enabled:
             waker()
 
+    def signal_if_a_slot_is_free(self) -> None:
+        """Wake the loop for new work, unless every runtime slot runs an execution.
+
+        Then a pass could claim nothing, and the slot that frees next wakes the
+        loop anyway (the runtime's slot listener), after this run was committed,
+        so no run waits longer. A slot merely reserved does not count: the pass
+        holding it may have looked for work before this run was committed, and
+        gives it back without waking anyone. Under load this spares a pass (and
+        a commit of whatever outcomes it would take along) per enqueue.
+        """
+        if not self.runtime.all_running:
+            self.signal()
+
     # -- intake -----------------------------------------------------------------
     def enqueue(self, *, workspace_id: str, agent_id: str, reason: str,
                 task_id: str | None = None, payload: dict[str, Any] | None = None,
@@ -167,7 +180,7 @@ class RunQueue:
 
             def announce() -> None:
                 self.bus.publish("run.queued", {"run": run})
-                self.signal()
+                self.signal_if_a_slot_is_free()
 
             self.repo.store.after_commit(announce)
         return result
@@ -184,7 +197,7 @@ class RunQueue:
             def announce() -> None:
                 for run in inserted:
                     self.bus.publish("run.queued", {"run": run})
-                self.signal()
+                self.signal_if_a_slot_is_free()
 
             self.repo.store.after_commit(announce)
         return results

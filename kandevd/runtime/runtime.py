@@ -151,6 +151,12 @@ class AgentRuntime:
             return self._held + len(self._live)
 
     @property
+    def all_running(self) -> bool:
+        """Every slot runs an execution (no reservation is held, so no claim is under way)."""
+        with self._cond:
+            return self._held == 0 and len(self._live) >= self._max
+
+    @property
     def stopping(self) -> bool:
         """True once stop() or kill_all_now() began."""
         with self._cond:

@@ -775,3 +775,28 @@ def test_stopping_the_loop_thread_flushes_and_ends_deferral(rig: Rig) -> None:
     with done:
         assert done.wait_for(lambda: held["id"] in finished, WAIT_S)
     assert rig.status(held["id"]) == "finished"
+
+
+def test_an_enqueue_wakes_the_loop_unless_every_slot_runs_and_a_freed_slot_does(
+        rig_factory: Callable[..., Rig]) -> None:
+    """No wake-up is lost: skipped only while every slot runs an execution."""
+    rig = rig_factory(max_concurrent=1)
+    first = rig.enqueue("a1", payload={"hold": True})
+    assert rig.signals  # a free runtime: the loop is woken
+    rig.tick()
+    rig.agents.wait_running(first["id"])
+    before = len(rig.signals)
+    second = rig.enqueue("a2")
+    assert len(rig.signals) == before  # the one slot runs: a pass could claim nothing
+    rig.agents.gate(first["id"]).set()  # the execution ends; its slot frees
+    rig.wait_until(lambda: len(rig.signals) > before, "the freed slot's wake-up")
+    rig.tick()  # records the outcome and claims the second run
+    rig.wait_until(lambda: rig.status(second["id"]) == "finished", "the second run")
+    # A reservation held by a pass in progress is not a running slot: it may have
+    # looked for work already, so the enqueue still wakes the loop.
+    reservation = rig.runtime.try_reserve()
+    assert reservation is not None
+    before = len(rig.signals)
+    rig.enqueue("b1")
+    assert len(rig.signals) == before + 1
+    rig.runtime.release(reservation)

@@ -1,7 +1,7 @@
 """The attempt journal: what an execution of a run leaves on disk for its outcome.
 
 Each claim of a run (one attempt, fenced by its claim token) gets a folder
-``<home>/attempts/<run_id>/<token>/``, outside the agent's working folder (an
+``<home>/attempts/<run_id>.<token>/``, outside the agent's working folder (an
 agent that cleans or commits its folder must not touch it). The agent's shim writes there
 ``record.json`` (which process runs it, until when) and ``exit`` (how it
 ended); the queue writes ``outcome.json`` there *before* it tries to record
@@ -33,8 +33,28 @@ OUTCOME_FILE = "outcome.json"
 
 
 def attempt_dir(layout: HomeLayout, run_id: str, token: str) -> Path:
-    """The folder of one attempt (claim ``token``) of run ``run_id``."""
+    """The folder of one attempt (claim ``token``) of run ``run_id``.
+
+    One level (``<run_id>.<token>``), so an execution costs one mkdir, not two:
+    on some file systems a mkdir is the dearest step of an execution. (Run ids
+    hold no dot, so the name splits back at its first one.)
+    """
+    return layout.attempts / f"{run_id}.{token}"
+
+
+def legacy_attempt_dir(layout: HomeLayout, run_id: str, token: str) -> Path:
+    """Where a daemon before the one-level layout kept the attempt (``<run_id>/<token>``)."""
     return layout.attempts / run_id / token
+
+
+def existing_attempt_dir(layout: HomeLayout, run_id: str, token: str) -> Path:
+    """The attempt's folder as it is on disk: the current layout, else the legacy one."""
+    current = attempt_dir(layout, run_id, token)
+    if not current.is_dir():
+        legacy = legacy_attempt_dir(layout, run_id, token)
+        if legacy.is_dir():
+            return legacy
+    return current
 
 
 def write_outcome(directory: Path, result: ExecutionResult) -> bool:
@@ -126,10 +146,6 @@ def discard(directory: Path) -> None:
         pass
     except OSError:
         shutil.rmtree(directory, ignore_errors=True)
-    try:
-        directory.parent.rmdir()  # the run's folder, when this was its last attempt
-    except OSError:
-        pass
 
 
 def prune(layout: HomeLayout, current: dict[str, str]) -> int:
@@ -141,20 +157,27 @@ def prune(layout: HomeLayout, current: dict[str, str]) -> int:
     """
     removed = 0
     try:
-        runs = list(os.scandir(layout.attempts))
+        entries = list(os.scandir(layout.attempts))
     except OSError:
         return 0
-    for run in runs:
+    for entry in entries:
+        run_id, dot, token = entry.name.partition(".")
+        if dot:
+            if current.get(run_id) != token:
+                discard(Path(entry.path))
+                removed += 1
+            continue
+        # A run's folder of the legacy two-level layout: its attempts inside.
         try:
-            tokens = list(os.scandir(run.path))
+            tokens = list(os.scandir(entry.path))
         except OSError:
             continue
-        for token in tokens:
-            if current.get(run.name) != token.name:
-                discard(Path(token.path))
+        for legacy in tokens:
+            if current.get(entry.name) != legacy.name:
+                discard(Path(legacy.path))
                 removed += 1
         try:
-            os.rmdir(run.path)
+            os.rmdir(entry.path)
         except OSError:
             pass
     return removed

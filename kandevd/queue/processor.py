@@ -613,7 +613,7 @@ class RunQueue:
         """
         if not token or run_id in self.live_runs():  # settled here already
             return None
-        directory = journal.attempt_dir(self.layout, run_id, token)
+        directory = journal.existing_attempt_dir(self.layout, run_id, token)
         if not directory.is_dir():
             return None
         claim = self.repo.claim_of(run_id, token)

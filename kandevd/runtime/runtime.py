@@ -119,7 +119,12 @@ class AgentRuntime:
         self._max = max_concurrent
         self._stop_grace_s = stop_grace_s
         self._runner: Runner = runner if runner is not None else ProcessRunner(kill_grace_s)
-        self._cond = threading.Condition()
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)
+        #: The pool's idle workers wait here, on the same lock but apart from ``_cond``:
+        #: the runtime's many notify_all() calls (a slot freed, a reservation given
+        #: back) must not wake every idle worker each time, only a new execution one.
+        self._work_ready = threading.Condition(lock)
         self._held = 0  # reservations not yet started or released
         self._live: dict[str, _Execution] = {}
         self._threads: list[threading.Thread] = []  # the pool's workers
@@ -269,7 +274,7 @@ class AgentRuntime:
         with self._cond:
             self._jobs.append(execution)
             if len(self._jobs) <= self._idle_workers:
-                self._cond.notify_all()
+                self._work_ready.notify()
                 return
             self._threads = [t for t in self._threads if t.is_alive()]
             thread = threading.Thread(target=self._worker, daemon=False,
@@ -298,7 +303,7 @@ class AgentRuntime:
                 while not self._jobs and not self._pool_closed:
                     self._idle_workers += 1
                     try:
-                        self._cond.wait()
+                        self._work_ready.wait()
                     finally:
                         self._idle_workers -= 1
                 if not self._jobs:
@@ -467,7 +472,7 @@ class AgentRuntime:
             while self._others_live(me):
                 self._cond.wait()
             self._pool_closed = True
-            self._cond.notify_all()
+            self._work_ready.notify_all()
             threads = list(self._threads)
         self._join_all(threads, me)
         with self._cond:

@@ -18,7 +18,8 @@ A run's files go only after the batch that deleted its row has committed (a
 rolled-back batch deletes nothing): its log (the ``log_path`` column, and
 ``<home>/logs/runs/<id>.log``), the agent's input beside it
 (``<id>.input.json``), its working folder ``<home>/runs/<id>/`` and its
-attempt journal ``<home>/attempts/<id>/``. Only paths inside the home are
+attempt journal ``<home>/attempts/<id>.<token>/`` (``<id>/`` in the legacy
+layout). Only paths inside the home are
 removed: a ``log_path`` outside it (or reached through a symbolic link that
 leads out of it) is left alone, and a symbolic link is removed as a link,
 never followed.
@@ -209,6 +210,7 @@ class RunPruner:
                 files += [self.layout.run_logs / f"{run_id}.log",
                           self.layout.run_logs / f"{run_id}.input.json"]
                 folders += [self.layout.runs / run_id, self.layout.attempts / run_id]
+                folders += self.layout.attempts.glob(f"{run_id}.*")  # one folder per attempt
             for path in dict.fromkeys(files):
                 if self._inside(path, roots):
                     _unlink(path)

@@ -67,8 +67,8 @@ def wait_status(daemon: DaemonProcess, run_id: str, *wanted: str,
 
 
 def attempt_dirs(home: Path, run_id: str) -> list[Path]:
-    folder = home / "attempts" / run_id
-    return sorted(folder.iterdir()) if folder.exists() else []
+    folder = home / "attempts"
+    return sorted(folder.glob(f"{run_id}.*")) if folder.exists() else []
 
 
 # -- 1. an outcome is recorded, not re-earned ---------------------------------------------

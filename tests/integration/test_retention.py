@@ -60,6 +60,7 @@ def test_old_terminal_runs_are_pruned_with_their_files_and_the_rest_is_kept(
         assert not (logs / f"{run_id}.log").exists()
         assert not (Path(daemon.home) / "runs" / run_id).exists()
         assert not (Path(daemon.home) / "attempts" / run_id).exists()
+        assert not list((Path(daemon.home) / "attempts").glob(f"{run_id}.*"))
     assert (logs / f"{keyed}.log").exists()
     # The key kept its run: the same request still answers with it.
     again = daemon.call("runs.enqueue", {"workspace_id": "ws", "agent_id": "a4",

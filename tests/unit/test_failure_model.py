@@ -200,11 +200,19 @@ def test_the_journal_keeps_only_current_claims_and_round_trips_an_outcome(
     result = ExecutionResult(key="run_a", outcome=SUCCEEDED, exit_code=0, summary="s",
                              cost_cents=1.5, error=None, started_at=T0, ended_at=after(T0, 1),
                              log_path=tmp_path / "a.log")
-    for directory in [current, *stale]:
+    # Folders of the legacy two-level layout (a daemon before the one-level one).
+    legacy_current = journal.legacy_attempt_dir(layout, "run_c", "t9")
+    legacy_stale = journal.legacy_attempt_dir(layout, "run_c", "t8")
+    for directory in [current, *stale, legacy_current, legacy_stale]:
         assert journal.write_outcome(directory, result)
     assert journal.read_outcome(current, "run_a") == result
-    assert journal.prune(layout, {"run_a": "t2"}) == 2
-    assert [p.name for p in (tmp_path / "attempts").iterdir()] == ["run_a"]
+    assert journal.existing_attempt_dir(layout, "run_c", "t9") == legacy_current
+    assert journal.existing_attempt_dir(layout, "run_a", "t2") == current
+    assert journal.prune(layout, {"run_a": "t2", "run_c": "t9"}) == 3
+    assert sorted(p.name for p in (tmp_path / "attempts").iterdir()) == ["run_a.t2", "run_c"]
     assert current.is_dir() and not any(d.exists() for d in stale)
+    assert legacy_current.is_dir() and not legacy_stale.exists()
+    journal.discard(legacy_current)
+    assert (tmp_path / "attempts").is_dir()  # discarding an attempt never takes attempts/
     (current / journal.OUTCOME_FILE).write_text("{not json")
     assert journal.read_outcome(current, "run_a") is None  # unreadable: ignored, not fatal

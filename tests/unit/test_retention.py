@@ -95,8 +95,9 @@ def add_run(home: Home, status: str, ended: datetime | None, *, finished_null: b
         (layout.run_logs / f"{run_id}.input.json").write_text("{}")
         (layout.runs / run_id).mkdir()
         (layout.runs / run_id / "work.txt").write_text("w")
-        (layout.attempts / run_id / "tok").mkdir(parents=True)
-        (layout.attempts / run_id / "tok" / "outcome.json").write_text("{}")
+        (layout.attempts / f"{run_id}.tok.1").mkdir(parents=True)
+        (layout.attempts / f"{run_id}.tok.1" / "outcome.json").write_text("{}")
+        (layout.attempts / run_id / "old").mkdir(parents=True)  # the legacy layout
     return run_id
 
 
@@ -113,7 +114,8 @@ def new_agent(home: Home) -> str:
 def run_files(home: Home, run_id: str) -> list[Path]:
     layout = home.layout
     return [layout.run_logs / f"{run_id}.log", layout.run_logs / f"{run_id}.input.json",
-            layout.runs / run_id, layout.attempts / run_id]
+            layout.runs / run_id, layout.attempts / f"{run_id}.tok.1",
+            layout.attempts / run_id]
 
 
 def run_ids(home: Home) -> set[str]:

@@ -39,6 +39,14 @@ ALLOWED: list[tuple[str, str]] = [
      "runs.list without a filter: its total is every run. A COUNT(*) with no WHERE is "
      "SQLite's count opcode over the smallest index's pages (no row is decoded; about "
      "1 ms at 110,000 runs)."),
+    (r"^SELECT status, n, \(SELECT COUNT\(\*\) FROM runs\) AS total FROM run_counts$",
+     "daemon.status's run counts, checked against the number of runs: the same count "
+     "opcode as above, once per status call (the counts themselves are kept, not "
+     "computed)."),
+    (r"^INSERT INTO run_counts \(status, n\) SELECT status, COUNT\(\*\) FROM runs GROUP BY "
+     r"status$",
+     "rebuilding the run counts after runs were written behind the daemon's back (the "
+     "store here is filled with plain INSERTs): a repair, not a step of any request."),
     (r"^SELECT \* FROM runs ORDER BY seq (ASC|DESC) LIMIT \? OFFSET \?$",
      "runs.list without a filter: a walk of the table in rowid order that stops after "
      "offset + limit rows (limit <= 500)."),

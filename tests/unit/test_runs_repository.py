@@ -725,3 +725,9 @@ def test_the_counts_by_status_follow_every_write(repo: RunRepository, store: Sto
     store.execute("UPDATE runs SET reason = 'x'")  # not a status change: no count moves
     assert repo.count_by_status() == truth()
     assert sum(truth().values()) == count_runs(store) == 4
+    # A run written behind the repository's back (no trigger counts inserts) is found
+    # by the check against COUNT(*), and the counts are rebuilt.
+    store.execute("INSERT INTO runs (id, workspace_id, agent_id, reason, status,"
+                  " requested_at, updated_at) VALUES ('run_x', 'ws1', 'a1', 'm', 'failed',"
+                  " 'x', 'x')")
+    assert repo.count_by_status() == truth() and truth()["failed"] == 1

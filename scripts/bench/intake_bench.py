@@ -1,0 +1,94 @@
+"""Batched intake against one-at-a-time intake, in one run, over the real daemon's socket.
+
+Run from the repository root::
+
+    .venv/bin/python scripts/bench/intake_bench.py              # N = 20,000
+    .venv/bin/python scripts/bench/intake_bench.py --n 50000 --repeat 3
+
+The daemon runs on a temp home with the default (durable) store: every
+commit is synced to disk before it is answered. 100 paused agents, so
+nothing drains. One client on one connection sends:
+
+* ``runs.enqueue`` one run at a time (``--single``, default 2,000 runs);
+* ``runs.enqueue_many`` in batches of ``--batch`` (default 1,000) items,
+  ``--n`` runs in all.
+
+Printed last: runs/s of each and the ratio batch/single.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from kandevd.control.client import Client, DaemonUnavailable
+
+
+def start(home: Path) -> subprocess.Popen[bytes]:
+    config = home.parent / "intake.yaml"
+    config.write_text(json.dumps({"agents": {"default": {"command": ["/bin/true"]}}}))
+    proc = subprocess.Popen([sys.executable, "-m", "kandevd", "serve", "--home", str(home),
+                             "--config", str(config)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            Client(home / "kandevd.sock").call("daemon.status")
+            return proc
+        except (DaemonUnavailable, OSError):
+            time.sleep(0.05)
+    raise SystemExit("the daemon did not start")
+
+
+def one_round(args: argparse.Namespace) -> tuple[float, float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        home = Path(tmp) / "home"
+        proc = start(home)
+        try:
+            client = Client(home / "kandevd.sock")
+            client.call("workspaces.create", {"id": "ws", "name": "ws"})
+            agents = [f"a{i}" for i in range(100)]
+            for agent in agents:
+                client.call("agents.create", {"id": agent, "workspace_id": "ws", "name": agent,
+                                              "status": "paused"})
+            started = time.perf_counter()
+            for i in range(args.single):
+                client.call("runs.enqueue", {"workspace_id": "ws", "agent_id": agents[i % 100],
+                                             "reason": f"s{i}"})
+            single = args.single / (time.perf_counter() - started)
+            started = time.perf_counter()
+            for first in range(0, args.n, args.batch):
+                client.call("runs.enqueue_many", {"runs": [
+                    {"workspace_id": "ws", "agent_id": agents[i % 100], "reason": f"b{i}"}
+                    for i in range(first, min(first + args.batch, args.n))]})
+            batched = args.n / (time.perf_counter() - started)
+            total = client.call("runs.list", {"limit": 1})["total"]
+            assert total == args.single + args.n, total
+            client.close()
+        finally:
+            proc.send_signal(2)
+            proc.wait(60)
+    return single, batched
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=20_000)
+    parser.add_argument("--single", type=int, default=2_000)
+    parser.add_argument("--batch", type=int, default=1_000)
+    parser.add_argument("--repeat", type=int, default=1)
+    args = parser.parse_args()
+    for _ in range(args.repeat):
+        single, batched = one_round(args)
+        print(f"runs.enqueue one at a time: {single:8.0f} runs/s   "
+              f"runs.enqueue_many x{args.batch}: {batched:8.0f} runs/s   "
+              f"ratio batch/single: {batched / single:.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sqlite3
 import threading
 import uuid
 from pathlib import Path
@@ -80,6 +81,7 @@ class Daemon:
         self.state = "starting"
         self.stop_requested = threading.Event()
         self.reload_requested = threading.Event()
+        self._status_cache: tuple[int, dict[str, Any]] | None = None
         self._waiter = MainThreadWaiter()
         self.stop_signal = StopSignal()
         self.loops: dict[str, Loop] = {}
@@ -357,6 +359,42 @@ class Daemon:
             log.warning("SIGHUP: changes to %s need a restart", ", ".join(changed))
         self.config = dataclasses.replace(self.config, log_level=fresh.log_level)
 
+    def _stored_status(self) -> dict[str, Any]:
+        """The parts of ``daemon.status`` read from the database, read again only after a commit.
+
+        Nothing in the database changes but through this daemon's writer, so
+        while no transaction has committed since the last look (a daemon polled
+        by a monitor, idle between runs) the same answer is given without a
+        query. Each part that cannot be read is left out (status must answer).
+        """
+        store = self.store
+        if store is None or store.closed:
+            return {}
+        cached = self._status_cache
+        if cached is not None and cached[0] == store.commits:
+            return cached[1]
+        generation = store.commits
+        parts: dict[str, Any] = {}
+        try:
+            parts["db"] = db_status(store, self.config.queue.retention_days)
+        except sqlite3.DatabaseError as exc:  # damage or a full disk: the store says so
+            log.debug("daemon.status: the database size cannot be read: %s", exc)
+        except Exception:  # status must answer even when the store cannot
+            log.exception("daemon.status: reading the database size failed")
+        if self.queue is not None:
+            try:
+                parts["runs"] = self.queue.counts()
+                parts["oldest_queued_at"] = self.queue.repo.oldest_queued_at()
+            except sqlite3.DatabaseError as exc:
+                log.debug("daemon.status: the runs cannot be counted: %s", exc)
+                parts.pop("runs", None)
+            except Exception:  # status must answer even when the store cannot
+                log.exception("daemon.status: counting runs failed")
+                parts.pop("runs", None)
+        if "db" in parts and "runs" in parts:
+            self._status_cache = (generation, parts)
+        return parts
+
     def request_shutdown(self) -> None:
         """Ask for the graceful stop (``daemon.shutdown``); the main thread runs it."""
         self.stop_requested.set()
@@ -389,22 +427,14 @@ class Daemon:
                                "status": "degraded" if degraded else "ok"}
             if degraded:
                 result["store"]["reason"] = degraded
-            if not self.store.closed:
-                try:
-                    result["store"]["db"] = db_status(self.store,
-                                                      self.config.queue.retention_days)
-                except Exception:  # status must answer even when the store cannot
-                    log.exception("daemon.status: reading the database size failed")
-        if self.queue is not None and self.store is not None and not self.store.closed:
-            try:
-                runs = self.queue.counts()
-            except Exception:  # status must answer even when the store cannot
-                log.exception("daemon.status: counting runs failed")
-            else:
+            stored = self._stored_status()
+            if "db" in stored:
+                result["store"]["db"] = stored["db"]
+            if "runs" in stored and self.queue is not None:
                 # ``failed`` is the dead letter: runs that used their attempts or retries.
-                result["runs"] = {**runs, "unrecorded_outcomes": self.queue.unrecorded(),
+                result["runs"] = {**stored["runs"], "unrecorded_outcomes": self.queue.unrecorded(),
                                   "adopted": self.queue.adopted_total,
-                                  "oldest_queued_at": self.queue.repo.oldest_queued_at()}
+                                  "oldest_queued_at": stored["oldest_queued_at"]}
         cron = self.loops.get("cron")
         if cron is not None:
             result["scheduler"] = cron.status()  # type: ignore[attr-defined]

@@ -98,6 +98,9 @@ class Store:
         self._lock = threading.RLock()
         self._closed = False
         self.statements = 0
+        #: Transactions committed by this store (the writer is the only one that writes
+        #: while the daemon runs): a reader can tell that nothing changed since it looked.
+        self.commits = 0
         self._count_lock = threading.Lock()
         self._local = threading.local()  # reading depth, writer depth, checked-out reader
         self._readers_lock = threading.Lock()
@@ -309,6 +312,7 @@ class Store:
             try:
                 yield conn
                 conn.execute("COMMIT")
+                self.commits += 1
             except BaseException as exc:
                 if isinstance(exc, sqlite3.DatabaseError):
                     self._note_failure(exc)

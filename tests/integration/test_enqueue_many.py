@@ -121,3 +121,19 @@ def test_runs_enqueue_from_file_sends_batches_and_skips_only_bad_lines(
     assert len(printed) == 1199 and printed[0].startswith("line 1: run_")
     assert printed[1098].startswith("line 1100: ") and printed[1098].endswith("(coalesced)")
     assert daemon.call("runs.list", {"limit": 1})["total"] == 1198
+
+
+def test_daemon_status_sees_every_commit_at_once(daemon: DaemonProcess) -> None:
+    """status reads the database again after each commit (and only then)."""
+    client = daemon.client()
+    before = client.call("daemon.status")
+    client.call("runs.enqueue_many", {"runs": [item("a1", "s1"), item("a2", "s2")]})
+    after = client.call("daemon.status")
+    assert after["runs"]["queued"] == before["runs"]["queued"] + 2
+    assert after["runs"]["oldest_queued_at"] is not None
+    assert after["store"]["db"]["size_bytes"] >= before["store"]["db"]["size_bytes"]
+    run = client.call("runs.list", {"limit": 1})["items"][0]
+    client.call("runs.cancel", {"id": run["id"]})
+    final = client.call("daemon.status")
+    assert (final["runs"]["queued"], final["runs"]["cancelled"]) == (
+        after["runs"]["queued"] - 1, after["runs"]["cancelled"] + 1)

@@ -9,6 +9,7 @@ The daemon runs on a temp home with the default (durable) store: every
 commit is synced to disk before it is answered. 100 paused agents, so
 nothing drains. One client on one connection sends:
 
+* ``daemon.status`` and an unknown method, ``--trips`` times each (round trips);
 * ``runs.enqueue`` one run at a time (``--single``, default 2,000 runs);
 * ``runs.enqueue_many`` in batches of ``--batch`` (default 1,000) items,
   ``--n`` runs in all.
@@ -26,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kandevd.control.client import Client, DaemonUnavailable
+from kandevd.control.client import Client, DaemonUnavailable, RpcCallError
 
 
 def start(home: Path) -> subprocess.Popen[bytes]:
@@ -45,7 +46,7 @@ def start(home: Path) -> subprocess.Popen[bytes]:
     raise SystemExit("the daemon did not start")
 
 
-def one_round(args: argparse.Namespace) -> tuple[float, float]:
+def one_round(args: argparse.Namespace) -> tuple[dict[str, float], float, float]:
     with tempfile.TemporaryDirectory() as tmp:
         home = Path(tmp) / "home"
         proc = start(home)
@@ -56,6 +57,15 @@ def one_round(args: argparse.Namespace) -> tuple[float, float]:
             for agent in agents:
                 client.call("agents.create", {"id": agent, "workspace_id": "ws", "name": agent,
                                               "status": "paused"})
+            trips = {}
+            for method in ("daemon.status", "no.such.method"):
+                started = time.perf_counter()
+                for _ in range(args.trips):
+                    try:
+                        client.call(method)
+                    except RpcCallError:
+                        pass
+                trips[method] = args.trips / (time.perf_counter() - started)
             started = time.perf_counter()
             for i in range(args.single):
                 client.call("runs.enqueue", {"workspace_id": "ws", "agent_id": agents[i % 100],
@@ -73,7 +83,7 @@ def one_round(args: argparse.Namespace) -> tuple[float, float]:
         finally:
             proc.send_signal(2)
             proc.wait(60)
-    return single, batched
+    return trips, single, batched
 
 
 def main() -> None:
@@ -81,10 +91,13 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=20_000)
     parser.add_argument("--single", type=int, default=2_000)
     parser.add_argument("--batch", type=int, default=1_000)
+    parser.add_argument("--trips", type=int, default=5_000)
     parser.add_argument("--repeat", type=int, default=1)
     args = parser.parse_args()
     for _ in range(args.repeat):
-        single, batched = one_round(args)
+        trips, single, batched = one_round(args)
+        print(f"round trips/s: daemon.status {trips['daemon.status']:.0f}, an unknown method "
+              f"{trips['no.such.method']:.0f}")
         print(f"runs.enqueue one at a time: {single:8.0f} runs/s   "
               f"runs.enqueue_many x{args.batch}: {batched:8.0f} runs/s   "
               f"ratio batch/single: {batched / single:.1f}")

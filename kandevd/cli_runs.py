@@ -113,18 +113,34 @@ def _enqueue_lines(lines: Any, as_json: bool, home: str | None,
         requests.append((number, params))
     counts = {"queued": 0, "deduplicated": 0, "coalesced": 0, "failed": 0}
     show_bar = sys.stderr.isatty() and not as_json and len(requests) > FROM_FILE_BATCH
+    sent = 0
+    stopped: RpcCallError | None = None
     with connect(home, socket_path) as client, click.progressbar(
             length=len(requests), label="enqueueing", file=sys.stderr,
             hidden=not show_bar) as bar:
         for start in range(0, len(requests), FROM_FILE_BATCH):
             batch = requests[start:start + FROM_FILE_BATCH]
-            for number, result in _send_batch(client, batch, counts):
+            failed_before = counts["failed"]
+            try:
+                accepted = _send_batch(client, batch, counts)
+            except RpcCallError as exc:  # not about one line: the daemon cannot take more
+                stopped = exc
+                counts["failed"] = failed_before  # the whole batch is counted below
+                break
+            sent += len(batch)
+            for number, result in accepted:
                 if as_json:
                     click.echo(json.dumps({"line": number, **result}))
                 elif not show_bar:
-                    click.echo(f"line {number}: {result['run_id']} {result['status']}"
+                    click.echo(f"line {number}: {result['run']['id']} {result['run']['status']}"
                                + _note(result))
             bar.update(len(batch))
+    if stopped is not None:
+        # Nothing of the refused batch was stored (a batch is all or nothing).
+        counts["failed"] += len(requests) - sent
+        click.echo(f"kandevd: stopped at line {requests[sent][0]}: {stopped} "
+                   f"({stopped.kind or stopped.code}); lines from there on were not queued",
+                   err=True)
     ok = len(requests) - counts["failed"]
     click.echo(f"{ok} of {len(requests)} queued ({counts['deduplicated']} deduplicated, "
                f"{counts['coalesced']} coalesced, {counts['failed']} failed)", err=True)

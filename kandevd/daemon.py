@@ -81,7 +81,7 @@ class Daemon:
         self.state = "starting"
         self.stop_requested = threading.Event()
         self.reload_requested = threading.Event()
-        self._status_cache: tuple[int, dict[str, Any]] | None = None
+        self._status_cache: tuple[tuple[int, int, int], dict[str, Any]] | None = None
         self._waiter = MainThreadWaiter()
         self.stop_signal = StopSignal()
         self.loops: dict[str, Loop] = {}
@@ -195,7 +195,10 @@ class Daemon:
                 if self.stop_requested.is_set():
                     break
                 self.reload_requested.clear()
-                self.reload()
+                try:
+                    self.reload()
+                except Exception:  # a reload must never cost the graceful stop
+                    log.exception("SIGHUP: reloading failed; the daemon keeps running as it was")
             self.state = "stopping"
             # Refuse intake before "Graceful shutdown started" is logged, so nobody who
             # saw that line can still get work accepted.
@@ -362,18 +365,23 @@ class Daemon:
     def _stored_status(self) -> dict[str, Any]:
         """The parts of ``daemon.status`` read from the database, read again only after a commit.
 
-        Nothing in the database changes but through this daemon's writer, so
-        while no transaction has committed since the last look (a daemon polled
+        While no transaction has committed since the last look (a daemon polled
         by a monitor, idle between runs) the same answer is given without a
-        query. Each part that cannot be read is left out (status must answer).
+        query. A commit is this daemon's own (``Store.commits``) or another
+        process's, which changes the write-ahead log's size or time. Each part
+        that cannot be read is left out (status must answer).
         """
         store = self.store
         if store is None or store.closed:
             return {}
+        try:
+            wal = os.stat(store.path + "-wal")
+            generation: tuple[int, int, int] = (store.commits, wal.st_size, wal.st_mtime_ns)
+        except OSError:
+            generation = (store.commits, -1, -1)
         cached = self._status_cache
-        if cached is not None and cached[0] == store.commits:
+        if cached is not None and cached[0] == generation:
             return cached[1]
-        generation = store.commits
         parts: dict[str, Any] = {}
         try:
             parts["db"] = db_status(store, self.config.queue.retention_days)

@@ -346,6 +346,7 @@ class ControlServer:
         buffer = bytearray()
         scanned = 0  # no newline in buffer[:scanned]
         deadline = time.monotonic() + self.idle_timeout_s
+        fresh = True  # nothing read since the idle clock was (re)started
         try:
             while True:
                 newline = buffer.find(b"\n", scanned)
@@ -359,9 +360,10 @@ class ControlServer:
                         self._idle_close(bool(buffer))
                         return
                     try:
-                        # Between requests the kernel timeout is the whole idle time (set
-                        # once); only inside an unfinished line is it cut to what is left.
-                        timeout.receive(remaining if buffer else self.idle_timeout_s)
+                        # Right after a request the kernel timeout is the whole idle time
+                        # (set once); after anything that did not restart the idle clock
+                        # (an unfinished line, a blank line) it is what is left of it.
+                        timeout.receive(self.idle_timeout_s if fresh else remaining)
                         chunk = sock.recv(_RECV_BYTES)
                     except (TimeoutError, BlockingIOError):
                         self._idle_close(bool(buffer))
@@ -373,6 +375,7 @@ class ControlServer:
                             self._answer(state, bytes(buffer))
                         return
                     buffer += chunk
+                    fresh = False
                     continue
                 line = bytes(buffer[:newline + 1])
                 del buffer[:newline + 1]
@@ -385,6 +388,7 @@ class ControlServer:
                 if not self._answer(state, line):
                     return
                 deadline = time.monotonic() + self.idle_timeout_s
+                fresh = not buffer
         finally:
             _shutdown(sock)
             try:
@@ -528,15 +532,21 @@ def _send_all(sock: socket.socket, data: bytes, timeout_s: float) -> None:
     One ``send`` in the common case; a client that reads too slowly to take the
     response within the timeout gets TimeoutError.
     """
+    started = time.monotonic()
     sent = sock.send(data)
     if sent == len(data):
         return
-    deadline = time.monotonic() + timeout_s
     view = memoryview(data)[sent:]
-    while view:
-        if time.monotonic() >= deadline:
-            raise TimeoutError("response not taken in time")
-        view = view[sock.send(view):]
+    try:
+        while view:
+            remaining = timeout_s - (time.monotonic() - started)
+            if remaining <= 0:
+                raise TimeoutError("response not taken in time")
+            # Each send may block for the socket's timeout: cut it to what is left.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(remaining))
+            view = view[sock.send(view):]
+    finally:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(timeout_s))
 
 
 def _shutdown(sock: socket.socket) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 from kandevd.paths import HomeLayout
 from kandevd.runtime import FAILED, OUTCOMES, SUCCEEDED, ExecutionResult
 from kandevd.runtime.process import make_private_dirs
-from kandevd.runtime.records import read_exit_status
+from kandevd.runtime.records import read_exit_status, read_record
 from kandevd.runtime.shim import EXIT_FILE, RECORD_FILE, STDOUT_FILE, SUMMARY_FILE
 from kandevd.timeutil import parse_rfc3339, rfc3339
 
@@ -48,12 +48,17 @@ def legacy_attempt_dir(layout: HomeLayout, run_id: str, token: str) -> Path:
 
 
 def existing_attempt_dir(layout: HomeLayout, run_id: str, token: str) -> Path:
-    """The attempt's folder as it is on disk: the current layout, else the legacy one."""
+    """The attempt's folder as it is on disk: the current layout, else the legacy one.
+
+    The one that holds the execution's record wins (a legacy execution's
+    journal never moves).
+    """
     current = attempt_dir(layout, run_id, token)
-    if not current.is_dir():
-        legacy = legacy_attempt_dir(layout, run_id, token)
-        if legacy.is_dir():
-            return legacy
+    if (current / RECORD_FILE).exists():
+        return current
+    legacy = legacy_attempt_dir(layout, run_id, token)
+    if (legacy / RECORD_FILE).exists() or (legacy.is_dir() and not current.is_dir()):
+        return legacy
     return current
 
 
@@ -89,13 +94,16 @@ def exit_file_tells(directory: Path, result: ExecutionResult) -> bool:
     """Does the shim's exit file in ``directory`` already record ``result``?
 
     True for an agent that exited on its own (``succeeded``/``failed`` with
-    its exit code) whose exit file exists: a restart derives the same outcome
+    its exit code) whose exit file and record exist: a restart derives the same outcome
     from it (with the summary its stdout left), so ``outcome.json`` would
     only repeat it at the price of a file creation and an fsync per run.
     """
     if result.outcome not in (SUCCEEDED, FAILED) or result.exit_code is None:
         return False
-    return read_exit_status(directory) == result.exit_code
+    # A restart reads the exit file only through the execution's record: without a
+    # readable one (its write failed), the outcome must be written out after all.
+    return read_exit_status(directory) == result.exit_code and \
+        read_record(directory) is not None
 
 
 def read_outcome(directory: Path, key: str) -> ExecutionResult | None:
@@ -163,7 +171,7 @@ def prune(layout: HomeLayout, current: dict[str, str]) -> int:
     for entry in entries:
         run_id, dot, token = entry.name.partition(".")
         if dot:
-            if current.get(run_id) != token:
+            if current.get(run_id) != token and entry.is_dir(follow_symlinks=False):
                 discard(Path(entry.path))
                 removed += 1
             continue

@@ -122,6 +122,9 @@ class RunQueue:
         self.monotonic = monotonic  # paces the retries of refused outcome writes
         self._lock = threading.Lock()
         self._live: dict[str, str] = {}  # run id -> agent id: executing, or outcome unwritten
+        #: (run id, claim token) -> the attempt's folder, when it is not the one
+        #: attempt_dir() names (an attempt of the legacy two-level layout).
+        self._attempt_dirs: dict[tuple[str, str], Path] = {}
         self._cancel_requested: set[str] = set()  # claimed runs cancelled, maybe not started
         self._waker: Callable[[], None] | None = None
         self._defer = False  # outcomes go to the loop's next drain (see defer_outcomes)
@@ -401,7 +404,7 @@ class RunQueue:
         interruption, an error of ours) is written to the attempt's
         ``outcome.json`` first. A refused write writes it too.
         """
-        directory = journal.attempt_dir(self.layout, claim.run["id"], claim.token)
+        directory = self._attempt_dir(claim)
         if result.outcome != DETACHED:
             ending = result.outcome + (f" ({result.error})" if result.error else "")
             append_log_line(result.log_path, f"==== attempt {claim.run.get('attempt', '?')} "
@@ -463,7 +466,7 @@ class RunQueue:
 
     def _write_refused(self, claim: Claim, result: ExecutionResult, exc: Exception) -> None:
         run_id = claim.run["id"]
-        directory = journal.attempt_dir(self.layout, run_id, claim.token)
+        directory = self._attempt_dir(claim)
         if not (directory / journal.OUTCOME_FILE).exists():
             journal.write_outcome(directory, result)  # kept for a restart too
         if (not is_environmental(exc) and result.outcome != ERROR
@@ -496,15 +499,25 @@ class RunQueue:
     def _recorded(self, claim: Claim, result: ExecutionResult) -> None:
         """The database has the outcome (or it needs none): the run is no longer live here."""
         run_id = claim.run["id"]
+        directory = self._attempt_dir(claim)
         with self._lock:
             self._live.pop(run_id, None)
+            self._attempt_dirs.pop((run_id, claim.token), None)
             self._cancel_requested.discard(run_id)
             failures = self._failure_counts.pop(run_id, 0)
         if result.outcome not in (INTERRUPTED, DETACHED):
-            journal.discard(journal.attempt_dir(self.layout, run_id, claim.token))
+            journal.discard(directory)
         if failures:
             log.info("run %s: its outcome was written after %d refused attempt(s)", run_id,
                      failures)
+
+    def _attempt_dir(self, claim: Claim) -> Path:
+        """The folder of ``claim``'s attempt: where its execution keeps its journal."""
+        run_id = claim.run["id"]
+        with self._lock:
+            known = self._attempt_dirs.get((run_id, claim.token))
+        return known if known is not None else journal.attempt_dir(self.layout, run_id,
+                                                                   claim.token)
 
     def _apply(self, claim: Claim, result: ExecutionResult) -> Any:
         """The database side of an outcome; returns what :meth:`_announce` reports.
@@ -616,6 +629,9 @@ class RunQueue:
         directory = journal.existing_attempt_dir(self.layout, run_id, token)
         if not directory.is_dir():
             return None
+        if directory != journal.attempt_dir(self.layout, run_id, token):
+            with self._lock:  # a legacy attempt: its journal stays where it is
+                self._attempt_dirs[(run_id, token)] = directory
         claim = self.repo.claim_of(run_id, token)
         if claim is None:
             return None

@@ -124,11 +124,13 @@ def write_record(record: ExecutionRecord, *, in_place: bool = False) -> None:
         data = json.dumps(record.to_json()).encode("utf-8")
         try:
             fd = os.open(path, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
-        except FileNotFoundError:
-            pass
+        except OSError:
+            pass  # (absent, or cannot be opened): the atomic write below says why
         else:
             try:
                 written = os.write(fd, data)
+            except OSError:
+                written = -1  # truncated and not rewritten: the atomic write repairs it
             finally:
                 os.close(fd)
             if written == len(data):

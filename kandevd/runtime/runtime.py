@@ -130,6 +130,7 @@ class AgentRuntime:
         self._threads: list[threading.Thread] = []  # the pool's workers
         self._jobs: deque[_Execution] = deque()  # registered, not yet taken by a worker
         self._idle_workers = 0
+        self._workers_started = 0  # names each worker (a dead one's name is not reused)
         self._pool_closed = False  # stop(): workers exit once the queue is empty
         self._listeners: list[Callable[[], None]] = []
         self._stopping = False  # no new reservations or starts (stop or kill_all_now)
@@ -277,8 +278,9 @@ class AgentRuntime:
                 self._work_ready.notify()
                 return
             self._threads = [t for t in self._threads if t.is_alive()]
+            self._workers_started += 1
             thread = threading.Thread(target=self._worker, daemon=False,
-                                      name=f"kandevd-exec-worker-{len(self._threads) + 1}")
+                                      name=f"kandevd-exec-worker-{self._workers_started}")
             try:
                 thread.start()
             except BaseException:  # e.g. "can't start new thread": give the slot back

@@ -41,12 +41,14 @@ def test_a_batch_is_stored_in_order_with_keys_and_coalescing(daemon: DaemonProce
     results = answer["results"]
     assert [(r["deduplicated"], r["coalesced"]) for r in results] == [
         (False, False), (True, False), (False, False), (False, True), (False, False)]
-    assert results[0]["run_id"] == results[1]["run_id"]
-    assert results[2]["run_id"] == results[3]["run_id"]
+    assert results[0]["run"]["id"] == results[1]["run"]["id"]
+    assert results[2]["run"]["id"] == results[3]["run"]["id"]
+    assert results[3]["run"]["coalesced_count"] == 1  # the run that absorbed the fourth
     listed = daemon.call("runs.list", {"workspace_id": "ws1"})["items"]
-    assert [run["id"] for run in listed] == [results[i]["run_id"] for i in (0, 2, 4)]
-    assert [r["seq"] for r in results if not (r["deduplicated"] or r["coalesced"])] == \
+    assert [run["id"] for run in listed] == [results[i]["run"]["id"] for i in (0, 2, 4)]
+    assert [r["run"]["seq"] for r in results if not (r["deduplicated"] or r["coalesced"])] == \
         [run["seq"] for run in listed]
+    assert listed[2] == results[4]["run"]  # the run as stored, not a summary of it
     assert listed[2]["payload"] == {"n": 1} and listed[2]["task_id"] == "t1"
 
 
@@ -137,3 +139,15 @@ def test_daemon_status_sees_every_commit_at_once(daemon: DaemonProcess) -> None:
     final = client.call("daemon.status")
     assert (final["runs"]["queued"], final["runs"]["cancelled"]) == (
         after["runs"]["queued"] - 1, after["runs"]["cancelled"] + 1)
+
+
+
+def test_daemon_status_sees_runs_written_by_another_process(daemon: DaemonProcess) -> None:
+    """Another process's commit (here: plain sqlite3 on the home's database) shows at once."""
+    before = daemon.call("daemon.status")["runs"]["failed"]
+    with daemon.db() as conn:
+        conn.execute("INSERT INTO runs (id, workspace_id, agent_id, reason, status,"
+                     " requested_at, updated_at) VALUES ('run_outside', 'ws1', 'a1', 'm',"
+                     " 'failed', 'x', 'x')")
+    conn.close()
+    assert daemon.call("daemon.status")["runs"]["failed"] == before + 1

@@ -6,6 +6,7 @@ Real SQLite files, explicit clocks; the rows are read back as the truth.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
@@ -216,3 +217,51 @@ def test_the_journal_keeps_only_current_claims_and_round_trips_an_outcome(
     assert (tmp_path / "attempts").is_dir()  # discarding an attempt never takes attempts/
     (current / journal.OUTCOME_FILE).write_text("{not json")
     assert journal.read_outcome(current, "run_a") is None  # unreadable: ignored, not fatal
+
+
+def test_the_exit_file_spares_outcome_json_only_when_a_restart_can_read_it(
+        tmp_path: Path) -> None:
+    """A restart reads the exit file through the record: no record, no skipping."""
+    from datetime import timedelta
+
+    from kandevd.paths import HomeLayout
+    from kandevd.queue import journal
+    from kandevd.runtime import FAILED, SUCCEEDED, ExecutionResult
+    from kandevd.runtime.records import ExecutionRecord, write_record
+
+    layout = HomeLayout(tmp_path)
+    directory = journal.attempt_dir(layout, "run_a", "t1.1")
+    directory.mkdir(parents=True)
+    ok = ExecutionResult(key="run_a", outcome=SUCCEEDED, exit_code=0, summary=None,
+                         cost_cents=None, error=None, started_at=T0, ended_at=T0,
+                         log_path=tmp_path / "a.log")
+    (directory / "exit").write_text("0\n")
+    assert not journal.exit_file_tells(directory, ok)  # no record.json yet
+    (directory / "record.json").write_text("")  # a rewrite that failed half-way
+    assert not journal.exit_file_tells(directory, ok)
+    record = ExecutionRecord(record_dir=directory, pid=0, pid_start=0, key="run_a",
+                             run_id="run_a", session_id="s", started_at=T0,
+                             deadline=T0 + timedelta(hours=1), timeout_s=3600.0,
+                             log_path=tmp_path / "a.log", input_path=tmp_path / "in",
+                             argv=("true",))
+    write_record(record, in_place=True)  # truncated file: rewritten whole
+    assert journal.exit_file_tells(directory, ok)
+    assert not journal.exit_file_tells(directory, dataclasses.replace(
+        ok, outcome=FAILED, exit_code=3))  # the exit file says otherwise
+
+
+def test_a_legacy_attempt_keeps_its_folder_even_when_the_new_one_exists(
+        tmp_path: Path) -> None:
+    from kandevd.paths import HomeLayout
+    from kandevd.queue import journal
+
+    layout = HomeLayout(tmp_path)
+    legacy = journal.legacy_attempt_dir(layout, "run_a", "t1.1")
+    legacy.mkdir(parents=True)
+    (legacy / "record.json").write_text("{}")
+    current = journal.attempt_dir(layout, "run_a", "t1.1")
+    current.mkdir(parents=True)
+    (current / journal.OUTCOME_FILE).write_text("{}")  # e.g. written there by mistake
+    assert journal.existing_attempt_dir(layout, "run_a", "t1.1") == legacy
+    (current / "record.json").write_text("{}")
+    assert journal.existing_attempt_dir(layout, "run_a", "t1.1") == current

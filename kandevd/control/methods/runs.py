@@ -74,8 +74,8 @@ def register(registry: Registry, services: Services) -> None:
         except BatchItemError as exc:
             raise InvalidParams(f"params.{exc}", data={"index": exc.index}) from None
         return {"results": [
-            {"run_id": r.run["id"], "seq": r.run["seq"], "status": r.run["status"],
-             "deduplicated": r.deduplicated, "coalesced": r.coalesced} for r in results]}
+            {"run": r.run, "deduplicated": r.deduplicated, "coalesced": r.coalesced}
+            for r in results]}
 
     def get(p: dict[str, Any]) -> dict[str, Any]:
         try:
@@ -115,8 +115,8 @@ def register(registry: Registry, services: Services) -> None:
     registry.add(
         "runs.enqueue_many", enqueue_many, ENQUEUE_MANY,
         summary=f"Queue up to {MAX_BATCH} runs in one transaction: all or nothing, in order.",
-        result="{results: [{run_id, seq, status, deduplicated, coalesced}]}, one per item in "
-               "order; an invalid item fails the whole batch with data.index naming it")
+        result="{results: [{run: RUN, deduplicated, coalesced}]}, one per item in order; an "
+               "invalid item fails the whole batch with data.index naming it")
     registry.add("runs.get", get, object_schema({"id": ID}, ("id",)))
     registry.add("runs.list", list_, LIST)
     registry.add("runs.cancel", cancel, object_schema(

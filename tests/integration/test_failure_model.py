@@ -168,6 +168,9 @@ def test_keep_agents_on_stop_lets_a_graceful_restart_interrupt_nothing(
     setup_agent(first)
     run = enqueue(first, touch=str(touch), sleep_s=2)
     first.wait_for_line(f"run {run['id']} claimed")
+    # The claim is logged as the execution is handed to a worker; a stop before the
+    # spawn starts nothing (the run simply waits for the next start): wait for the agent.
+    first.wait_until(first.agent_pids, what="the agent to be running")
     assert first.stop(signal.SIGTERM) == 0
     assert first.agent_pids(), "a graceful stop with keep_agents_on_stop leaves the agent"
     second = daemon_factory(cfg, home=home)

@@ -161,7 +161,7 @@ def test_budget_pause_agent(daemon_factory: Factory) -> None:
     daemon.wait_until(lambda: daemon.call("agents.get", {"id": "a1"})["status"] == "paused",
                       timeout=WAIT_S, what="a1 paused by its budget")
     daemon.wait_for_line("budget b1: agent a1 spent 150.00 of 100.00 cents")
-    assert "paused agent(s) a1" in daemon.log_text
+    daemon.wait_for_line("paused agent(s) a1")  # logged once the pause has committed
 
     later = daemon.call("runs.enqueue", {"workspace_id": "ws1", "agent_id": "a1",
                                          "reason": "later", "payload": {}})["run"]

@@ -33,11 +33,21 @@ def _state(pid: int) -> str:
 
 
 def _agent_child(shim: int) -> bool:
-    """True once the shim's child runs the echo agent (not a forked sh any more)."""
+    """True once the shim's child runs the echo agent and catches SIGTERM.
+
+    Not merely exec'd: the agent has set up its SIGTERM handler, the last step
+    before its sleep, so the freeze below always catches it in the sleep the
+    test means, however long its start-up takes on a loaded machine.
+    """
     try:
         children = Path(f"/proc/{shim}/task/{shim}/children").read_text().split()
-        return any(b"kandevd.agents.echo" in Path(f"/proc/{child}/cmdline").read_bytes()
-                   for child in children)
+        for child in children:
+            if b"kandevd.agents.echo" not in Path(f"/proc/{child}/cmdline").read_bytes():
+                continue
+            for line in Path(f"/proc/{child}/status").read_text().splitlines():
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) & (1 << (signal.SIGTERM - 1)))
+        return False
     except OSError:
         return False
 

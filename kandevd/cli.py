@@ -81,6 +81,12 @@ def serve(home: str | None, config_path: str | None, log_format: str,
     except ConfigError as exc:
         click.echo(f"kandevd: bad config: {exc}", err=True)
         sys.exit(EXIT_CONFIG)
+    from kandevd.store.backend import backend_problem
+
+    problem = backend_problem(config)
+    if problem is not None:
+        click.echo(f"kandevd: bad config: {config.source or 'config'}: {problem}", err=True)
+        sys.exit(EXIT_CONFIG)
     if log_level is None and config.log_level is not None:
         set_level(config.log_level)
     daemon = Daemon(config, HomeLayout(root),
@@ -181,6 +187,13 @@ def validate(home: str | None, config_path: str | None) -> None:
         config = load_config(Path(config_path) if config_path else None, home=root)
     except ConfigError as exc:
         click.echo(f"invalid: {exc}", err=True)
+        click.echo("workflows not checked: the config is invalid", err=True)
+        sys.exit(EXIT_VALIDATE_BAD_CONFIG)
+    from kandevd.store.backend import backend_problem
+
+    problem = backend_problem(config)
+    if problem is not None:
+        click.echo(f"invalid: {config.source or 'config'}: {problem}", err=True)
         click.echo("workflows not checked: the config is invalid", err=True)
         sys.exit(EXIT_VALIDATE_BAD_CONFIG)
     click.echo(f"config ok: {config.source or 'built-in defaults'}")

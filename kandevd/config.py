@@ -30,6 +30,8 @@ import jsonschema
 from kandevd import yamlsafe
 
 DEFAULTS: dict[str, Any] = {
+    "store": {"url": None},
+    "cluster": {"heartbeat_s": 2, "dead_after_s": 10},
     "queue": {"safety_interval_s": 5, "max_claims_per_tick": 10, "stale_claim_s": 1800,
               "max_attempts": 6, "retention_days": 30},
     "retry": {
@@ -60,6 +62,61 @@ class UnknownProfile(LookupError):
         super().__init__(f"agent profile {name!r} is not configured (configured: "
                          f"{', '.join(known)})")
         self.name = name
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """``store.url``: None = ``<home>/kandevd.db`` (SQLite); ``postgresql://...`` = shared.
+
+    The URL may hold a password: print it only through :func:`redact_url`.
+    """
+
+    url: str | None = None
+
+    def __repr__(self) -> str:
+        return f"StoreConfig(url={redact_url(self.url) if self.url else None!r})"
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """How daemons sharing a PostgreSQL store see each other (unused with SQLite)."""
+
+    heartbeat_s: float = 2.0
+    dead_after_s: float = 10.0
+
+
+#: The URL schemes ``store.url`` takes (PostgreSQL's two spellings).
+POSTGRES_SCHEMES = ("postgresql", "postgres")
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password replaced by ``***`` (for logs and error messages)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+        user = parts.username or ""
+        host = parts.hostname or ""
+        port = f":{parts.port}" if parts.port else ""
+        return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
+    except ValueError:
+        return "<a URL that does not parse>"
+
+
+def _check_store_url(url: str | None) -> None:
+    if url is None:
+        return
+    from urllib.parse import urlsplit
+
+    try:
+        scheme = urlsplit(url).scheme
+    except ValueError:
+        scheme = ""
+    if scheme not in POSTGRES_SCHEMES:
+        raise ConfigError(f"store.url: {redact_url(url)!r} is not a postgresql:// URL "
+                          "(null keeps the SQLite database in the home)")
 
 
 @dataclass(frozen=True)
@@ -151,6 +208,8 @@ class Config:
     agents: Mapping[str, AgentProfile]
     control: ControlConfig = ControlConfig()
     metrics: MetricsConfig = MetricsConfig()
+    store: StoreConfig = StoreConfig()
+    cluster: ClusterConfig = ClusterConfig()
     #: ``log.level``: the lowest level logged when ``serve --log-level`` is not
     #: given (None = INFO). The one setting SIGHUP applies without a restart.
     log_level: str | None = None
@@ -303,6 +362,9 @@ def build_config(
         office=OfficeConfig(**merged["office"]),
         control=ControlConfig(idle_timeout_s=float(merged["control"]["idle_timeout_s"])),
         metrics=MetricsConfig(listen=merged["metrics"]["listen"]),
+        store=StoreConfig(url=merged["store"]["url"]),
+        cluster=ClusterConfig(heartbeat_s=float(merged["cluster"]["heartbeat_s"]),
+                              dead_after_s=float(merged["cluster"]["dead_after_s"])),
         log_level=merged["log"]["level"].upper() if merged["log"]["level"] else None,
         scheduler=SchedulerConfig(
             enabled=bool(sched["enabled"]) and not disabled_via_env,
@@ -315,6 +377,10 @@ def build_config(
         source=source,
     )
     check_config_finite(config)
+    _check_store_url(config.store.url)
+    if config.cluster.dead_after_s <= config.cluster.heartbeat_s:
+        raise ConfigError(f"cluster.dead_after_s: {config.cluster.dead_after_s:g} must be more "
+                          f"than cluster.heartbeat_s ({config.cluster.heartbeat_s:g})")
     if config.metrics.listen is not None:
         parse_listen(config.metrics.listen)
     return config

@@ -174,3 +174,28 @@ def test_a_good_config_still_validates_with_exit_0(tmp_path: Path) -> None:
     good = run("validate", "--home", str(tmp_path / "home"), "--config", str(config))
     assert good.returncode == 0, good.stderr
     assert f"config ok: {config}" in good.stdout
+
+
+def test_a_postgresql_store_url_is_refused_in_one_line_without_its_password(
+        tmp_path: Path) -> None:
+    """This version opens only SQLite: a shared-store URL is refused before anything starts
+    (exit 78 naming the driver's extra when psycopg is missing), and the URL's password is
+    never printed."""
+    config = tmp_path / "pg.yaml"
+    config.write_text("store:\n  url: postgresql://kan:s3cret@db.example:5432/kandevd\n"
+                      "cluster:\n  heartbeat_s: 1\n  dead_after_s: 5\n")
+    assert_both_refuse(tmp_path / "home", config,
+                       "store.url: postgresql://kan:***@db.example:5432/kandevd")
+    for command in ("validate", "serve"):
+        result = run(command, "--home", str(tmp_path / "home"), "--config", str(config))
+        assert "s3cret" not in result.stdout + result.stderr
+        assert ("kandevd[postgres]" in result.stderr
+                or "not supported by this version" in result.stderr)
+
+
+def test_the_contracts_store_and_cluster_defaults_are_accepted(tmp_path: Path) -> None:
+    config = tmp_path / "defaults.yaml"
+    config.write_text("store:\n  url: null\ncluster:\n  heartbeat_s: 2\n  dead_after_s: 10\n")
+    result = run("validate", "--home", str(tmp_path / "home"), "--config", str(config))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"config ok: {config}")

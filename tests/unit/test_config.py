@@ -22,6 +22,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 # CONTRACT.md section 2, verbatim: "Every key is optional; these are the defaults."
 CONTRACT_DEFAULTS: dict[str, Any] = {
+    "store": {"url": None},
+    "cluster": {"heartbeat_s": 2, "dead_after_s": 10},
     "queue": {"safety_interval_s": 5, "max_claims_per_tick": 10, "stale_claim_s": 1800,
               "max_attempts": 6, "retention_days": 30},
     "retry": {"max_retries": 4, "delays_s": [120, 600, 1800, 7200], "jitter": 0.25,
@@ -50,6 +52,7 @@ def as_document(config: Config) -> dict[str, Any]:
         "queue": section(config.queue), "retry": section(config.retry),
         "runtime": section(config.runtime), "control": section(config.control),
         "metrics": section(config.metrics), "log": {"level": config.log_level},
+        "store": section(config.store), "cluster": section(config.cluster),
         "office": section(config.office),
         "scheduler": section(config.scheduler, drop=("disabled_via_env", "configured_enabled")),
         "agents": {name: {"command": None if p.command is None else list(p.command),
@@ -314,3 +317,18 @@ def test_config_changes_names_sections_and_profiles_but_not_the_log_level() -> N
                           "agents": {"coder": {"command": ["/bin/true"]}}}, environ={})
     assert config_changes(running, fresh) == ["queue", "agents.coder"]
     assert config_changes(running, build_config({"log": {"level": "ERROR"}}, environ={})) == []
+
+
+def test_the_store_url_takes_postgresql_urls_and_never_shows_a_password() -> None:
+    from kandevd.config import redact_url
+
+    secret = "postgresql://kan:s3cret@db.example:5432/kandevd"
+    assert build_config({"store": {"url": secret}}, environ={}).store.url == secret
+    assert "s3cret" not in repr(build_config({"store": {"url": secret}}, environ={}))
+    assert redact_url(secret) == "postgresql://kan:***@db.example:5432/kandevd"
+    assert redact_url("postgres://db/k") == "postgres://db/k"
+    message = error_for({"store": {"url": "mysql://kan:s3cret@db/k"}})
+    assert message.startswith("store.url: 'mysql://kan:***@db/k' is not a postgresql:// URL")
+    assert "s3cret" not in message
+    assert "must be more than cluster.heartbeat_s" in error_for(
+        {"cluster": {"heartbeat_s": 5, "dead_after_s": 5}})

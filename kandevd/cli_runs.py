@@ -11,9 +11,11 @@ from typing import Any
 
 import click
 
+from kandevd import jsonstrict
 from kandevd.cli_common import client_options, connect, echo_json, invoke
 from kandevd.cli_format import table
 from kandevd.control.client import RpcCallError
+from kandevd.control.protocol import MAX_DEPTH, MAX_LINE_BYTES, depth_exceeds
 from kandevd.paths import HomeLayout, resolve_home
 from kandevd.store.runs import STATUSES
 
@@ -47,7 +49,7 @@ def runs() -> None:
 @click.option("--payload", default="{}", help="Payload as a JSON object.")
 @click.option("--key", "idempotency_key", default=None, help="Idempotency key.")
 @click.option("--no-coalesce", is_flag=True, help="Never merge into a recent queued run.")
-@click.option("--from-file", "from_file", type=click.File("r", encoding="utf-8"), default=None,
+@click.option("--from-file", "from_file", type=click.File("rb"), default=None,
               help="Queue one run per line of this JSONL file (- for stdin); each line holds "
                    "runs.enqueue params.")
 @click.option("--json", "as_json", is_flag=True, help="Print the raw JSON.")
@@ -57,6 +59,14 @@ def enqueue(workspace_id: str | None, agent_id: str | None, reason: str | None,
             from_file: Any, as_json: bool, home: str | None, socket_path: str | None) -> None:
     """Queue a run for an agent (or one per line of --from-file)."""
     if from_file is not None:
+        given = [name for name, value in (
+            ("--workspace", workspace_id), ("--agent", agent_id), ("--reason", reason),
+            ("--task", task_id), ("--key", idempotency_key)) if value]
+        if given or payload != "{}" or no_coalesce:
+            given += ["--payload"] if payload != "{}" else []
+            given += ["--no-coalesce"] if no_coalesce else []
+            raise click.UsageError(f"--from-file takes each run's params from its lines; "
+                                   f"{', '.join(given)} cannot be given with it")
         _enqueue_lines(from_file, as_json, home, socket_path)
         return
     missing = [name for name, value in (("--workspace", workspace_id), ("--agent", agent_id),
@@ -85,49 +95,113 @@ def enqueue(workspace_id: str | None, agent_id: str | None, reason: str | None,
 
 #: Lines sent per runs.enqueue_many request by ``runs enqueue --from-file``.
 FROM_FILE_BATCH = 500
+#: Most bytes of params one request carries: well inside the socket's 1 MiB line.
+FROM_FILE_BATCH_BYTES = MAX_LINE_BYTES - 64 * 1024
+
+
+def _read_lines(lines: Any) -> tuple[list[tuple[int, dict[str, Any], int]],
+                                     list[tuple[int, str]]]:
+    """``(requests, problems)``: each usable line as (number, params, encoded size).
+
+    A line the daemon could not take (not UTF-8, not strict JSON, not an
+    object, nested too deeply, too big for one request) is a problem of that
+    line alone; blank lines are skipped.
+    """
+    requests: list[tuple[int, dict[str, Any], int]] = []
+    problems: list[tuple[int, str]] = []
+    for number, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            problems.append((number, f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at "
+                                     f"column {exc.start + 1})"))
+            continue
+        try:
+            params = jsonstrict.loads(text)
+        except json.JSONDecodeError as exc:
+            problems.append((number, f"not valid JSON: {exc.msg} (column {exc.colno})"))
+            continue
+        except (ValueError, RecursionError) as exc:
+            problems.append((number, f"not valid JSON: {exc}"))
+            continue
+        if not isinstance(params, dict):
+            problems.append((number, f"not a JSON object but {json_type(params)}"))
+            continue
+        if depth_exceeds(params, MAX_DEPTH - 3):  # the request wraps it three levels deep
+            problems.append((number, f"nested more than {MAX_DEPTH - 3} levels deep"))
+            continue
+        size = len(json.dumps(params)) + 1  # as the client encodes it, with its comma
+        if size > FROM_FILE_BATCH_BYTES:
+            problems.append((number, f"{size} bytes as a request: more than the "
+                                     f"{FROM_FILE_BATCH_BYTES} one request can carry"))
+            continue
+        requests.append((number, params, size))
+    return requests, problems
+
+
+def _batches(requests: list[tuple[int, dict[str, Any], int]]
+             ) -> list[list[tuple[int, dict[str, Any]]]]:
+    """At most FROM_FILE_BATCH lines and FROM_FILE_BATCH_BYTES of params per batch."""
+    batches: list[list[tuple[int, dict[str, Any]]]] = []
+    current: list[tuple[int, dict[str, Any]]] = []
+    size = 0
+    for number, params, length in requests:
+        if current and (len(current) >= FROM_FILE_BATCH
+                        or size + length > FROM_FILE_BATCH_BYTES):
+            batches.append(current)
+            current, size = [], 0
+        current.append((number, params))
+        size += length
+    if current:
+        batches.append(current)
+    return batches
 
 
 def _enqueue_lines(lines: Any, as_json: bool, home: str | None,
                    socket_path: str | None) -> None:
-    """Every non-empty line is a runs.enqueue params object; batches of 500, one connection.
+    """Every non-empty line is a runs.enqueue params object; sent in batches, one connection.
 
-    Each batch is one ``runs.enqueue_many`` (one transaction). A line the daemon
-    refuses is reported (``line N: why``) and the rest of its batch is sent
-    again without it, so a bad line does not stop the others; the exit status
-    is 1 if any failed. Each queued line is printed (``line N: <run id>
-    <status>``; ``--json``: one object per line); a progress bar goes to a
-    terminal's stderr; a summary ends the output.
+    Each batch is one ``runs.enqueue_many`` (one transaction) of at most 500
+    lines and well under the socket's 1 MiB line. Every line is answered:
+    queued (``line N: <run id> <status>``; ``--json``: one object per line) or
+    refused (``line N: why`` on stderr; ``--json``: ``{"line", "error"}`` on
+    stdout). A line refused here (not UTF-8, not a JSON object, too big) or by
+    the daemon (it names the item) does not stop the others: the rest of its
+    batch is sent again without it. A progress bar goes to a terminal's
+    stderr; a summary ends the output; the exit status is 1 if any line failed.
     """
-    requests: list[tuple[int, dict[str, Any]]] = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            params = json.loads(line)
-        except ValueError as exc:
-            raise click.BadParameter(f"line {number}: not valid JSON: {exc}",
-                                     param_hint="--from-file") from None
-        if not isinstance(params, dict):
-            raise click.BadParameter(f"line {number}: not a JSON object",
-                                     param_hint="--from-file")
-        requests.append((number, params))
-    counts = {"queued": 0, "deduplicated": 0, "coalesced": 0, "failed": 0}
-    show_bar = sys.stderr.isatty() and not as_json and len(requests) > FROM_FILE_BATCH
-    sent = 0
+    requests, problems = _read_lines(lines)
+    counts = {"deduplicated": 0, "coalesced": 0, "failed": 0}
+    total = len(requests) + len(problems)
+    show_bar = sys.stderr.isatty() and not as_json and total > FROM_FILE_BATCH
+
+    def refused(number: int, message: str, kind: str) -> None:
+        counts["failed"] += 1
+        if as_json:
+            click.echo(json.dumps({"line": number, "error": {"message": message,
+                                                             "kind": kind}}))
+        else:
+            if show_bar:
+                click.echo("", err=True)  # off the progress bar's line
+            click.echo(f"line {number}: {message} ({kind})", err=True)
+
+    for number, message in problems:
+        refused(number, message, "invalid_line")
+    batches = _batches(requests)
+    unsent: list[tuple[int, dict[str, Any]]] = []
     stopped: RpcCallError | None = None
     with connect(home, socket_path) as client, click.progressbar(
             length=len(requests), label="enqueueing", file=sys.stderr,
             hidden=not show_bar) as bar:
-        for start in range(0, len(requests), FROM_FILE_BATCH):
-            batch = requests[start:start + FROM_FILE_BATCH]
-            failed_before = counts["failed"]
+        for index, batch in enumerate(batches):
             try:
-                accepted = _send_batch(client, batch, counts)
+                accepted = _send_batch(client, batch, counts, refused)
             except RpcCallError as exc:  # not about one line: the daemon cannot take more
                 stopped = exc
-                counts["failed"] = failed_before  # the whole batch is counted below
+                unsent = [line for rest in batches[index:] for line in rest]
                 break
-            sent += len(batch)
             for number, result in accepted:
                 if as_json:
                     click.echo(json.dumps({"line": number, **result}))
@@ -136,16 +210,28 @@ def _enqueue_lines(lines: Any, as_json: bool, home: str | None,
                                + _note(result))
             bar.update(len(batch))
     if stopped is not None:
-        # Nothing of the refused batch was stored (a batch is all or nothing).
-        counts["failed"] += len(requests) - sent
-        click.echo(f"kandevd: stopped at line {requests[sent][0]}: {stopped} "
-                   f"({stopped.kind or stopped.code}); lines from there on were not queued",
-                   err=True)
-    ok = len(requests) - counts["failed"]
-    click.echo(f"{ok} of {len(requests)} queued ({counts['deduplicated']} deduplicated, "
+        # A batch is all or nothing: nothing of the refused one (or after it) was stored.
+        counts["failed"] += len(unsent)
+        click.echo(f"kandevd: {stopped} ({stopped.kind or stopped.code}); lines "
+                   f"{unsent[0][0]} to {unsent[-1][0]} were not queued", err=True)
+    ok = total - counts["failed"]
+    click.echo(f"{ok} of {total} queued ({counts['deduplicated']} deduplicated, "
                f"{counts['coalesced']} coalesced, {counts['failed']} failed)", err=True)
     if counts["failed"]:
         sys.exit(1)
+
+
+def json_type(value: Any) -> str:
+    """What a JSON value is, in JSON's words (``null``, ``an array``, ``a number``...)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "an array" if isinstance(value, list) else "an object"
 
 
 def _note(result: dict[str, Any]) -> str:
@@ -154,8 +240,8 @@ def _note(result: dict[str, Any]) -> str:
     return " (coalesced)" if result.get("coalesced") else ""
 
 
-def _send_batch(client: Any, batch: list[tuple[int, dict[str, Any]]],
-                counts: dict[str, int]) -> list[tuple[int, dict[str, Any]]]:
+def _send_batch(client: Any, batch: list[tuple[int, dict[str, Any]]], counts: dict[str, int],
+                refused: Any) -> list[tuple[int, dict[str, Any]]]:
     """Send ``batch`` until it is accepted, dropping each line the daemon names as bad."""
     while batch:
         try:
@@ -164,10 +250,8 @@ def _send_batch(client: Any, batch: list[tuple[int, dict[str, Any]]],
             index = (exc.error.get("data") or {}).get("index")
             if not isinstance(index, int) or not 0 <= index < len(batch):
                 raise  # not about one line (e.g. the daemon is stopping): stop here
-            number = batch[index][0]
             message = re.sub(r"params\.runs\.\d+\.?", "", exc.args[0])  # the line says where
-            click.echo(f"line {number}: {message} ({exc.kind or exc.code})", err=True)
-            counts["failed"] += 1
+            refused(batch[index][0], message, exc.kind or str(exc.code))
             batch = batch[:index] + batch[index + 1:]
             continue
         results = answer["results"]

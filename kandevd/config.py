@@ -17,6 +17,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cache
@@ -89,20 +90,20 @@ class ClusterConfig:
 POSTGRES_SCHEMES = ("postgresql", "postgres")
 
 
-def redact_url(url: str) -> str:
-    """``url`` with any password replaced by ``***`` (for logs and error messages)."""
-    from urllib.parse import urlsplit, urlunsplit
+_USERINFO_SECRET = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://[^:/@?#]*:)[^/?#]*@")
+_QUERY_SECRET = re.compile(r"(?i)([?&](?:password|passfile|sslpassword)=)[^&#]*")
 
-    try:
-        parts = urlsplit(url)
-        if parts.password is None:
-            return url
-        user = parts.username or ""
-        host = parts.hostname or ""
-        port = f":{parts.port}" if parts.port else ""
-        return urlunsplit(parts._replace(netloc=f"{user}:***@{host}{port}"))
-    except ValueError:
-        return "<a URL that does not parse>"
+
+def redact_url(url: str) -> str:
+    """``url`` with every password replaced by ``***`` (for logs and error messages).
+
+    Both places a libpq URL can carry one are masked: ``user:password@`` and a
+    ``password=`` query parameter. Something that is not a URL at all (a
+    ``key=value`` connection string) is not shown.
+    """
+    if not re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", url):
+        return "<not a URL>"
+    return _QUERY_SECRET.sub(r"\1***", _USERINFO_SECRET.sub(r"\1***@", url))
 
 
 def _check_store_url(url: str | None) -> None:
@@ -111,12 +112,26 @@ def _check_store_url(url: str | None) -> None:
     from urllib.parse import urlsplit
 
     try:
-        scheme = urlsplit(url).scheme
+        scheme = urlsplit(url).scheme if "://" in url else ""
     except ValueError:
         scheme = ""
     if scheme not in POSTGRES_SCHEMES:
-        raise ConfigError(f"store.url: {redact_url(url)!r} is not a postgresql:// URL "
+        raise ConfigError(f"store.url: {redact_url(url)} is not a postgresql:// URL "
                           "(null keeps the SQLite database in the home)")
+
+
+def _check_store_shape(document: Any) -> None:
+    """``store`` and ``store.url`` of the wrong type, named without quoting the value.
+
+    The schema's own message quotes the value, and a URL there may hold a password.
+    """
+    if not isinstance(document, Mapping) or "store" not in document:
+        return
+    store = document["store"]
+    if not isinstance(store, Mapping):
+        raise ConfigError("store: must be a mapping (store: {url: postgresql://...})")
+    if "url" in store and store["url"] is not None and not isinstance(store["url"], str):
+        raise ConfigError("store.url: must be a postgresql:// URL (a string) or null")
 
 
 @dataclass(frozen=True)
@@ -273,6 +288,9 @@ def format_validation_error(error: jsonschema.ValidationError, prefix: str = "",
             more = f" (also unknown: {', '.join(unknown[1:])})" if unknown[1:] else ""
             return f"{where}: unknown {noun}; allowed here: {allowed}{more}"
     where = ".".join(parts) or "<root>"
+    if error.validator == "maxItems" and isinstance(error.instance, list):
+        # jsonschema would quote the whole (long) list and never say what is wrong.
+        return f"{where}: {len(error.instance)} items; at most {error.validator_value} allowed"
     message = yamlsafe.one_line(error.message)
     if len(message) > MAX_MESSAGE:  # the message quotes the value, which may be a big list
         message = message[:MAX_MESSAGE] + "..."
@@ -321,6 +339,7 @@ def validate_document(document: Any) -> None:
     """Raise ConfigError for the first (most relevant) schema violation."""
     _check_keys(document)
     _check_finite(document)
+    _check_store_shape(document)
     errors = sorted(_validator().iter_errors(document), key=lambda e: list(e.absolute_path))
     if errors:
         best = jsonschema.exceptions.best_match(errors) or errors[0]
@@ -436,7 +455,9 @@ def load_config(
     the file's path: unreadable, a directory, not UTF-8, not YAML, an alias bomb,
     NaN or infinity, an unknown key, a wrong type.
     """
-    if path is None and home is not None and (home / "kandevd.yaml").is_file():
+    # Whatever is there (a directory too) is the config: refused with its reason,
+    # never silently taken for "no config".
+    if path is None and home is not None and os.path.lexists(home / "kandevd.yaml"):
         path = home / "kandevd.yaml"
     if path is None:
         return build_config(None, environ=environ)

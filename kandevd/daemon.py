@@ -344,10 +344,17 @@ class Daemon:
         notifier().status("reloaded workflow and product files")
 
     def _reload_config(self) -> None:
+        from kandevd.store.backend import backend_problem
+
         try:
             fresh = load_config(self._config_path, home=self.layout.root)
         except ConfigError as exc:
             log.warning("SIGHUP: config not reloaded, the running one stays: %s", exc)
+            return
+        problem = backend_problem(fresh)
+        if problem is not None:  # what the next start would refuse (exit 78)
+            log.warning("SIGHUP: config not reloaded, the running one stays: %s: %s",
+                        fresh.source or "config", problem)
             return
         wanted = fresh.log_level or "INFO"
         if self._log_level_fixed:

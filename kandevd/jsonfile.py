@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 from filelock import FileLock
 
 from kandevd import jsonstrict
+from kandevd.paths import ensure_dir
 from kandevd.timeutil import utc_now
 
 log = logging.getLogger("kandevd.jsonfile")
@@ -244,7 +245,7 @@ class JsonFile:
         # an existing file keeps its permission bits, a new one is private (0600).
         target = Path(os.path.realpath(self.path))
         folder = target.parent
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        ensure_dir(folder)  # every folder it creates is 0700, not only the last
         try:
             mode = stat.S_IMODE(target.stat().st_mode)
         except OSError:

@@ -127,7 +127,7 @@ def encode(message: dict[str, Any]) -> bytes:
 _BAD_TEXT = "invalid UTF-8 or unpaired surrogate"
 
 
-def _depth_exceeds(value: Any, limit: int) -> bool:
+def depth_exceeds(value: Any, limit: int) -> bool:
     """True when arrays/objects nest deeper than ``limit`` (iterative: no recursion)."""
     stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
@@ -162,7 +162,7 @@ def loads_line(line: bytes) -> Any:
     except ValueError as exc:  # JSONDecodeError, StrictJsonError, int digits limit
         raise ParseError(f"parse error: {exc}") from None
     # Depth can only exceed the limit when there are that many openers at all.
-    if line.count(b"[") + line.count(b"{") > MAX_DEPTH and _depth_exceeds(value, MAX_DEPTH):
+    if line.count(b"[") + line.count(b"{") > MAX_DEPTH and depth_exceeds(value, MAX_DEPTH):
         raise ParseError(f"parse error: the JSON is nested too deeply (more than {MAX_DEPTH} "
                          "levels)")
     return value

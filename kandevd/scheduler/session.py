@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kandevd.config import Config, UnknownProfile
-from kandevd.paths import HomeLayout
+from kandevd.paths import HomeLayout, ensure_dir
 from kandevd.runtime import ExecutionResult
 from kandevd.runtime.specs import agent_execution
 from kandevd.timeutil import rfc3339, utc_now
@@ -229,7 +229,7 @@ class Session:
             record.update(status=hist.ERROR, error=str(exc))
             return None
         try:
-            turn.cwd.mkdir(mode=0o700, parents=True, exist_ok=True)
+            ensure_dir(turn.cwd)  # 0700 for the parents it creates too
         except OSError as exc:
             record.update(status=hist.ERROR, error=f"cannot create run folder {turn.cwd}: {exc}")
             return None

@@ -199,3 +199,10 @@ def test_the_contracts_store_and_cluster_defaults_are_accepted(tmp_path: Path) -
     result = run("validate", "--home", str(tmp_path / "home"), "--config", str(config))
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"config ok: {config}")
+
+
+def test_a_directory_where_the_homes_config_belongs_is_refused_not_ignored(
+        tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    (home / "kandevd.yaml").mkdir(parents=True)
+    assert_both_refuse(home, None, "cannot read config: is a directory, not a file")

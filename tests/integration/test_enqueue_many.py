@@ -68,7 +68,8 @@ def test_an_invalid_item_fails_the_whole_batch_naming_its_index(
     with pytest.raises(RpcCallError) as info:
         daemon.client().call("runs.enqueue_many", {"runs": batch})
     error = info.value.error
-    assert error["code"] == -32602 and error["data"] == {"kind": "invalid_params", "index": 2}
+    assert error["code"] == -32602
+    assert (error["data"]["kind"], error["data"]["index"]) == ("invalid_params", 2)
     assert words in error["message"]
     assert daemon.call("runs.list", {})["total"] == 0  # nothing of the batch was stored
     # The key of the rolled-back first item is still free.
@@ -82,6 +83,8 @@ def test_a_batch_is_at_most_a_thousand_and_never_empty(daemon: DaemonProcess) ->
         with pytest.raises(RpcCallError) as info:
             client.call("runs.enqueue_many", {"runs": runs})
         assert info.value.kind == "invalid_params" and "params.runs" in str(info.value)
+        if runs:  # says what is wrong instead of quoting the thousand items
+            assert str(info.value) == "params.runs: 1001 items; at most 1000 allowed"
     full = client.call("runs.enqueue_many",
                        {"runs": [item("a1", f"r{i}") for i in range(MAX_BATCH)]})
     assert len(full["results"]) == MAX_BATCH
@@ -151,3 +154,20 @@ def test_daemon_status_sees_runs_written_by_another_process(daemon: DaemonProces
                      " 'failed', 'x', 'x')")
     conn.close()
     assert daemon.call("daemon.status")["runs"]["failed"] == before + 1
+
+
+def test_every_malformed_item_is_listed_and_the_first_is_the_index(
+        daemon: DaemonProcess) -> None:
+    batch = [item("a1", "ok"), item("ghost", "x"), item("a1", "ok2"),
+             {"workspace_id": "ws1", "agent_id": "a1"}, item("a2", "")]
+    with pytest.raises(RpcCallError) as info:
+        daemon.client().call("runs.enqueue_many", {"runs": batch})
+    error = info.value.error
+    assert (error["data"]["index"], error["data"]["indexes"]) == (3, [3, 4])
+    assert error["message"].startswith("params.runs.3: 'reason' is a required property; "
+                                       "params.runs.4.reason: ")
+    # Well-formed, the batch fails at its first item naming nothing: index 1.
+    batch[3:] = [item("a1", "ok3")]
+    with pytest.raises(RpcCallError) as info:
+        daemon.client().call("runs.enqueue_many", {"runs": batch})
+    assert info.value.error["data"]["index"] == 1

@@ -328,7 +328,15 @@ def test_the_store_url_takes_postgresql_urls_and_never_shows_a_password() -> Non
     assert redact_url(secret) == "postgresql://kan:***@db.example:5432/kandevd"
     assert redact_url("postgres://db/k") == "postgres://db/k"
     message = error_for({"store": {"url": "mysql://kan:s3cret@db/k"}})
-    assert message.startswith("store.url: 'mysql://kan:***@db/k' is not a postgresql:// URL")
+    assert message.startswith("store.url: mysql://kan:***@db/k is not a postgresql:// URL")
     assert "s3cret" not in message
+    assert redact_url("postgresql://u:pw@h/db?sslmode=require&password=q1&x=1") == \
+        "postgresql://u:***@h/db?sslmode=require&password=***&x=1"
+    assert redact_url("postgresql:///db?PASSWORD=q2") == "postgresql:///db?PASSWORD=***"
+    for leaky in ("host=h user=u password=kv1", ["postgresql://u:s3cret@h/db"],
+                  {"dsn": "postgresql://u:s3cret@h/db"}):
+        text = error_for({"store": {"url": leaky}})
+        assert text.startswith("store.url: ") and "s3cret" not in text and "kv1" not in text
+    assert "s3cret" not in error_for({"store": "postgresql://u:s3cret@h/db"})
     assert "must be more than cluster.heartbeat_s" in error_for(
         {"cluster": {"heartbeat_s": 5, "dead_after_s": 5}})

@@ -60,9 +60,9 @@ def register(registry: Registry, services: Services) -> None:
                 "coalesced": result.coalesced}
 
     def enqueue_many(p: dict[str, Any]) -> dict[str, Any]:
+        check_items(p["runs"])
         items = []
-        for index, item in enumerate(p["runs"]):
-            check_item(index, item)
+        for item in p["runs"]:
             items.append({
                 "workspace_id": item["workspace_id"], "agent_id": item["agent_id"],
                 "reason": item["reason"], "task_id": item.get("task_id"),
@@ -149,6 +149,32 @@ def _plainly_valid(item: dict[str, Any]) -> bool:
     return len(item) == 3 or (
         item.get("task_id") is None and item.get("idempotency_key") is None
         and type(item.get("coalesce", True)) is bool)
+
+
+#: Items whose problems one error lists (the message stays readable).
+MAX_ITEMS_REPORTED = 10
+
+
+def check_items(items: list[Any]) -> None:
+    """Every item's params problems at once, as InvalidParams naming the first bad index.
+
+    The message lists the problems of up to ten bad items, in order. (References to
+    workspaces and agents are checked afterwards, in the transaction: a batch whose
+    params are all well-formed fails at its first item that names nothing.)
+    """
+    problems: list[InvalidParams] = []
+    for index, item in enumerate(items):
+        try:
+            check_item(index, item)
+        except InvalidParams as exc:
+            problems.append(exc)
+            if len(problems) == MAX_ITEMS_REPORTED:
+                break
+    if problems:
+        first = problems[0].extra["index"]
+        raise InvalidParams("; ".join(problem.message for problem in problems),
+                            data={"index": first,
+                                  "indexes": [problem.extra["index"] for problem in problems]})
 
 
 def check_item(index: int, item: Any) -> None:

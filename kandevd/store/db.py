@@ -251,22 +251,13 @@ class Store:
         Inside :meth:`reading` (and outside a writer transaction of this
         thread): this thread's read-only connection, under its own lock.
         """
-        if self._reads_on_reader():
-            reader = self._checkout_reader()
-            with reader.lock:
-                if reader.closed or self._closed:
-                    raise StoreClosedError()
-                try:
-                    yield reader.conn
-                except sqlite3.DatabaseError as exc:
-                    self._note_failure(exc)
-                    raise
-            return
-        with self._lock:
-            if self._closed:
+        reader = self._checkout_reader() if self._reads_on_reader() else None
+        lock = reader.lock if reader is not None else self._lock
+        with lock:
+            if self._closed or (reader is not None and reader.closed):
                 raise StoreClosedError()
             try:
-                yield self._conn
+                yield reader.conn if reader is not None else self._conn
             except sqlite3.DatabaseError as exc:
                 self._note_failure(exc)
                 raise

@@ -20,38 +20,21 @@ Printed last: runs/s of each and the ratio batch/single.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from kandevd.control.client import Client, DaemonUnavailable, RpcCallError
+from benchdaemon import Daemon  # this folder (the script's own) is on sys.path
 
-
-def start(home: Path) -> subprocess.Popen[bytes]:
-    config = home.parent / "intake.yaml"
-    config.write_text(json.dumps({"agents": {"default": {"command": ["/bin/true"]}}}))
-    proc = subprocess.Popen([sys.executable, "-m", "kandevd", "serve", "--home", str(home),
-                             "--config", str(config)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            Client(home / "kandevd.sock").call("daemon.status")
-            return proc
-        except (DaemonUnavailable, OSError):
-            time.sleep(0.05)
-    raise SystemExit("the daemon did not start")
+from kandevd.control.client import RpcCallError
 
 
 def one_round(args: argparse.Namespace) -> tuple[dict[str, float], float, float]:
     with tempfile.TemporaryDirectory() as tmp:
-        home = Path(tmp) / "home"
-        proc = start(home)
+        daemon = Daemon(Path(tmp) / "home",
+                        {"agents": {"default": {"command": ["/bin/true"]}}}).start()
         try:
-            client = Client(home / "kandevd.sock")
+            client = daemon.client()
             client.call("workspaces.create", {"id": "ws", "name": "ws"})
             agents = [f"a{i}" for i in range(100)]
             for agent in agents:
@@ -81,8 +64,7 @@ def one_round(args: argparse.Namespace) -> tuple[dict[str, float], float, float]
             assert total == args.single + args.n, total
             client.close()
         finally:
-            proc.send_signal(2)
-            proc.wait(60)
+            daemon.stop()
     return trips, single, batched
 
 

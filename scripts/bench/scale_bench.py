@@ -29,12 +29,10 @@ targets are stated in (big/small drain, drain with/without the lister).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sqlite3
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -43,9 +41,10 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from kandevd.control.client import Client, DaemonUnavailable, RpcCallError
+from benchdaemon import Daemon  # this folder (the script's own) is on sys.path
 
-KANDEVD = [sys.executable, "-m", "kandevd"]
+from kandevd.control.client import Client, RpcCallError
+
 AGENTS = 1000
 CONFIG = {"runtime": {"max_concurrent": 4, "stop_grace_s": 2},
           "agents": {"default": {"command": ["/bin/true"], "timeout_s": 60}}}
@@ -55,60 +54,9 @@ def stamp(moment: datetime) -> str:
     return moment.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-class Daemon:
-    def __init__(self, home: Path) -> None:
-        self.home = home
-        self.config = home.parent / f"{home.name}.yaml"
-        self.config.write_text(json.dumps(CONFIG))
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> Daemon:
-        self.err = open(self.home.parent / f"{self.home.name}.stderr", "ab")  # noqa: SIM115
-        self.proc = subprocess.Popen([*KANDEVD, "serve", "--home", str(self.home),
-                                      "--config", str(self.config)],
-                                     stdout=subprocess.DEVNULL, stderr=self.err,
-                                     start_new_session=True)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                self.call("daemon.status")
-                return self
-            except (DaemonUnavailable, OSError):
-                time.sleep(0.05)
-        raise SystemExit(f"the daemon did not start; see {self.err.name}")
-
-    def client(self) -> Client:
-        return Client(self.home / "kandevd.sock")
-
-    def call(self, method: str, params: dict[str, Any] | None = None) -> Any:
-        client = self.client()
-        try:
-            return client.call(method, params or {})
-        finally:
-            client.close()
-
-    def stop(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(2)
-        self.proc.wait(120)
-        self.err.close()
-
-    def cpu_ticks(self) -> int:
-        assert self.proc is not None
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return int(fields[11]) + int(fields[12])
-
-    def rss_mib(self) -> float:
-        assert self.proc is not None
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-        return float("nan")
-
-
 def build_home(root: Path, name: str, *, queued: int, terminal: int) -> Daemon:
     """A home with 1,000 paused agents and the runs written straight into its database."""
-    daemon = Daemon(root / name).start()
+    daemon = Daemon(root / name, CONFIG).start()
     client = daemon.client()
     client.call("workspaces.create", {"id": "ws1", "name": "ws1"})
     for index in range(AGENTS):
@@ -195,13 +143,20 @@ def finished(client: Client) -> int:
 
 
 def drain_window(daemon: Daemon, window: int) -> float:
-    """Runs finished per second over the next ``window`` finished runs."""
+    """Runs finished per second over the next ``window`` finished runs.
+
+    Fewer when fewer are left to run (a small ``--queued``): the window never
+    waits for runs that do not exist.
+    """
     client = daemon.client()
     start_count = finished(client)
+    left = sum(client.call("runs.list", {"status": status, "limit": 1})["total"]
+               for status in ("queued", "claimed"))
+    window = min(window, left)
     started = time.perf_counter()
-    while finished(client) < start_count + window:
+    while window and finished(client) < start_count + window:
         time.sleep(0.02)
-    rate = window / (time.perf_counter() - started)
+    rate = window / (time.perf_counter() - started) if window else float("nan")
     client.close()
     return rate
 

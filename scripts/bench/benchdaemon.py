@@ -1,0 +1,70 @@
+"""The real ``kandevd serve`` on a temp home, for the benchmarks of this folder.
+
+Started as a subprocess with a JSON (= YAML) config, ready once it answers on
+its socket; stopped with SIGINT (the graceful stop). Also reads the process's
+CPU ticks and RSS from /proc.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from kandevd.control.client import Client, DaemonUnavailable
+
+KANDEVD = [sys.executable, "-m", "kandevd"]
+
+
+class Daemon:
+    def __init__(self, home: Path, config: dict[str, Any]) -> None:
+        self.home = home
+        self.config = home.parent / f"{home.name}.yaml"
+        self.config.write_text(json.dumps(config))
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Daemon:
+        self.err = open(self.home.parent / f"{self.home.name}.stderr", "ab")  # noqa: SIM115
+        self.proc = subprocess.Popen([*KANDEVD, "serve", "--home", str(self.home),
+                                      "--config", str(self.config)],
+                                     stdout=subprocess.DEVNULL, stderr=self.err,
+                                     start_new_session=True)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                self.call("daemon.status")
+                return self
+            except (DaemonUnavailable, OSError):
+                time.sleep(0.05)
+        raise SystemExit(f"the daemon did not start; see {self.err.name}")
+
+    def client(self) -> Client:
+        return Client(self.home / "kandevd.sock")
+
+    def call(self, method: str, params: dict[str, Any] | None = None) -> Any:
+        client = self.client()
+        try:
+            return client.call(method, params or {})
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(2)
+        self.proc.wait(120)
+        self.err.close()
+
+    def cpu_ticks(self) -> int:
+        assert self.proc is not None
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])
+
+    def rss_mib(self) -> float:
+        assert self.proc is not None
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        return float("nan")

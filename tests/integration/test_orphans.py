@@ -33,20 +33,25 @@ def _state(pid: int) -> str:
 
 
 def _agent_child(shim: int) -> bool:
-    """True once the shim's child runs the echo agent and catches SIGTERM.
+    """True once the shim's child runs the echo agent and sleeps in it.
 
-    Not merely exec'd: the agent has set up its SIGTERM handler, the last step
-    before its sleep, so the freeze below always catches it in the sleep the
-    test means, however long its start-up takes on a loaded machine.
+    Not merely exec'd: the agent catches SIGTERM and is inside its sleep
+    (``clock_nanosleep``, system call 230 on x86-64, 115 on arm64), so the
+    freeze below always catches it where the test means, however long its
+    start-up takes on a loaded machine.
     """
     try:
         children = Path(f"/proc/{shim}/task/{shim}/children").read_text().split()
         for child in children:
             if b"kandevd.agents.echo" not in Path(f"/proc/{child}/cmdline").read_bytes():
                 continue
-            for line in Path(f"/proc/{child}/status").read_text().splitlines():
-                if line.startswith("SigCgt:"):
-                    return bool(int(line.split()[1], 16) & (1 << (signal.SIGTERM - 1)))
+            caught = next((int(line.split()[1], 16) for line in
+                           Path(f"/proc/{child}/status").read_text().splitlines()
+                           if line.startswith("SigCgt:")), 0)
+            if not caught & (1 << (signal.SIGTERM - 1)):
+                return False
+            call = Path(f"/proc/{child}/syscall").read_text().split()
+            return bool(call) and call[0] in ("230", "115")
         return False
     except OSError:
         return False

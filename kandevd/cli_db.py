@@ -1,23 +1,35 @@
-"""``kandevd db``: check and back up the database file (works while the daemon runs)."""
+"""``kandevd db``: check and back up the database file (works while the daemon runs),
+and copy it into PostgreSQL (``db migrate``: only while no daemon uses the home)."""
 
 from __future__ import annotations
 
+import importlib.util
+import re
+import sqlite3
 import sys
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 import click
 
 from kandevd.cli_common import home_option
+from kandevd.config import POSTGRES_SCHEMES, redact_url
+from kandevd.homelock import HomeLock, HomeLocked
 from kandevd.paths import HomeLayout, resolve_home
+from kandevd.store.backend import POSTGRES_EXTRA
 from kandevd.store.check import DatabaseUnusable, backup, check_file
 
 EXIT_PROBLEMS = 1
+EXIT_USAGE = 2
+EXIT_CANTCREAT = 73
 EXIT_IOERR = 74
+EXIT_TEMPFAIL = 75  # the home is held by a live daemon, as for serve
+EXIT_CONFIG = 78
 
 
 @click.group()
 def db() -> None:
-    """Check or back up the database (<home>/kandevd.db)."""
+    """Check, back up or migrate the database (<home>/kandevd.db)."""
 
 
 @db.command("check")
@@ -60,3 +72,132 @@ def backup_command(target: Path, home: str | None) -> None:
         click.echo(f"kandevd: backup {target}: {exc}", err=True)
         sys.exit(EXIT_IOERR)
     click.echo(f"backed up {path} to {target} ({pages} pages)")
+
+
+def _scrub(text: str, url: str) -> str:
+    """``text`` (a driver's error message) on one line, the URL's password masked if shown."""
+    text = "; ".join(line.strip() for line in text.splitlines() if line.strip())
+    secrets: set[str] = set()
+    try:
+        password = urlsplit(url).password
+    except ValueError:
+        password = None
+    if password:
+        secrets.update((password, unquote(password)))
+    for match in re.finditer(r"(?i)[?&](?:password|sslpassword)=([^&#]*)", url):
+        secrets.update((match.group(1), unquote(match.group(1))))
+    for secret in sorted(filter(None, secrets), key=len, reverse=True):
+        text = text.replace(secret, "***")
+    return text
+
+
+@db.command("migrate")
+@click.option("--to", "url", required=True, metavar="URL",
+              help="The PostgreSQL database to copy into (postgresql://user:password@host/db);"
+                   " it must hold no kandevd data.")
+@home_option
+def migrate_command(url: str, home: str | None) -> None:
+    """Copy the home's SQLite database into an empty PostgreSQL database.
+
+    Every table (runs with their seq, workspaces, agents, workflows, tasks,
+    Office config) is copied in one transaction, then counted on both sides:
+    one line per table, exit 1 naming any that differ (the copy is then
+    rolled back). Refused while a daemon uses the home, which stays locked
+    during the copy; refused into a database that already holds data.
+    """
+    shown = redact_url(url)
+    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+    if scheme not in POSTGRES_SCHEMES:
+        click.echo(f"kandevd: --to: {shown} is not a PostgreSQL URL "
+                   "(postgresql://user:password@host/database)", err=True)
+        sys.exit(EXIT_USAGE)
+    if importlib.util.find_spec("psycopg") is None:
+        click.echo(f"kandevd: --to {shown} needs the PostgreSQL driver (psycopg 3), which is "
+                   f"not installed: {POSTGRES_EXTRA}", err=True)
+        sys.exit(EXIT_CONFIG)
+    layout = HomeLayout(resolve_home(home))
+    if not layout.db.is_file():
+        what = "is not a file" if layout.db.exists() else "does not exist"
+        click.echo(f"kandevd: database {layout.db}: {what}: nothing to migrate "
+                   "(is --home right?)", err=True)
+        sys.exit(EXIT_IOERR)
+    # The daemon's own lock: refused while one runs, and none can start during the copy.
+    lock = HomeLock(layout.lock)
+    try:
+        lock.acquire()
+    except HomeLocked as exc:
+        click.echo(f"kandevd: {exc}; stop it before migrating", err=True)
+        sys.exit(EXIT_TEMPFAIL)
+    except OSError as exc:
+        click.echo(f"kandevd: cannot lock home {layout.root}: {exc}", err=True)
+        sys.exit(EXIT_CANTCREAT)
+    try:
+        code = _migrate(layout.db, url, shown)
+    finally:
+        lock.release()
+    if code:
+        sys.exit(code)
+
+
+def _migrate(path: Path, url: str, shown: str) -> int:
+    """The copy of ``path`` into ``url`` (the home locked); the exit status."""
+    from kandevd.store.copy import (
+        CopyError,
+        SourceUnusable,
+        TargetNotEmpty,
+        VerificationFailed,
+        copy_tables,
+        open_source,
+        plan,
+    )
+    from kandevd.store.db import open_store
+
+    try:
+        source = open_source(path)
+    except SourceUnusable as exc:
+        click.echo(f"kandevd: {exc}", err=True)
+        return EXIT_IOERR
+    try:
+        try:
+            store = open_store(url)
+        except (sqlite3.Error, RuntimeError) as exc:
+            click.echo(f"kandevd: cannot open {shown}: {_scrub(str(exc), url)}", err=True)
+            return EXIT_IOERR
+        try:
+            plans = plan(source, store)
+            total = sum(table.rows for table in plans)
+            with click.progressbar(length=total, label=f"copying {total} rows",
+                                   file=sys.stderr, hidden=not sys.stderr.isatty()) as bar:
+                counts = copy_tables(source, store, plans, progress=bar.update)
+        except TargetNotEmpty as exc:
+            click.echo(f"kandevd: {shown} is not empty ({exc}): migrate into a new, empty "
+                       "database; nothing was written", err=True)
+            return EXIT_PROBLEMS
+        except VerificationFailed as exc:
+            for count in exc.counts:
+                click.echo(f"{count.name}: {count.source} rows" + (
+                    "" if count.matches else f" (target: {count.target})"))
+            click.echo(f"kandevd: verification failed: the row counts of "
+                       f"{', '.join(exc.mismatched)} differ; the copy was rolled back, "
+                       f"{shown} holds none of it", err=True)
+            return EXIT_PROBLEMS
+        except SourceUnusable as exc:
+            click.echo(f"kandevd: database {path}: {exc}; the copy was rolled back, {shown} "
+                       "holds none of it", err=True)
+            return EXIT_IOERR
+        except CopyError as exc:
+            click.echo(f"kandevd: {_scrub(str(exc), url)}; nothing was written", err=True)
+            return EXIT_PROBLEMS
+        except sqlite3.Error as exc:
+            click.echo(f"kandevd: copying into {shown} failed: {_scrub(str(exc), url)}; the "
+                       f"copy was rolled back, {shown} holds none of it", err=True)
+            return EXIT_PROBLEMS
+        finally:
+            store.close()
+    finally:
+        source.close()
+    for count in counts:
+        click.echo(f"{count.name}: {count.target} rows")
+    click.echo(f"verified: {len(counts)} tables, {sum(c.target for c in counts)} rows copied "
+               f"from {path} to {shown}")
+    return 0

@@ -20,11 +20,11 @@ import sqlite3
 import threading
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kandevd import __version__
 from kandevd.bus import EventBus
-from kandevd.config import Config, ConfigError, config_changes, load_config
+from kandevd.config import Config, ConfigError, config_changes, load_config, redact_url
 from kandevd.control.registry import Registry
 from kandevd.control.server import ControlServer, NotASocket, SocketInUse
 from kandevd.faults import Faults
@@ -42,10 +42,13 @@ from kandevd.sdnotify import notifier, queue_status
 from kandevd.services import Services
 from kandevd.shutdown import MainThreadWaiter, ShutdownCoordinator, SignalWiring
 from kandevd.store.check import DatabaseUnusable, open_checked
-from kandevd.store.db import Store
+from kandevd.store.db import BaseStore, open_store
 from kandevd.store.retention import RunPruner, db_status
 from kandevd.store.runs import RunRepository
 from kandevd.timeutil import rfc3339, utc_now
+
+if TYPE_CHECKING:
+    from kandevd.cluster import Cluster
 
 log = logging.getLogger("kandevd.daemon")
 
@@ -86,7 +89,7 @@ class Daemon:
         self.stop_signal = StopSignal()
         self.loops: dict[str, Loop] = {}
         self._lock = HomeLock(layout.lock)
-        self.store: Store | None = None
+        self.store: BaseStore | None = None
         self.bus: EventBus | None = None
         self.runtime: AgentRuntime | None = None
         self.queue: RunQueue | None = None
@@ -95,15 +98,13 @@ class Daemon:
         self._wiring: SignalWiring | None = None
         self.metrics: DaemonMetrics | None = None
         self.metrics_http: MetricsHTTPServer | None = None
+        self.cluster: Cluster | None = None  # only on a PostgreSQL store
 
     # -- building ----------------------------------------------------------------
     def _build(self) -> None:
         for folder in (self.layout.run_logs, self.layout.runs, self.layout.attempts):
             folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        try:
-            self.store = open_checked(self.layout.db)
-        except DatabaseUnusable as exc:
-            raise StartupError(str(exc), EXIT_IOERR) from None
+        self.store = self._open_store()
         self.bus = EventBus()
         self.runtime = AgentRuntime(self.config.runtime.max_concurrent,
                                     self.config.runtime.stop_grace_s)
@@ -117,8 +118,23 @@ class Daemon:
         queue_loop = QueueLoop(self.queue, safety_interval_s=self.config.queue.safety_interval_s,
                                max_claims_per_tick=self.config.queue.max_claims_per_tick,
                                pruner=RunPruner(self.store, self.layout,
-                                                self.config.queue.retention_days),
+                                                self.config.queue.retention_days,
+                                                home_only=self.store.dialect != "sqlite"),
                                parent=self.stop_signal)
+        if self.store.dialect == "postgresql":
+            from kandevd.cluster import Cluster  # psycopg: only with a PostgreSQL store
+
+            repo.peers_dead_after_s = self.config.cluster.dead_after_s
+            self.cluster = Cluster(self.store, self.config.cluster, self.boot_id,
+                                   str(self.layout.root), wake=queue_loop.wake,
+                                   on_beat=self.queue.settle_with_peers)
+            try:
+                self.cluster.join()
+            except sqlite3.Error as exc:
+                self.store.close()
+                raise StartupError(f"store.url {self.store.path}: cannot join the cluster: "
+                                   f"{exc}", EXIT_IOERR) from None
+            self.bus.subscribe("*", self.cluster.on_event)
         self.loops = {"queue": queue_loop}
         for name, loop in self._extra_loops().items():
             self.loops[name] = loop
@@ -136,6 +152,22 @@ class Daemon:
             module.register(registry, services)
         self.server = ControlServer(self.layout.socket, registry,
                                     idle_timeout_s=self.config.control.idle_timeout_s)
+
+    def _open_store(self) -> BaseStore:
+        """The configured store, open and migrated, or a :class:`StartupError` (exit 74)."""
+        url = self.config.store.url
+        if url is None:
+            try:
+                return open_checked(self.layout.db)
+            except DatabaseUnusable as exc:
+                raise StartupError(str(exc), EXIT_IOERR) from None
+        try:
+            store = open_store(url)
+        except (sqlite3.Error, RuntimeError) as exc:
+            raise StartupError(f"store.url {redact_url(url)}: the database cannot be used: "
+                               f"{exc}", EXIT_IOERR) from None
+        log.info("store: PostgreSQL at %s", store.path)
+        return store
 
     def _extra_loops(self) -> dict[str, Loop]:
         """Loops other than the queue (Office maintenance, cron), built from config."""
@@ -252,6 +284,9 @@ class Daemon:
                                min(self.config.runtime.stop_grace_s, ORPHAN_GRACE_CAP_S),
                                keep=adopted)
             self.queue.recover_after_restart()
+            if self.cluster is not None:
+                self.cluster.start()
+                started.append(("leave the cluster", self._leave_cluster))
             for loop in self.loops.values():
                 loop.start()
                 started.append((f"stop {loop.name} loop", loop.stop))
@@ -294,12 +329,21 @@ class Daemon:
             steps.append((f"stop {loop.name} loop", loop.stop))
         steps += [
             ("stop agent runtime", self._stop_runtime),
+            # After the runtime: the heartbeat goes on while executions end, so no other
+            # daemon takes this one for dead and runs its claims a second time.
+            ("leave the cluster", self._leave_cluster),
             ("close control connections", self.server.close),
             ("close event bus", self.bus.close),
             ("stop metrics server", self._stop_metrics_http),
             ("close store", self.store.close),
         ]
         return steps
+
+    def _leave_cluster(self) -> None:
+        cluster = self.cluster
+        if cluster is not None:
+            cluster.stop()
+            cluster.leave()
 
     def _start_metrics_http(self) -> None:
         """``metrics.listen``: serve /metrics and /health (after the control socket)."""
@@ -381,6 +425,8 @@ class Daemon:
         store = self.store
         if store is None or store.closed:
             return {}
+        if store.dialect != "sqlite":
+            self._status_cache = None  # other daemons write too: no cheap way to know
         try:
             wal = os.stat(store.path + "-wal")
             generation: tuple[int, int, int] = (store.commits, wal.st_size, wal.st_mtime_ns)
@@ -453,6 +499,8 @@ class Daemon:
         cron = self.loops.get("cron")
         if cron is not None:
             result["scheduler"] = cron.status()  # type: ignore[attr-defined]
+        if self.cluster is not None and self.store is not None and not self.store.closed:
+            result["cluster"] = self.cluster.status()
         for name, loop in self.loops.items():
             extra = getattr(loop, "stats", None)
             if callable(extra):

@@ -30,10 +30,13 @@ def build_loops(daemon: Daemon) -> dict[str, Loop]:
         from kandevd.office.subscribers import AssignmentSubscriber
 
         AssignmentSubscriber(daemon.store, daemon.queue).attach(daemon.bus)
+        cluster = daemon.cluster
         loops["office"] = OfficeLoop(daemon.store, daemon.queue, daemon.bus, daemon.config.office,
+                                     leader=cluster.is_leader if cluster else None,
                                      parent=daemon.stop_signal)
     from kandevd.scheduler.build import build_cron_loop
 
     loops["cron"] = build_cron_loop(daemon.config, daemon.layout, daemon.runtime,
-                                    parent=daemon.stop_signal)
+                                    parent=daemon.stop_signal,
+                                    fire_gate=daemon.cluster.fire_gate if daemon.cluster else None)
     return loops

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from kandevd.bus import EventBus
 from kandevd.config import Config
 from kandevd.paths import HomeLayout
-from kandevd.store.db import Store
+from kandevd.store.db import BaseStore
 
 if TYPE_CHECKING:
     from kandevd.queue.processor import RunQueue
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 class Services:
     config: Config
     layout: HomeLayout
-    store: Store
+    store: BaseStore
     bus: EventBus
     runtime: AgentRuntime
     queue: RunQueue

@@ -9,6 +9,13 @@ from typing import Any
 import pytest
 
 from tests.harness import DaemonProcess
+from tests.stores import (  # noqa: F401 (fixtures)
+    backend,
+    empty_pg_url,
+    pg_base,
+    pg_url,
+    store_location,
+)
 
 # Small, fast defaults for integration tests; a test overrides what it exercises.
 FAST_CONFIG: dict[str, Any] = {

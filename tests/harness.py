@@ -216,8 +216,9 @@ def seed_agents(daemon: DaemonProcess, workspace: str, agents: list[str], **agen
     """Create a workspace and agents directly in SQLite when no model methods exist yet."""
     with daemon.db() as conn:
         now = "2026-01-01T00:00:00.000000Z"
-        conn.execute("INSERT OR IGNORE INTO workspaces (id, name, office_workflow_id, created_at,"
-                     " updated_at) VALUES (?, ?, '', ?, ?)", (workspace, workspace, now, now))
+        conn.execute("INSERT INTO workspaces (id, name, office_workflow_id, created_at,"
+                     " updated_at) VALUES (?, ?, '', ?, ?) ON CONFLICT DO NOTHING",
+                     (workspace, workspace, now, now))
         for agent in agents:
             conn.execute("INSERT INTO agents (id, workspace_id, name, profile, cooldown_s, status,"
                          " created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",

@@ -42,7 +42,7 @@ from kandevd.paths import HomeLayout
 from kandevd.queue.processor import RunQueue
 from kandevd.runtime import AgentRuntime, ExecutionResult, RuntimeFull
 from kandevd.runtime.specs import agent_execution
-from kandevd.store.db import Store
+from kandevd.store.db import BaseStore
 from kandevd.timeutil import rfc3339, utc_now
 
 if TYPE_CHECKING:
@@ -68,7 +68,7 @@ def changed_fields(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[
 
 
 class WorkspaceService:
-    def __init__(self, store: Store, bus: EventBus, queue: RunQueue, runtime: AgentRuntime,
+    def __init__(self, store: BaseStore, bus: EventBus, queue: RunQueue, runtime: AgentRuntime,
                  config: Config, layout: HomeLayout, *,
                  clock: Callable[[], datetime] = utc_now) -> None:
         self.store = store

@@ -8,7 +8,7 @@ scope's runs whose cost was recorded in the period (``finished_at``, else
 
 Each tick, for every policy, every threshold crossed (``alert_threshold_pct``
 and 100 %) is recorded once per period in ``office_budget_alerts`` (primary
-key policy, period, threshold) - the ``INSERT OR IGNORE`` that succeeds is
+key policy, period, threshold) - the insert (``ON CONFLICT DO NOTHING``) that succeeds is
 the one that publishes ``budget.alert`` on the bus and logs a warning, so an
 alert is never repeated within its period, across ticks or restarts.
 
@@ -48,7 +48,7 @@ from typing import Any
 
 from kandevd.bus import EventBus
 from kandevd.office.predicate import PROBE_TAG
-from kandevd.store.db import Store
+from kandevd.store.db import BaseStore
 from kandevd.timeutil import rfc3339
 
 from . import HandlerResult
@@ -152,7 +152,7 @@ def budget_blocker(conn: sqlite3.Connection, agent_id: str, workspace_id: str,
 class BudgetGuard:
     name = "budgets"
 
-    def __init__(self, store: Store, bus: EventBus) -> None:
+    def __init__(self, store: BaseStore, bus: EventBus) -> None:
         self.store = store
         self.bus = bus
 
@@ -180,8 +180,9 @@ class BudgetGuard:
                 if spent < limit * pct / 100.0:
                     break
                 inserted = conn.execute(
-                    "INSERT OR IGNORE INTO office_budget_alerts (policy_id, period_key,"
-                    " threshold_pct, spent_cents, created_at) VALUES (?, ?, ?, ?, ?)",
+                    "INSERT INTO office_budget_alerts (policy_id, period_key,"
+                    " threshold_pct, spent_cents, created_at) VALUES (?, ?, ?, ?, ?)"
+                    " ON CONFLICT DO NOTHING",
                     (policy["id"], period_key, pct, spent, rfc3339(now))).rowcount
                 if not inserted:
                     continue

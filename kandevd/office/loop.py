@@ -29,7 +29,10 @@ from kandevd.office.budgets import BudgetGuard
 from kandevd.office.recovery import UnstartedTaskRecovery
 from kandevd.office.routines import RoutineScheduler
 from kandevd.queue.processor import RunQueue
-from kandevd.store.db import Store
+from kandevd.store.db import BaseStore
+
+#: How soon a daemon that is not the leader looks again whether it has become it.
+FOLLOWER_RECHECK_S = 2.0
 
 #: handler name -> (stats counter of its scans, stats counter of what it did)
 COUNTERS = {
@@ -46,9 +49,13 @@ class Handler(Protocol):
 
 
 class OfficeLoop(Loop):
-    def __init__(self, store: Store, queue: RunQueue, bus: EventBus, config: OfficeConfig,
-                 *, handlers: list[Handler] | None = None, **kwargs: Any) -> None:
+    def __init__(self, store: BaseStore, queue: RunQueue, bus: EventBus, config: OfficeConfig,
+                 *, handlers: list[Handler] | None = None,
+                 leader: Callable[[], bool] | None = None, **kwargs: Any) -> None:
         super().__init__("office", **kwargs)
+        #: Several daemons (PostgreSQL): only the leader runs Office maintenance; the
+        #: others look again every few seconds, to take over quickly when it dies.
+        self.leader = leader
         self.interval_s = float(config.interval_s)
         self.handlers: list[Handler] = handlers if handlers is not None else [
             UnstartedTaskRecovery(store, queue, lookback_hours=config.recovery_lookback_hours),
@@ -60,6 +67,8 @@ class OfficeLoop(Loop):
                        **{name: 0 for pair in COUNTERS.values() for name in pair}}
 
     def tick(self, now: datetime) -> float:
+        if self.leader is not None and not self.leader():
+            return min(self.interval_s, FOLLOWER_RECHECK_S)
         jobs: list[tuple[str, Callable[[], Any]]] = [
             (handler.name, partial(handler.tick, now)) for handler in self.handlers]
         results = self.fanout.run(jobs)

@@ -55,7 +55,7 @@ from kandevd.model.repository import RUNNER_SQL
 from kandevd.office.predicate import OFFICE_TASK_SQL, office_adopted
 from kandevd.office.subscribers import REASON, task_assigned_key
 from kandevd.queue.processor import RunQueue
-from kandevd.store.db import Store
+from kandevd.store.db import BaseStore
 from kandevd.store.runs import RunReferenceError
 from kandevd.timeutil import rfc3339
 
@@ -74,7 +74,7 @@ MAX_CHAINS_PER_TASK = 3
 _BLOCKING = "('queued', 'claimed', 'finished')"
 #: cancel reasons the daemon writes itself; any other cancel is a user's
 SYSTEM_CANCEL_REASONS = ("reassigned", "run_too_old")
-_WITHDRAWN = "(c.status = 'cancelled' AND c.cancel_reason IS 'reassigned')"
+_WITHDRAWN = "(c.status = 'cancelled' AND COALESCE(c.cancel_reason, '') = 'reassigned')"
 #: chains used by task ``t``: its ``task_assigned`` runs since ``:cutoff``, withdrawals aside
 _CHAINS_SQL = (f"(SELECT COUNT(*) FROM runs c WHERE c.task_id = t.id AND c.reason = '{REASON}'"
                f" AND c.requested_at >= :cutoff AND NOT {_WITHDRAWN})")
@@ -116,7 +116,7 @@ FROM tasks t WHERE t.id = :task AND {RECOVERABLE_SQL}
 class UnstartedTaskRecovery:
     name = "recovery"
 
-    def __init__(self, store: Store, queue: RunQueue, *, lookback_hours: float,
+    def __init__(self, store: BaseStore, queue: RunQueue, *, lookback_hours: float,
                  max_per_tick: int = MAX_PER_TICK,
                  max_chains: int = MAX_CHAINS_PER_TASK) -> None:
         self.store = store

@@ -46,7 +46,7 @@ from typing import Any
 from kandevd.cron import CronError, CronSchedule, parse_cron
 from kandevd.office.predicate import PROBE_TAG
 from kandevd.queue.processor import RunQueue
-from kandevd.store.db import Store
+from kandevd.store.db import BaseStore
 from kandevd.store.runs import RunReferenceError
 from kandevd.timeutil import parse_rfc3339, rfc3339
 
@@ -143,7 +143,7 @@ def first_next_run_at(cron_expression: str, timezone: str, now: datetime) -> str
 class RoutineScheduler:
     name = "routines"
 
-    def __init__(self, store: Store, queue: RunQueue) -> None:
+    def __init__(self, store: BaseStore, queue: RunQueue) -> None:
         self.store = store
         self.queue = queue
 

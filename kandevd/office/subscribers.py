@@ -28,7 +28,7 @@ from typing import Any
 from kandevd.bus import EventBus
 from kandevd.office.predicate import is_office_task
 from kandevd.queue.processor import RunQueue
-from kandevd.store.db import Store
+from kandevd.store.db import BaseStore
 from kandevd.store.runs import EnqueueResult, RunConflict, RunNotFound, RunReferenceError
 
 #: Statuses of an earlier assignment run that do not stand for the work being done.
@@ -66,7 +66,7 @@ def assignment_target(task: Mapping[str, Any], office_workflow_id: str | None) -
 class AssignmentSubscriber:
     """Queues ``task_assigned`` runs for Office tasks; subscribe with :meth:`attach`."""
 
-    def __init__(self, store: Store, queue: RunQueue) -> None:
+    def __init__(self, store: BaseStore, queue: RunQueue) -> None:
         self.store = store
         self.queue = queue
 

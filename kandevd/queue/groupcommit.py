@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from kandevd.store.db import Store
+from kandevd.store.db import BaseStore
 
 log = logging.getLogger("kandevd.queue.commit")
 
@@ -44,7 +44,7 @@ class _Op:
 class GroupCommit:
     """Runs write operations on ``store``, batching those submitted concurrently."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: BaseStore) -> None:
         self.store = store
         self._pending_lock = threading.Lock()
         self._commit_lock = threading.Lock()

@@ -707,6 +707,26 @@ class RunQueue:
                           "claimed by a previous daemon instance")
         return recovered
 
+    def settle_with_peers(self) -> None:
+        """A cluster heartbeat: rescue dead daemons' claims, stop executions lost here.
+
+        Claims of daemons whose heartbeat is older than ``cluster.dead_after_s``
+        are re-queued (an attempt counted) or failed once their attempts are
+        used. A run live here that this daemon no longer holds (cancelled on
+        another daemon, or rescued because this one was taken for dead) has its
+        execution stopped: someone else owns the run now.
+        """
+        rescued = self.repo.requeue_foreign_claims(
+            self.clock(), "the daemon that claimed it stopped (no heartbeat)",
+            keep=self.live_runs())
+        if rescued:
+            self._log_rescued(rescued, "claimed by a daemon that stopped")
+            self.signal()
+        for run_id in self.repo.not_claimed_here(self.live_runs()):
+            log.warning("run %s: no longer claimed by this daemon (cancelled or taken over "
+                        "elsewhere); stopping its execution here", run_id)
+            self.runtime.stop_execution(run_id, "the run is no longer claimed by this daemon")
+
     def cancel(self, run_id: str, reason: str | None = None, *,
                only_queued: bool = False) -> dict[str, Any]:
         run, previous = self.repo.cancel(run_id, reason, self.clock(), only_queued=only_queued)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,8 @@ def scheduler_root(config: Config, home: Path) -> Path:
 
 
 def build_cron_loop(config: Config, layout: HomeLayout, runtime: Any, *,
-                    parent: StopSignal | None = None) -> CronLoop:
+                    parent: StopSignal | None = None,
+                    fire_gate: Callable[[str, datetime], bool] | None = None) -> CronLoop:
     """The cron loop over the home's workflow root, its jobs loaded (histories a dead
     daemon left ``running`` are closed here, before anything can start a session)."""
     registry = JobRegistry(scheduler_root(config, layout.root),
@@ -37,4 +40,5 @@ def build_cron_loop(config: Config, layout: HomeLayout, runtime: Any, *,
                              spawn=loop.fanout.spawn, fire_buffered=loop.fire_buffered)
 
     return CronLoop(registry, runner_factory=runner,
-                    stop_grace_s=config.runtime.stop_grace_s, parent=parent)
+                    stop_grace_s=config.runtime.stop_grace_s, parent=parent,
+                    fire_gate=fire_gate)

@@ -66,6 +66,8 @@ class JobState:
     skipped_disabled: int = 0
     missed_while_down: int = 0
     next_fire: datetime | None = None
+    #: The occurrence the last ``due()`` found (the fire's intended time).
+    due_at: datetime | None = None
     last_success_at: str | None = None
 
     def record(self, entry: dict[str, Any]) -> None:
@@ -351,6 +353,7 @@ class JobRegistry:
             for job in self._jobs.values():
                 moment = job.state.next_fire
                 if moment is not None and moment <= now:
+                    job.state.due_at = moment
                     job.state.next_fire = next_fire(job.schedule, max(moment, now))
                     fired.append(job)
         return sorted(fired, key=lambda j: j.id)

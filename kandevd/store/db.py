@@ -48,9 +48,23 @@ BUSY_TIMEOUT_MS = 10_000
 _ENVIRONMENTAL = re.compile(r"full|locked|busy|disk I/O|readonly", re.IGNORECASE)
 
 
+class StoreUnavailable(sqlite3.OperationalError):
+    """The database server cannot be reached now (a network store); it passes.
+
+    The store's errors are the DB-API classes of :mod:`sqlite3` whatever the
+    backend, so the code above the store catches one family of exceptions.
+    """
+
+
 def is_environmental(exc: BaseException) -> bool:
-    """A full disk or a busy database: the environment, not a bug; it passes."""
-    return isinstance(exc, sqlite3.OperationalError) and bool(_ENVIRONMENTAL.search(str(exc)))
+    """A full disk, a busy database or an unreachable server: the environment; it passes."""
+    return isinstance(exc, StoreUnavailable) or (
+        isinstance(exc, sqlite3.OperationalError) and bool(_ENVIRONMENTAL.search(str(exc))))
+
+
+def is_disconnected(exc: BaseException) -> bool:
+    """Did the connection itself break (only a network store's can)?"""
+    return isinstance(exc, StoreUnavailable)
 
 
 class StoreError(RuntimeError):
@@ -77,7 +91,7 @@ class _Reader:
 
     __slots__ = ("closed", "conn", "lock")
 
-    def __init__(self, conn: sqlite3.Connection) -> None:
+    def __init__(self, conn: Any) -> None:
         self.conn = conn
         self.lock = threading.RLock()
         self.closed = False
@@ -89,12 +103,19 @@ class _Reader:
                 self.conn.close()
 
 
-class Store:
-    #: The class of every connection the store opens (a test may record statements).
-    connection_factory: type[sqlite3.Connection] = sqlite3.Connection
+class BaseStore:
+    """What every store shares: the guarded writer, the reader pool, transactions.
 
-    def __init__(self, path: Path | str, *, synchronous: str = "FULL") -> None:
-        self.path = str(path)
+    A backend gives :meth:`_open_reader_connection`, :meth:`_begin`,
+    :meth:`_in_transaction`, :meth:`_note_failure` and :meth:`_close_writer`;
+    the locking, the nesting of transactions, the after-commit callbacks and
+    the routing of reads are the same for every database.
+    """
+
+    #: Which SQL dialect the store speaks (``sqlite`` or ``postgresql``).
+    dialect = "sqlite"
+
+    def _init_common(self) -> None:
         self._lock = threading.RLock()
         self._closed = False
         self.statements = 0
@@ -106,49 +127,44 @@ class Store:
         self._readers_lock = threading.Lock()
         self._readers: set[_Reader] = set()  # every open read connection
         self._idle_readers: list[_Reader] = []
-        self._memory = self.path == ":memory:" or self.path.startswith("file::memory:") \
-            or "mode=memory" in self.path
+        self._memory = False
         self._after_commit: list[Callable[[], None]] = []
         self.degraded: str | None = None  # why the database is damaged (see _note_failure)
-        conn = sqlite3.connect(
-            self.path, check_same_thread=False, isolation_level=None,
-            timeout=BUSY_TIMEOUT_MS / 1000, factory=self.connection_factory,
-        )
-        conn.row_factory = sqlite3.Row
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
-        conn.execute("PRAGMA foreign_keys=ON")
-        conn.execute(f"PRAGMA synchronous={synchronous}")
-        self._last_written: str | None = None
-        conn.set_trace_callback(self._trace_writer)
         self._trace_file = None
         trace_path = os.environ.get("KANDEVD_TRACE_SQL")
         if trace_path:
             # Debug aid (and what the Office gating tests read): every statement, one per line.
             self._trace_file = open(trace_path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
-        self._conn = conn
-        if self.path != ":memory:" and os.path.exists(self.path):
-            os.chmod(self.path, 0o600)
-
-    def _trace_writer(self, statement: str) -> None:
-        """The writer's trace: each statement once, not once more per trigger it fires.
-
-        SQLite reports the start of every trigger program (the run counts of
-        migration 6 fire on each run written) as the statement that fired it,
-        and Python passes the same text again; a repeat of the text just seen
-        on this connection is that. (Running the very same statement, values
-        included, twice in a row is then counted once: a diagnostic counter.)
-        """
-        if statement == self._last_written:
-            return
-        self._last_written = statement
-        self._trace(statement)
 
     def _trace(self, statement: str) -> None:
         with self._count_lock:  # readers trace from their own threads
             self.statements += 1
             if self._trace_file is not None:
                 self._trace_file.write(" ".join(statement.split()) + "\n")
+
+    # -- backend hooks ------------------------------------------------------------
+    def _writer(self) -> Any:
+        """The writer connection (a backend may reopen a broken one here)."""
+        return self._conn
+
+    def _open_reader_connection(self) -> Any:
+        raise NotImplementedError
+
+    def _begin(self, conn: Any) -> None:
+        raise NotImplementedError
+
+    def _in_transaction(self, conn: Any) -> bool:
+        raise NotImplementedError
+
+    def _note_failure(self, exc: BaseException) -> None:
+        raise NotImplementedError
+
+    def _close_writer(self) -> None:
+        raise NotImplementedError
+
+    def size_bytes(self) -> int:
+        """How much room the database takes, in bytes."""
+        raise NotImplementedError
 
     # -- read connections ---------------------------------------------------------
     @contextmanager
@@ -192,11 +208,210 @@ class Store:
                 raise StoreClosedError()
             reader = self._idle_readers.pop() if self._idle_readers else None
         if reader is None:
-            reader = self._open_reader()
+            reader = _Reader(self._open_reader_connection())
+            with self._readers_lock:
+                if self._closed:
+                    reader.close()
+                    raise StoreClosedError()
+                self._readers.add(reader)
         local.reader = reader
         return reader
 
-    def _open_reader(self) -> _Reader:
+    def _release_reader(self, reader: _Reader) -> None:
+        with self._readers_lock:
+            if reader.closed:
+                self._readers.discard(reader)
+                return
+            if not self._closed and len(self._idle_readers) < MAX_IDLE_READERS:
+                self._idle_readers.append(reader)
+                return
+            self._readers.discard(reader)
+        reader.close()
+
+    def _discard_reader(self, reader: _Reader) -> None:
+        """A reader whose connection broke: closed, never handed out again."""
+        with self._readers_lock:
+            self._readers.discard(reader)
+            if reader in self._idle_readers:
+                self._idle_readers.remove(reader)
+        try:
+            reader.close()
+        except Exception:  # a broken connection may fail to close too
+            pass
+        if getattr(self._local, "reader", None) is reader:
+            self._local.reader = None
+
+    @property
+    def readers_open(self) -> int:
+        """How many read connections are open (checked out or idle)."""
+        with self._readers_lock:
+            return len(self._readers)
+
+    # -- access -----------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @contextmanager
+    def connection(self) -> Iterator[Any]:
+        """The raw connection under the store lock (autocommit per statement).
+
+        Inside :meth:`reading` (and outside a writer transaction of this
+        thread): this thread's read-only connection, under its own lock.
+        """
+        reader = self._checkout_reader() if self._reads_on_reader() else None
+        lock = reader.lock if reader is not None else self._lock
+        with lock:
+            if self._closed or (reader is not None and reader.closed):
+                raise StoreClosedError()
+            try:
+                yield reader.conn if reader is not None else self._writer()
+            except sqlite3.DatabaseError as exc:
+                self._note_failure(exc)
+                if reader is not None and is_disconnected(exc):
+                    self._discard_reader(reader)
+                raise
+
+    @contextmanager
+    def transaction(self) -> Iterator[Any]:
+        """Begin (the write lock taken up front) ... ``COMMIT``; ``ROLLBACK`` on any exception.
+
+        A nested use joins the outer transaction; callbacks registered with
+        :meth:`after_commit` run once the outermost one has committed.
+        """
+        with self._lock:
+            if self._closed:
+                raise StoreClosedError()
+            conn = self._writer()
+            if self._in_transaction(conn):  # nested use joins the outer transaction
+                yield conn
+                return
+            local = self._local
+            try:
+                self._begin(conn)
+            except sqlite3.DatabaseError as exc:
+                self._note_failure(exc)
+                raise
+            # This thread's reads see its own writes: on the writer until COMMIT.
+            local.writing = getattr(local, "writing", 0) + 1
+            try:
+                yield conn
+                conn.execute("COMMIT")
+                self.commits += 1
+            except BaseException as exc:
+                if isinstance(exc, sqlite3.DatabaseError):
+                    self._note_failure(exc)
+                self._after_commit.clear()  # what they announce never happened
+                # Also when COMMIT itself failed: never leave a transaction open, or every
+                # later transaction() would silently "join" it. SQLite may already have
+                # rolled back on its own (e.g. SQLITE_FULL); a second ROLLBACK would then
+                # raise and hide the real error.
+                if self._in_transaction(conn):
+                    try:
+                        conn.execute("ROLLBACK")
+                    except sqlite3.DatabaseError:
+                        if not is_disconnected(exc):
+                            raise
+                raise
+            finally:
+                local.writing -= 1
+            callbacks, self._after_commit = self._after_commit, []
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:
+                log.exception("after-commit callback %r raised; ignored", callback)
+
+    def after_commit(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` once the current transaction commits (now, outside one).
+
+        Events and wake-ups about a write must not be seen before the write is:
+        a caller nested in someone else's transaction cannot know when that
+        commits, so it defers its announcement here. A rollback drops it.
+        """
+        with self._lock:
+            if self._in_transaction(self._conn):
+                self._after_commit.append(callback)
+                return
+        callback()
+
+    def query(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> list[Any]:
+        with self.connection() as conn:
+            return conn.execute(sql, params).fetchall()
+
+    def query_one(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> Any | None:
+        with self.connection() as conn:
+            return conn.execute(sql, params).fetchone()
+
+    def execute(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> int:
+        """Run one write statement in its own transaction; return rows changed."""
+        with self.transaction() as conn:
+            return conn.execute(sql, params).rowcount
+
+    # -- lifecycle --------------------------------------------------------------
+    def close(self) -> None:
+        """Close every connection; waits for the statements in progress. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            if self.writing:
+                # Only this thread can be inside a transaction now (we hold the lock):
+                # closing under it would break the transaction's own COMMIT.
+                raise StoreError("Store.close() called inside an open transaction")
+            with self._readers_lock:
+                self._closed = True
+                readers = list(self._readers)
+                self._readers.clear()
+                self._idle_readers.clear()
+            for reader in readers:  # each waits for its read in progress
+                reader.close()
+            self._close_writer()
+            if self._trace_file is not None:
+                self._trace_file.close()
+        log.debug("store closed")
+
+
+class Store(BaseStore):
+    """The SQLite store in the home: one file, WAL, ``BEGIN IMMEDIATE`` writes."""
+
+    #: The class of every connection the store opens (a test may record statements).
+    connection_factory: type[sqlite3.Connection] = sqlite3.Connection
+
+    def __init__(self, path: Path | str, *, synchronous: str = "FULL") -> None:
+        self.path = str(path)
+        self._init_common()
+        self._memory = self.path == ":memory:" or self.path.startswith("file::memory:") \
+            or "mode=memory" in self.path
+        conn = sqlite3.connect(
+            self.path, check_same_thread=False, isolation_level=None,
+            timeout=BUSY_TIMEOUT_MS / 1000, factory=self.connection_factory,
+        )
+        conn.row_factory = sqlite3.Row
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+        conn.execute("PRAGMA foreign_keys=ON")
+        conn.execute(f"PRAGMA synchronous={synchronous}")
+        self._last_written: str | None = None
+        conn.set_trace_callback(self._trace_writer)
+        self._conn = conn
+        if self.path != ":memory:" and os.path.exists(self.path):
+            os.chmod(self.path, 0o600)
+
+    def _trace_writer(self, statement: str) -> None:
+        """The writer's trace: each statement once, not once more per trigger it fires.
+
+        SQLite reports the start of every trigger program (the run counts of
+        migration 6 fire on each run written) as the statement that fired it,
+        and Python passes the same text again; a repeat of the text just seen
+        on this connection is that. (Running the very same statement, values
+        included, twice in a row is then counted once: a diagnostic counter.)
+        """
+        if statement == self._last_written:
+            return
+        self._last_written = statement
+        self._trace(statement)
+
+    def _open_reader_connection(self) -> sqlite3.Connection:
         uri = Path(self.path).absolute().as_uri() + "?mode=ro"
         try:
             conn = sqlite3.connect(uri, uri=True, check_same_thread=False,
@@ -214,55 +429,15 @@ class Store:
             conn.close()
             self._note_failure(exc)
             raise
-        reader = _Reader(conn)
-        with self._readers_lock:
-            if not self._closed:
-                self._readers.add(reader)
-                return reader
-        conn.close()
-        raise StoreClosedError()
+        return conn
 
-    def _release_reader(self, reader: _Reader) -> None:
-        with self._readers_lock:
-            if reader.closed:
-                self._readers.discard(reader)
-                return
-            if not self._closed and len(self._idle_readers) < MAX_IDLE_READERS:
-                self._idle_readers.append(reader)
-                return
-            self._readers.discard(reader)
-        reader.close()
+    def _begin(self, conn: sqlite3.Connection) -> None:
+        conn.execute("BEGIN IMMEDIATE")
 
-    @property
-    def readers_open(self) -> int:
-        """How many read connections are open (checked out or idle)."""
-        with self._readers_lock:
-            return len(self._readers)
+    def _in_transaction(self, conn: sqlite3.Connection) -> bool:
+        return conn.in_transaction
 
-    # -- access -----------------------------------------------------------------
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    @contextmanager
-    def connection(self) -> Iterator[sqlite3.Connection]:
-        """The raw connection under the store lock (autocommit per statement).
-
-        Inside :meth:`reading` (and outside a writer transaction of this
-        thread): this thread's read-only connection, under its own lock.
-        """
-        reader = self._checkout_reader() if self._reads_on_reader() else None
-        lock = reader.lock if reader is not None else self._lock
-        with lock:
-            if self._closed or (reader is not None and reader.closed):
-                raise StoreClosedError()
-            try:
-                yield reader.conn if reader is not None else self._conn
-            except sqlite3.DatabaseError as exc:
-                self._note_failure(exc)
-                raise
-
-    def _note_failure(self, exc: sqlite3.DatabaseError) -> None:
+    def _note_failure(self, exc: BaseException) -> None:
         """A damaged database (corruption, I/O error) is reported once, then degraded.
 
         A full disk, a busy database or a constraint violation passes and is
@@ -282,107 +457,34 @@ class Store:
                       "'unavailable'; stop the daemon, run `kandevd db check`, and "
                       "restore a backup or recover it", self.path, exc)
 
-    @contextmanager
-    def transaction(self) -> Iterator[sqlite3.Connection]:
-        """``BEGIN IMMEDIATE`` ... ``COMMIT`` (``ROLLBACK`` on any exception).
+    def size_bytes(self) -> int:
+        """The database file plus its write-ahead log, in bytes."""
+        from kandevd.store.retention import db_size_bytes
 
-        A nested use joins the outer transaction; callbacks registered with
-        :meth:`after_commit` run once the outermost one has committed.
-        """
-        with self._lock:
-            if self._closed:
-                raise StoreClosedError()
-            conn = self._conn
-            if conn.in_transaction:  # nested use joins the outer transaction
-                yield conn
-                return
-            local = self._local
-            conn.execute("BEGIN IMMEDIATE")
-            # This thread's reads see its own writes: on the writer until COMMIT.
-            local.writing = getattr(local, "writing", 0) + 1
-            try:
-                yield conn
-                conn.execute("COMMIT")
-                self.commits += 1
-            except BaseException as exc:
-                if isinstance(exc, sqlite3.DatabaseError):
-                    self._note_failure(exc)
-                self._after_commit.clear()  # what they announce never happened
-                # Also when COMMIT itself failed: never leave a transaction open, or every
-                # later transaction() would silently "join" it. SQLite may already have
-                # rolled back on its own (e.g. SQLITE_FULL); a second ROLLBACK would then
-                # raise and hide the real error.
-                if conn.in_transaction:
-                    conn.execute("ROLLBACK")
-                raise
-            finally:
-                local.writing -= 1
-            callbacks, self._after_commit = self._after_commit, []
-        for callback in callbacks:
-            try:
-                callback()
-            except Exception:
-                log.exception("after-commit callback %r raised; ignored", callback)
+        return db_size_bytes(self.path)
 
-    def after_commit(self, callback: Callable[[], None]) -> None:
-        """Run ``callback`` once the current transaction commits (now, outside one).
-
-        Events and wake-ups about a write must not be seen before the write is:
-        a caller nested in someone else's transaction cannot know when that
-        commits, so it defers its announcement here. A rollback drops it.
-        """
-        with self._lock:
-            if self._conn.in_transaction:
-                self._after_commit.append(callback)
-                return
-        callback()
-
-    def query(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> list[sqlite3.Row]:
-        with self.connection() as conn:
-            return conn.execute(sql, params).fetchall()
-
-    def query_one(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()
-                  ) -> sqlite3.Row | None:
-        with self.connection() as conn:
-            return conn.execute(sql, params).fetchone()
-
-    def execute(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> int:
-        """Run one write statement in its own transaction; return rows changed."""
-        with self.transaction() as conn:
-            return conn.execute(sql, params).rowcount
-
-    # -- lifecycle --------------------------------------------------------------
-    def close(self) -> None:
-        """Close every connection; waits for the statements in progress. Idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            if self._conn.in_transaction:
-                # Only this thread can be inside a transaction now (we hold the lock):
-                # closing under it would break the transaction's own COMMIT.
-                raise StoreError("Store.close() called inside an open transaction")
-            with self._readers_lock:
-                self._closed = True
-                readers = list(self._readers)
-                self._readers.clear()
-                self._idle_readers.clear()
-            for reader in readers:  # each waits for its read in progress
-                reader.close()
-            try:
-                self._conn.execute("PRAGMA optimize")
-            except sqlite3.Error:
-                pass
-            self._conn.close()
-            if self._trace_file is not None:
-                self._trace_file.close()
-        log.debug("store closed")
+    def _close_writer(self) -> None:
+        try:
+            self._conn.execute("PRAGMA optimize")
+        except sqlite3.Error:
+            pass
+        self._conn.close()
 
 
-def open_store(path: Path | str, **kwargs: Any) -> Store:
-    """Open the store and bring its schema up to date."""
+def open_store(path: Path | str, **kwargs: Any) -> BaseStore:
+    """Open the store and bring its schema up to date.
+
+    ``path``: a SQLite file, or a ``postgresql://`` URL (the shared store).
+    """
     from kandevd.store.migrations import migrate
 
-    store = Store(path, **kwargs)
+    store: BaseStore
+    if isinstance(path, str) and path.startswith(("postgresql://", "postgres://")):
+        from kandevd.store.pg import PgStore
+
+        store = PgStore(path)
+    else:
+        store = Store(path, **kwargs)
     try:
         migrate(store)
     except BaseException:

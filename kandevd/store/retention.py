@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from kandevd.paths import HomeLayout, check_safe_name
-from kandevd.store.db import Store
+from kandevd.store.db import BaseStore
 from kandevd.store.runs import IDEMPOTENCY_WINDOW_S
 from kandevd.timeutil import after, rfc3339
 
@@ -74,6 +74,12 @@ _DAY_S = 86400.0
 #: expression are exactly those of the partial index ``runs_terminal_ended``, and
 #: the index is named: without statistics the planner would rather walk
 #: ``runs(status, seq)`` (every terminal run) and sort.
+#: Several daemons on one store: each prunes the runs whose files are in its own home
+#: (and runs that never executed, which have none), so no home keeps files of runs
+#: another daemon deleted.
+_HOME_ONLY = ("AND (r.log_path IS NULL"
+              " OR substr(r.log_path, 1, length(:home_prefix)) = :home_prefix)")
+
 _CANDIDATES = """/* retention */
 SELECT r.seq, r.id, r.log_path FROM runs r INDEXED BY runs_terminal_ended
 WHERE r.status IN ('finished', 'failed', 'cancelled')
@@ -86,6 +92,7 @@ WHERE r.status IN ('finished', 'failed', 'cancelled')
                OR (p.scope_type = 'workspace' AND p.scope_id = r.workspace_id))
           AND (p.period != 'monthly'
                OR COALESCE(r.finished_at, r.requested_at) >= :month_start)))
+  {home_only}
 ORDER BY COALESCE(r.finished_at, r.updated_at)
 LIMIT :limit
 """
@@ -103,7 +110,7 @@ def _month_start(now: datetime) -> datetime:
     return datetime(moment.year, moment.month, 1, tzinfo=UTC)
 
 
-def oldest_run_at(store: Store) -> str | None:
+def oldest_run_at(store: BaseStore) -> str | None:
     """``requested_at`` of the oldest retained run (the first in request order), or None."""
     row = store.query_one("SELECT requested_at FROM runs ORDER BY seq LIMIT 1")
     return row[0] if row else None
@@ -120,19 +127,20 @@ def db_size_bytes(path: str | os.PathLike[str]) -> int:
     return total
 
 
-def db_status(store: Store, retention_days: float) -> dict[str, Any]:
+def db_status(store: BaseStore, retention_days: float) -> dict[str, Any]:
     """``daemon.status``'s ``store.db``: ``{size_bytes, oldest_run_at, retention_days}``."""
-    return {"size_bytes": db_size_bytes(store.path), "oldest_run_at": oldest_run_at(store),
+    return {"size_bytes": store.size_bytes(), "oldest_run_at": oldest_run_at(store),
             "retention_days": retention_days}
 
 
 class RunPruner:
     """Deletes old terminal runs and their files, a bounded amount per call."""
 
-    def __init__(self, store: Store, layout: HomeLayout, retention_days: float, *,
+    def __init__(self, store: BaseStore, layout: HomeLayout, retention_days: float, *,
                  batch: int = BATCH, budget_s: float = BUDGET_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, home_only: bool = False) -> None:
         self.store = store
+        self._candidates = _CANDIDATES.format(home_only=_HOME_ONLY if home_only else "")
         self.layout = layout
         self.retention_days = float(retention_days)
         self.batch = max(1, int(batch))
@@ -160,9 +168,11 @@ class RunPruner:
                   "key_cutoff": rfc3339(after(now, -IDEMPOTENCY_WINDOW_S)),
                   "month_start": rfc3339(_month_start(now)),
                   "limit": self.batch + len(live)}
+        if "home_prefix" in self._candidates:
+            params["home_prefix"] = str(self.layout.root).rstrip(os.sep) + os.sep
         live_ids = frozenset(live)
         # Most passes find nothing: look without the write lock first.
-        if self.store.query_one(_CANDIDATES, {**params, "limit": 1}) is None:
+        if self.store.query_one(self._candidates, {**params, "limit": 1}) is None:
             return PruneResult()
         deleted = 0
         more = False
@@ -183,7 +193,7 @@ class RunPruner:
                       ) -> list[tuple[str, str | None]]:
         """Delete up to one batch in one transaction; ``[(id, log_path)]`` of what went."""
         with self.store.transaction() as conn:
-            rows = [r for r in conn.execute(_CANDIDATES, params).fetchall()
+            rows = [r for r in conn.execute(self._candidates, params).fetchall()
                     if r["id"] not in live][:self.batch]
             if not rows:
                 return []

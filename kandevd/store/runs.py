@@ -31,7 +31,7 @@ from typing import Any
 
 from kandevd.config import RetryConfig
 from kandevd.queue.retry import RetryDecision, decide_retry
-from kandevd.store.db import Store
+from kandevd.store.db import BaseStore
 from kandevd.timeutil import after, parse_rfc3339, rfc3339
 
 IDEMPOTENCY_WINDOW_S = 24 * 3600
@@ -41,7 +41,8 @@ STATUSES = ("queued", "claimed", "finished", "failed", "cancelled")
 
 #: An attempt's reported cost is added to what earlier attempts of the run cost,
 #: so budgets see every attempt; an attempt that reports nothing adds nothing.
-_ADD_COST = "CASE WHEN :cost IS NULL THEN cost_cents ELSE COALESCE(cost_cents, 0) + :cost END"
+_ADD_COST = ("CASE WHEN CAST(:cost AS DOUBLE PRECISION) IS NULL THEN cost_cents"
+             " ELSE COALESCE(cost_cents, 0) + CAST(:cost AS DOUBLE PRECISION) END")
 
 RUN_FIELDS = (
     "id", "seq", "workspace_id", "agent_id", "task_id", "reason", "payload", "status",
@@ -113,13 +114,17 @@ ClaimGate = Callable[[sqlite3.Connection, datetime], Mapping[str, str]]
 
 
 class RunRepository:
-    def __init__(self, store: Store, boot_id: str, *, max_attempts: int = 6,
+    def __init__(self, store: BaseStore, boot_id: str, *, max_attempts: int = 6,
                  claim_gate: ClaimGate | None = None) -> None:
         self.store = store
         self.boot_id = boot_id
         self.max_attempts = max_attempts
         self.claim_gate = claim_gate
         self._sync_level: int | None = None  # the store's PRAGMA synchronous, read once
+        #: Several daemons on one store (PostgreSQL): claims of a daemon whose heartbeat
+        #: is younger than this many seconds are its own, never rescued here. None: this
+        #: daemon is alone, and every claim not its own is an earlier instance's.
+        self.peers_dead_after_s: float | None = None
 
     # -- enqueue ----------------------------------------------------------------
     def enqueue(self, *, workspace_id: str, agent_id: str, reason: str, now: datetime,
@@ -161,7 +166,8 @@ class RunRepository:
         """Add ``inserted`` new runs to ``run_counts`` (no trigger counts inserts)."""
         if inserted:
             conn.execute("INSERT INTO run_counts (status, n) VALUES ('queued', ?)"
-                         " ON CONFLICT (status) DO UPDATE SET n = n + excluded.n", (inserted,))
+                         " ON CONFLICT (status) DO UPDATE SET n = run_counts.n + excluded.n",
+                         (inserted,))
 
     def _enqueue(self, conn: sqlite3.Connection, *, workspace_id: str, agent_id: str,
                  reason: str, now: datetime, task_id: str | None = None,
@@ -203,10 +209,10 @@ class RunRepository:
         seq = conn.execute(
             "INSERT INTO runs (id, workspace_id, agent_id, task_id, reason, payload, status,"
             " idempotency_key, key_active, requested_at, updated_at)"
-            " VALUES (?, ?, ?, ?, ?, ?, 'queued', ?, ?, ?, ?)",
+            " VALUES (?, ?, ?, ?, ?, ?, 'queued', ?, ?, ?, ?) RETURNING seq",
             (run_id, workspace_id, agent_id, task_id, reason,
              payload_json, key, 1 if key else 0, now_s, now_s),
-        ).lastrowid
+        ).fetchone()[0]
         self._remember_key(conn, key, run_id, now_s)
         # The row just written, without reading it back (RETURNING * and its
         # conversion cost a batch of a thousand a third of its time); a unit test
@@ -250,8 +256,10 @@ class RunRepository:
     def _remember_key(conn: sqlite3.Connection, key: str | None, run_id: str,
                       now_s: str) -> None:
         if key is not None:
-            conn.execute("INSERT OR REPLACE INTO run_keys (idempotency_key, run_id, created_at)"
-                         " VALUES (?, ?, ?)", (key, run_id, now_s))
+            conn.execute("INSERT INTO run_keys (idempotency_key, run_id, created_at)"
+                         " VALUES (?, ?, ?) ON CONFLICT (idempotency_key) DO UPDATE"
+                         " SET run_id = excluded.run_id, created_at = excluded.created_at",
+                         (key, run_id, now_s))
 
     def prune_keys(self, now: datetime) -> int:
         """Forget idempotency keys older than the window (they no longer deduplicate)."""
@@ -305,8 +313,8 @@ class RunRepository:
             AND (a.cooldown_until IS NULL OR a.cooldown_until <= :now)
             AND NOT EXISTS (SELECT 1 FROM runs c WHERE c.agent_id = a.id
                             AND c.status = 'claimed')
-            {exclusion})
-        WHERE s IS NOT NULL ORDER BY s LIMIT :limit
+            {exclusion}
+        ) AS heads WHERE s IS NOT NULL ORDER BY s LIMIT :limit
     """
 
     def claim_next(self, now: datetime, *, exclude_agents: Collection[str] = ()) -> Claim | None:
@@ -390,6 +398,9 @@ class RunRepository:
     @contextmanager
     def _relaxed_sync(self) -> Iterator[None]:
         """``synchronous=NORMAL`` on the store's connection for the enclosed transaction."""
+        if self.store.dialect != "sqlite":  # a SQLite setting; PostgreSQL commits as it does
+            yield
+            return
         with self.store.connection() as conn:
             if self._sync_level is None:
                 self._sync_level = int(conn.execute("PRAGMA synchronous").fetchone()[0])
@@ -420,7 +431,8 @@ class RunRepository:
             "  AND scheduled_retry_at > :now"
             " UNION ALL"
             " SELECT MIN(a.cooldown_until) FROM agents a WHERE a.cooldown_until > :now"
-            "  AND EXISTS (SELECT 1 FROM runs r WHERE r.agent_id = a.id AND r.status = 'queued'))",
+            "  AND EXISTS (SELECT 1 FROM runs r WHERE r.agent_id = a.id AND r.status = 'queued')"
+            ") AS due",
             {"now": now_s})
         return parse_rfc3339(row[0]) if row and row[0] else None
 
@@ -501,7 +513,8 @@ class RunRepository:
         Nothing ran, so the claim's attempt is given back.
         """
         with self.store.transaction() as conn:
-            return conn.execute(self._REQUEUE + ", attempt = MAX(attempt - 1, 0)"
+            return conn.execute(self._REQUEUE + ", attempt = CASE WHEN attempt > 0"
+                                " THEN attempt - 1 ELSE 0 END"
                                 " WHERE id = :id AND status = 'claimed'"
                                 " AND claim_token = :token",
                                 {"now": rfc3339(now), "id": run_id, "token": token}).rowcount > 0
@@ -533,11 +546,20 @@ class RunRepository:
                      {"now": now_s, "why": why, "seq": row["seq"]})
         return "queued"
 
+    def _not_a_live_peers(self) -> str:
+        """The SQL condition: the claim's daemon is not another live daemon."""
+        if self.peers_dead_after_s is None:
+            return ""
+        return (" AND NOT EXISTS (SELECT 1 FROM daemons d WHERE d.boot_id = runs.claimed_by"
+                " AND d.stopped_at IS NULL AND d.heartbeat_at >= now() - make_interval(secs =>"
+                f" {float(self.peers_dead_after_s)!r}))")
+
     def foreign_claims(self) -> list[sqlite3.Row]:
-        """Claims made by an earlier daemon instance (at start-up: all of theirs)."""
+        """Claims made by an earlier daemon instance or a dead daemon (at start-up: all)."""
         return self.store.query(
             "SELECT id, claim_token, agent_id, attempt FROM runs WHERE status = 'claimed'"
-            " AND (claimed_by IS NULL OR claimed_by != ?) ORDER BY seq", (self.boot_id,))
+            " AND (claimed_by IS NULL OR claimed_by != ?)" + self._not_a_live_peers()
+            + " ORDER BY seq", (self.boot_id,))
 
     def claim_of(self, run_id: str, token: str) -> Claim | None:
         """The claim ``token`` of run ``run_id`` while it is still in force, else None."""
@@ -549,6 +571,16 @@ class RunRepository:
             profile = conn.execute("SELECT profile FROM agents WHERE id = ?",
                                    (row["agent_id"],)).fetchone()
         return Claim(run_from_row(row), token, profile["profile"] if profile else "default")
+
+    def not_claimed_here(self, run_ids: Collection[str]) -> list[str]:
+        """Those of ``run_ids`` that are no longer claimed by this daemon."""
+        if not run_ids:
+            return []
+        ids = sorted(run_ids)
+        mine = {r["id"] for r in self.store.query(
+            f"SELECT id FROM runs WHERE id IN ({', '.join('?' * len(ids))})"
+            " AND status = 'claimed' AND claimed_by = ?", [*ids, self.boot_id])}
+        return [run_id for run_id in ids if run_id not in mine]
 
     def claimed_tokens(self) -> dict[str, str]:
         """``{run_id: claim_token}`` of every claimed run."""
@@ -574,8 +606,8 @@ class RunRepository:
         with self.store.transaction() as conn:
             rows = conn.execute(
                 "SELECT id, claim_token FROM runs WHERE status = 'claimed'"
-                " AND (claimed_by IS NULL OR claimed_by != ?) ORDER BY seq",
-                (self.boot_id,)).fetchall()
+                " AND (claimed_by IS NULL OR claimed_by != ?)" + self._not_a_live_peers()
+                + " ORDER BY seq", (self.boot_id,)).fetchall()
             for r in rows:
                 if r["id"] in keep:
                     continue
@@ -594,7 +626,8 @@ class RunRepository:
         """
         live_ids = set(live)
         cutoff = rfc3339(after(now, -stale_s))
-        sql = "SELECT id, claim_token FROM runs WHERE status = 'claimed' AND claimed_at < ?"
+        sql = ("SELECT id, claim_token FROM runs WHERE status = 'claimed' AND claimed_at < ?"
+               + self._not_a_live_peers())
         if not [r for r in self.store.query(sql, (cutoff,)) if r["id"] not in live_ids]:
             return {}
         why = f"the claim went stale (no execution alive after {stale_s:g}s)"

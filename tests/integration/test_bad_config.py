@@ -176,21 +176,39 @@ def test_a_good_config_still_validates_with_exit_0(tmp_path: Path) -> None:
     assert f"config ok: {config}" in good.stdout
 
 
-def test_a_postgresql_store_url_is_refused_in_one_line_without_its_password(
+def test_a_postgresql_store_that_cannot_be_reached_exits_74_without_its_password(
         tmp_path: Path) -> None:
-    """This version opens only SQLite: a shared-store URL is refused before anything starts
-    (exit 78 naming the driver's extra when psycopg is missing), and the URL's password is
-    never printed."""
+    """The config is valid (validate says so); serve cannot open the database: one line,
+    exit 74 (EX_IOERR, as for a SQLite file that cannot be opened), no password shown."""
     config = tmp_path / "pg.yaml"
-    config.write_text("store:\n  url: postgresql://kan:s3cret@db.example:5432/kandevd\n"
+    config.write_text("store:\n  url: postgresql://kan:s3cret@127.0.0.1:1/kandevd\n"
                       "cluster:\n  heartbeat_s: 1\n  dead_after_s: 5\n")
-    assert_both_refuse(tmp_path / "home", config,
-                       "store.url: postgresql://kan:***@db.example:5432/kandevd")
-    for command in ("validate", "serve"):
-        result = run(command, "--home", str(tmp_path / "home"), "--config", str(config))
+    validate = run("validate", "--home", str(tmp_path / "home"), "--config", str(config))
+    assert validate.returncode == 0, validate.stderr
+    serve = run("serve", "--home", str(tmp_path / "home"), "--config", str(config))
+    assert serve.returncode == 74, serve.stderr
+    assert "store.url postgresql://kan:***@127.0.0.1:1/kandevd: the database cannot be used" \
+        in serve.stderr
+    assert "s3cret" not in validate.stdout + validate.stderr + serve.stdout + serve.stderr
+    assert "Traceback" not in serve.stderr
+
+
+def test_a_postgresql_store_without_its_driver_is_refused_naming_the_extra(
+        tmp_path: Path) -> None:
+    """Without psycopg, validate and serve refuse (78) naming `pip install 'kandevd[postgres]'`."""
+    config = tmp_path / "pg.yaml"
+    config.write_text("store:\n  url: postgresql://kan:s3cret@db.example:5432/kandevd\n")
+    script = ("import sys; sys.modules['psycopg'] = None; from kandevd.cli import main; "
+              "sys.argv = ['kandevd', *sys.argv[1:]]; main()")
+    for command, code in (("validate", EXIT_VALIDATE_BAD_CONFIG), ("serve", EXIT_CONFIG)):
+        result = subprocess.run(
+            [sys.executable, "-c", script, command, "--home", str(tmp_path / "home"),
+             "--config", str(config)], capture_output=True, text=True, timeout=60)
+        assert result.returncode == code, result.stderr
+        assert "store.url: postgresql://kan:***@db.example:5432/kandevd needs the PostgreSQL " \
+            "driver" in result.stderr
+        assert "pip install 'kandevd[postgres]'" in result.stderr
         assert "s3cret" not in result.stdout + result.stderr
-        assert ("kandevd[postgres]" in result.stderr
-                or "not supported by this version" in result.stderr)
 
 
 def test_the_contracts_store_and_cluster_defaults_are_accepted(tmp_path: Path) -> None:

@@ -107,14 +107,13 @@ def test_sighup_applies_the_log_level_and_names_what_needs_a_restart(daemon_fact
     daemon.wait_for_line("SIGHUP: log level is now DEBUG", after=mark)
     line = daemon.wait_for_line("need a restart", after=mark)
     assert "changes to queue need a restart" in line
-    # A config the next start would refuse (a store this version cannot open) is not
-    # taken either, and its password is not logged.
+    # Another store is a restart too, and the new URL's password is not logged.
     config_file.write_text(yaml.safe_dump({**edited, "store": {
         "url": "postgresql://u:s3cret@db/k"}}))
     mark = daemon.mark()
     daemon.send_signal(signal.SIGHUP)
-    line = daemon.wait_for_line("SIGHUP: config not reloaded", after=mark)
-    assert "store.url: postgresql://u:***@db/k" in line and "s3cret" not in daemon.log_text
+    line = daemon.wait_for_line("need a restart", after=mark)
+    assert "store" in line and "s3cret" not in daemon.log_text
     # A broken file is reported and the running config stays.
     config_file.write_text("queue: [not, a, mapping]\n")
     mark = daemon.mark()

@@ -53,11 +53,12 @@ def _noop_agent(_spec: Any) -> tuple[int, str | None, float | None]:
 
 
 class OfficeEnv:
-    def __init__(self, tmp_path: Path, clock: Clock | None = None) -> None:
+    def __init__(self, tmp_path: Path, clock: Clock | None = None,
+                 location: str | None = None) -> None:
         self.clock = clock or Clock()
         self.config = build_config({}, environ={})
         self.layout = HomeLayout(tmp_path / "home")
-        self.store: Store = open_store(tmp_path / "kandevd.db")
+        self.store: Store = open_store(location or tmp_path / "kandevd.db")
         self.bus = EventBus()
         self.events: list[tuple[str, dict[str, Any]]] = []
         self.bus.subscribe("*", lambda topic, payload: self.events.append((topic, payload)))
@@ -161,9 +162,14 @@ class OfficeEnv:
 
 
 @contextmanager
-def seeded_env(tmp_path: Path, clock: Clock | None = None) -> Iterator[OfficeEnv]:
-    """An OfficeEnv with the standard seed, closed afterwards (each test file's fixture)."""
-    made = OfficeEnv(tmp_path, clock) if clock is not None else OfficeEnv(tmp_path)
+def seeded_env(tmp_path: Path, clock: Clock | None = None,
+               location: str | None = None) -> Iterator[OfficeEnv]:
+    """An OfficeEnv with the standard seed, closed afterwards (each test file's fixture).
+
+    ``location``: the store (a SQLite path or a PostgreSQL URL; default a
+    SQLite file in ``tmp_path``).
+    """
+    made = OfficeEnv(tmp_path, clock or Clock(), location)
     made.seed()
     try:
         yield made

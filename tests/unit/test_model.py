@@ -106,12 +106,13 @@ class Launched:
 
 
 class Env:
-    def __init__(self, tmp_path: Path, max_concurrent: int = 2) -> None:
+    def __init__(self, tmp_path: Path, max_concurrent: int = 2,
+                 location: str | None = None) -> None:
         self.config = build_config({"agents": {"fast": {"command": ["/bin/true"],
                                                         "timeout_s": 7, "env": {"X": "1"}}}},
                                    environ={})
         self.layout = HomeLayout(tmp_path / "home")
-        self.store: Store = open_store(tmp_path / "kandevd.db")
+        self.store: Store = open_store(location or tmp_path / "kandevd.db")
         self.bus = EventBus()
         self.events: list[tuple[str, dict[str, Any]]] = []
         self.bus.subscribe("*", lambda topic, payload: self.events.append((topic, payload)))
@@ -152,8 +153,8 @@ class Env:
 
 
 @pytest.fixture
-def env(tmp_path: Path) -> Iterator[Env]:
-    made = Env(tmp_path)
+def env(tmp_path: Path, store_location: str) -> Iterator[Env]:
+    made = Env(tmp_path, location=store_location)
     yield made
     made.agent.release.set()
     made.runtime.stop()

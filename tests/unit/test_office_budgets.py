@@ -21,8 +21,9 @@ from tests.unit.office_env import Clock, OfficeEnv, seeded_env
 
 
 @pytest.fixture
-def env(tmp_path: Path) -> Iterator[OfficeEnv]:
-    with seeded_env(tmp_path, Clock(datetime(2026, 3, 30, 22, 0, tzinfo=UTC))) as made:
+def env(tmp_path: Path, store_location: str) -> Iterator[OfficeEnv]:
+    clock = Clock(datetime(2026, 3, 30, 22, 0, tzinfo=UTC))
+    with seeded_env(tmp_path, clock, location=store_location) as made:
         yield made
 
 

@@ -20,8 +20,8 @@ CONFIG = OfficeConfig(enabled=True, interval_s=30, recovery_lookback_hours=24)
 
 
 @pytest.fixture
-def env(tmp_path: Path) -> Iterator[OfficeEnv]:
-    with seeded_env(tmp_path) as made:
+def env(tmp_path: Path, store_location: str) -> Iterator[OfficeEnv]:
+    with seeded_env(tmp_path, location=store_location) as made:
         made.model.update_workspace({"id": "ws1", "office_workflow_id": ""})  # no adoption yet
         yield made
 

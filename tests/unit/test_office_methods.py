@@ -30,8 +30,8 @@ class Methods:
 
 
 @pytest.fixture
-def env(tmp_path: Path) -> Iterator[OfficeEnv]:
-    with seeded_env(tmp_path) as made:
+def env(tmp_path: Path, store_location: str) -> Iterator[OfficeEnv]:
+    with seeded_env(tmp_path, location=store_location) as made:
         made.model.create_workspace({"id": "ws2", "name": "Two"})
         made.model.create_agent({"id": "b1", "workspace_id": "ws2", "name": "b1"})
         yield made

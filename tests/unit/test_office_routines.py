@@ -29,8 +29,8 @@ from tests.unit.office_env import T0, OfficeEnv, seeded_env
 
 
 @pytest.fixture
-def env(tmp_path: Path) -> Iterator[OfficeEnv]:
-    with seeded_env(tmp_path) as made:
+def env(tmp_path: Path, store_location: str) -> Iterator[OfficeEnv]:
+    with seeded_env(tmp_path, location=store_location) as made:
         yield made
 
 

@@ -12,8 +12,8 @@ from tests.unit.office_env import OfficeEnv, seeded_env
 
 
 @pytest.fixture
-def env(tmp_path: Path) -> Iterator[OfficeEnv]:
-    with seeded_env(tmp_path) as made:
+def env(tmp_path: Path, store_location: str) -> Iterator[OfficeEnv]:
+    with seeded_env(tmp_path, location=store_location) as made:
         AssignmentSubscriber(made.store, made.queue).attach(made.bus)
         yield made
 

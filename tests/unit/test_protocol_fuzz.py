@@ -245,7 +245,8 @@ def any_line(draw: st.DrawFn, request_id: int) -> tuple[bytes, Any]:
         return render(value), ANY_ID
     if kind == 8:  # raw bytes
         garbage = draw(st.binary(min_size=1, max_size=200)).replace(b"\n", b"")
-        return (garbage or b"\x00") + b"\n", ANY_ID
+        # A blank line is no request (no answer is due): keep at least one visible byte.
+        return (garbage if garbage.strip() else garbage + b"\x00") + b"\n", ANY_ID
     whole, _ = draw(method_request(request_id))  # a request cut short
     cut = whole[:draw(st.integers(1, max(1, len(whole) - 2)))].replace(b"\n", b"")
     return cut + b"\n", ANY_ID

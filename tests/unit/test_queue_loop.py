@@ -159,12 +159,13 @@ def make_config(**sections: Any) -> Config:
 
 
 @pytest.fixture
-def rig_factory(tmp_path: Path) -> Iterator[Callable[..., Rig]]:
+def rig_factory(tmp_path: Path, store_location: str) -> Iterator[Callable[..., Rig]]:
     made: list[Rig] = []
 
     def make(max_concurrent: int = 4, config: Config | None = None) -> Rig:
         config = config or make_config()
-        store = open_store(tmp_path / f"kandevd-{len(made)}.db")
+        # The first rig on the test's backend; any further one on a SQLite file of its own.
+        store = open_store(store_location if not made else tmp_path / f"kandevd-{len(made)}.db")
         seed(store, "ws1", "a1", "a2")
         seed(store, "ws2", "b1")
         repo = RunRepository(store, "boot-1")

@@ -32,6 +32,7 @@ from kandevd.store.db import Store, open_store
 from kandevd.store.retention import RunPruner, db_size_bytes, db_status, oldest_run_at
 from kandevd.store.runs import IDEMPOTENCY_WINDOW_S, TERMINAL, RunRepository
 from kandevd.timeutil import after, rfc3339
+from tests.stores import sqlite_only
 
 T0 = datetime(2026, 3, 15, 12, 0, 0, tzinfo=UTC)
 DAY = 86400.0
@@ -48,11 +49,11 @@ class Home:
         self.store.close()
 
 
-def open_home(root: Path) -> Home:
+def open_home(root: Path, location: str | None = None) -> Home:
     layout = HomeLayout(root.resolve())
     for folder in (layout.run_logs, layout.runs, layout.attempts):
         folder.mkdir(parents=True, exist_ok=True)
-    store = open_store(layout.db)
+    store = open_store(location or layout.db)
     now = rfc3339(T0)
     with store.transaction() as conn:
         conn.execute("INSERT INTO workspaces (id, name, office_workflow_id, created_at,"
@@ -64,8 +65,8 @@ def open_home(root: Path) -> Home:
 
 
 @pytest.fixture
-def home(tmp_path: Path) -> Iterator[Home]:
-    h = open_home(tmp_path / "home")
+def home(tmp_path: Path, store_location: str) -> Iterator[Home]:
+    h = open_home(tmp_path / "home", store_location)
     yield h
     h.close()
 
@@ -209,6 +210,7 @@ def test_a_call_stops_starting_batches_once_its_time_budget_is_spent(home: Home)
 
 
 def test_each_batch_is_its_own_transaction(home: Home) -> None:
+    sqlite_only(home.store, "SQLite trace callback")
     for i in range(5):
         add_run(home, "cancelled", after(T0, -40 * DAY + i), files=False)
     begins: list[str] = []
@@ -322,6 +324,7 @@ def test_a_log_path_elsewhere_in_the_home_goes_with_its_input(home: Home) -> Non
 
 
 def test_files_stay_when_the_batch_rolls_back(home: Home) -> None:
+    sqlite_only(home.store, "a SQLite trigger makes the batch fail")
     run_id = add_run(home, "finished", after(T0, -40 * DAY))
     home.store.execute("CREATE TRIGGER no_delete BEFORE DELETE ON runs"
                        " BEGIN SELECT RAISE(ABORT, 'refused'); END")
@@ -350,6 +353,7 @@ def test_one_info_line_per_pass_that_deleted_something(home: Home,
 
 
 def test_db_status(home: Home) -> None:
+    sqlite_only(home.store, "the size of the database file")
     assert oldest_run_at(home.store) is None
     first = add_run(home, "finished", after(T0, -5 * DAY))
     add_run(home, "queued", T0)
@@ -363,8 +367,9 @@ def test_db_status(home: Home) -> None:
 
 
 def test_the_candidate_query_uses_the_retention_index(home: Home) -> None:
+    sqlite_only(home.store, "EXPLAIN QUERY PLAN")
     plan = [r["detail"] for r in home.store.query(
-        "EXPLAIN QUERY PLAN " + retention._CANDIDATES,
+        "EXPLAIN QUERY PLAN " + retention._CANDIDATES.format(home_only=""),
         {"cutoff": rfc3339(T0), "key_cutoff": rfc3339(T0), "month_start": rfc3339(T0),
          "limit": 200})]
     assert any("USING INDEX runs_terminal_ended" in line for line in plan), plan
@@ -401,6 +406,7 @@ def test_the_safety_pass_prunes_at_most_once_per_interval_and_continues_later(
 
 def test_a_failing_retention_pass_never_disturbs_the_queue(
         home: Home, caplog: pytest.LogCaptureFixture) -> None:
+    sqlite_only(home.store, "a SQLite trigger makes the batch fail")
     add_run(home, "finished", after(T0, -40 * DAY))
     home.store.execute("CREATE TRIGGER no_delete BEFORE DELETE ON runs"
                        " BEGIN SELECT RAISE(ABORT, 'refused'); END")

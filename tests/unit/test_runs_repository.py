@@ -26,6 +26,7 @@ from kandevd.store.runs import (
     RunRepository,
 )
 from kandevd.timeutil import after, parse_rfc3339, rfc3339
+from tests.stores import sqlite_only
 
 T0 = datetime(2026, 3, 1, 12, 0, 0, tzinfo=UTC)
 POLICY = RetryConfig(max_retries=2, delays_s=(10.0, 60.0), jitter=0.25, max_age_s=3600.0)
@@ -36,8 +37,9 @@ def seed(store: Store, workspace: str, *agents: str, cooldown_s: float = 0.0,
     """Create a workspace and its agents with plain SQL (the model's methods are not needed)."""
     now = rfc3339(T0)
     with store.transaction() as conn:
-        conn.execute("INSERT OR IGNORE INTO workspaces (id, name, office_workflow_id, created_at,"
-                     " updated_at) VALUES (?, ?, '', ?, ?)", (workspace, workspace, now, now))
+        conn.execute("INSERT INTO workspaces (id, name, office_workflow_id, created_at,"
+                     " updated_at) VALUES (?, ?, '', ?, ?) ON CONFLICT DO NOTHING",
+                     (workspace, workspace, now, now))
         for agent in agents:
             conn.execute("INSERT INTO agents (id, workspace_id, name, profile, cooldown_s,"
                          " status, created_at, updated_at) VALUES (?, ?, ?, 'default', ?, ?, ?, ?)",
@@ -60,8 +62,8 @@ def count_runs(store: Store) -> int:
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> Iterator[Store]:
-    db = open_store(tmp_path / "kandevd.db")
+def store(store_location: str) -> Iterator[Store]:
+    db = open_store(store_location)
     seed(db, "ws1", "a1", "a2")
     seed(db, "ws2", "b1")
     yield db
@@ -284,6 +286,7 @@ def test_claim_records_token_and_boot_id(repo: RunRepository, store: Store) -> N
 
 def test_a_claim_relaxes_sync_for_itself_only(repo: RunRepository, store: Store) -> None:
     """The claim skips its fsync (see claim_batch); every other write keeps FULL."""
+    sqlite_only(store, "PRAGMA synchronous")
     enqueue(repo)
     assert store.query_one("PRAGMA synchronous")[0] == 2
     assert repo.claim_next(T0) is not None

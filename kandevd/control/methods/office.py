@@ -34,7 +34,7 @@ from kandevd.office.routines import (
     first_next_run_at,
 )
 from kandevd.services import Services
-from kandevd.store.db import Store
+from kandevd.store.db import BaseStore
 from kandevd.timeutil import rfc3339, utc_now
 
 NEW_ID = {"type": "string", "pattern": r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$"}
@@ -129,7 +129,7 @@ def _next_run_at(cron_expression: str, timezone: str, now: datetime) -> str | No
         raise InvalidParams(str(exc)) from None
 
 
-def _page(store: Store, table: str, params: Mapping[str, Any], filters: tuple[str, ...],
+def _page(store: BaseStore, table: str, params: Mapping[str, Any], filters: tuple[str, ...],
           mapper: Any) -> dict[str, Any]:
     where = [f"{name} = ?" for name in filters if params.get(name) is not None]
     values = [params[name] for name in filters if params.get(name) is not None]

@@ -1,0 +1,249 @@
+"""Several daemons, one PostgreSQL store: membership, heartbeats, wake-ups, the leader.
+
+Only a daemon whose ``store.url`` names PostgreSQL has a :class:`Cluster`;
+with SQLite nothing here runs. Everything rests on the database itself, not
+on a protocol of our own:
+
+- **Membership.** :meth:`Cluster.join` writes the daemon's row in ``daemons``
+  (boot id, host, pid, home, start time). Its heartbeat (``heartbeat_at``, the
+  database's clock, so the hosts' clocks do not matter) is renewed every
+  ``cluster.heartbeat_s``. A daemon not seen for ``cluster.dead_after_s`` is
+  dead: every daemon's heartbeat rescues the claims of dead daemons (re-queued
+  with their attempt counted, or the dead letter once the attempts are used;
+  fenced by their claim tokens). A daemon that starts on a home marks the
+  earlier daemons of that same host and home stopped (the home lock proves
+  they are), so it restores and adopts their executions itself.
+- **Wake-ups.** Each daemon ``LISTEN``s on :data:`CHANNEL`. A run queued,
+  finished, failed or cancelled here (each can make a run claimable) sends one
+  ``NOTIFY`` (bursts coalesce into one), and the other daemons wake their
+  queue loops at once; the safety pass stays as it was.
+- **The leader.** The daemon holding PostgreSQL's session-level advisory lock
+  :data:`~kandevd.store.pg.LEADER_LOCK` (on its listening connection) is the
+  leader: it alone runs Office maintenance and fires cron schedules. When it
+  dies its session ends, the lock is free, and the next heartbeat of another
+  daemon takes it. A cron occurrence is fired only after inserting its
+  ``(job, intended time)`` row in ``fires``, so a leader change never fires
+  an occurrence twice.
+- **Lost claims.** A run of this daemon's that is no longer claimed by it
+  (cancelled on another daemon, or rescued because this daemon was taken for
+  dead) has its execution stopped here, so it does not run on after another
+  daemon took it over.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sqlite3
+import threading
+import time
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any
+
+import psycopg
+
+from kandevd.config import ClusterConfig
+from kandevd.store.pg import LEADER_LOCK, LOCK_NAMESPACE, PgStore
+from kandevd.timeutil import rfc3339, utc_now
+
+log = logging.getLogger("kandevd.cluster")
+
+#: The LISTEN/NOTIFY channel of the run queue.
+CHANNEL = "kandevd_queue"
+#: Bus events after which a run may be claimable somewhere.
+WAKING_EVENTS = ("run.queued", "run.finished", "run.failed", "run.cancelled")
+_RECONNECT_S = 1.0
+
+
+def _iso(moment: datetime | None) -> str | None:
+    return rfc3339(moment) if moment is not None else None
+
+
+class Cluster:
+    """This daemon's membership in the cluster sharing ``store``."""
+
+    def __init__(self, store: PgStore, config: ClusterConfig, boot_id: str, home: str,
+                 *, wake: Callable[[], None], on_beat: Callable[[], None] | None = None
+                 ) -> None:
+        self.store = store
+        self.config = config
+        self.boot_id = boot_id
+        self.home = home
+        self.host = socket.gethostname()
+        self._wake = wake
+        self.on_beat = on_beat  # dead claims rescued, lost executions stopped (the queue's)
+        self._leader = False
+        self._stopping = threading.Event()
+        self._notify_wanted = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._notifier_pid: int | None = None
+        self.beats = 0
+
+    # -- membership ------------------------------------------------------------
+    def join(self) -> None:
+        """Register this daemon; earlier daemons of this host and home are stopped ones."""
+        with self.store.transaction() as conn:
+            conn.execute(
+                "UPDATE daemons SET stopped_at = now() WHERE host = ? AND home = ?"
+                " AND stopped_at IS NULL AND boot_id != ?",
+                (self.host, self.home, self.boot_id))
+            conn.execute(
+                "INSERT INTO daemons (boot_id, host, pid, home, started_at, heartbeat_at)"
+                " VALUES (?, ?, ?, ?, now(), now())",
+                (self.boot_id, self.host, os.getpid(), self.home))
+        log.info("cluster: joined as %s (host %s, pid %d); heartbeat every %gs, dead after %gs",
+                 self.boot_id, self.host, os.getpid(), self.config.heartbeat_s,
+                 self.config.dead_after_s)
+
+    def leave(self) -> None:
+        """Mark this daemon stopped (its claims are settled by now: the runtime stopped)."""
+        try:
+            self.store.execute("UPDATE daemons SET stopped_at = now() WHERE boot_id = ?",
+                               (self.boot_id,))
+        except sqlite3.Error as exc:
+            log.warning("cluster: could not mark this daemon stopped (%s); the others will "
+                        "take it for dead after %gs", exc, self.config.dead_after_s)
+
+    def is_leader(self) -> bool:
+        return self._leader
+
+    def fire_gate(self, job: str, intended: datetime) -> bool:
+        """The cron loop's gate: the leader fires an occurrence, once across daemons."""
+        return self._leader and claim_fire(self.store, self.boot_id, job, intended)
+
+    def members(self) -> list[dict[str, Any]]:
+        """Every daemon not stopped: who, where, and whether it is alive."""
+        rows = self.store.query(
+            "SELECT boot_id, host, pid, home, started_at, heartbeat_at,"
+            " heartbeat_at >= now() - make_interval(secs => ?) AS alive"
+            " FROM daemons WHERE stopped_at IS NULL ORDER BY started_at",
+            (float(self.config.dead_after_s),))
+        return [{"boot_id": r["boot_id"], "host": r["host"], "pid": r["pid"],
+                 "home": r["home"], "started_at": _iso(r["started_at"]),
+                 "heartbeat_at": _iso(r["heartbeat_at"]), "alive": bool(r["alive"]),
+                 "self": r["boot_id"] == self.boot_id} for r in rows]
+
+    def status(self) -> dict[str, Any]:
+        """``daemon.status``'s ``cluster`` member."""
+        try:
+            daemons = self.members()
+        except sqlite3.Error as exc:
+            log.debug("cluster: members cannot be read: %s", exc)
+            daemons = []
+        return {"daemons": daemons, "leader": self._leader,
+                "heartbeat_s": self.config.heartbeat_s, "dead_after_s": self.config.dead_after_s}
+
+    # -- wake-ups ----------------------------------------------------------------
+    def on_event(self, topic: str, _payload: Any) -> None:
+        """A bus subscriber: a run may be claimable now; tell the other daemons."""
+        if topic in WAKING_EVENTS:
+            self._notify_wanted.set()
+
+    # -- threads -----------------------------------------------------------------
+    def start(self) -> None:
+        for name, target in (("kandevd-cluster", self._listen_and_beat),
+                             ("kandevd-cluster-notify", self._notify_loop)):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self) -> None:
+        """Stop both threads (the leader lock goes with the listening connection)."""
+        self._stopping.set()
+        self._notify_wanted.set()
+        for thread in self._threads:
+            thread.join()
+        self._threads.clear()
+        self._leader = False
+
+    def _connect(self, name: str) -> psycopg.Connection[Any]:
+        return psycopg.connect(self.store.url, autocommit=True, application_name=name,
+                               connect_timeout=10)
+
+    def _notify_loop(self) -> None:
+        """Send one NOTIFY per burst of events, from a connection of its own."""
+        conn: psycopg.Connection[Any] | None = None
+        while True:
+            self._notify_wanted.wait()
+            if self._stopping.is_set():
+                break
+            self._notify_wanted.clear()
+            try:
+                if conn is None or conn.closed or conn.broken:
+                    conn = self._connect("kandevd-notify")
+                    self._notifier_pid = conn.info.backend_pid
+                conn.execute(f"NOTIFY {CHANNEL}")
+            except psycopg.Error as exc:
+                log.warning("cluster: NOTIFY failed (%s); the others find the work on their "
+                            "safety pass", exc)
+                conn = None
+                self._stopping.wait(_RECONNECT_S)
+        if conn is not None:
+            try:  # wake our own listener, so it stops now rather than at its timeout
+                conn.execute(f"NOTIFY {CHANNEL}, 'stop:{self.boot_id}'")
+            except psycopg.Error:
+                pass
+            conn.close()
+
+    def _listen_and_beat(self) -> None:
+        """LISTEN, and between notifications heartbeat every ``heartbeat_s``."""
+        conn: psycopg.Connection[Any] | None = None
+        next_beat = 0.0
+        while not self._stopping.is_set():
+            try:
+                if conn is None or conn.closed or conn.broken:
+                    if self._leader:
+                        log.warning("cluster: the connection holding the leader lock broke; "
+                                    "no longer the leader")
+                    self._leader = False
+                    conn = self._connect("kandevd-cluster")
+                    conn.execute(f"LISTEN {CHANNEL}")
+                    self._wake()  # anything missed while not listening
+                timeout = max(0.0, next_beat - time.monotonic())
+                for note in conn.notifies(timeout=timeout, stop_after=1):
+                    if note.payload == f"stop:{self.boot_id}":
+                        break
+                    if note.pid != self._notifier_pid:
+                        self._wake()
+                if self._stopping.is_set():
+                    break
+                if time.monotonic() >= next_beat:
+                    next_beat = time.monotonic() + self.config.heartbeat_s
+                    self._beat(conn)
+            except psycopg.Error as exc:
+                log.warning("cluster: connection to the database failed (%s); retrying", exc)
+                if conn is not None:
+                    conn.close()
+                conn = None
+                self._stopping.wait(_RECONNECT_S)
+            except Exception:
+                log.exception("cluster: heartbeat failed; retrying")
+                self._stopping.wait(_RECONNECT_S)
+        if conn is not None:
+            conn.close()  # releases the leader lock
+
+    def _beat(self, conn: psycopg.Connection[Any]) -> None:
+        try:
+            self.store.execute("UPDATE daemons SET heartbeat_at = now() WHERE boot_id = ?",
+                               (self.boot_id,))
+        except sqlite3.Error as exc:
+            log.warning("cluster: heartbeat not written (%s)", exc)
+            return
+        self.beats += 1
+        if not self._leader:
+            row = conn.execute("SELECT pg_try_advisory_lock(%s, %s)",
+                               (LOCK_NAMESPACE, LEADER_LOCK)).fetchone()
+            if row and row[0]:
+                self._leader = True
+                log.info("cluster: this daemon is the leader (Office maintenance, cron)")
+        if self.on_beat is not None:
+            self.on_beat()
+
+
+def claim_fire(store: PgStore, boot_id: str, job: str, intended: datetime) -> bool:
+    """Record the fire of ``job``'s occurrence at ``intended``; False if it was fired already."""
+    return store.execute(
+        "INSERT INTO fires (job, intended_at, fired_by, fired_at) VALUES (?, ?, ?, ?)"
+        " ON CONFLICT DO NOTHING", (job, rfc3339(intended), boot_id, rfc3339(utc_now()))) == 1

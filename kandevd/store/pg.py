@@ -1,0 +1,240 @@
+"""The PostgreSQL store: the shared database several daemons use (``store.url``).
+
+It offers exactly what the SQLite :class:`~kandevd.store.db.Store` offers (the
+same :class:`~kandevd.store.db.BaseStore`: one guarded writer connection, a
+pool of read connections, nested transactions, after-commit callbacks), so
+the repositories, the queue, Office and the control methods run on either
+without knowing which.
+
+SQL: the code above the store writes SQL both databases understand, with
+SQLite's placeholders (``?`` and ``:name``). :func:`translate` turns a
+statement into psycopg's form once (cached) and rewrites the few SQLite
+spellings that have no common form: ``x IS ?`` (``IS NOT DISTINCT FROM``),
+``json_extract(col, '$.key')`` (``col::jsonb ->> 'key'``) and SQLite's
+``INDEXED BY`` hint (dropped: PostgreSQL plans by itself).
+
+Writes: every write transaction takes one transaction-scoped advisory lock
+(:data:`WRITER_LOCK`) right after ``BEGIN``, the analogue of SQLite's
+``BEGIN IMMEDIATE``. So a read-then-write (a claim, a coalescing enqueue, an
+idempotency key) is atomic across every daemon sharing the database, exactly
+as it is inside one SQLite file, and the one-claim-per-agent rule is still
+enforced by the database itself (a partial unique index). Transactions are
+short (the longest is a batch of 1,000 enqueues), and ``lock_timeout``
+bounds a wait as SQLite's busy timeout does.
+
+Errors: psycopg's exceptions are raised as the DB-API classes of
+:mod:`sqlite3` (``IntegrityError``, ``OperationalError``), the store's one
+error vocabulary; a connection that broke (the server restarted, the network
+failed) is :class:`~kandevd.store.db.StoreUnavailable`, which passes like a
+busy SQLite file, and the next use opens a new connection.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+import sqlite3
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import psycopg
+from psycopg import errors as pg_errors
+from psycopg.pq import TransactionStatus
+
+from kandevd.config import redact_url
+from kandevd.store.db import BUSY_TIMEOUT_MS, BaseStore, StoreUnavailable
+
+log = logging.getLogger("kandevd.store.pg")
+
+#: The advisory lock namespace of kandevd (``'kand'``) and its locks in it.
+LOCK_NAMESPACE = 0x6B616E64
+WRITER_LOCK = 1
+LEADER_LOCK = 2
+
+# A quoted string or identifier or a comment (kept), a ``::`` cast, a placeholder,
+# a literal percent sign, or the SQLite spellings rewritten for PostgreSQL.
+_TOKEN = re.compile(
+    r"""('(?:[^']|'')*'|"(?:[^"]|"")*"|/\*.*?\*/|--[^\n]*)"""  # 1 quoted, or a comment
+    r"|(::)"                                          # 2 cast
+    r"|(\bIS\s+(?=\?|:[A-Za-z_]))"                    # 3 IS before a placeholder
+    r"|(\?)"                                          # 4 positional
+    r"|:([A-Za-z_][A-Za-z0-9_]*)"                     # 5 named
+    r"|(%)"                                           # 6 percent
+    r"|\bjson_extract\(\s*([A-Za-z_.]+)\s*,\s*'\$\.([A-Za-z_][A-Za-z0-9_]*)'\s*\)"  # 7, 8
+    r"|(\s+INDEXED\s+BY\s+[A-Za-z_][A-Za-z0-9_]*)",   # 9
+    re.IGNORECASE | re.DOTALL,
+)
+
+
+@functools.lru_cache(maxsize=1024)
+def translate(sql: str) -> str:
+    """``sql`` written for SQLite, in the form psycopg sends to PostgreSQL."""
+
+    def replace(match: re.Match[str]) -> str:
+        quoted, cast, is_, positional, named, percent, json_col, json_key, hint = \
+            match.groups()
+        if quoted is not None:  # psycopg reads placeholders inside quotes and comments too
+            return quoted.replace("%", "%%")
+        if cast is not None:
+            return cast
+        if is_ is not None:
+            return "IS NOT DISTINCT FROM "
+        if positional is not None:
+            return "%s"
+        if named is not None:
+            return f"%({named})s"
+        if percent is not None:
+            return "%%"
+        if json_col is not None:
+            return f"({json_col}::jsonb ->> '{json_key}')"
+        assert hint is not None
+        return ""
+
+    return _TOKEN.sub(replace, sql)
+
+
+class Row:
+    """A result row read like :class:`sqlite3.Row`: by position, by name, ``keys()``."""
+
+    __slots__ = ("_index", "_values")
+
+    def __init__(self, index: dict[str, int], values: Sequence[Any]) -> None:
+        self._index = index
+        self._values = tuple(values)
+
+    def __getitem__(self, key: int | str) -> Any:
+        if isinstance(key, str):
+            return self._values[self._index[key]]
+        return self._values[key]
+
+    def keys(self) -> list[str]:
+        return list(self._index)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Row) and self._values == other._values
+
+    def __hash__(self) -> int:
+        return hash(self._values)
+
+    def __repr__(self) -> str:
+        return f"Row({dict(zip(self._index, self._values, strict=True))!r})"
+
+
+def _row_factory(cursor: psycopg.Cursor[Any]) -> Any:
+    description = cursor.description or []
+    index = {column.name: i for i, column in enumerate(description)}
+
+    def make(values: Sequence[Any]) -> Row:
+        return Row(index, values)
+
+    return make
+
+
+def _as_sqlite_error(exc: psycopg.Error) -> sqlite3.Error:
+    """The DB-API class of :mod:`sqlite3` for a psycopg error (the message kept)."""
+    text = str(exc).strip() or type(exc).__name__
+    if isinstance(exc, pg_errors.IntegrityError):
+        return sqlite3.IntegrityError(text)
+    if isinstance(exc, pg_errors.DiskFull):
+        return sqlite3.OperationalError(f"database or disk is full: {text}")
+    if isinstance(exc, pg_errors.LockNotAvailable):
+        return sqlite3.OperationalError(f"database is locked: {text}")
+    if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
+        return StoreUnavailable(f"PostgreSQL unavailable: {text}")
+    return sqlite3.OperationalError(text)
+
+
+class Connection:
+    """A psycopg connection that takes SQLite's placeholders and raises sqlite3's errors."""
+
+    def __init__(self, raw: psycopg.Connection[Any], trace: Any) -> None:
+        self.raw = raw
+        self._trace = trace
+
+    def execute(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> Any:
+        self._trace(sql)
+        try:
+            return self.raw.execute(translate(sql), params)  # type: ignore[arg-type]
+        except psycopg.Error as exc:
+            raise _as_sqlite_error(exc) from exc
+
+    def executemany(self, sql: str, seq: Sequence[Sequence[Any] | dict[str, Any]]) -> Any:
+        self._trace(sql)
+        try:
+            with self.raw.cursor() as cursor:
+                cursor.executemany(translate(sql), seq)  # type: ignore[arg-type]
+                return cursor
+        except psycopg.Error as exc:
+            raise _as_sqlite_error(exc) from exc
+
+    @property
+    def in_transaction(self) -> bool:
+        return self.raw.info.transaction_status != TransactionStatus.IDLE
+
+    @property
+    def broken(self) -> bool:
+        return self.raw.broken or self.raw.closed
+
+    def close(self) -> None:
+        self.raw.close()
+
+
+def connect(url: str, trace: Any, *, application_name: str = "kandevd") -> Connection:
+    """A new autocommit connection to ``url`` (a ``postgresql://`` URL)."""
+    try:
+        raw = psycopg.connect(url, autocommit=True, row_factory=_row_factory,
+                              application_name=application_name, connect_timeout=10)
+    except psycopg.Error as exc:
+        raise _as_sqlite_error(exc) from exc
+    raw.execute(f"SET lock_timeout = {BUSY_TIMEOUT_MS}")
+    raw.execute("SET TIME ZONE 'UTC'")
+    return Connection(raw, trace)
+
+
+class PgStore(BaseStore):
+    """The PostgreSQL store at ``url``; ``path`` is the URL without its password."""
+
+    dialect = "postgresql"
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.path = redact_url(url)
+        self._init_common()
+        self._conn = connect(url, self._trace)
+
+    def _writer(self) -> Connection:
+        """The writer; a connection that broke is replaced (outside a transaction)."""
+        if self._conn.broken and not self.writing:
+            log.warning("the connection to %s broke; reconnecting", self.path)
+            self._conn = connect(self.url, self._trace)
+        return self._conn
+
+    def _open_reader_connection(self) -> Connection:
+        return connect(self.url, self._trace, application_name="kandevd-reader")
+
+    def _begin(self, conn: Connection) -> None:
+        conn.execute("BEGIN")
+        conn.execute("SELECT pg_advisory_xact_lock(?, ?)", (LOCK_NAMESPACE, WRITER_LOCK))
+
+    def _in_transaction(self, conn: Connection) -> bool:
+        return conn.in_transaction
+
+    def _note_failure(self, exc: BaseException) -> None:
+        """PostgreSQL guards its own files: nothing here marks the store damaged."""
+
+    def size_bytes(self) -> int:
+        row = self.query_one("SELECT pg_database_size(current_database())")
+        return int(row[0]) if row else 0
+
+    def _close_writer(self) -> None:
+        try:
+            self._conn.close()
+        except psycopg.Error:
+            pass

@@ -1,0 +1,206 @@
+"""Several real daemons on one PostgreSQL database (pgserver): the cluster end to end.
+
+Each daemon has a home of its own and the same ``store.url``. What they must
+show: a shared drain where every run executes once and no agent ever runs two
+executions at once (read from the agents' own log, not from any daemon), the
+claims of a killed daemon finished by the others, one leader with failover,
+a cron occurrence fired once, and a wake-up across daemons within milliseconds.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.harness import DaemonProcess
+from tests.workflows import history, schedule, write_workflow
+
+pytestmark = pytest.mark.integration
+
+AGENTS = Path(__file__).resolve().parent.parent / "agents"
+PROBE = str(AGENTS / "serial_probe.py")
+RECORDER = str(AGENTS / "recorder.py")
+
+
+def cluster_config(url: str, probe_file: Path, **overrides: Any) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "store": {"url": url},
+        "cluster": {"heartbeat_s": 0.5, "dead_after_s": 3},
+        "queue": {"safety_interval_s": 5},
+        "runtime": {"max_concurrent": 2, "stop_grace_s": 5},
+        "office": {"interval_s": 1},
+        "agents": {"default": {"command": [sys.executable, PROBE], "timeout_s": 60,
+                               "env": {"PROBE_FILE": str(probe_file)}}},
+    }
+    for key, value in overrides.items():
+        config[key] = {**config.get(key, {}), **value}
+    return config
+
+
+def probes(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def assert_serialized(records: list[dict[str, Any]]) -> None:
+    """No agent ever had two executions at once (from the agents' own timestamps)."""
+    by_agent: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for record in records:
+        by_agent[record["agent"]].append((record["start"], record["end"]))
+    for agent, spans in by_agent.items():
+        spans.sort()
+        for (_, end), (start, _) in itertools.pairwise(spans):
+            assert start >= end, f"agent {agent} ran two executions at once"
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def start_cluster(daemon_factory: Callable[..., DaemonProcess], tmp_path: Path,
+                  config: dict[str, Any], count: int) -> list[DaemonProcess]:
+    return [daemon_factory(config, home=tmp_path / f"home{n}") for n in range(count)]
+
+
+def seed(daemon: DaemonProcess, agents: int) -> tuple[str, list[str]]:
+    ws = daemon.call("workspaces.create", {"name": "shared"})["id"]
+    return ws, [daemon.call("agents.create", {"workspace_id": ws, "name": f"a{i}"})["id"]
+                for i in range(agents)]
+
+
+def finished(daemon: DaemonProcess) -> int:
+    return daemon.call("runs.list", {"status": "finished", "limit": 1})["total"]
+
+
+def test_a_shared_drain_runs_each_run_once_with_agents_serialized_across_daemons(
+        daemon_factory: Callable[..., DaemonProcess], tmp_path: Path, pg_url: str) -> None:
+    probe_file = tmp_path / "probe.jsonl"
+    first, second = start_cluster(daemon_factory, tmp_path,
+                                  cluster_config(pg_url, probe_file), 2)
+    ws, agents = seed(first, 5)
+    total = 40
+    for n in range(total):  # the intake is split between the daemons too
+        (first if n % 2 else second).call("runs.enqueue", {
+            "workspace_id": ws, "agent_id": agents[n % len(agents)], "reason": f"r{n}",
+            "payload": {"sleep_s": 0.05}})
+    wait_for(lambda: finished(first) == total, 60, "every run finished")
+    records = wait_for(lambda: len(probes(probe_file)) >= total and probes(probe_file), 10,
+                       "every probe line")
+    assert Counter(r["run"] for r in records) == Counter(
+        r["id"] for r in first.call("runs.list", {"limit": 100})["items"])
+    assert all(n == 1 for n in Counter(r["run"] for r in records).values())
+    assert_serialized(records)
+    # Both daemons did part of the work.
+    for daemon in (first, second):
+        assert daemon.count_lines(" claimed (agent ") > 0, daemon.log_text
+    status = first.call("daemon.status")
+    members = status["cluster"]["daemons"]
+    assert len(members) == 2 and all(m["alive"] for m in members)
+    leaders = [d.call("daemon.status")["cluster"]["leader"] for d in (first, second)]
+    assert sorted(leaders) == [False, True]
+    for daemon in (first, second):
+        assert daemon.stop() == 0
+        assert "Traceback" not in daemon.log_text
+
+
+def test_a_killed_daemons_claims_finish_on_the_other(
+        daemon_factory: Callable[..., DaemonProcess], tmp_path: Path, pg_url: str) -> None:
+    probe_file = tmp_path / "probe.jsonl"
+    config = cluster_config(pg_url, probe_file)
+    victim = daemon_factory(config, home=tmp_path / "victim")
+    ws, agents = seed(victim, 2)
+    runs = [victim.call("runs.enqueue", {"workspace_id": ws, "agent_id": agent,
+                                         "reason": "long", "payload": {"sleep_s": 30}})["run"]
+            for agent in agents]
+    wait_for(lambda: victim.call("runs.list", {"status": "claimed", "limit": 1})["total"] == 2,
+             10, "both runs claimed by the victim")
+    survivor = daemon_factory(config, home=tmp_path / "survivor")
+    killed_at = time.monotonic()
+    victim.kill9()  # the daemon and its agents: their claims stay behind in the database
+    line = survivor.wait_for_line("claimed by a daemon that stopped", timeout=3 + 5 + 5)
+    assert time.monotonic() - killed_at < 3 + 5 + 2  # dead_after_s + safety pass (+ slack)
+    assert "re-queued" in line
+    # Each run is claimed again, here, its lost attempt counted.
+    wait_for(lambda: all(survivor.call("runs.get", {"id": r["id"]})["attempt"] == 2
+                         for r in runs), 10, "both runs claimed again")
+    members = survivor.call("daemon.status")["cluster"]["daemons"]
+    dead = [m for m in members if not m["self"]]
+    assert dead and not dead[0]["alive"]
+    assert survivor.call("daemon.status")["cluster"]["leader"] is True
+    assert survivor.stop() == 0
+
+
+def test_a_run_queued_on_one_daemon_wakes_an_idle_one_at_once(
+        daemon_factory: Callable[..., DaemonProcess], tmp_path: Path, pg_url: str) -> None:
+    """The queuing daemon has no free slot; the other, idle, is woken by NOTIFY."""
+    probe_file = tmp_path / "probe.jsonl"
+    config = cluster_config(pg_url, probe_file, queue={"safety_interval_s": 60})
+    busy = daemon_factory({**config, "runtime": {"max_concurrent": 1, "stop_grace_s": 5}},
+                          home=tmp_path / "busy")
+    ws, agents = seed(busy, 3)
+    busy.call("runs.enqueue", {"workspace_id": ws, "agent_id": agents[0], "reason": "hold",
+                               "payload": {"sleep_s": 20}})
+    wait_for(lambda: busy.call("runs.list", {"status": "claimed", "limit": 1})["total"] == 1,
+             10, "the busy daemon's slot taken")
+    idle = daemon_factory(config, home=tmp_path / "idle")
+    latencies = []
+    for n in range(5):
+        run = busy.call("runs.enqueue", {"workspace_id": ws, "agent_id": agents[1 + n % 2],
+                                         "reason": f"w{n}", "payload": {"sleep_s": 0}})["run"]
+        got = wait_for(lambda run=run: (lambda r: r if r["claimed_at"] else None)(
+            idle.call("runs.get", {"id": run["id"]})), 5, "the idle daemon's claim")
+        stamp = datetime.fromisoformat
+        latencies.append((stamp(got["claimed_at"].replace("Z", "+00:00"))
+                          - stamp(got["requested_at"].replace("Z", "+00:00"))).total_seconds())
+        wait_for(lambda run=run: idle.call("runs.get", {"id": run["id"]})["status"]
+                 == "finished", 10, "the run finished")
+    assert max(latencies) < 1.0, latencies  # not the 60 s safety pass
+    assert idle.count_lines(" claimed (agent ") == 5
+    for daemon in (idle, busy):
+        daemon.kill9()
+
+
+def test_the_leader_fails_over_and_a_cron_occurrence_fires_once(
+        daemon_factory: Callable[..., DaemonProcess], tmp_path: Path, pg_url: str) -> None:
+    shared_root = tmp_path / "shared-workflows"
+    record = tmp_path / "cron.jsonl"
+    write_workflow(shared_root, "w", [schedule("m", "* * * * *")])
+    config = cluster_config(pg_url, tmp_path / "probe.jsonl",
+                            scheduler={"root": str(shared_root)})
+    config["agents"]["default"] = {"command": [sys.executable, RECORDER], "timeout_s": 30,
+                                   "env": {"RECORD_FILE": str(record)}}
+    daemons = start_cluster(daemon_factory, tmp_path, config, 2)
+
+    def leaders() -> list[DaemonProcess]:
+        return [d for d in daemons if d.call("daemon.status")["cluster"]["leader"]]
+
+    [leader] = wait_for(lambda: len(leaders()) == 1 and leaders(), 10, "one leader")
+    # The next occurrence fires once, on the leader.
+    wait_for(lambda: record.exists() and record.read_text().strip(), 75, "a cron fire")
+    time.sleep(2)  # a second fire of the same occurrence would have come by now
+    turns = [json.loads(line) for line in record.read_text().splitlines()]
+    assert len({turn["stdin"]["session_id"] for turn in turns}) == 1, turns  # one session
+    assert {turn["env"]["KANDEVD_HOME"] for turn in turns} == {str(leader.home)}
+    entries = history(shared_root / "Workflow" / "w")
+    assert [e["trigger_source"] for e in entries] == ["cron"], entries
+    follower = next(d for d in daemons if d is not leader)
+    leader.kill9()
+    wait_for(lambda: follower.call("daemon.status")["cluster"]["leader"], 10,
+             "the follower taking over")
+    assert follower.stop() == 0

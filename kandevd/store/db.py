@@ -150,6 +150,10 @@ class BaseStore:
     def _open_reader_connection(self) -> Any:
         raise NotImplementedError
 
+    def _usable(self, conn: Any) -> bool:
+        """Can an idle connection still be used? (A server may have ended it meanwhile.)"""
+        return True
+
     def _begin(self, conn: Any) -> None:
         raise NotImplementedError
 
@@ -207,6 +211,9 @@ class BaseStore:
             if self._closed:
                 raise StoreClosedError()
             reader = self._idle_readers.pop() if self._idle_readers else None
+        if reader is not None and not self._usable(reader.conn):
+            self._discard_reader(reader)
+            reader = None
         if reader is None:
             reader = _Reader(self._open_reader_connection())
             with self._readers_lock:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
+import select
 import sqlite3
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -182,6 +183,18 @@ class Connection:
     def broken(self) -> bool:
         return self.raw.broken or self.raw.closed
 
+    def alive(self) -> bool:
+        """Still usable? Checked without a round trip: these connections never LISTEN, so
+        an idle one has nothing to read unless the server ended it (a restart or
+        ``pg_terminate_backend`` sends a last error message and closes the socket)."""
+        if self.broken:
+            return False
+        try:
+            readable, _, _ = select.select([self.raw.fileno()], [], [], 0)
+        except (OSError, ValueError, psycopg.Error):
+            return False
+        return not readable
+
     def close(self) -> None:
         self.raw.close()
 
@@ -211,10 +224,17 @@ class PgStore(BaseStore):
 
     def _writer(self) -> Connection:
         """The writer; a connection that broke is replaced (outside a transaction)."""
-        if self._conn.broken and not self.writing:
+        if not self.writing and not self._conn.alive():
             log.warning("the connection to %s broke; reconnecting", self.path)
-            self._conn = connect(self.url, self._trace)
+            broken, self._conn = self._conn, connect(self.url, self._trace)
+            try:
+                broken.close()
+            except psycopg.Error:
+                pass
         return self._conn
+
+    def _usable(self, conn: Connection) -> bool:
+        return conn.alive()
 
     def _open_reader_connection(self) -> Connection:
         return connect(self.url, self._trace, application_name="kandevd-reader")

@@ -204,3 +204,40 @@ def test_the_leader_fails_over_and_a_cron_occurrence_fires_once(
     wait_for(lambda: follower.call("daemon.status")["cluster"]["leader"], 10,
              "the follower taking over")
     assert follower.stop() == 0
+
+
+def test_connections_cut_by_the_server_are_replaced_and_the_drain_goes_on(
+        daemon_factory: Callable[..., DaemonProcess], tmp_path: Path, pg_url: str) -> None:
+    """PostgreSQL ends every kandevd connection (as a restart does): the daemon reconnects,
+    LISTENs again, stays the leader or becomes it again, and every run still finishes."""
+    import psycopg
+
+    probe_file = tmp_path / "probe.jsonl"
+    daemon = daemon_factory(cluster_config(pg_url, probe_file), home=tmp_path / "home")
+    ws, agents = seed(daemon, 3)
+    for n in range(6):
+        daemon.call("runs.enqueue", {"workspace_id": ws, "agent_id": agents[n % 3],
+                                     "reason": f"before{n}", "payload": {"sleep_s": 0.2}})
+    with psycopg.connect(pg_url, autocommit=True) as admin:
+        cut = admin.execute(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+            " WHERE application_name LIKE 'kandevd%' AND pid != pg_backend_pid()"
+        ).fetchone()[0]
+    assert cut >= 2  # the writer and the listener at least
+    daemon.wait_for_line("connection to the database failed", timeout=10)
+
+    def enqueue(n: int) -> bool:
+        try:
+            daemon.call("runs.enqueue", {"workspace_id": ws, "agent_id": agents[n % 3],
+                                         "reason": f"after{n}", "payload": {"sleep_s": 0}})
+            return True
+        except Exception:  # 'unavailable' until the writer is back
+            return False
+
+    for n in range(6):
+        wait_for(lambda n=n: enqueue(n), 10, "an enqueue accepted again")
+    wait_for(lambda: finished(daemon) == 12, 30, "every run finished")
+    assert len({r["run"] for r in probes(probe_file)}) >= 6  # the second six, at least
+    wait_for(lambda: daemon.call("daemon.status")["cluster"]["leader"], 10, "the leader again")
+    assert daemon.stop() == 0
+    assert "Traceback" not in daemon.log_text

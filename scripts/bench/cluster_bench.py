@@ -1,0 +1,231 @@
+"""Several daemons on one PostgreSQL database (pgserver): does the cluster scale with agents?
+
+Each measurement starts N real ``kandevd serve`` daemons (homes of their own, one
+``store.url``, ``runtime.max_concurrent`` 4 each) on a fresh database, queues
+``--runs`` runs over ``--agents`` agents while every agent is paused, then
+activates the agents and times the drain until every run is finished. Each run
+is an agent that sleeps ``--sleep`` seconds (``/bin/sh -c '... sleep ...'``),
+so the work is agent time: with claims that do not serialize the cluster, N
+daemons drain about N times as fast as one.
+
+The agents write ``S <run>`` when they start and ``E <run>`` when they end to one
+file (appends of a line are atomic). From that file alone, not from any daemon:
+every run executed exactly once, and no agent ever had two executions at once
+(its runs' lines alternate S, E, S, E).
+
+Then, with 2 daemons: the wake-up across daemons (a run queued on a daemon
+whose one slot is busy, claimed by the other, idle one: ``claimed_at -
+requested_at``, p50/p99), and a kill -9 of one daemon with claims: how long
+until the other finished them (``cluster.dead_after_s`` + safety interval is
+the bound).
+
+Usage: .venv/bin/python scripts/bench/cluster_bench.py [--runs 400] [--sleep 0.05]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import tempfile
+import time
+import uuid
+from collections import defaultdict
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from benchdaemon import Daemon  # this folder (the script's own) is on sys.path
+
+
+def new_database(server: Any) -> str:
+    import psycopg
+
+    name = "bench_" + uuid.uuid4().hex[:12]
+    with psycopg.connect(server.get_uri(), autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    return server.get_uri(name)
+
+
+def config(url: str, probe: Path, sleep_s: float, slots: int, **queue: Any) -> dict[str, Any]:
+    script = ('echo "S $KANDEVD_RUN_ID" >> "$PROBE"; sleep "$SLEEP";'
+              ' echo "E $KANDEVD_RUN_ID" >> "$PROBE"')
+    return {"store": {"url": url}, "cluster": {"heartbeat_s": 1, "dead_after_s": 5},
+            "queue": {"safety_interval_s": 5, **queue},
+            "runtime": {"max_concurrent": slots, "stop_grace_s": 2},
+            "office": {"enabled": False},
+            "agents": {"default": {"command": ["/bin/sh", "-c", script], "timeout_s": 60,
+                                   "env": {"PROBE": str(probe), "SLEEP": str(sleep_s)}}}}
+
+
+def start(tmp: Path, count: int, cfg: dict[str, Any]) -> list[Daemon]:
+    daemons = []
+    tmp.mkdir(parents=True, exist_ok=True)
+    for n in range(count):
+        home = tmp / f"home{n}"
+        daemons.append(Daemon(home, cfg).start())
+    return daemons
+
+
+def check_probe(probe: Path, agent_of: dict[str, str]) -> tuple[int, int]:
+    """(runs executed more than once, agents with overlapping executions)."""
+    starts: dict[str, int] = defaultdict(int)
+    open_by_agent: dict[str, str | None] = defaultdict(lambda: None)
+    overlaps: set[str] = set()
+    for line in probe.read_text().splitlines():
+        kind, run = line.split()
+        agent = agent_of[run]
+        if kind == "S":
+            starts[run] += 1
+            if open_by_agent[agent] is not None:
+                overlaps.add(agent)
+            open_by_agent[agent] = run
+        elif open_by_agent[agent] == run:
+            open_by_agent[agent] = None
+    return sum(1 for n in starts.values() if n > 1), len(overlaps)
+
+
+def drain(server: Any, tmp: Path, count: int, runs: int, agents: int, sleep_s: float
+          ) -> float:
+    url = new_database(server)
+    probe = tmp / f"probe-{count}.txt"
+    daemons = start(tmp / f"drain{count}", count, config(url, probe, sleep_s, 4))
+    try:
+        first = daemons[0]
+        ws = first.call("workspaces.create", {"name": "bench"})["id"]
+        ids = [first.call("agents.create", {"workspace_id": ws, "name": f"a{i}",
+                                            "status": "paused"})["id"] for i in range(agents)]
+        for k in range(0, runs, 500):
+            first.call("runs.enqueue_many", {"runs": [
+                {"workspace_id": ws, "agent_id": ids[i % agents], "reason": f"r{i}"}
+                for i in range(k, min(runs, k + 500))]})
+        client = first.client()
+        started = time.perf_counter()
+        for agent in ids:
+            client.call("agents.update", {"id": agent, "status": "active"})
+        while client.call("runs.list", {"status": "finished", "limit": 1})["total"] < runs:
+            time.sleep(0.02)
+        elapsed = time.perf_counter() - started
+        agent_of = {}
+        for offset in range(0, runs, 500):
+            for run in client.call("runs.list", {"limit": 500, "offset": offset})["items"]:
+                agent_of[run["id"]] = run["agent_id"]
+        client.close()
+        twice, overlapping = check_probe(probe, agent_of)
+        print(f"{count} daemon(s): {runs / elapsed:7.1f} runs/s ({runs} runs, {elapsed:.2f} s);"
+              f" executed twice: {twice}; agents with overlapping executions: {overlapping}")
+        return runs / elapsed
+    finally:
+        for daemon in daemons:
+            daemon.stop()
+
+
+def stamp(text: str) -> float:
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def wake_latency(server: Any, tmp: Path, samples: int) -> None:
+    url = new_database(server)
+    cfg = config(url, tmp / "probe-wake.txt", 0.0, 1, safety_interval_s=60)
+    cfg["agents"]["long"] = {**cfg["agents"]["default"],
+                             "env": {**cfg["agents"]["default"]["env"], "SLEEP": "600"}}
+    busy = Daemon(tmp / "wake-busy", cfg).start()
+    idle = None
+    try:
+        ws = busy.call("workspaces.create", {"name": "bench"})["id"]
+        holder = busy.call("agents.create", {"workspace_id": ws, "name": "holder",
+                                             "profile": "long"})["id"]
+        others = [busy.call("agents.create", {"workspace_id": ws, "name": f"a{i}"})["id"]
+                  for i in range(2)]
+        # The busy daemon's one slot runs a long run; only then does the idle one start.
+        busy.call("runs.enqueue", {"workspace_id": ws, "agent_id": holder, "reason": "hold"})
+        while busy.call("runs.list", {"status": "claimed", "limit": 1})["total"] < 1:
+            time.sleep(0.01)
+        idle = Daemon(tmp / "wake-idle", cfg).start()
+        client, reader = busy.client(), idle.client()
+        lat = []
+        for n in range(samples):
+            run = client.call("runs.enqueue", {"workspace_id": ws, "agent_id": others[n % 2],
+                                               "reason": f"w{n}"})["run"]
+            while True:
+                got = reader.call("runs.get", {"id": run["id"]})
+                if got["status"] == "finished":
+                    break
+                time.sleep(0.001)
+            lat.append((stamp(got["claimed_at"]) - stamp(got["requested_at"])) * 1000)
+        client.close()
+        reader.close()
+        lat.sort()
+        print(f"wake-up across daemons (queued on a busy daemon, claimed by an idle one; ms,"
+              f" n={len(lat)}): p50 {statistics.median(lat):.1f}"
+              f" p99 {lat[max(0, int(len(lat) * 0.99) - 1)]:.1f} max {lat[-1]:.1f}"
+              " (target p99 <= 20)")
+    finally:
+        if idle is not None:
+            idle.stop()
+        busy.stop()
+
+
+def failover(server: Any, tmp: Path) -> None:
+    url = new_database(server)
+    probe = tmp / "probe-kill.txt"
+    cfg = config(url, probe, 3.0, 4)
+    victim, survivor = start(tmp / "kill", 2, cfg)
+    try:
+        ws = victim.call("workspaces.create", {"name": "bench"})["id"]
+        ids = [victim.call("agents.create", {"workspace_id": ws, "name": f"a{i}"})["id"]
+               for i in range(8)]
+        for agent in ids:
+            victim.call("runs.enqueue", {"workspace_id": ws, "agent_id": agent,
+                                         "reason": "long"})
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            claimed = [r for r in victim.call("runs.list", {"status": "claimed",
+                                                            "limit": 100})["items"]]
+            if len(claimed) == 8:
+                break
+            time.sleep(0.05)
+        boot = victim.call("daemon.status")["boot_id"]
+        mine = {r["id"] for r in victim.call("runs.list", {"status": "claimed", "limit": 100})
+                ["items"] if r.get("id")}
+        assert victim.proc is not None
+        os.killpg(victim.proc.pid, signal.SIGKILL)
+        victim.proc.wait()
+        killed = time.perf_counter()
+        while survivor.call("runs.list", {"status": "finished", "limit": 1})["total"] < 8:
+            time.sleep(0.05)
+        took = time.perf_counter() - killed
+        print(f"kill -9 of a daemon holding {len(mine)} claims (boot {boot[:8]}): all 8 runs"
+              f" finished on the other {took:.1f} s later (dead_after_s 5 + safety 5"
+              f" + the 3 s agent = 13 s bound)")
+    finally:
+        survivor.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=400)
+    parser.add_argument("--agents", type=int, default=60)
+    parser.add_argument("--sleep", type=float, default=0.05)
+    parser.add_argument("--samples", type=int, default=100)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        os.environ.setdefault("XDG_RUNTIME_DIR", str(tmp))
+        import pgserver
+
+        server = pgserver.get_server(tmp / "pgdata", cleanup_mode="stop")
+        try:
+            rates = {n: drain(server, tmp, n, args.runs, args.agents, args.sleep)
+                     for n in (1, 2, 3)}
+            print(f"ratio 2 daemons / 1: {rates[2] / rates[1]:.2f}x (target 1.8x); "
+                  f"3 / 1: {rates[3] / rates[1]:.2f}x (target 2.5x)")
+            wake_latency(server, tmp, args.samples)
+            failover(server, tmp)
+        finally:
+            server.cleanup()
+
+
+if __name__ == "__main__":
+    main()

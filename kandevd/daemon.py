@@ -486,6 +486,10 @@ class Daemon:
             degraded = self.store.degraded
             result["store"] = {"statements": self.store.statements,
                                "status": "degraded" if degraded else "ok"}
+            if self.store.dialect != "sqlite":
+                result["store"]["backend"] = self.store.dialect
+                result["store"]["writer_wait_s"] = round(
+                    getattr(self.store, "writer_wait_s", 0.0), 3)
             if degraded:
                 result["store"]["reason"] = degraded
             stored = self._stored_status()

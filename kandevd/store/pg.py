@@ -36,6 +36,7 @@ import logging
 import re
 import select
 import sqlite3
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -220,6 +221,7 @@ class PgStore(BaseStore):
         self.url = url
         self.path = redact_url(url)
         self._init_common()
+        self.writer_wait_s = 0.0
         self._conn = connect(url, self._trace)
 
     def _writer(self) -> Connection:
@@ -241,7 +243,10 @@ class PgStore(BaseStore):
 
     def _begin(self, conn: Connection) -> None:
         conn.execute("BEGIN")
+        started = time.perf_counter()
         conn.execute("SELECT pg_advisory_xact_lock(?, ?)", (LOCK_NAMESPACE, WRITER_LOCK))
+        #: Seconds spent waiting for the writer lock (other daemons' transactions).
+        self.writer_wait_s += time.perf_counter() - started
 
     def _in_transaction(self, conn: Connection) -> bool:
         return conn.in_transaction

@@ -107,6 +107,7 @@ def drain(server: Any, tmp: Path, count: int, runs: int, agents: int, sleep_s: f
         while client.call("runs.list", {"status": "finished", "limit": 1})["total"] < runs:
             time.sleep(0.02)
         elapsed = time.perf_counter() - started
+        waits = [d.call("daemon.status")["store"].get("writer_wait_s", 0.0) for d in daemons]
         agent_of = {}
         for offset in range(0, runs, 500):
             for run in client.call("runs.list", {"limit": 500, "offset": offset})["items"]:
@@ -114,7 +115,9 @@ def drain(server: Any, tmp: Path, count: int, runs: int, agents: int, sleep_s: f
         client.close()
         twice, overlapping = check_probe(probe, agent_of)
         print(f"{count} daemon(s): {runs / elapsed:7.1f} runs/s ({runs} runs, {elapsed:.2f} s);"
-              f" executed twice: {twice}; agents with overlapping executions: {overlapping}")
+              f" executed twice: {twice}; agents with overlapping executions: {overlapping};"
+              f" waiting for the writer lock: {sum(waits) / count / elapsed:.0%} of the time"
+              " per daemon")
         return runs / elapsed
     finally:
         for daemon in daemons:

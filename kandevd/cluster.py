@@ -46,15 +46,18 @@ import psycopg
 
 from kandevd.config import ClusterConfig
 from kandevd.store.pg import LEADER_LOCK, LOCK_NAMESPACE, PgStore
-from kandevd.timeutil import rfc3339, utc_now
+from kandevd.timeutil import after, rfc3339, utc_now
 
 log = logging.getLogger("kandevd.cluster")
 
 #: The LISTEN/NOTIFY channel of the run queue.
 CHANNEL = "kandevd_queue"
 #: Bus events after which a run may be claimable somewhere.
-WAKING_EVENTS = ("run.queued", "run.finished", "run.failed", "run.cancelled")
+WAKING_EVENTS = ("run.queued", "run.finished", "run.failed", "run.cancelled",
+                 "agent.updated")
 _RECONNECT_S = 1.0
+#: Fires and stopped daemons are kept this long (seconds), then pruned by the leader.
+PRUNE_AFTER_S = 7 * 24 * 3600.0
 
 
 def _iso(moment: datetime | None) -> str | None:
@@ -80,15 +83,28 @@ class Cluster:
         self._threads: list[threading.Thread] = []
         self._notifier_pid: int | None = None
         self.beats = 0
+        #: Earlier daemons of this host and home, kept alive by our heartbeat until settled.
+        self.held: list[str] = []
+        self._settled = False
+        self._beating_since: float | None = None  # monotonic start of unbroken heartbeats
 
     # -- membership ------------------------------------------------------------
-    def join(self) -> None:
-        """Register this daemon; earlier daemons of this host and home are stopped ones."""
+    def join(self) -> list[str]:
+        """Register this daemon and hold the earlier daemons of this host and home.
+
+        The home lock proves those are gone, and their claims are this daemon's
+        to restore (live agents adopted, outcomes on disk recorded). Until
+        :meth:`settled`, this daemon's heartbeat keeps theirs fresh too, so no
+        other daemon re-queues those claims in the meantime. Returns their
+        boot ids.
+        """
         with self.store.transaction() as conn:
-            conn.execute(
-                "UPDATE daemons SET stopped_at = now() WHERE host = ? AND home = ?"
-                " AND stopped_at IS NULL AND boot_id != ?",
-                (self.host, self.home, self.boot_id))
+            self.held = [row[0] for row in conn.execute(
+                "SELECT boot_id FROM daemons WHERE host = ? AND home = ? AND stopped_at IS NULL"
+                " AND boot_id != ?", (self.host, self.home, self.boot_id)).fetchall()]
+            if self.held:
+                conn.execute("UPDATE daemons SET heartbeat_at = now() WHERE boot_id = ANY(?)",
+                             (self.held,))
             conn.execute(
                 "INSERT INTO daemons (boot_id, host, pid, home, started_at, heartbeat_at)"
                 " VALUES (?, ?, ?, ?, now(), now())",
@@ -96,6 +112,16 @@ class Cluster:
         log.info("cluster: joined as %s (host %s, pid %d); heartbeat every %gs, dead after %gs",
                  self.boot_id, self.host, os.getpid(), self.config.heartbeat_s,
                  self.config.dead_after_s)
+        return list(self.held)
+
+    def settled(self) -> None:
+        """The earlier instances' claims are restored or rescued: they are stopped now, and
+        this daemon's heartbeat starts its own work (rescues, lost executions)."""
+        if self.held:
+            self.store.execute("UPDATE daemons SET stopped_at = now() WHERE boot_id = ANY(?)",
+                               (self.held,))
+        self.held = []
+        self._settled = True
 
     def leave(self) -> None:
         """Mark this daemon stopped (its claims are settled by now: the runtime stopped)."""
@@ -145,7 +171,7 @@ class Cluster:
     def start(self) -> None:
         for name, target in (("kandevd-cluster", self._listen_and_beat),
                              ("kandevd-cluster-notify", self._notify_loop)):
-            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread = threading.Thread(target=target, name=name)
             thread.start()
             self._threads.append(thread)
 
@@ -226,20 +252,41 @@ class Cluster:
 
     def _beat(self, conn: psycopg.Connection[Any]) -> None:
         try:
-            self.store.execute("UPDATE daemons SET heartbeat_at = now() WHERE boot_id = ?",
-                               (self.boot_id,))
+            self.store.execute("UPDATE daemons SET heartbeat_at = now() WHERE boot_id = ANY(?)",
+                               ([self.boot_id, *self.held],))
         except sqlite3.Error as exc:
             log.warning("cluster: heartbeat not written (%s)", exc)
+            self._beating_since = None
             return
         self.beats += 1
+        now = time.monotonic()
+        if self._beating_since is None:
+            self._beating_since = now
         if not self._leader:
             row = conn.execute("SELECT pg_try_advisory_lock(%s, %s)",
                                (LOCK_NAMESPACE, LEADER_LOCK)).fetchone()
             if row and row[0]:
                 self._leader = True
                 log.info("cluster: this daemon is the leader (Office maintenance, cron)")
-        if self.on_beat is not None:
+        if self._leader and self.beats % 1000 == 1:
+            self._prune()
+        # Others' claims are rescued only once this daemon has itself been beating for
+        # dead_after_s: after an outage of the database every heartbeat is old, and the
+        # first daemon back must not take everyone else for dead.
+        steady = now - self._beating_since >= self.config.dead_after_s
+        if self.on_beat is not None and self._settled and steady:
             self.on_beat()
+
+    def _prune(self) -> None:
+        """The leader forgets fires and stopped daemons older than a week."""
+        try:
+            with self.store.transaction() as conn:
+                conn.execute("DELETE FROM fires WHERE fired_at < ?",
+                             (rfc3339(after(utc_now(), -PRUNE_AFTER_S)),))
+                conn.execute("DELETE FROM daemons WHERE stopped_at < now()"
+                             " - make_interval(secs => ?)", (PRUNE_AFTER_S,))
+        except sqlite3.Error as exc:
+            log.debug("cluster: pruning fires and daemons failed: %s", exc)
 
 
 def claim_fire(store: PgStore, boot_id: str, job: str, intended: datetime) -> bool:

@@ -129,7 +129,7 @@ class Daemon:
                                    str(self.layout.root), wake=queue_loop.wake,
                                    on_beat=self.queue.settle_with_peers)
             try:
-                self.cluster.join()
+                repo.held_peers = tuple(self.cluster.join())
             except sqlite3.Error as exc:
                 self.store.close()
                 raise StartupError(f"store.url {self.store.path}: cannot join the cluster: "
@@ -273,6 +273,10 @@ class Daemon:
         try:
             self._build()
             assert self.queue is not None and self.server is not None
+            if self.cluster is not None:
+                # Heartbeats from now on: the claims restored below stay this daemon's.
+                self.cluster.start()
+                started.append(("leave the cluster", self._leave_cluster))
             # What earlier instances left claimed: outcomes on disk are recorded and
             # (with runtime.adopt_on_restart) agents still running are adopted, so no
             # run whose outcome exists or is coming executes again. Other agents of a
@@ -285,8 +289,7 @@ class Daemon:
                                keep=adopted)
             self.queue.recover_after_restart()
             if self.cluster is not None:
-                self.cluster.start()
-                started.append(("leave the cluster", self._leave_cluster))
+                self._settle_cluster()
             for loop in self.loops.values():
                 loop.start()
                 started.append((f"stop {loop.name} loop", loop.stop))
@@ -339,11 +342,30 @@ class Daemon:
         ]
         return steps
 
+    def _settle_cluster(self) -> None:
+        """The earlier instances of this home are settled: they stop counting as alive."""
+        assert self.cluster is not None and self.queue is not None
+        try:
+            self.cluster.settled()
+        except sqlite3.Error as exc:  # they are taken for dead after dead_after_s anyway
+            log.warning("cluster: could not mark the earlier instances stopped: %s", exc)
+        self.queue.repo.held_peers = ()
+
     def _leave_cluster(self) -> None:
         cluster = self.cluster
-        if cluster is not None:
-            cluster.stop()
-            cluster.leave()
+        if cluster is None:
+            return
+        cluster.stop()
+        if self.config.runtime.keep_agents_on_stop:
+            # Agents left running for the next start to adopt: the claims stay this
+            # daemon's until its heartbeat is dead_after_s old; a restart within that
+            # time adopts them, a later one finds them re-queued by the other daemons.
+            log.warning("cluster: runtime.keep_agents_on_stop: the other daemons re-queue "
+                        "the runs of agents left running unless this home starts again "
+                        "within %gs",
+                        self.config.cluster.dead_after_s)
+            return
+        cluster.leave()
 
     def _start_metrics_http(self) -> None:
         """``metrics.listen``: serve /metrics and /health (after the control socket)."""

@@ -154,7 +154,7 @@ class BaseStore:
         """Can an idle connection still be used? (A server may have ended it meanwhile.)"""
         return True
 
-    def _begin(self, conn: Any) -> None:
+    def _begin(self, conn: Any, exclusive: bool) -> None:
         raise NotImplementedError
 
     def _in_transaction(self, conn: Any) -> bool:
@@ -280,11 +280,14 @@ class BaseStore:
                 raise
 
     @contextmanager
-    def transaction(self) -> Iterator[Any]:
+    def transaction(self, *, exclusive: bool = True) -> Iterator[Any]:
         """Begin (the write lock taken up front) ... ``COMMIT``; ``ROLLBACK`` on any exception.
 
         A nested use joins the outer transaction; callbacks registered with
         :meth:`after_commit` run once the outermost one has committed.
+        ``exclusive=False`` is for a writer that guards itself with row locks
+        (a claim on PostgreSQL): it does not take the store-wide writer lock
+        where the database has one to spare (SQLite always writes alone).
         """
         with self._lock:
             if self._closed:
@@ -295,7 +298,7 @@ class BaseStore:
                 return
             local = self._local
             try:
-                self._begin(conn)
+                self._begin(conn, exclusive)
             except sqlite3.DatabaseError as exc:
                 self._note_failure(exc)
                 raise
@@ -438,8 +441,8 @@ class Store(BaseStore):
             raise
         return conn
 
-    def _begin(self, conn: sqlite3.Connection) -> None:
-        conn.execute("BEGIN IMMEDIATE")
+    def _begin(self, conn: sqlite3.Connection, exclusive: bool) -> None:
+        conn.execute("BEGIN IMMEDIATE")  # SQLite has one writer at a time either way
 
     def _in_transaction(self, conn: sqlite3.Connection) -> bool:
         return conn.in_transaction

@@ -13,11 +13,15 @@ spellings that have no common form: ``x IS ?`` (``IS NOT DISTINCT FROM``),
 ``json_extract(col, '$.key')`` (``col::jsonb ->> 'key'``) and SQLite's
 ``INDEXED BY`` hint (dropped: PostgreSQL plans by itself).
 
-Writes: every write transaction takes one transaction-scoped advisory lock
+Writes: a write transaction takes one transaction-scoped advisory lock
 (:data:`WRITER_LOCK`) right after ``BEGIN``, the analogue of SQLite's
-``BEGIN IMMEDIATE``. So a read-then-write (a claim, a coalescing enqueue, an
-idempotency key) is atomic across every daemon sharing the database, exactly
-as it is inside one SQLite file, and the one-claim-per-agent rule is still
+``BEGIN IMMEDIATE``. So a read-then-write (a coalescing enqueue, an
+idempotency key, an outcome with its cooldown) is atomic across every daemon
+sharing the database, exactly as it is inside one SQLite file. Claims, the
+hot path of every daemon, do not take it: a claim locks the agents it claims
+for (``FOR UPDATE SKIP LOCKED``, see
+:meth:`~kandevd.store.runs.RunRepository.claim_batch`), so daemons claim for
+different agents at the same time, and the one-claim-per-agent rule is still
 enforced by the database itself (a partial unique index). Transactions are
 short (the longest is a batch of 1,000 enqueues), and ``lock_timeout``
 bounds a wait as SQLite's busy timeout does.
@@ -208,6 +212,13 @@ def connect(url: str, trace: Any, *, application_name: str = "kandevd") -> Conne
     except psycopg.Error as exc:
         raise _as_sqlite_error(exc) from exc
     raw.execute(f"SET lock_timeout = {BUSY_TIMEOUT_MS}")
+    # A daemon that hangs or vanishes inside a transaction must not hold the writer
+    # lock for long: the server ends such a session (and, over TCP, notices a dead
+    # client within about half a minute).
+    raw.execute("SET idle_in_transaction_session_timeout = 60000")
+    raw.execute("SET tcp_keepalives_idle = 10")
+    raw.execute("SET tcp_keepalives_interval = 5")
+    raw.execute("SET tcp_keepalives_count = 3")
     raw.execute("SET TIME ZONE 'UTC'")
     return Connection(raw, trace)
 
@@ -241,8 +252,10 @@ class PgStore(BaseStore):
     def _open_reader_connection(self) -> Connection:
         return connect(self.url, self._trace, application_name="kandevd-reader")
 
-    def _begin(self, conn: Connection) -> None:
+    def _begin(self, conn: Connection, exclusive: bool) -> None:
         conn.execute("BEGIN")
+        if not exclusive:
+            return
         started = time.perf_counter()
         conn.execute("SELECT pg_advisory_xact_lock(?, ?)", (LOCK_NAMESPACE, WRITER_LOCK))
         #: Seconds spent waiting for the writer lock (other daemons' transactions).

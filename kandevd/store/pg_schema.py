@@ -11,7 +11,8 @@ need them. Differences that matter, and why:
   which the model's lists are ordered.
 - ``runs.seq`` is an identity column (SQLite's ``INTEGER PRIMARY KEY``), and
   the per-filter indexes end in ``seq`` (SQLite appends the rowid by itself).
-- ``run_counts`` is kept by a PL/pgSQL trigger, as SQLite's triggers keep it.
+- ``run_counts`` is kept by a PL/pgSQL trigger, as SQLite's triggers keep it, in
+  shards (daemons claiming at the same time do not wait for one row).
 - Version 7 is the cluster's: ``daemons`` (who is alive) and ``fires`` (one
   row per cron occurrence fired, so an occurrence fires once across daemons).
 """
@@ -106,15 +107,21 @@ _V6 = [
         idempotency_key {T} PRIMARY KEY, run_id {T} NOT NULL, created_at {T} NOT NULL)""",
     "CREATE INDEX idx_run_keys_created_at ON run_keys (created_at)",
     "CREATE INDEX idx_run_keys_run_id ON run_keys (run_id)",
-    f"CREATE TABLE run_counts (status {T} PRIMARY KEY, n BIGINT NOT NULL)",
+    # Counted in shards (the writing backend's pid picks one): every claim and outcome
+    # changes a count, and one row per status would make them all wait for each other.
+    f"""CREATE TABLE run_counts (status {T} NOT NULL, shard INTEGER NOT NULL DEFAULT 0,
+        n BIGINT NOT NULL, PRIMARY KEY (status, shard))""",
     """CREATE FUNCTION kandevd_count_runs() RETURNS trigger LANGUAGE plpgsql AS $$
+    DECLARE
+      s INTEGER := pg_backend_pid() % 16;
     BEGIN
       IF TG_OP = 'DELETE' OR NEW.status IS DISTINCT FROM OLD.status THEN
-        UPDATE run_counts SET n = n - 1 WHERE status = OLD.status;
+        INSERT INTO run_counts (status, shard, n) VALUES (OLD.status, s, -1)
+          ON CONFLICT (status, shard) DO UPDATE SET n = run_counts.n - 1;
       END IF;
       IF TG_OP = 'UPDATE' AND NEW.status IS DISTINCT FROM OLD.status THEN
-        INSERT INTO run_counts (status, n) VALUES (NEW.status, 1)
-          ON CONFLICT (status) DO UPDATE SET n = run_counts.n + 1;
+        INSERT INTO run_counts (status, shard, n) VALUES (NEW.status, s, 1)
+          ON CONFLICT (status, shard) DO UPDATE SET n = run_counts.n + 1;
       END IF;
       RETURN NULL;
     END $$""",

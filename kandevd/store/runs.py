@@ -81,6 +81,11 @@ def gave_up(attempts: int, last: str | None) -> str:
     return f"gave up after {attempts} attempts; last: {last or 'unknown'}"
 
 
+def conn_is_pg(conn: Any) -> bool:
+    """Is ``conn`` a PostgreSQL connection of the store (not SQLite's)?"""
+    return not isinstance(conn, sqlite3.Connection)
+
+
 def run_from_row(row: sqlite3.Row) -> dict[str, Any]:
     """The contract's RUN object from a ``runs`` row."""
     run = {name: row[name] for name in RUN_FIELDS}
@@ -125,6 +130,9 @@ class RunRepository:
         #: is younger than this many seconds are its own, never rescued here. None: this
         #: daemon is alone, and every claim not its own is an earlier instance's.
         self.peers_dead_after_s: float | None = None
+        #: Earlier daemons of this host and home (kept alive by this one until their
+        #: claims are restored): their claims are this daemon's to restore or rescue.
+        self.held_peers: tuple[str, ...] = ()
 
     # -- enqueue ----------------------------------------------------------------
     def enqueue(self, *, workspace_id: str, agent_id: str, reason: str, now: datetime,
@@ -165,8 +173,9 @@ class RunRepository:
     def _count_queued(conn: sqlite3.Connection, inserted: int) -> None:
         """Add ``inserted`` new runs to ``run_counts`` (no trigger counts inserts)."""
         if inserted:
+            target = "(status, shard)" if conn_is_pg(conn) else "(status)"
             conn.execute("INSERT INTO run_counts (status, n) VALUES ('queued', ?)"
-                         " ON CONFLICT (status) DO UPDATE SET n = run_counts.n + excluded.n",
+                         f" ON CONFLICT {target} DO UPDATE SET n = run_counts.n + excluded.n",
                          (inserted,))
 
     def _enqueue(self, conn: sqlite3.Connection, *, workspace_id: str, agent_id: str,
@@ -289,13 +298,15 @@ class RunRepository:
         if (row["idempotency_key"] or "").startswith("task_comment:"):
             return None
         new_key_active = 1 if (key or row["idempotency_key"]) else 0
+        # Still queued: on PostgreSQL a claim (which does not take the writer lock) may
+        # have taken the run since it was read; then the request is a run of its own.
         updated = conn.execute(
             "UPDATE runs SET coalesced_count = coalesced_count + 1, payload = ?,"
             " idempotency_key = COALESCE(idempotency_key, ?), key_active = ?, updated_at = ?"
-            " WHERE seq = ? RETURNING *",
+            " WHERE seq = ? AND status = 'queued' RETURNING *",
             (payload_json, key, new_key_active, rfc3339(now), row["seq"]),
         ).fetchone()
-        return run_from_row(updated)
+        return run_from_row(updated) if updated is not None else None
 
     # -- claim ------------------------------------------------------------------
     #: Each eligible agent's oldest due queued run, oldest first. Eligible: active,
@@ -353,11 +364,20 @@ class RunRepository:
             # loop, so this is what a backlog of a paused agent costs per request.
             return []
         # (No subquery in RETURNING: SQLite evaluates it with a full scan of its table.)
-        with self._relaxed_sync(), self.store.transaction() as conn:
+        postgres = self.store.dialect == "postgresql"
+        own = not self.store.writing
+        with self._relaxed_sync(), self.store.transaction(exclusive=not postgres) as conn:
+            if postgres and own:
+                conn.execute("SET LOCAL synchronous_commit TO OFF")  # as _relaxed_sync
             excluded = set(exclude_agents)
             if self.claim_gate is not None:
                 excluded.update(self.claim_gate(conn, now))
             exclusion = self._exclusion(excluded, params)
+            if postgres:
+                locked = self._lock_agents(conn, exclusion, params, limit)
+                if not locked:
+                    return []
+                exclusion += self._inclusion(locked, params)
             sql = (
                 "UPDATE runs SET status = 'claimed', claimed_at = :now,"
                 " claim_token = :token || '.' || seq, claimed_by = :boot,"
@@ -383,6 +403,37 @@ class RunRepository:
             row = self.store.query_one(
                 "SELECT EXISTS (" + self._HEADS.format(exclusion=exclusion) + ")", probe)
         return bool(row and row[0])
+
+    def _lock_agents(self, conn: Any, exclusion: str, params: dict[str, Any], limit: int
+                     ) -> list[str]:
+        """PostgreSQL: lock (``FOR UPDATE SKIP LOCKED``) up to ``limit`` agents to claim for.
+
+        The agents whose oldest due run is oldest, as the claim would take them,
+        skipping agents another daemon is claiming for right now. Every claim
+        takes these locks first, so while this transaction holds an agent no
+        other daemon claims for it; the claim statement that follows reads a
+        fresh snapshot and so sees every claim committed before. The partial
+        unique index (one claimed run per agent) stays the last word.
+        """
+        scan = {**params, "limit": limit * 4}  # room to skip agents locked elsewhere
+        candidates = [row[0] for row in conn.execute(
+            "SELECT q.agent_id FROM runs q WHERE q.seq IN ("
+            + self._HEADS.format(exclusion=exclusion) + ") ORDER BY q.seq", scan).fetchall()]
+        if not candidates:
+            return []
+        return [row[0] for row in conn.execute(
+            "SELECT id FROM agents WHERE id = ANY(:ids) ORDER BY array_position(:ids, id)"
+            " LIMIT :limit FOR UPDATE SKIP LOCKED",
+            {"ids": candidates, "limit": int(limit)}).fetchall()]
+
+    @staticmethod
+    def _inclusion(agents: list[str], params: dict[str, Any]) -> str:
+        """The HEADS clause keeping only ``agents``; their names go into ``params``."""
+        names = []
+        for i, agent in enumerate(agents):
+            params[f"y{i}"] = agent
+            names.append(f":y{i}")
+        return f" AND a.id IN ({', '.join(names)})"
 
     @staticmethod
     def _exclusion(excluded: set[str], params: dict[str, Any]) -> str:
@@ -550,9 +601,11 @@ class RunRepository:
         """The SQL condition: the claim's daemon is not another live daemon."""
         if self.peers_dead_after_s is None:
             return ""
+        held = "".join(f" AND d.boot_id != '{boot}'" for boot in self.held_peers
+                       if boot.isalnum())  # boot ids are hex: nothing to quote
         return (" AND NOT EXISTS (SELECT 1 FROM daemons d WHERE d.boot_id = runs.claimed_by"
                 " AND d.stopped_at IS NULL AND d.heartbeat_at >= now() - make_interval(secs =>"
-                f" {float(self.peers_dead_after_s)!r}))")
+                f" {float(self.peers_dead_after_s)!r}){held})")
 
     def foreign_claims(self) -> list[sqlite3.Row]:
         """Claims made by an earlier daemon instance or a dead daemon (at start-up: all)."""
@@ -678,8 +731,9 @@ class RunRepository:
         # repairs counts that runs written behind the daemon's back put off.
         with self.store.connection() as conn:
             # One statement, one snapshot: the counts and the total agree in time.
-            rows = conn.execute("SELECT status, n, (SELECT COUNT(*) FROM runs) AS total"
-                                " FROM run_counts").fetchall()
+            rows = conn.execute("SELECT status, CAST(SUM(n) AS BIGINT) AS n,"
+                                " (SELECT COUNT(*) FROM runs) AS total"
+                                " FROM run_counts GROUP BY status").fetchall()
             kept = {row["status"]: row["n"] for row in rows}
             total = rows[0]["total"] if rows else \
                 conn.execute("SELECT COUNT(*) FROM runs").fetchone()[0]
@@ -696,7 +750,8 @@ class RunRepository:
                          " FROM runs GROUP BY status")
             log.warning("run counts did not match the runs table (runs written outside the "
                         "daemon?); recounted")
-            return dict(conn.execute("SELECT status, n FROM run_counts").fetchall())
+            return dict(conn.execute("SELECT status, CAST(SUM(n) AS BIGINT) FROM run_counts"
+                                     " GROUP BY status").fetchall())
 
     # -- cancel -----------------------------------------------------------------
     def cancel(self, run_id: str, reason: str | None, now: datetime, *,
@@ -707,17 +762,22 @@ class RunRepository:
         """
         now_s = rfc3339(now)
         with self.store.transaction() as conn:
-            row = conn.execute("SELECT status FROM runs WHERE id = ?", (run_id,)).fetchone()
-            if row is None:
-                raise RunNotFound(run_id)
-            previous = row["status"]
-            if previous in TERMINAL or (only_queued and previous != "queued"):
-                raise RunConflict(f"run {run_id!r} is already {previous}; nothing to cancel")
-            updated = conn.execute(
-                "UPDATE runs SET status = 'cancelled', cancel_reason = ?, finished_at = ?,"
-                " claim_token = NULL, updated_at = ? WHERE id = ? RETURNING *",
-                (reason or "cancelled", now_s, now_s, run_id)).fetchone()
-        return run_from_row(updated), previous
+            # The status read is the status changed: a claim made in between (on
+            # PostgreSQL claims do not take the writer lock) is seen, and read again.
+            while True:
+                row = conn.execute("SELECT status FROM runs WHERE id = ?",
+                                   (run_id,)).fetchone()
+                if row is None:
+                    raise RunNotFound(run_id)
+                previous = row["status"]
+                if previous in TERMINAL or (only_queued and previous != "queued"):
+                    raise RunConflict(f"run {run_id!r} is already {previous}; nothing to cancel")
+                updated = conn.execute(
+                    "UPDATE runs SET status = 'cancelled', cancel_reason = ?, finished_at = ?,"
+                    " claim_token = NULL, updated_at = ? WHERE id = ? AND status = ? RETURNING *",
+                    (reason or "cancelled", now_s, now_s, run_id, previous)).fetchone()
+                if updated is not None:
+                    return run_from_row(updated), previous
 
     # -- reads ------------------------------------------------------------------
     def get(self, run_id: str) -> dict[str, Any]:

@@ -241,3 +241,30 @@ def test_connections_cut_by_the_server_are_replaced_and_the_drain_goes_on(
     wait_for(lambda: daemon.call("daemon.status")["cluster"]["leader"], 10, "the leader again")
     assert daemon.stop() == 0
     assert "Traceback" not in daemon.log_text
+
+
+def test_a_restarted_daemon_adopts_its_agents_and_no_other_daemon_takes_them(
+        daemon_factory: Callable[..., DaemonProcess], tmp_path: Path, pg_url: str) -> None:
+    """Live restore on PostgreSQL: the daemon of the same host and home adopts the agent its
+    killed predecessor left running, while another daemon on the database looks on."""
+    probe_file = tmp_path / "probe.jsonl"
+    config = cluster_config(pg_url, probe_file, runtime={"adopt_on_restart": True})
+    first = daemon_factory(config, home=tmp_path / "home")
+    other = daemon_factory(config, home=tmp_path / "other")
+    ws, agents = seed(first, 1)
+    run = first.call("runs.enqueue", {"workspace_id": ws, "agent_id": agents[0],
+                                      "reason": "long", "payload": {"sleep_s": 6}})["run"]
+    wait_for(lambda: first.call("runs.get", {"id": run["id"]})["status"] == "claimed"
+             and first.agent_pids(), 10, "the run executing on the first daemon")
+    first.kill_daemon_only()  # its agent runs on
+    time.sleep(1)
+    again = daemon_factory(config, home=tmp_path / "home")
+    assert again.call("daemon.status")["runs"]["adopted"] == 1
+    wait_for(lambda: again.call("runs.get", {"id": run["id"]})["status"] == "finished", 20,
+             "the adopted run finished")
+    got = again.call("runs.get", {"id": run["id"]})
+    assert got["attempt"] == 1  # never re-queued, never run again
+    assert [r["run"] for r in probes(probe_file)] == [run["id"]]
+    assert other.count_lines("claimed by a daemon that stopped") == 0
+    for daemon in (again, other):
+        assert daemon.stop() == 0

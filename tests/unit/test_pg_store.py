@@ -1,0 +1,108 @@
+"""The PostgreSQL store itself: SQL translation, rows, and claims from several daemons at once."""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+
+from kandevd.store.db import open_store
+from kandevd.store.pg import Row, translate
+from kandevd.store.runs import RunRepository
+from kandevd.timeutil import rfc3339
+
+T0 = datetime(2026, 3, 1, 12, 0, 0, tzinfo=UTC)
+
+
+@pytest.mark.parametrize(("sqlite", "postgres"), [
+    ("SELECT * FROM runs WHERE id = ?", "SELECT * FROM runs WHERE id = %s"),
+    ("UPDATE runs SET a = :a WHERE b = :b", "UPDATE runs SET a = %(a)s WHERE b = %(b)s"),
+    ("SELECT 1 WHERE task_id IS ? AND x IS :y",
+     "SELECT 1 WHERE task_id IS NOT DISTINCT FROM %s AND x IS NOT DISTINCT FROM %(y)s"),
+    ("SELECT 1 WHERE x IS NULL AND y IS NOT NULL", "SELECT 1 WHERE x IS NULL AND y IS NOT NULL"),
+    ("SELECT '%', 'it''s ?', \"col?\" FROM t", "SELECT '%%', 'it''s ?', \"col?\" FROM t"),
+    ("/* office:probe */ SELECT 1 -- a:b ?\nWHERE x LIKE 'a%'",
+     "/* office:probe */ SELECT 1 -- a:b ?\nWHERE x LIKE 'a%%'"),
+    ("SELECT x::jsonb FROM t", "SELECT x::jsonb FROM t"),
+    ("SELECT 1 FROM r WHERE json_extract(payload, '$.routine_id') = ?",
+     "SELECT 1 FROM r WHERE (payload::jsonb ->> 'routine_id') = %s"),
+    ("SELECT MIN(t) FROM runs INDEXED BY runs_queued_retry_at WHERE a = 1",
+     "SELECT MIN(t) FROM runs WHERE a = 1"),
+])
+def test_sqlite_sql_is_translated_for_postgresql(sqlite: str, postgres: str) -> None:
+    assert translate(sqlite) == postgres
+
+
+def test_a_row_reads_like_sqlite3_row() -> None:
+    row = Row({"id": 0, "n": 1}, ("a", 2))
+    assert (row["id"], row[1], row.keys(), list(row), len(row)) == ("a", 2, ["id", "n"],
+                                                                     ["a", 2], 2)
+    assert dict(zip(row.keys(), row, strict=True)) == {"id": "a", "n": 2}
+
+
+def seed(store: Any, agents: int, runs_each: int) -> list[str]:
+    now = rfc3339(T0)
+    names = [f"a{i:02d}" for i in range(agents)]
+    with store.transaction() as conn:
+        conn.execute("INSERT INTO workspaces (id, name, office_workflow_id, created_at,"
+                     " updated_at) VALUES ('ws', 'ws', '', ?, ?)", (now, now))
+        for name in names:
+            conn.execute("INSERT INTO agents (id, workspace_id, name, profile, cooldown_s,"
+                         " status, created_at, updated_at) VALUES (?, 'ws', ?, 'default', 0,"
+                         " 'active', ?, ?)", (name, name, now, now))
+    repo = RunRepository(store, "seed")
+    repo.enqueue_many([{"workspace_id": "ws", "agent_id": name, "reason": f"r{n}",
+                        "coalesce": False}
+                       for n in range(runs_each) for name in names], now=T0)
+    return names
+
+
+def test_daemons_claiming_at_once_never_claim_an_agent_twice(pg_url: str) -> None:
+    """Three stores (three daemons) claim and finish as fast as they can: each run is
+    claimed once, each agent's runs in request order, and no claim ever fails."""
+    stores = [open_store(pg_url) for _ in range(3)]
+    try:
+        seed(stores[0], agents=12, runs_each=8)
+        total = 12 * 8
+        done: list[tuple[str, int, str]] = []  # (agent, seq, daemon) in finish order
+        lock = threading.Lock()
+        errors: list[BaseException] = []
+
+        def work(store: Any, boot: str) -> None:
+            repo = RunRepository(store, boot)
+            try:
+                while True:
+                    with lock:
+                        if len(done) >= total:
+                            return
+                    for claim in repo.claim_batch(T0, 3):
+                        assert repo.finish(claim.run["id"], claim.token, now=T0, summary=None,
+                                           cost_cents=None, log_path=None)
+                        with lock:
+                            done.append((claim.run["agent_id"], claim.run["seq"], boot))
+            except BaseException as exc:  # reported by the test below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(store, f"boot-{n}"))
+                   for n, store in enumerate(stores)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert not errors, errors
+        assert len(done) == total == len({seq for _, seq, _ in done})
+        by_agent: dict[str, list[int]] = defaultdict(list)
+        for agent, seq, _ in done:
+            by_agent[agent].append(seq)
+        assert all(seqs == sorted(seqs) for seqs in by_agent.values())
+        rows = stores[0].query("SELECT attempt, status FROM runs")
+        assert {(r["attempt"], r["status"]) for r in rows} == {(1, "finished")}
+        assert len({boot for _, _, boot in done}) >= 2  # the daemons did share the work
+        counts = RunRepository(stores[0], "x").count_by_status()
+        assert counts["finished"] == total and counts["queued"] == counts["claimed"] == 0
+    finally:
+        for store in stores:
+            store.close()

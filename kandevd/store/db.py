@@ -1,4 +1,9 @@
-"""The SQLite store: one database file, one guarded writer connection, read connections.
+"""The stores: :class:`BaseStore` (what every backend shares) and SQLite's :class:`Store`.
+
+SQLite in the home is the default store: one database file, one guarded
+writer connection, read connections. PostgreSQL (``store.url``) is
+:class:`kandevd.store.pg.PgStore`, on the same base. What follows is said of
+SQLite; the base's locking, nesting and reader pool are the same for both.
 
 Threading model: the daemon opens one writer ``sqlite3.Connection``
 (``check_same_thread=False``) and serialises every use of it with a
@@ -30,6 +35,7 @@ so a read-then-update (a claim) can never be interleaved with another writer.
 
 from __future__ import annotations
 
+import abc
 import logging
 import os
 import re
@@ -103,7 +109,7 @@ class _Reader:
                 self.conn.close()
 
 
-class BaseStore:
+class BaseStore(abc.ABC):
     """What every store shares: the guarded writer, the reader pool, transactions.
 
     A backend gives :meth:`_open_reader_connection`, :meth:`_begin`,
@@ -147,28 +153,33 @@ class BaseStore:
         """The writer connection (a backend may reopen a broken one here)."""
         return self._conn
 
+    @abc.abstractmethod
     def _open_reader_connection(self) -> Any:
-        raise NotImplementedError
+        """A new read connection."""
 
     def _usable(self, conn: Any) -> bool:
         """Can an idle connection still be used? (A server may have ended it meanwhile.)"""
         return True
 
+    @abc.abstractmethod
     def _begin(self, conn: Any, exclusive: bool) -> None:
-        raise NotImplementedError
+        """Begin a write transaction on ``conn`` (``exclusive``: take the writer lock)."""
 
+    @abc.abstractmethod
     def _in_transaction(self, conn: Any) -> bool:
-        raise NotImplementedError
+        """Is ``conn`` inside a transaction?"""
 
+    @abc.abstractmethod
     def _note_failure(self, exc: BaseException) -> None:
-        raise NotImplementedError
+        """Note a database error (a backend may mark the store degraded)."""
 
+    @abc.abstractmethod
     def _close_writer(self) -> None:
-        raise NotImplementedError
+        """Close the writer connection (under the store lock)."""
 
+    @abc.abstractmethod
     def size_bytes(self) -> int:
         """How much room the database takes, in bytes."""
-        raise NotImplementedError
 
     # -- read connections ---------------------------------------------------------
     @contextmanager

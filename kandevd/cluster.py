@@ -52,9 +52,10 @@ log = logging.getLogger("kandevd.cluster")
 
 #: The LISTEN/NOTIFY channel of the run queue.
 CHANNEL = "kandevd_queue"
-#: Bus events after which a run may be claimable somewhere.
-WAKING_EVENTS = ("run.queued", "run.finished", "run.failed", "run.cancelled",
-                 "agent.updated")
+#: Bus events after which a run may be claimable on another daemon. (An outcome frees
+#: an agent, but its daemon claims again in the same pass: it tells the others only
+#: when its own slots are full, see :meth:`Cluster.notify`.)
+WAKING_EVENTS = ("run.queued", "agent.updated")
 _RECONNECT_S = 1.0
 #: Fires and stopped daemons are kept this long (seconds), then pruned by the leader.
 PRUNE_AFTER_S = 7 * 24 * 3600.0
@@ -166,6 +167,10 @@ class Cluster:
         """A bus subscriber: a run may be claimable now; tell the other daemons."""
         if topic in WAKING_EVENTS:
             self._notify_wanted.set()
+
+    def notify(self) -> None:
+        """Tell the other daemons to look for work (one NOTIFY per burst)."""
+        self._notify_wanted.set()
 
     # -- threads -----------------------------------------------------------------
     def start(self) -> None:

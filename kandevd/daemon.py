@@ -135,6 +135,7 @@ class Daemon:
                 raise StartupError(f"store.url {self.store.path}: cannot join the cluster: "
                                    f"{exc}", EXIT_IOERR) from None
             self.bus.subscribe("*", self.cluster.on_event)
+            self.queue.on_saturated = self.cluster.notify
         self.loops = {"queue": queue_loop}
         for name, loop in self._extra_loops().items():
             self.loops[name] = loop

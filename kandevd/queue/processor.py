@@ -127,6 +127,10 @@ class RunQueue:
         self._attempt_dirs: dict[tuple[str, str], Path] = {}
         self._cancel_requested: set[str] = set()  # claimed runs cancelled, maybe not started
         self._waker: Callable[[], None] | None = None
+        #: Several daemons: called when a pass filled every free slot here and runs may
+        #: still wait, so the others should look (a run freed by an outcome that this
+        #: daemon claimed again at once needs no one else).
+        self.on_saturated: Callable[[], None] | None = None
         self._defer = False  # outcomes go to the loop's next drain (see defer_outcomes)
         self._outcomes: list[tuple[Claim, ExecutionResult]] = []
         self._unrecorded: list[_Unrecorded] = []
@@ -259,6 +263,10 @@ class RunQueue:
             for reservation, claim in zip(reservations, claims, strict=False):
                 if self._dispatch(reservation, claim):
                     started += 1
+            if self.on_saturated is not None and len(claims) >= len(reservations) and (
+                    reservations or self.repo.has_queued()):
+                # Every free slot here took a run: what is left is for other daemons.
+                self.on_saturated()
         finally:
             for reservation in reservations:
                 self.runtime.release(reservation)  # a no-op for the ones started
@@ -277,7 +285,8 @@ class RunQueue:
             busy = {agent for run_id, agent in self._live.items()
                     if run_id not in ended or run_id in leaving}
         try:
-            with self.repo.store.transaction():
+            # Outcomes and claims only: on PostgreSQL both guard themselves with row locks.
+            with self.repo.store.transaction(exclusive=False):
                 effects = [self._apply(claim, result) for claim, result in outcomes]
                 # The outcomes were stamped with the clock just now: claim no earlier,
                 # so an agent's next claimed_at never precedes its last finished_at.

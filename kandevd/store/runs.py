@@ -173,10 +173,16 @@ class RunRepository:
     def _count_queued(conn: sqlite3.Connection, inserted: int) -> None:
         """Add ``inserted`` new runs to ``run_counts`` (no trigger counts inserts)."""
         if inserted:
-            target = "(status, shard)" if conn_is_pg(conn) else "(status)"
-            conn.execute("INSERT INTO run_counts (status, n) VALUES ('queued', ?)"
-                         f" ON CONFLICT {target} DO UPDATE SET n = run_counts.n + excluded.n",
-                         (inserted,))
+            if conn_is_pg(conn):
+                # Shard 16, which no trigger uses: an enqueue never waits for a count
+                # row that a claim or an outcome holds (no lock cycle with them).
+                conn.execute("INSERT INTO run_counts (status, shard, n) VALUES ('queued', 16, ?)"
+                             " ON CONFLICT (status, shard) DO UPDATE"
+                             " SET n = run_counts.n + excluded.n", (inserted,))
+            else:
+                conn.execute("INSERT INTO run_counts (status, n) VALUES ('queued', ?)"
+                             " ON CONFLICT (status) DO UPDATE SET n = run_counts.n + excluded.n",
+                             (inserted,))
 
     def _enqueue(self, conn: sqlite3.Connection, *, workspace_id: str, agent_id: str,
                  reason: str, now: datetime, task_id: str | None = None,
@@ -488,10 +494,26 @@ class RunRepository:
         return parse_rfc3339(row[0]) if row and row[0] else None
 
     # -- attempt outcomes -------------------------------------------------------
+    def _lock_agent_of(self, conn: Any, run_id: str) -> None:
+        """PostgreSQL: lock the run's agent row before the run's (an outcome's lock order).
+
+        Outcomes do not take the writer lock there. Taking the agent first, as
+        every claim does, means an outcome never holds a run or a run count
+        while it waits for an agent a claim holds: no lock cycle between them.
+        """
+        if conn_is_pg(conn):
+            conn.execute("SELECT a.id FROM agents a JOIN runs r ON r.agent_id = a.id"
+                         " WHERE r.id = ? FOR UPDATE OF a", (run_id,))
+
     def finish(self, run_id: str, token: str, *, now: datetime, summary: str | None,
                cost_cents: float | None, log_path: str | None) -> bool:
+        """Record a successful attempt (fenced by ``token``); False when it was superseded.
+
+        Single-row and fenced, so on PostgreSQL it needs no writer lock.
+        """
         now_s = rfc3339(now)
-        with self.store.transaction() as conn:
+        with self.store.transaction(exclusive=False) as conn:
+            self._lock_agent_of(conn, run_id)
             row = conn.execute(
                 "UPDATE runs SET status = 'finished', finished_at = :now,"
                 " output_summary = :summary,"
@@ -512,7 +534,8 @@ class RunRepository:
                      draw: float | None = None) -> dict[str, Any] | None:
         """Apply the retry policy to a failed attempt; None when the token is stale."""
         now_s = rfc3339(now)
-        with self.store.transaction() as conn:
+        with self.store.transaction(exclusive=False) as conn:
+            self._lock_agent_of(conn, run_id)
             row = conn.execute("SELECT * FROM runs WHERE id = ? AND status = 'claimed'"
                                " AND claim_token = ?", (run_id, token)).fetchone()
             if row is None:
@@ -538,10 +561,15 @@ class RunRepository:
             else:
                 sql = ("UPDATE runs SET status = 'failed', finished_at = :now,"
                        " claim_token = NULL, error_message = :error, scheduled_retry_at = NULL,")
+            # Fenced again in the write itself: a cancel on another daemon may have come
+            # between the read and here (outcomes do not take the writer lock there).
             updated = conn.execute(
                 sql + " output_summary = :summary, cost_cents = " + _ADD_COST + ","
                 " log_path = COALESCE(:log, log_path), updated_at = :now"
-                " WHERE seq = :seq RETURNING *", common).fetchone()
+                " WHERE seq = :seq AND status = 'claimed' AND claim_token = :token"
+                " RETURNING *", {**common, "token": token}).fetchone()
+            if updated is None:
+                return None
             self._start_cooldown(conn, row["agent_id"], now)
         return run_from_row(updated)
 

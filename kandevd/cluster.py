@@ -211,12 +211,15 @@ class Cluster:
                             "safety pass", exc)
                 conn = None
                 self._stopping.wait(_RECONNECT_S)
-        if conn is not None:
-            try:  # wake our own listener, so it stops now rather than at its timeout
-                conn.execute(f"NOTIFY {CHANNEL}, 'stop:{self.boot_id}'")
-            except psycopg.Error:
-                pass
-            conn.close()
+        try:  # wake our own listener, so it stops now rather than at its timeout
+            if conn is None or conn.closed or conn.broken:
+                conn = self._connect("kandevd-notify")
+            conn.execute(f"NOTIFY {CHANNEL}, 'stop:{self.boot_id}'")
+        except psycopg.Error:
+            pass  # the listener stops at its next timeout (heartbeat_s) instead
+        finally:
+            if conn is not None:
+                conn.close()
 
     def _listen_and_beat(self) -> None:
         """LISTEN, and between notifications heartbeat every ``heartbeat_s``."""

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from kandevd.timeutil import rfc3339, utc_now
 from tests.harness import DaemonProcess
 from tests.workflows import history, schedule, write_workflow
 
@@ -267,4 +268,50 @@ def test_a_restarted_daemon_adopts_its_agents_and_no_other_daemon_takes_them(
     assert [r["run"] for r in probes(probe_file)] == [run["id"]]
     assert other.count_lines("claimed by a daemon that stopped") == 0
     for daemon in (again, other):
+        assert daemon.stop() == 0
+
+
+def test_office_work_happens_once_across_daemons(
+        daemon_factory: Callable[..., DaemonProcess], tmp_path: Path, pg_url: str) -> None:
+    """Tasks created on either daemon, and tasks no subscriber saw (written straight into
+    the database): one task_assigned run each; recovery runs on the leader only."""
+    import psycopg
+
+    config = cluster_config(pg_url, tmp_path / "probe.jsonl")
+    daemons = start_cluster(daemon_factory, tmp_path, config, 2)
+    first = daemons[0]
+    first.call("workspaces.create", {"id": "ws1", "name": "One"})
+    first.call("agents.create", {"id": "a1", "workspace_id": "ws1", "name": "a1"})
+    first.call("workflows.create", {"id": "office", "workspace_id": "ws1", "name": "office",
+                                    "style": "office",
+                                    "steps": [{"id": "todo", "name": "To do", "agent_id": "a1"}]})
+    first.call("workspaces.update", {"id": "ws1", "office_workflow_id": "office"})
+    tasks = [f"t{n}" for n in range(6)]
+    for n, task in enumerate(tasks):
+        daemons[n % 2].call("tasks.create", {"id": task, "workspace_id": "ws1",
+                                             "workflow_id": "office", "title": task})
+    now = rfc3339(utc_now())
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        for task in ("m1", "m2"):
+            conn.execute("INSERT INTO tasks (id, workspace_id, workflow_id, step_id, title,"
+                         " project_id, state, created_at, updated_at) VALUES"
+                         " (%s, 'ws1', 'office', 'todo', 'missed', '', 'TODO', %s, %s)",
+                         (task, now, now))
+    everything = [*tasks, "m1", "m2"]
+
+    def assigned() -> dict[str, int]:
+        found = Counter(r["task_id"] for r in first.call(
+            "runs.list", {"reason": "task_assigned", "limit": 100})["items"])
+        return found if set(found) == set(everything) else {}
+
+    wait_for(assigned, 30, "a task_assigned run for every task")
+    time.sleep(3)  # more Office ticks on the leader: nothing more may be queued
+    assert assigned() == dict.fromkeys(everything, 1)
+    [leader] = [d for d in daemons if d.call("daemon.status")["cluster"]["leader"]]
+    follower = next(d for d in daemons if d is not leader)
+    assert leader.call("daemon.status")["stats"]["office"]["ticks"] > 0
+    assert follower.call("daemon.status")["stats"]["office"]["ticks"] == 0
+    assert leader.count_lines("recovered unstarted Office task") == 2
+    assert follower.count_lines("recovered unstarted Office task") == 0
+    for daemon in daemons:
         assert daemon.stop() == 0

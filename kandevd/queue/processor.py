@@ -263,9 +263,10 @@ class RunQueue:
             for reservation, claim in zip(reservations, claims, strict=False):
                 if self._dispatch(reservation, claim):
                     started += 1
-            if self.on_saturated is not None and len(claims) >= len(reservations) and (
-                    reservations or self.repo.has_queued()):
-                # Every free slot here took a run: what is left is for other daemons.
+            if self.on_saturated is not None and claims and len(claims) >= len(reservations):
+                # Every free slot here took a run: what is left is for other daemons. (A
+                # pass that found no free slot changed nothing and tells no one: daemons
+                # with full slots would otherwise wake each other without end.)
                 self.on_saturated()
         finally:
             for reservation in reservations:

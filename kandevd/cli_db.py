@@ -4,16 +4,14 @@ and copy it into PostgreSQL (``db migrate``: only while no daemon uses the home)
 from __future__ import annotations
 
 import importlib.util
-import re
 import sqlite3
 import sys
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
 
 import click
 
 from kandevd.cli_common import home_option
-from kandevd.config import POSTGRES_SCHEMES, redact_url
+from kandevd.config import POSTGRES_SCHEMES, redact_url, scrub_secrets
 from kandevd.homelock import HomeLock, HomeLocked
 from kandevd.paths import HomeLayout, resolve_home
 from kandevd.store.backend import POSTGRES_EXTRA
@@ -72,23 +70,6 @@ def backup_command(target: Path, home: str | None) -> None:
         click.echo(f"kandevd: backup {target}: {exc}", err=True)
         sys.exit(EXIT_IOERR)
     click.echo(f"backed up {path} to {target} ({pages} pages)")
-
-
-def _scrub(text: str, url: str) -> str:
-    """``text`` (a driver's error message) on one line, the URL's password masked if shown."""
-    text = "; ".join(line.strip() for line in text.splitlines() if line.strip())
-    secrets: set[str] = set()
-    try:
-        password = urlsplit(url).password
-    except ValueError:
-        password = None
-    if password:
-        secrets.update((password, unquote(password)))
-    for match in re.finditer(r"(?i)[?&](?:password|sslpassword)=([^&#]*)", url):
-        secrets.update((match.group(1), unquote(match.group(1))))
-    for secret in sorted(filter(None, secrets), key=len, reverse=True):
-        text = text.replace(secret, "***")
-    return text
 
 
 @db.command("migrate")
@@ -161,7 +142,7 @@ def _migrate(path: Path, url: str, shown: str) -> int:
         try:
             store = open_store(url)
         except (sqlite3.Error, RuntimeError) as exc:
-            click.echo(f"kandevd: cannot open {shown}: {_scrub(str(exc), url)}", err=True)
+            click.echo(f"kandevd: cannot open {shown}: {scrub_secrets(str(exc), url)}", err=True)
             return EXIT_IOERR
         try:
             plans = plan(source, store)
@@ -186,10 +167,10 @@ def _migrate(path: Path, url: str, shown: str) -> int:
                        "holds none of it", err=True)
             return EXIT_IOERR
         except CopyError as exc:
-            click.echo(f"kandevd: {_scrub(str(exc), url)}; nothing was written", err=True)
+            click.echo(f"kandevd: {scrub_secrets(str(exc), url)}; nothing was written", err=True)
             return EXIT_PROBLEMS
         except sqlite3.Error as exc:
-            click.echo(f"kandevd: copying into {shown} failed: {_scrub(str(exc), url)}; the "
+            click.echo(f"kandevd: copying into {shown} failed: {scrub_secrets(str(exc), url)}; the "
                        f"copy was rolled back, {shown} holds none of it", err=True)
             return EXIT_PROBLEMS
         finally:

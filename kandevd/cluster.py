@@ -44,8 +44,8 @@ from typing import Any
 
 import psycopg
 
-from kandevd.config import ClusterConfig
-from kandevd.store.pg import LEADER_LOCK, LOCK_NAMESPACE, PgStore
+from kandevd.config import ClusterConfig, scrub_secrets
+from kandevd.store.pg import LEADER_LOCK, LOCK_NAMESPACE, PgStore, connect_raw
 from kandevd.timeutil import after, rfc3339, utc_now
 
 log = logging.getLogger("kandevd.cluster")
@@ -61,6 +61,23 @@ _RECONNECT_S = 1.0
 PRUNE_AFTER_S = 7 * 24 * 3600.0
 
 
+def machine_id() -> str:
+    """This machine's id (``/etc/machine-id``), or "" where there is none.
+
+    With the host name and the home it tells this daemon's earlier instances
+    from a daemon of another machine that happens to share both.
+    """
+    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
+        try:
+            with open(path, encoding="ascii") as handle:
+                value = handle.read().strip()
+        except (OSError, UnicodeDecodeError):
+            continue
+        if value.isalnum():
+            return value
+    return ""
+
+
 def _iso(moment: datetime | None) -> str | None:
     return rfc3339(moment) if moment is not None else None
 
@@ -69,15 +86,18 @@ class Cluster:
     """This daemon's membership in the cluster sharing ``store``."""
 
     def __init__(self, store: PgStore, config: ClusterConfig, boot_id: str, home: str,
-                 *, wake: Callable[[], None], on_beat: Callable[[], None] | None = None
+                 *, wake: Callable[[], None], on_beat: Callable[[bool], None] | None = None
                  ) -> None:
         self.store = store
         self.config = config
         self.boot_id = boot_id
         self.home = home
         self.host = socket.gethostname()
+        self.machine = machine_id()
         self._wake = wake
-        self.on_beat = on_beat  # dead claims rescued, lost executions stopped (the queue's)
+        #: ``on_beat(rescue)`` at every heartbeat once settled: stop executions lost here,
+        #: and with ``rescue`` (steady for dead_after_s) re-queue dead daemons' claims.
+        self.on_beat = on_beat
         self._leader = False
         self._stopping = threading.Event()
         self._notify_wanted = threading.Event()
@@ -88,6 +108,7 @@ class Cluster:
         self.held: list[str] = []
         self._settled = False
         self._beating_since: float | None = None  # monotonic start of unbroken heartbeats
+        self._last_beat = 0.0
 
     # -- membership ------------------------------------------------------------
     def join(self) -> list[str]:
@@ -100,16 +121,21 @@ class Cluster:
         boot ids.
         """
         with self.store.transaction() as conn:
+            # This host (its name and machine id) and home: running, or stopped with
+            # claims left behind (a graceful stop leaves its interrupted runs claimed).
             self.held = [row[0] for row in conn.execute(
-                "SELECT boot_id FROM daemons WHERE host = ? AND home = ? AND stopped_at IS NULL"
-                " AND boot_id != ?", (self.host, self.home, self.boot_id)).fetchall()]
+                "SELECT d.boot_id FROM daemons d WHERE d.host = ? AND d.machine = ?"
+                " AND d.home = ? AND d.boot_id != ? AND (d.stopped_at IS NULL OR EXISTS"
+                " (SELECT 1 FROM runs r WHERE r.status = 'claimed'"
+                " AND r.claimed_by = d.boot_id))",
+                (self.host, self.machine, self.home, self.boot_id)).fetchall()]
             if self.held:
-                conn.execute("UPDATE daemons SET heartbeat_at = now() WHERE boot_id = ANY(?)",
-                             (self.held,))
+                conn.execute("UPDATE daemons SET heartbeat_at = clock_timestamp(),"
+                             " stopped_at = NULL WHERE boot_id = ANY(?)", (self.held,))
             conn.execute(
-                "INSERT INTO daemons (boot_id, host, pid, home, started_at, heartbeat_at)"
-                " VALUES (?, ?, ?, ?, now(), now())",
-                (self.boot_id, self.host, os.getpid(), self.home))
+                "INSERT INTO daemons (boot_id, host, machine, pid, home, started_at,"
+                " heartbeat_at) VALUES (?, ?, ?, ?, ?, now(), clock_timestamp())",
+                (self.boot_id, self.host, self.machine, os.getpid(), self.home))
         log.info("cluster: joined as %s (host %s, pid %d); heartbeat every %gs, dead after %gs",
                  self.boot_id, self.host, os.getpid(), self.config.heartbeat_s,
                  self.config.dead_after_s)
@@ -118,11 +144,11 @@ class Cluster:
     def settled(self) -> None:
         """The earlier instances' claims are restored or rescued: they are stopped now, and
         this daemon's heartbeat starts its own work (rescues, lost executions)."""
-        if self.held:
-            self.store.execute("UPDATE daemons SET stopped_at = now() WHERE boot_id = ANY(?)",
-                               (self.held,))
-        self.held = []
+        held, self.held = self.held, []
         self._settled = True
+        if held:  # if this fails they are taken for dead after dead_after_s all the same
+            self.store.execute("UPDATE daemons SET stopped_at = now() WHERE boot_id = ANY(?)",
+                               (held,))
 
     def leave(self) -> None:
         """Mark this daemon stopped (its claims are settled by now: the runtime stopped)."""
@@ -190,8 +216,7 @@ class Cluster:
         self._leader = False
 
     def _connect(self, name: str) -> psycopg.Connection[Any]:
-        return psycopg.connect(self.store.url, autocommit=True, application_name=name,
-                               connect_timeout=10)
+        return connect_raw(self.store.url, name)
 
     def _notify_loop(self) -> None:
         """Send one NOTIFY per burst of events, from a connection of its own."""
@@ -206,16 +231,16 @@ class Cluster:
                     conn = self._connect("kandevd-notify")
                     self._notifier_pid = conn.info.backend_pid
                 conn.execute(f"NOTIFY {CHANNEL}")
-            except psycopg.Error as exc:
+            except (psycopg.Error, sqlite3.Error) as exc:
                 log.warning("cluster: NOTIFY failed (%s); the others find the work on their "
-                            "safety pass", exc)
+                            "safety pass", scrub_secrets(str(exc), self.store.url))
                 conn = None
                 self._stopping.wait(_RECONNECT_S)
         try:  # wake our own listener, so it stops now rather than at its timeout
             if conn is None or conn.closed or conn.broken:
                 conn = self._connect("kandevd-notify")
             conn.execute(f"NOTIFY {CHANNEL}, 'stop:{self.boot_id}'")
-        except psycopg.Error:
+        except (psycopg.Error, sqlite3.Error):
             pass  # the listener stops at its next timeout (heartbeat_s) instead
         finally:
             if conn is not None:
@@ -246,11 +271,13 @@ class Cluster:
                 if time.monotonic() >= next_beat:
                     next_beat = time.monotonic() + self.config.heartbeat_s
                     self._beat(conn)
-            except psycopg.Error as exc:
-                log.warning("cluster: connection to the database failed (%s); retrying", exc)
+            except (psycopg.Error, sqlite3.Error) as exc:
+                log.warning("cluster: connection to the database failed (%s); retrying",
+                            scrub_secrets(str(exc), self.store.url))
                 if conn is not None:
                     conn.close()
                 conn = None
+                self._beating_since = None  # not steady until it has beaten again a while
                 self._stopping.wait(_RECONNECT_S)
             except Exception:
                 log.exception("cluster: heartbeat failed; retrying")
@@ -259,17 +286,15 @@ class Cluster:
             conn.close()  # releases the leader lock
 
     def _beat(self, conn: psycopg.Connection[Any]) -> None:
-        try:
-            self.store.execute("UPDATE daemons SET heartbeat_at = now() WHERE boot_id = ANY(?)",
-                               ([self.boot_id, *self.held],))
-        except sqlite3.Error as exc:
-            log.warning("cluster: heartbeat not written (%s)", exc)
-            self._beating_since = None
-            return
+        """One heartbeat: on the listening connection, in autocommit, stamped when written
+        (``clock_timestamp()``), so it waits for no writer lock and is never born old."""
+        conn.execute("UPDATE daemons SET heartbeat_at = clock_timestamp()"
+                     " WHERE boot_id = ANY(%s)", ([self.boot_id, *self.held],))
         self.beats += 1
         now = time.monotonic()
-        if self._beating_since is None:
-            self._beating_since = now
+        if self._beating_since is None or now - self._last_beat > 2 * self.config.heartbeat_s:
+            self._beating_since = now  # a gap: steady again only after dead_after_s
+        self._last_beat = now
         if not self._leader:
             row = conn.execute("SELECT pg_try_advisory_lock(%s, %s)",
                                (LOCK_NAMESPACE, LEADER_LOCK)).fetchone()
@@ -280,15 +305,24 @@ class Cluster:
             self._prune()
         # Others' claims are rescued only once this daemon has itself been beating for
         # dead_after_s: after an outage of the database every heartbeat is old, and the
-        # first daemon back must not take everyone else for dead.
+        # first daemon back must not take everyone else for dead. Executions lost here
+        # are stopped at every beat.
         steady = now - self._beating_since >= self.config.dead_after_s
-        if self.on_beat is not None and self._settled and steady:
-            self.on_beat()
+        if self.on_beat is not None and self._settled:
+            self.on_beat(steady)
 
     def _prune(self) -> None:
-        """The leader forgets fires and stopped daemons older than a week."""
+        """The leader forgets fires and stopped daemons older than a week, and folds the
+        run-count shards of connections that are gone into shard 0."""
         try:
             with self.store.transaction() as conn:
+                conn.execute(
+                    "WITH gone AS (DELETE FROM run_counts WHERE shard > 0 AND shard NOT IN"
+                    " (SELECT pid FROM pg_stat_activity WHERE pid IS NOT NULL)"
+                    " RETURNING status, n)"
+                    " INSERT INTO run_counts (status, shard, n)"
+                    " SELECT status, 0, SUM(n) FROM gone GROUP BY status"
+                    " ON CONFLICT (status, shard) DO UPDATE SET n = run_counts.n + excluded.n")
                 conn.execute("DELETE FROM fires WHERE fired_at < ?",
                              (rfc3339(after(utc_now(), -PRUNE_AFTER_S)),))
                 conn.execute("DELETE FROM daemons WHERE stopped_at < now()"

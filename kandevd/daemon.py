@@ -277,7 +277,9 @@ class Daemon:
             if self.cluster is not None:
                 # Heartbeats from now on: the claims restored below stay this daemon's.
                 self.cluster.start()
-                started.append(("leave the cluster", self._leave_cluster))
+                # A start that fails keeps adopted agents running for the next start:
+                # the threads stop, but the daemon is not marked stopped.
+                started.append(("stop the cluster threads", self.cluster.stop))
             # What earlier instances left claimed: outcomes on disk are recorded and
             # (with runtime.adopt_on_restart) agents still running are adopted, so no
             # run whose outcome exists or is coming executes again. Other agents of a
@@ -357,6 +359,14 @@ class Daemon:
         if cluster is None:
             return
         cluster.stop()
+        unrecorded = self.queue.unrecorded() if self.queue is not None else 0
+        if unrecorded:
+            # Outcomes known here but not written: marked stopped, the other daemons would
+            # re-queue those runs at once; as it is, they wait dead_after_s, and a restart
+            # of this home within that time records them.
+            log.warning("cluster: %d outcome(s) not written; not marking this daemon "
+                        "stopped", unrecorded)
+            return
         if self.config.runtime.keep_agents_on_stop:
             # Agents left running for the next start to adopt: the claims stay this
             # daemon's until its heartbeat is dead_after_s old; a restart within that

@@ -717,7 +717,7 @@ class RunQueue:
                           "claimed by a previous daemon instance")
         return recovered
 
-    def settle_with_peers(self) -> None:
+    def settle_with_peers(self, rescue: bool = True) -> None:
         """A cluster heartbeat: rescue dead daemons' claims, stop executions lost here.
 
         Claims of daemons whose heartbeat is older than ``cluster.dead_after_s``
@@ -726,12 +726,13 @@ class RunQueue:
         another daemon, or rescued because this one was taken for dead) has its
         execution stopped: someone else owns the run now.
         """
-        rescued = self.repo.requeue_foreign_claims(
-            self.clock(), "the daemon that claimed it stopped (no heartbeat)",
-            keep=self.live_runs())
-        if rescued:
-            self._log_rescued(rescued, "claimed by a daemon that stopped")
-            self.signal()
+        if rescue:
+            rescued = self.repo.requeue_foreign_claims(
+                self.clock(), "the daemon that claimed it stopped (no heartbeat)",
+                keep=self.live_runs(), dead_peers=True)
+            if rescued:
+                self._log_rescued(rescued, "claimed by a daemon that stopped")
+                self.signal()
         for run_id in self.repo.not_claimed_here(self.live_runs()):
             log.warning("run %s: no longer claimed by this daemon (cancelled or taken over "
                         "elsewhere); stopping its execution here", run_id)

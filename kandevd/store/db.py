@@ -304,14 +304,20 @@ class BaseStore(abc.ABC):
             if self._closed:
                 raise StoreClosedError()
             conn = self._writer()
-            if self._in_transaction(conn):  # nested use joins the outer transaction
-                yield conn
-                return
             local = self._local
+            if self._in_transaction(conn):
+                if getattr(local, "writing", 0) > 0:  # nested use joins the outer one
+                    yield conn
+                    return
+                # Left open by a begin that failed half-way (PostgreSQL: BEGIN done, the
+                # writer lock timed out): never join it, or every later write would fail.
+                conn.execute("ROLLBACK")
             try:
                 self._begin(conn, exclusive)
             except sqlite3.DatabaseError as exc:
                 self._note_failure(exc)
+                if self._in_transaction(conn) and not is_disconnected(exc):
+                    conn.execute("ROLLBACK")
                 raise
             # This thread's reads see its own writes: on the writer until COMMIT.
             local.writing = getattr(local, "writing", 0) + 1

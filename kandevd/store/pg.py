@@ -48,7 +48,7 @@ import psycopg
 from psycopg import errors as pg_errors
 from psycopg.pq import TransactionStatus
 
-from kandevd.config import redact_url
+from kandevd.config import redact_url, scrub_secrets
 from kandevd.store.db import BUSY_TIMEOUT_MS, BaseStore, StoreUnavailable
 
 log = logging.getLogger("kandevd.store.pg")
@@ -143,14 +143,22 @@ def _row_factory(cursor: psycopg.Cursor[Any]) -> Any:
     return make
 
 
-def _as_sqlite_error(exc: psycopg.Error) -> sqlite3.Error:
-    """The DB-API class of :mod:`sqlite3` for a psycopg error (the message kept)."""
+def _as_sqlite_error(exc: psycopg.Error, url: str | None = None) -> sqlite3.Error:
+    """The DB-API class of :mod:`sqlite3` for a psycopg error (the message kept).
+
+    With ``url`` (a connection attempt), the message is scrubbed of the URL's
+    secrets: libpq quotes parts of a URL it cannot use.
+    """
     text = str(exc).strip() or type(exc).__name__
+    if url is not None:
+        text = scrub_secrets(text, url)
     if isinstance(exc, pg_errors.IntegrityError):
         return sqlite3.IntegrityError(text)
     if isinstance(exc, pg_errors.DiskFull):
         return sqlite3.OperationalError(f"database or disk is full: {text}")
-    if isinstance(exc, pg_errors.LockNotAvailable):
+    if isinstance(exc, pg_errors.LockNotAvailable | pg_errors.TransactionRollback):
+        # A lock wait that timed out, a deadlock the server broke, a serialization
+        # failure: busy, like a locked SQLite file; the connection itself is fine.
         return sqlite3.OperationalError(f"database is locked: {text}")
     if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
         return StoreUnavailable(f"PostgreSQL unavailable: {text}")
@@ -204,23 +212,33 @@ class Connection:
         self.raw.close()
 
 
-def connect(url: str, trace: Any, *, application_name: str = "kandevd") -> Connection:
-    """A new autocommit connection to ``url`` (a ``postgresql://`` URL)."""
+#: Every kandevd connection's settings. A daemon that hangs or vanishes inside a
+#: transaction must not hold a lock for long: the server ends an idle transaction after
+#: a minute and, over TCP, notices a dead client within about half a minute (server
+#: keepalives); the client notices a dead server as fast (libpq keepalives and
+#: ``tcp_user_timeout``). Unix-socket connections ignore the TCP settings.
+_CONNECT_OPTIONS: dict[str, Any] = {
+    "autocommit": True, "connect_timeout": 10, "keepalives": 1, "keepalives_idle": 10,
+    "keepalives_interval": 5, "keepalives_count": 3, "tcp_user_timeout": 30000,
+    "options": (f"-c lock_timeout={BUSY_TIMEOUT_MS} -c idle_in_transaction_session_timeout=60000"
+                " -c tcp_keepalives_idle=10 -c tcp_keepalives_interval=5"
+                " -c tcp_keepalives_count=3 -c TimeZone=UTC"),
+}
+
+
+def connect_raw(url: str, application_name: str, **kwargs: Any) -> psycopg.Connection[Any]:
+    """A plain psycopg connection with kandevd's settings; errors as :mod:`sqlite3`'s,
+    their text scrubbed of the URL's secrets."""
     try:
-        raw = psycopg.connect(url, autocommit=True, row_factory=_row_factory,
-                              application_name=application_name, connect_timeout=10)
+        return psycopg.connect(url, application_name=application_name, **_CONNECT_OPTIONS,
+                               **kwargs)
     except psycopg.Error as exc:
-        raise _as_sqlite_error(exc) from exc
-    raw.execute(f"SET lock_timeout = {BUSY_TIMEOUT_MS}")
-    # A daemon that hangs or vanishes inside a transaction must not hold the writer
-    # lock for long: the server ends such a session (and, over TCP, notices a dead
-    # client within about half a minute).
-    raw.execute("SET idle_in_transaction_session_timeout = 60000")
-    raw.execute("SET tcp_keepalives_idle = 10")
-    raw.execute("SET tcp_keepalives_interval = 5")
-    raw.execute("SET tcp_keepalives_count = 3")
-    raw.execute("SET TIME ZONE 'UTC'")
-    return Connection(raw, trace)
+        raise _as_sqlite_error(exc, url) from None
+
+
+def connect(url: str, trace: Any, *, application_name: str = "kandevd") -> Connection:
+    """A new autocommit connection of the store to ``url`` (a ``postgresql://`` URL)."""
+    return Connection(connect_raw(url, application_name, row_factory=_row_factory), trace)
 
 
 class PgStore(BaseStore):

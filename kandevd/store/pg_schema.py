@@ -12,7 +12,8 @@ need them. Differences that matter, and why:
 - ``runs.seq`` is an identity column (SQLite's ``INTEGER PRIMARY KEY``), and
   the per-filter indexes end in ``seq`` (SQLite appends the rowid by itself).
 - ``run_counts`` is kept by a PL/pgSQL trigger, as SQLite's triggers keep it, in
-  shards (daemons claiming at the same time do not wait for one row).
+  shards, one per connection (daemons claiming at the same time never wait for,
+  or deadlock on, a count row).
 - Version 7 is the cluster's: ``daemons`` (who is alive) and ``fires`` (one
   row per cron occurrence fired, so an occurrence fires once across daemons).
 """
@@ -107,13 +108,15 @@ _V6 = [
         idempotency_key {T} PRIMARY KEY, run_id {T} NOT NULL, created_at {T} NOT NULL)""",
     "CREATE INDEX idx_run_keys_created_at ON run_keys (created_at)",
     "CREATE INDEX idx_run_keys_run_id ON run_keys (run_id)",
-    # Counted in shards (the writing backend's pid picks one): every claim and outcome
-    # changes a count, and one row per status would make them all wait for each other.
+    # Counted in shards, one per connection (the writing backend's pid; shard 0 holds
+    # what the leader folds in from connections gone, -1 the inserts): every claim and
+    # outcome changes a count, and shared rows would make them wait for each other or,
+    # locked in different orders, deadlock.
     f"""CREATE TABLE run_counts (status {T} NOT NULL, shard INTEGER NOT NULL DEFAULT 0,
         n BIGINT NOT NULL, PRIMARY KEY (status, shard))""",
     """CREATE FUNCTION kandevd_count_runs() RETURNS trigger LANGUAGE plpgsql AS $$
     DECLARE
-      s INTEGER := pg_backend_pid() % 16;
+      s INTEGER := pg_backend_pid();
     BEGIN
       IF TG_OP = 'DELETE' OR NEW.status IS DISTINCT FROM OLD.status THEN
         INSERT INTO run_counts (status, shard, n) VALUES (OLD.status, s, -1)
@@ -135,7 +138,8 @@ _V7 = [
     # Every daemon that ever used the database: alive while its heartbeat is recent.
     # Times are the database's clock (now()), so the hosts' clocks never matter.
     f"""CREATE TABLE daemons (
-        boot_id {T} PRIMARY KEY, host {T} NOT NULL, pid INTEGER NOT NULL, home {T} NOT NULL,
+        boot_id {T} PRIMARY KEY, host {T} NOT NULL, machine {T} NOT NULL DEFAULT '',
+        pid INTEGER NOT NULL, home {T} NOT NULL,
         started_at TIMESTAMPTZ NOT NULL, heartbeat_at TIMESTAMPTZ NOT NULL,
         stopped_at TIMESTAMPTZ)""",
     # One row per cron occurrence fired: the unique key makes a fire happen once.

@@ -174,9 +174,9 @@ class RunRepository:
         """Add ``inserted`` new runs to ``run_counts`` (no trigger counts inserts)."""
         if inserted:
             if conn_is_pg(conn):
-                # Shard 16, which no trigger uses: an enqueue never waits for a count
-                # row that a claim or an outcome holds (no lock cycle with them).
-                conn.execute("INSERT INTO run_counts (status, shard, n) VALUES ('queued', 16, ?)"
+                # Shard -1, which no trigger uses (they use their connection's pid): an
+                # enqueue never waits for a count row a claim or an outcome holds.
+                conn.execute("INSERT INTO run_counts (status, shard, n) VALUES ('queued', -1, ?)"
                              " ON CONFLICT (status, shard) DO UPDATE"
                              " SET n = run_counts.n + excluded.n", (inserted,))
             else:
@@ -388,7 +388,10 @@ class RunRepository:
                 "UPDATE runs SET status = 'claimed', claimed_at = :now,"
                 " claim_token = :token || '.' || seq, claimed_by = :boot,"
                 " attempt = attempt + 1, finished_at = NULL, updated_at = :now"
-                " WHERE seq IN (" + self._HEADS.format(exclusion=exclusion) + ") RETURNING *"
+                # status again outside the subquery: PostgreSQL re-checks only these
+                # terms on a row a concurrent cancel changed before committing.
+                " WHERE status = 'queued' AND seq IN ("
+                + self._HEADS.format(exclusion=exclusion) + ") RETURNING *"
             )
             rows = conn.execute(sql, params).fetchall()
             if not rows:
@@ -614,16 +617,23 @@ class RunRepository:
         if row is None:
             return None
         now_s = rfc3339(now)
+        # Fenced in the write too: on PostgreSQL an outcome (which takes no writer lock)
+        # may have been recorded since the read.
         if row["attempt"] >= self.max_attempts:
-            conn.execute("UPDATE runs SET status = 'failed', finished_at = ?, claim_token = NULL,"
-                         " error_message = ?, scheduled_retry_at = NULL, updated_at = ?"
-                         " WHERE seq = ?", (now_s, gave_up(row["attempt"], why), now_s,
-                                            row["seq"]))
+            failed = conn.execute(
+                "UPDATE runs SET status = 'failed', finished_at = ?, claim_token = NULL,"
+                " error_message = ?, scheduled_retry_at = NULL, updated_at = ?"
+                " WHERE seq = ? AND status = 'claimed' AND claim_token IS ?",
+                (now_s, gave_up(row["attempt"], why), now_s, row["seq"], token)).rowcount
+            if not failed:
+                return None
             self._start_cooldown(conn, row["agent_id"], now)
             return "failed"
-        conn.execute(self._REQUEUE + ", error_message = :why WHERE seq = :seq",
-                     {"now": now_s, "why": why, "seq": row["seq"]})
-        return "queued"
+        requeued = conn.execute(self._REQUEUE + ", error_message = :why WHERE seq = :seq"
+                                " AND status = 'claimed' AND claim_token IS :token",
+                                {"now": now_s, "why": why, "seq": row["seq"],
+                                 "token": token}).rowcount
+        return "queued" if requeued else None
 
     def _not_a_live_peers(self) -> str:
         """The SQL condition: the claim's daemon is not another live daemon."""
@@ -635,11 +645,24 @@ class RunRepository:
                 " AND d.stopped_at IS NULL AND d.heartbeat_at >= now() - make_interval(secs =>"
                 f" {float(self.peers_dead_after_s)!r}){held})")
 
+    def _earlier_instances_only(self) -> str:
+        """With peers: only claims of this home's earlier instances (and unowned ones).
+
+        What start-up settles. A dead daemon of another home is rescued by the
+        heartbeat, once this daemon's own heartbeat is steady: right after an
+        outage of the database every heartbeat is old, and a daemon starting
+        then must not take everyone else for dead.
+        """
+        if self.peers_dead_after_s is None:
+            return ""
+        held = ", ".join(f"'{boot}'" for boot in self.held_peers if boot.isalnum())
+        return f" AND (claimed_by IS NULL{f' OR claimed_by IN ({held})' if held else ''})"
+
     def foreign_claims(self) -> list[sqlite3.Row]:
-        """Claims made by an earlier daemon instance or a dead daemon (at start-up: all)."""
+        """Claims made by an earlier instance of this daemon (at start-up: all of theirs)."""
         return self.store.query(
             "SELECT id, claim_token, agent_id, attempt FROM runs WHERE status = 'claimed'"
-            " AND (claimed_by IS NULL OR claimed_by != ?)" + self._not_a_live_peers()
+            " AND (claimed_by IS NULL OR claimed_by != ?)" + self._earlier_instances_only()
             + " ORDER BY seq", (self.boot_id,))
 
     def claim_of(self, run_id: str, token: str) -> Claim | None:
@@ -676,7 +699,8 @@ class RunRepository:
 
     def requeue_foreign_claims(self, now: datetime,
                                why: str = "interrupted: the daemon stopped during the execution",
-                               *, keep: Collection[str] = ()) -> dict[str, str]:
+                               *, keep: Collection[str] = (), dead_peers: bool = False
+                               ) -> dict[str, str]:
         """At start-up: claims of earlier instances with no known outcome are rescued.
 
         ``keep``: runs whose outcome is known here but not written yet. Returns
@@ -685,9 +709,10 @@ class RunRepository:
         """
         done: dict[str, str] = {}
         with self.store.transaction() as conn:
+            scope = self._not_a_live_peers() if dead_peers else self._earlier_instances_only()
             rows = conn.execute(
                 "SELECT id, claim_token FROM runs WHERE status = 'claimed'"
-                " AND (claimed_by IS NULL OR claimed_by != ?)" + self._not_a_live_peers()
+                " AND (claimed_by IS NULL OR claimed_by != ?)" + scope
                 + " ORDER BY seq", (self.boot_id,)).fetchall()
             for r in rows:
                 if r["id"] in keep:
@@ -707,8 +732,11 @@ class RunRepository:
         """
         live_ids = set(live)
         cutoff = rfc3339(after(now, -stale_s))
+        # With peers: this daemon's own claims only (a dead peer's are the heartbeat's).
+        own = f" AND claimed_by = '{self.boot_id}'" if self.peers_dead_after_s is not None \
+            and self.boot_id.isalnum() else ""
         sql = ("SELECT id, claim_token FROM runs WHERE status = 'claimed' AND claimed_at < ?"
-               + self._not_a_live_peers())
+               + own)
         if not [r for r in self.store.query(sql, (cutoff,)) if r["id"] not in live_ids]:
             return {}
         why = f"the claim went stale (no execution alive after {stale_s:g}s)"

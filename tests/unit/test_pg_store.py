@@ -106,3 +106,45 @@ def test_daemons_claiming_at_once_never_claim_an_agent_twice(pg_url: str) -> Non
     finally:
         for store in stores:
             store.close()
+
+
+def test_a_writer_lock_timeout_leaves_the_writer_usable(pg_url: str) -> None:
+    """A write that times out waiting for the writer lock fails as 'locked'; the
+    daemon's next write works (its connection is not left inside the failed one)."""
+    import sqlite3
+
+    holder, waiter = open_store(pg_url), open_store(pg_url)
+    try:
+        seed(holder, agents=1, runs_each=0)
+        waiter._writer().execute("SET lock_timeout = 200")  # instead of 10 s
+        with holder.transaction(), pytest.raises(sqlite3.OperationalError,
+                                                 match="database is locked"):
+            waiter.execute("UPDATE agents SET status = 'paused'")
+        assert waiter.execute("UPDATE agents SET status = 'paused'") == 1
+        assert holder.query_one("SELECT status FROM agents")[0] == "paused"
+    finally:
+        holder.close()
+        waiter.close()
+
+
+def test_a_claim_never_takes_a_run_a_concurrent_cancel_committed(pg_url: str) -> None:
+    """The cancel holds the row while a claim of another daemon waits for it: once the
+    cancel commits, the claim must see 'cancelled', not take the run anyway."""
+    canceller, claimer = open_store(pg_url), open_store(pg_url)
+    try:
+        seed(canceller, agents=1, runs_each=1)
+        run_id = canceller.query_one("SELECT id FROM runs")[0]
+        claimed: list[Any] = []
+        with canceller.transaction():
+            RunRepository(canceller, "a").cancel(run_id, "stop", T0)
+            waiting = threading.Thread(target=lambda: claimed.extend(
+                RunRepository(claimer, "b").claim_batch(T0, 1)))
+            waiting.start()
+            waiting.join(1.0)  # it reads the run queued, then waits for the row
+        waiting.join(30)
+        assert claimed == []
+        row = canceller.query_one("SELECT status, attempt, claimed_by FROM runs")
+        assert tuple(row) == ("cancelled", 0, None)
+    finally:
+        canceller.close()
+        claimer.close()

@@ -274,6 +274,12 @@ def status(home: str | None, socket_path: str | None, as_json: bool) -> None:
     store = result.get("store") or {}
     if store.get("status") == "degraded":
         click.echo(f"store    DEGRADED: {store.get('reason')}")
+    cluster = result.get("cluster")
+    if cluster is not None:
+        members = cluster.get("daemons") or []
+        alive = sum(1 for member in members if member.get("alive"))
+        role = "leader" if cluster.get("leader") else "follower"
+        click.echo(f"cluster  {role}; {alive} of {len(members)} daemon(s) alive")
 
 
 cli.add_command(runs)

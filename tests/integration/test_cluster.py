@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from kandevd.timeutil import rfc3339, utc_now
-from tests.harness import DaemonProcess
+from tests.harness import DaemonProcess, run_cli
 from tests.workflows import history, schedule, write_workflow
 
 pytestmark = pytest.mark.integration
@@ -115,6 +115,9 @@ def test_a_shared_drain_runs_each_run_once_with_agents_serialized_across_daemons
     assert len(members) == 2 and all(m["alive"] for m in members)
     leaders = [d.call("daemon.status")["cluster"]["leader"] for d in (first, second)]
     assert sorted(leaders) == [False, True]
+    lines = {run_cli(d.home, "status").stdout.splitlines()[-1] for d in (first, second)}
+    assert lines == {"cluster  leader; 2 of 2 daemon(s) alive",
+                     "cluster  follower; 2 of 2 daemon(s) alive"}
     for daemon in (first, second):
         assert daemon.stop() == 0
         assert "Traceback" not in daemon.log_text

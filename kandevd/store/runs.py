@@ -392,14 +392,20 @@ class RunRepository:
                 # terms on a row a concurrent cancel changed before committing.
                 " WHERE status = 'queued' AND seq IN ("
                 + self._HEADS.format(exclusion=exclusion) + ") RETURNING *"
+                # PostgreSQL: the agents' profiles in the same round trip.
+                + (", (SELECT profile FROM agents WHERE id = runs.agent_id) AS agent_profile"
+                   if postgres else "")
             )
             rows = conn.execute(sql, params).fetchall()
             if not rows:
                 return []
-            agents = sorted({r["agent_id"] for r in rows})
-            profiles = dict(conn.execute(
-                f"SELECT id, profile FROM agents WHERE id IN ({', '.join('?' * len(agents))})",
-                agents).fetchall())
+            if postgres:
+                profiles = {r["agent_id"]: r["agent_profile"] for r in rows}
+            else:
+                agents = sorted({r["agent_id"] for r in rows})
+                profiles = dict(conn.execute(
+                    f"SELECT id, profile FROM agents WHERE id IN ({', '.join('?' * len(agents))})",
+                    agents).fetchall())
         rows.sort(key=lambda r: r["seq"])
         return [Claim(run_from_row(r), r["claim_token"], profiles[r["agent_id"]]) for r in rows]
 
@@ -424,16 +430,13 @@ class RunRepository:
         fresh snapshot and so sees every claim committed before. The partial
         unique index (one claimed run per agent) stays the last word.
         """
-        scan = {**params, "limit": limit * 4}  # room to skip agents locked elsewhere
-        candidates = [row[0] for row in conn.execute(
-            "SELECT q.agent_id FROM runs q WHERE q.seq IN ("
-            + self._HEADS.format(exclusion=exclusion) + ") ORDER BY q.seq", scan).fetchall()]
-        if not candidates:
-            return []
+        # The heads read with room to skip agents locked elsewhere; the outer LIMIT counts
+        # only the agents actually locked (PostgreSQL locks below the limit).
+        scan = {**params, "limit": limit * 4, "lock_limit": int(limit)}
         return [row[0] for row in conn.execute(
-            "SELECT id FROM agents WHERE id = ANY(:ids) ORDER BY array_position(:ids, id)"
-            " LIMIT :limit FOR UPDATE SKIP LOCKED",
-            {"ids": candidates, "limit": int(limit)}).fetchall()]
+            "SELECT a.id FROM agents a JOIN runs q ON q.agent_id = a.id WHERE q.seq IN ("
+            + self._HEADS.format(exclusion=exclusion) + ") ORDER BY q.seq"
+            " LIMIT :lock_limit FOR UPDATE OF a SKIP LOCKED", scan).fetchall()]
 
     @staticmethod
     def _inclusion(agents: list[str], params: dict[str, Any]) -> str:
@@ -497,16 +500,19 @@ class RunRepository:
         return parse_rfc3339(row[0]) if row and row[0] else None
 
     # -- attempt outcomes -------------------------------------------------------
-    def _lock_agent_of(self, conn: Any, run_id: str) -> None:
+    def _lock_agent_of(self, conn: Any, run_id: str) -> float | None:
         """PostgreSQL: lock the run's agent row before the run's (an outcome's lock order).
 
         Outcomes do not take the writer lock there. Taking the agent first, as
         every claim does, means an outcome never holds a run or a run count
         while it waits for an agent a claim holds: no lock cycle between them.
+        Returns the agent's ``cooldown_s`` (None on SQLite), read with the lock.
         """
-        if conn_is_pg(conn):
-            conn.execute("SELECT a.id FROM agents a JOIN runs r ON r.agent_id = a.id"
-                         " WHERE r.id = ? FOR UPDATE OF a", (run_id,))
+        if not conn_is_pg(conn):
+            return None
+        row = conn.execute("SELECT a.cooldown_s FROM agents a JOIN runs r ON r.agent_id = a.id"
+                           " WHERE r.id = ? FOR UPDATE OF a", (run_id,)).fetchone()
+        return float(row[0] or 0) if row is not None else None
 
     def finish(self, run_id: str, token: str, *, now: datetime, summary: str | None,
                cost_cents: float | None, log_path: str | None) -> bool:
@@ -516,7 +522,7 @@ class RunRepository:
         """
         now_s = rfc3339(now)
         with self.store.transaction(exclusive=False) as conn:
-            self._lock_agent_of(conn, run_id)
+            cooldown_s = self._lock_agent_of(conn, run_id)
             row = conn.execute(
                 "UPDATE runs SET status = 'finished', finished_at = :now,"
                 " output_summary = :summary,"
@@ -528,7 +534,7 @@ class RunRepository:
                  "id": run_id, "token": token}).fetchone()
             if row is None:
                 return False
-            self._start_cooldown(conn, row["agent_id"], now)
+            self._start_cooldown(conn, row["agent_id"], now, cooldown_s)
         return True
 
     def fail_attempt(self, run_id: str, token: str, *, now: datetime, error: str,
@@ -538,7 +544,7 @@ class RunRepository:
         """Apply the retry policy to a failed attempt; None when the token is stale."""
         now_s = rfc3339(now)
         with self.store.transaction(exclusive=False) as conn:
-            self._lock_agent_of(conn, run_id)
+            cooldown_s = self._lock_agent_of(conn, run_id)
             row = conn.execute("SELECT * FROM runs WHERE id = ? AND status = 'claimed'"
                                " AND claim_token = ?", (run_id, token)).fetchone()
             if row is None:
@@ -573,14 +579,21 @@ class RunRepository:
                 " RETURNING *", {**common, "token": token}).fetchone()
             if updated is None:
                 return None
-            self._start_cooldown(conn, row["agent_id"], now)
+            self._start_cooldown(conn, row["agent_id"], now, cooldown_s)
         return run_from_row(updated)
 
     @staticmethod
-    def _start_cooldown(conn: sqlite3.Connection, agent_id: str, now: datetime) -> None:
-        """The agent's last run ended now: record it and start its cooldown."""
-        agent = conn.execute("SELECT cooldown_s FROM agents WHERE id = ?", (agent_id,)).fetchone()
-        cooldown = float(agent["cooldown_s"] or 0) if agent else 0.0
+    def _start_cooldown(conn: sqlite3.Connection, agent_id: str, now: datetime,
+                        cooldown_s: float | None = None) -> None:
+        """The agent's last run ended now: record it and start its cooldown.
+
+        ``cooldown_s``: the agent's, when the caller read it already.
+        """
+        if cooldown_s is None:
+            agent = conn.execute("SELECT cooldown_s FROM agents WHERE id = ?",
+                                 (agent_id,)).fetchone()
+            cooldown_s = float(agent["cooldown_s"] or 0) if agent else 0.0
+        cooldown = cooldown_s
         conn.execute(
             "UPDATE agents SET last_finished_at = ?, cooldown_until = ? WHERE id = ?",
             (rfc3339(now), rfc3339(after(now, cooldown)) if cooldown > 0 else None, agent_id))

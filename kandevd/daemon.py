@@ -458,15 +458,16 @@ class Daemon:
         store = self.store
         if store is None or store.closed:
             return {}
-        if store.dialect != "sqlite":
-            self._status_cache = None  # other daemons write too: no cheap way to know
-        try:
-            wal = os.stat(store.path + "-wal")
-            generation: tuple[int, int, int] = (store.commits, wal.st_size, wal.st_mtime_ns)
-        except OSError:
-            generation = (store.commits, -1, -1)
+        # PostgreSQL: other daemons write too, and nothing cheap tells when: read each time.
+        generation: tuple[int, int, int] | None = None
+        if store.dialect == "sqlite":
+            try:
+                wal = os.stat(store.path + "-wal")
+                generation = (store.commits, wal.st_size, wal.st_mtime_ns)
+            except OSError:
+                generation = (store.commits, -1, -1)
         cached = self._status_cache
-        if cached is not None and cached[0] == generation:
+        if generation is not None and cached is not None and cached[0] == generation:
             return cached[1]
         parts: dict[str, Any] = {}
         try:
@@ -485,7 +486,7 @@ class Daemon:
             except Exception:  # status must answer even when the store cannot
                 log.exception("daemon.status: counting runs failed")
                 parts.pop("runs", None)
-        if "db" in parts and "runs" in parts:
+        if generation is not None and "db" in parts and "runs" in parts:
             self._status_cache = (generation, parts)
         return parts
 

@@ -81,11 +81,6 @@ def gave_up(attempts: int, last: str | None) -> str:
     return f"gave up after {attempts} attempts; last: {last or 'unknown'}"
 
 
-def conn_is_pg(conn: Any) -> bool:
-    """Is ``conn`` a PostgreSQL connection of the store (not SQLite's)?"""
-    return not isinstance(conn, sqlite3.Connection)
-
-
 def run_from_row(row: sqlite3.Row) -> dict[str, Any]:
     """The contract's RUN object from a ``runs`` row."""
     run = {name: row[name] for name in RUN_FIELDS}
@@ -169,11 +164,10 @@ class RunRepository:
             self._count_queued(conn, sum(result.inserted for result in results))
         return results
 
-    @staticmethod
-    def _count_queued(conn: sqlite3.Connection, inserted: int) -> None:
+    def _count_queued(self, conn: sqlite3.Connection, inserted: int) -> None:
         """Add ``inserted`` new runs to ``run_counts`` (no trigger counts inserts)."""
         if inserted:
-            if conn_is_pg(conn):
+            if self.store.dialect == "postgresql":
                 # Shard -1, which no trigger uses (they use their connection's pid): an
                 # enqueue never waits for a count row a claim or an outcome holds.
                 conn.execute("INSERT INTO run_counts (status, shard, n) VALUES ('queued', -1, ?)"
@@ -508,7 +502,7 @@ class RunRepository:
         while it waits for an agent a claim holds: no lock cycle between them.
         Returns the agent's ``cooldown_s`` (None on SQLite), read with the lock.
         """
-        if not conn_is_pg(conn):
+        if self.store.dialect != "postgresql":
             return None
         row = conn.execute("SELECT a.cooldown_s FROM agents a JOIN runs r ON r.agent_id = a.id"
                            " WHERE r.id = ? FOR UPDATE OF a", (run_id,)).fetchone()

@@ -254,12 +254,13 @@ def test_a_restarted_daemon_adopts_its_agents_and_no_other_daemon_takes_them(
     probe_file = tmp_path / "probe.jsonl"
     config = cluster_config(pg_url, probe_file, runtime={"adopt_on_restart": True})
     first = daemon_factory(config, home=tmp_path / "home")
-    other = daemon_factory(config, home=tmp_path / "other")
     ws, agents = seed(first, 1)
     run = first.call("runs.enqueue", {"workspace_id": ws, "agent_id": agents[0],
                                       "reason": "long", "payload": {"sleep_s": 6}})["run"]
     wait_for(lambda: first.call("runs.get", {"id": run["id"]})["status"] == "claimed"
              and first.agent_pids(), 10, "the run executing on the first daemon")
+    # The onlooker joins once the run is claimed, so the claim is certainly the first's.
+    other = daemon_factory(config, home=tmp_path / "other")
     first.kill_daemon_only()  # its agent runs on
     time.sleep(1)
     again = daemon_factory(config, home=tmp_path / "home")

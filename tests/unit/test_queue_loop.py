@@ -793,6 +793,7 @@ def test_an_enqueue_wakes_the_loop_unless_every_slot_runs_and_a_freed_slot_does(
     rig.wait_until(lambda: len(rig.signals) > before, "the freed slot's wake-up")
     rig.tick()  # records the outcome and claims the second run
     rig.wait_until(lambda: rig.status(second["id"]) == "finished", "the second run")
+    rig.wait_until(lambda: rig.runtime.active == 0, "the second run's slot to free")
     # A reservation held by a pass in progress is not a running slot: it may have
     # looked for work already, so the enqueue still wakes the loop.
     reservation = rig.runtime.try_reserve()

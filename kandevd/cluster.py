@@ -109,6 +109,8 @@ class Cluster:
         self._settled = False
         self._beating_since: float | None = None  # monotonic start of unbroken heartbeats
         self._last_beat = 0.0
+        #: Other daemons alive at the last heartbeat (assumed until the first one).
+        self.peers_alive = True
 
     # -- membership ------------------------------------------------------------
     def join(self) -> list[str]:
@@ -195,8 +197,14 @@ class Cluster:
             self._notify_wanted.set()
 
     def notify(self) -> None:
-        """Tell the other daemons to look for work (one NOTIFY per burst)."""
-        self._notify_wanted.set()
+        """Tell the other daemons to look for work (one NOTIFY per burst).
+
+        A daemon alone on the database tells no one: it would send a NOTIFY
+        per queue pass for nobody. (A daemon that joins meanwhile looks at the
+        queue when it starts, and is known at the next heartbeat.)
+        """
+        if self.peers_alive:
+            self._notify_wanted.set()
 
     # -- threads -----------------------------------------------------------------
     def start(self) -> None:
@@ -288,8 +296,14 @@ class Cluster:
     def _beat(self, conn: psycopg.Connection[Any]) -> None:
         """One heartbeat: on the listening connection, in autocommit, stamped when written
         (``clock_timestamp()``), so it waits for no writer lock and is never born old."""
+        ours = [self.boot_id, *self.held]
         conn.execute("UPDATE daemons SET heartbeat_at = clock_timestamp()"
-                     " WHERE boot_id = ANY(%s)", ([self.boot_id, *self.held],))
+                     " WHERE boot_id = ANY(%s)", (ours,))
+        row = conn.execute("SELECT EXISTS (SELECT 1 FROM daemons WHERE boot_id != ALL(%s)"
+                           " AND stopped_at IS NULL AND heartbeat_at > clock_timestamp()"
+                           " - make_interval(secs => %s))",
+                           (ours, self.config.dead_after_s)).fetchone()
+        self.peers_alive = bool(row and row[0])
         self.beats += 1
         now = time.monotonic()
         if self._beating_since is None or now - self._last_beat > 2 * self.config.heartbeat_s:

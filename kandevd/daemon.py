@@ -125,8 +125,17 @@ class Daemon:
             from kandevd.cluster import Cluster  # psycopg: only with a PostgreSQL store
 
             repo.peers_dead_after_s = self.config.cluster.dead_after_s
+            runtime = self.runtime
+
+            def wake_for_peer() -> None:
+                # Another daemon's NOTIFY is worth a pass only with a free slot here: while
+                # every slot runs, the next freed slot wakes the loop anyway. (Three busy
+                # daemons would otherwise wake each other for nothing at every pass.)
+                if not runtime.all_running:
+                    queue_loop.wake()
+
             self.cluster = Cluster(self.store, self.config.cluster, self.boot_id,
-                                   str(self.layout.root), wake=queue_loop.wake,
+                                   str(self.layout.root), wake=wake_for_peer,
                                    on_beat=self.queue.settle_with_peers)
             try:
                 repo.held_peers = tuple(self.cluster.join())

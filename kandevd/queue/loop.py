@@ -21,7 +21,9 @@ One tick::
            (kandevd.store.retention)
     wait:  0 when the tick used its whole claim budget or re-queued something,
            else until the next scheduled retry, cooldown end or retry of an
-           outcome the database refused, at most the safety interval
+           outcome the database refused, at most the safety interval (while
+           every slot runs, no retry or cooldown is looked up: the freed
+           slot's wake-up comes first)
 """
 
 from __future__ import annotations
@@ -89,9 +91,12 @@ class QueueLoop(Loop):
         if started >= self.max_claims_per_tick or recovered:
             return 0.0  # there may be more eligible work right now
         wait = self.safety_interval_s
-        due = self.queue.repo.next_due(now)
-        if due is not None:
-            wait = min(wait, max((due - now).total_seconds(), 0.0))
+        # While every slot runs, nothing could be claimed before one frees, and a freed
+        # slot wakes the loop: the next due retry or cooldown is looked up then.
+        if not self.queue.runtime.all_running:
+            due = self.queue.repo.next_due(now)
+            if due is not None:
+                wait = min(wait, max((due - now).total_seconds(), 0.0))
         retry_write = self.queue.next_write_retry_in()
         if retry_write is not None:  # an outcome the database refused is tried again
             wait = min(wait, retry_write)

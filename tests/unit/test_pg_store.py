@@ -148,3 +148,50 @@ def test_a_claim_never_takes_a_run_a_concurrent_cancel_committed(pg_url: str) ->
     finally:
         canceller.close()
         claimer.close()
+
+
+def test_a_daemon_alone_tells_no_one_that_its_slots_filled(pg_url: str) -> None:
+    """The NOTIFY after a saturated queue pass is for other daemons: a daemon alone on
+    the database sends none, and sends them again once another daemon heartbeats."""
+    from kandevd.cluster import Cluster
+    from kandevd.config import ClusterConfig
+
+    config = ClusterConfig(heartbeat_s=0.1, dead_after_s=1.0)
+    stores = [open_store(pg_url) for _ in range(2)]
+    beat = threading.Condition()
+
+    def on_beat(_rescue: bool) -> None:
+        with beat:
+            beat.notify_all()
+
+    clusters = [Cluster(store, config, f"boot-{n}", f"/home-{n}", wake=lambda: None,
+                        on_beat=on_beat) for n, store in enumerate(stores)]
+    alone = clusters[0]
+    try:
+        alone.join()
+        alone.settled()
+        alone.start()
+        with beat:
+            assert beat.wait_for(lambda: alone.beats >= 2, 10)
+        assert alone.peers_alive is False
+        alone.notify()
+        assert not alone._notify_wanted.is_set()  # no NOTIFY for nobody
+        other = clusters[1]
+        other.join()
+        other.start()
+        with beat:
+            target = alone.beats + 2
+            assert beat.wait_for(lambda: alone.beats >= target, 10)
+        assert alone.peers_alive is True
+        import psycopg
+
+        with psycopg.connect(pg_url, autocommit=True) as listener:
+            listener.execute("LISTEN kandevd_queue")
+            alone.notify()
+            notes = list(listener.notifies(timeout=10, stop_after=1))
+        assert [note.payload for note in notes] == [""]
+    finally:
+        for cluster in clusters:
+            cluster.stop()
+        for store in stores:
+            store.close()

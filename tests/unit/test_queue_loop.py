@@ -291,6 +291,27 @@ def test_a_full_runtime_claims_nothing(rig_factory: Callable[..., Rig]) -> None:
     assert rig.status(waiting["id"]) == "finished"
 
 
+def test_a_full_runtime_waits_for_its_freed_slot_not_for_a_due_cooldown(
+        rig_factory: Callable[..., Rig]) -> None:
+    """While every slot runs, a pass neither claims nor looks up the next due time: the
+    freed slot wakes the loop, and the cooldown is looked up then."""
+    rig = rig_factory(max_concurrent=1)
+    set_agent(rig.store, "b1", cooldown_s=2.0)
+    rig.enqueue("b1")
+    rig.tick()
+    rig.settle()  # b1 ran once: its cooldown is running, with a second run waiting
+    rig.enqueue("b1")
+    busy = rig.enqueue("a1", payload={"hold": True})
+    rig.tick()
+    rig.agents.wait_running(busy["id"])
+    before = rig.store.statements
+    assert rig.tick() == SAFETY_S  # not the 2 s of b1's cooldown: a1 holds the one slot
+    assert rig.store.statements - before <= 1  # "anything queued?" only
+    rig.agents.release(busy["id"])
+    rig.settle()
+    assert 0 < rig.tick() <= 2.0  # a free slot: the cooldown's end is the next wake-up
+
+
 def test_no_work_is_not_an_error(rig: Rig) -> None:
     assert rig.tick() == SAFETY_S
     before = rig.store.statements

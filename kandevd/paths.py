@@ -69,6 +69,10 @@ def check_safe_name(value: str, what: str = "name") -> str:
     return value
 
 
+#: The attempt journal's folder in a home (see :mod:`kandevd.queue.journal`).
+ATTEMPTS_FOLDER = "attempts"
+
+
 @dataclass(frozen=True)
 class HomeLayout:
     root: Path
@@ -100,7 +104,7 @@ class HomeLayout:
     @property
     def attempts(self) -> Path:
         """One folder per run attempt (the outcome journal), outside the agents' cwd."""
-        return self.root / "attempts"
+        return self.root / ATTEMPTS_FOLDER
 
     @property
     def workspace(self) -> Path:

@@ -8,7 +8,8 @@ ended); the queue writes ``outcome.json`` there *before* it tries to record
 the outcome in the database. So neither a failed database write nor a
 daemon that dies a moment later loses an outcome: the next attempt to record
 it, or the next start of the daemon, finds it on disk instead of running the
-agent again. Once the database has the outcome, the folder is removed.
+agent again. Once the database has the outcome, the folder is emptied and
+parked for the next execution (:mod:`kandevd.runtime.recycle`), or removed.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from kandevd.paths import HomeLayout
+from kandevd.paths import ATTEMPTS_FOLDER, HomeLayout
 from kandevd.runtime import FAILED, OUTCOMES, SUCCEEDED, ExecutionResult
 from kandevd.runtime.process import make_private_dirs
 from kandevd.runtime.records import read_exit_status, read_record
+from kandevd.runtime.recycle import is_free, pool_for
 from kandevd.runtime.shim import EXIT_FILE, RECORD_FILE, STDOUT_FILE, SUMMARY_FILE
 from kandevd.timeutil import parse_rfc3339, rfc3339
 
@@ -136,11 +138,16 @@ _ATTEMPT_FILES = (OUTCOME_FILE, RECORD_FILE, EXIT_FILE, STDOUT_FILE, SUMMARY_FIL
 
 
 def discard(directory: Path) -> None:
-    """Remove an attempt's folder once the database holds its outcome.
+    """Recycle, else remove, an attempt's folder once the database holds its outcome.
 
-    The files it normally holds are unlinked by name (no directory walk);
+    Recycled: emptied and parked for a later execution (no inode freed). Else
+    the files it normally holds are unlinked by name (no directory walk);
     only a folder that still holds something else is removed recursively.
     """
+    # Only a folder of the current layout: a legacy one's parent is its run's folder.
+    if directory.parent.name == ATTEMPTS_FOLDER and \
+            pool_for(directory.parent).put(directory, remove=(OUTCOME_FILE, SUMMARY_FILE)):
+        return
     for name in _ATTEMPT_FILES:
         try:
             os.unlink(directory / name)
@@ -169,6 +176,8 @@ def prune(layout: HomeLayout, current: dict[str, str]) -> int:
     except OSError:
         return 0
     for entry in entries:
+        if is_free(entry.name):
+            continue  # a parked folder, empty: the next execution's
         run_id, dot, token = entry.name.partition(".")
         if dot:
             if current.get(run_id) != token and entry.is_dir(follow_symlinks=False):

@@ -84,7 +84,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kandevd.runtime import shim
+from kandevd.runtime import recycle, shim
 from kandevd.timeutil import after, utc_now
 
 if TYPE_CHECKING:
@@ -417,7 +417,8 @@ def collect_stdout(stdout_path: Path, log_path: Path, state_path: Path | None = 
     """``(summary, cost_cents)`` of an ended execution; its stdout file goes into the log.
 
     The summary comes from the last non-empty line of ``stdout_path`` (the
-    last MiB of it); then the file is appended to ``log_path`` and removed.
+    last MiB of it); then the file is appended to ``log_path`` and removed
+    (emptied, with ``state_path``: its record folder is recycled).
     With ``state_path`` (``<record_dir>/summary.json``) this may run again
     after a crash at any point: the summary and the log's size are saved
     there before the log is touched, so a second run finds the summary
@@ -446,11 +447,14 @@ def collect_stdout(stdout_path: Path, log_path: Path, state_path: Path | None = 
                       "where it is", stdout_path, log_path, exc)
             return summary, cost
     try:
-        os.unlink(stdout_path)
+        if state_path is not None:
+            os.truncate(stdout_path, 0)  # kept, empty, for its folder's next execution
+        else:
+            os.unlink(stdout_path)
     except FileNotFoundError:
         pass
     except OSError as exc:
-        log.warning("cannot remove the agent's stdout file %s (%s)", stdout_path, exc)
+        log.warning("cannot empty the agent's stdout file %s (%s)", stdout_path, exc)
     return summary, cost
 
 
@@ -675,19 +679,22 @@ class ProcessRunner:
             exit_path = spec.record_dir / shim.EXIT_FILE
             stdout_path = spec.record_dir / shim.STDOUT_FILE
             try:
-                make_private_dirs(spec.record_dir)
-                # Files found there now are not this execution's.
-                for stale in (exit_path, stdout_path, spec.record_dir / shim.SUMMARY_FILE):
-                    try:
-                        os.unlink(stale)
-                    except FileNotFoundError:
-                        pass
+                # A recycled folder comes with its files empty; any other may hold
+                # files that are not this execution's.
+                if not recycle.pool_for(spec.record_dir.parent).take(spec.record_dir):
+                    make_private_dirs(spec.record_dir)
+                    for stale in (exit_path, stdout_path, spec.record_dir / shim.SUMMARY_FILE):
+                        try:
+                            os.unlink(stale)
+                        except FileNotFoundError:
+                            pass
             except OSError as exc:
                 return fail_to_start(
                     f"cannot create the execution's record folder {spec.record_dir}: {exc}")
             # Recorded before the spawn too (pid 0): a daemon killed right after the
-            # spawn leaves a record whose shim the next start finds and adopts.
-            self._write_record(spec, 0, started_at, input_path, log_offset)
+            # spawn leaves a record whose shim the next start finds and adopts. (In the
+            # recycled folder's empty record.json, when there is one: no new file.)
+            self._write_record(spec, 0, started_at, input_path, log_offset, in_place=True)
             return self._spawn_and_wait(spec, control, sink, started_at, result, input_path,
                                         exit_path, stdout_path, env, log_offset)
         # No record folder: temporary exit and stdout files beside the log (whose

@@ -210,7 +210,13 @@ def test_the_journal_keeps_only_current_claims_and_round_trips_an_outcome(
     assert journal.existing_attempt_dir(layout, "run_c", "t9") == legacy_current
     assert journal.existing_attempt_dir(layout, "run_a", "t2") == current
     assert journal.prune(layout, {"run_a": "t2", "run_c": "t9"}) == 3
-    assert sorted(p.name for p in (tmp_path / "attempts").iterdir()) == ["run_a.t2", "run_c"]
+    names = sorted(p.name for p in (tmp_path / "attempts").iterdir())
+    free = [name for name in names if name.startswith(".free-")]
+    assert [name for name in names if name not in free] == ["run_a.t2", "run_c"]
+    assert len(free) == 2  # the stale folders of the current layout, emptied and parked
+    for name in free:  # an outcome is never left where a later attempt's folder comes from
+        assert all(f.stat().st_size == 0 for f in (tmp_path / "attempts" / name).iterdir())
+        assert not (tmp_path / "attempts" / name / journal.OUTCOME_FILE).exists()
     assert current.is_dir() and not any(d.exists() for d in stale)
     assert legacy_current.is_dir() and not legacy_stale.exists()
     journal.discard(legacy_current)

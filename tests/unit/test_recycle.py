@@ -1,0 +1,62 @@
+"""Recycled attempt folders: emptied before they are parked, reused under a new name."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from kandevd.runtime import recycle
+from kandevd.runtime.records import read_record
+from kandevd.runtime.shim import read_exit_status
+
+
+def attempt(parent: Path, name: str, **files: str) -> Path:
+    directory = parent / name
+    directory.mkdir(parents=True)
+    for file, text in files.items():
+        (directory / file).write_text(text)
+    return directory
+
+
+def test_a_parked_folder_is_empty_and_comes_back_under_the_new_name(tmp_path: Path) -> None:
+    pool = recycle.FolderPool(tmp_path)
+    done = attempt(tmp_path, "run_a.t1", **{"record.json": '{"pid": 1}', "exit": "0\n",
+                                            "stdout": "out\n", "outcome.json": "{}"})
+    inodes = {name: os.stat(done / name).st_ino for name in recycle.KEPT_FILES}
+    assert pool.put(done, remove=("outcome.json", "summary.json"))
+    assert not done.exists()
+    (parked,) = [p for p in tmp_path.iterdir() if recycle.is_free(p.name)]
+    assert sorted(p.name for p in parked.iterdir()) == sorted(recycle.KEPT_FILES)
+    assert all(p.stat().st_size == 0 for p in parked.iterdir())
+    target = tmp_path / "run_b.t7"
+    assert pool.take(target)
+    # The same files (no inode allocated): empty, so neither a record nor an exit status.
+    assert {name: os.stat(target / name).st_ino for name in recycle.KEPT_FILES} == inodes
+    assert read_record(target) is None and read_exit_status(target) is None
+    assert not pool.take(tmp_path / "run_c.t1")  # nothing left to take
+
+
+def test_a_new_pool_finds_the_folders_an_earlier_daemon_parked(tmp_path: Path) -> None:
+    assert recycle.FolderPool(tmp_path).put(attempt(tmp_path, "run_a.t1", exit="3\n"))
+    again = recycle.FolderPool(tmp_path)  # a restarted daemon
+    assert again.take(tmp_path / "run_b.t1")
+    assert (tmp_path / "run_b.t1" / "exit").read_text() == ""
+
+
+def test_a_taken_name_that_holds_files_is_left_alone(tmp_path: Path) -> None:
+    pool = recycle.FolderPool(tmp_path)
+    assert pool.put(attempt(tmp_path, "run_a.t1"))
+    occupied = attempt(tmp_path, "run_b.t1", exit="0\n")
+    assert not pool.take(occupied)  # never replaced: the caller clears it itself
+    assert (occupied / "exit").read_text() == "0\n"
+    assert pool.take(tmp_path / "run_c.t1")  # the free folder is still there
+
+
+def test_the_pool_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(recycle, "LIMIT", 2)
+    pool = recycle.FolderPool(tmp_path)
+    folders = [attempt(tmp_path, f"run_{n}.t") for n in range(3)]
+    assert [pool.put(folder) for folder in folders] == [True, True, False]
+    assert folders[2].is_dir()  # the caller removes it

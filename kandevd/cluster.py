@@ -57,6 +57,8 @@ CHANNEL = "kandevd_queue"
 #: when its own slots are full, see :meth:`Cluster.notify`.)
 WAKING_EVENTS = ("run.queued", "agent.updated")
 _RECONNECT_S = 1.0
+#: At most one "my slots filled" NOTIFY per this many seconds (see Cluster.notify).
+SATURATED_EVERY_S = 0.1
 #: Fires and stopped daemons are kept this long (seconds), then pruned by the leader.
 PRUNE_AFTER_S = 7 * 24 * 3600.0
 
@@ -111,6 +113,7 @@ class Cluster:
         self._last_beat = 0.0
         #: Other daemons alive at the last heartbeat (assumed until the first one).
         self.peers_alive = True
+        self._saturated_at = -SATURATED_EVERY_S  # monotonic time of the last such NOTIFY
 
     # -- membership ------------------------------------------------------------
     def join(self) -> list[str]:
@@ -197,13 +200,18 @@ class Cluster:
             self._notify_wanted.set()
 
     def notify(self) -> None:
-        """Tell the other daemons to look for work (one NOTIFY per burst).
+        """A queue pass here filled every free slot: the others may find work left.
 
-        A daemon alone on the database tells no one: it would send a NOTIFY
-        per queue pass for nobody. (A daemon that joins meanwhile looks at the
-        queue when it starts, and is known at the next heartbeat.)
+        At most one NOTIFY per :data:`SATURATED_EVERY_S`: when every daemon
+        is busy, each pass would otherwise wake all the others for nothing,
+        and an idle daemon is woken soon enough (enqueues and resumes notify
+        at once, without this limit). A daemon alone on the database tells no
+        one. (A daemon that joins meanwhile looks at the queue when it starts,
+        and is known at the next heartbeat.)
         """
-        if self.peers_alive:
+        now = time.monotonic()
+        if self.peers_alive and now - self._saturated_at >= SATURATED_EVERY_S:
+            self._saturated_at = now
             self._notify_wanted.set()
 
     # -- threads -----------------------------------------------------------------

@@ -81,6 +81,7 @@ class Daemon:
         self._log_level_fixed = log_level_fixed
         self.boot_id = uuid.uuid4().hex
         self.started_at = utc_now()
+        self._started_at_text = rfc3339(self.started_at)  # daemon.status, polled often
         self.state = "starting"
         self.stop_requested = threading.Event()
         self.reload_requested = threading.Event()
@@ -518,7 +519,7 @@ class Daemon:
             "version": __version__,
             "pid": os.getpid(),
             "state": self.state,
-            "started_at": rfc3339(self.started_at),
+            "started_at": self._started_at_text,
             "home": str(self.layout.root),
             "boot_id": self.boot_id,
             "loops": loops,

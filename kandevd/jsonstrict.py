@@ -38,9 +38,15 @@ def _float(text: str) -> float:
     return value
 
 
+#: One decoder for every call (``json.loads`` with options builds a new one each time).
+_DECODER = json.JSONDecoder(parse_constant=_constant, parse_float=_float)
+
+
 def loads(text: str) -> Any:
     """Parse ``text``; ValueError (a StrictJsonError for the cases above) when it is bad."""
-    value = json.loads(text, parse_constant=_constant, parse_float=_float)
+    if text.startswith("\ufeff"):  # what json.loads says of it
+        raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", text, 0)
+    value = _DECODER.decode(text)
     if _SURROGATE_ESCAPE.search(text):  # paired escapes are fine: only then walk the value
         _check_unicode(value)
     return value

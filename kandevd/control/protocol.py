@@ -120,8 +120,11 @@ def encode(message: dict[str, Any]) -> bytes:
     reached a result fail here, loudly, instead of going out as a line no
     strict reader can take back.
     """
-    text = json.dumps(message, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    return (text + "\n").encode("utf-8")
+    return (_ENCODER.encode(message) + "\n").encode("utf-8")
+
+
+#: One encoder for every response (``json.dumps`` with options builds a new one each time).
+_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
 _BAD_TEXT = "invalid UTF-8 or unpaired surrogate"

@@ -67,7 +67,9 @@ def test_daemons_claiming_at_once_never_claim_an_agent_twice(pg_url: str) -> Non
     try:
         seed(stores[0], agents=12, runs_each=8)
         total = 12 * 8
-        done: list[tuple[str, int, str]] = []  # (agent, seq, daemon) in finish order
+        # (agent, seq, daemon) in claim order: noted while the claim holds its agent, so
+        # the next claim of that agent (only possible after this one's finish) comes later.
+        done: list[tuple[str, int, str]] = []
         lock = threading.Lock()
         errors: list[BaseException] = []
 
@@ -78,11 +80,12 @@ def test_daemons_claiming_at_once_never_claim_an_agent_twice(pg_url: str) -> Non
                     with lock:
                         if len(done) >= total:
                             return
-                    for claim in repo.claim_batch(T0, 3):
+                    claims = repo.claim_batch(T0, 3)
+                    with lock:
+                        done.extend((c.run["agent_id"], c.run["seq"], boot) for c in claims)
+                    for claim in claims:
                         assert repo.finish(claim.run["id"], claim.token, now=T0, summary=None,
                                            cost_cents=None, log_path=None)
-                        with lock:
-                            done.append((claim.run["agent_id"], claim.run["seq"], boot))
             except BaseException as exc:  # reported by the test below
                 errors.append(exc)
 

@@ -26,12 +26,10 @@ from kandevd.runtime import FAILED, OUTCOMES, SUCCEEDED, ExecutionResult
 from kandevd.runtime.process import make_private_dirs
 from kandevd.runtime.records import read_exit_status, read_record
 from kandevd.runtime.recycle import is_free, pool_for
-from kandevd.runtime.shim import EXIT_FILE, RECORD_FILE, STDOUT_FILE, SUMMARY_FILE
+from kandevd.runtime.shim import EXIT_FILE, OUTCOME_FILE, RECORD_FILE, STDOUT_FILE, SUMMARY_FILE
 from kandevd.timeutil import parse_rfc3339, rfc3339
 
 log = logging.getLogger("kandevd.queue.journal")
-
-OUTCOME_FILE = "outcome.json"
 
 
 def attempt_dir(layout: HomeLayout, run_id: str, token: str) -> Path:
@@ -145,8 +143,7 @@ def discard(directory: Path) -> None:
     only a folder that still holds something else is removed recursively.
     """
     # Only a folder of the current layout: a legacy one's parent is its run's folder.
-    if directory.parent.name == ATTEMPTS_FOLDER and \
-            pool_for(directory.parent).put(directory, remove=(OUTCOME_FILE, SUMMARY_FILE)):
+    if directory.parent.name == ATTEMPTS_FOLDER and pool_for(directory.parent).put(directory):
         return
     for name in _ATTEMPT_FILES:
         try:

@@ -652,6 +652,10 @@ class RunQueue:
         record = read_record(directory)
         if record is None:
             return None
+        if record.run_id != run_id:  # (a recycled folder whose emptying a power cut lost)
+            log.warning("run %s: the execution record in %s names run %s; ignored",
+                        run_id, directory, record.run_id)
+            return None
         record = locate(record)
         if record_alive(record):
             return self._adopt(claim, record, directory) if adopt else None

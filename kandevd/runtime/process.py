@@ -417,8 +417,7 @@ def collect_stdout(stdout_path: Path, log_path: Path, state_path: Path | None = 
     """``(summary, cost_cents)`` of an ended execution; its stdout file goes into the log.
 
     The summary comes from the last non-empty line of ``stdout_path`` (the
-    last MiB of it); then the file is appended to ``log_path`` and removed
-    (emptied, with ``state_path``: its record folder is recycled).
+    last MiB of it); then the file is appended to ``log_path`` and removed.
     With ``state_path`` (``<record_dir>/summary.json``) this may run again
     after a crash at any point: the summary and the log's size are saved
     there before the log is touched, so a second run finds the summary
@@ -447,14 +446,11 @@ def collect_stdout(stdout_path: Path, log_path: Path, state_path: Path | None = 
                       "where it is", stdout_path, log_path, exc)
             return summary, cost
     try:
-        if state_path is not None:
-            os.truncate(stdout_path, 0)  # kept, empty, for its folder's next execution
-        else:
-            os.unlink(stdout_path)
+        os.unlink(stdout_path)
     except FileNotFoundError:
         pass
     except OSError as exc:
-        log.warning("cannot empty the agent's stdout file %s (%s)", stdout_path, exc)
+        log.warning("cannot remove the agent's stdout file %s (%s)", stdout_path, exc)
     return summary, cost
 
 
@@ -679,15 +675,12 @@ class ProcessRunner:
             exit_path = spec.record_dir / shim.EXIT_FILE
             stdout_path = spec.record_dir / shim.STDOUT_FILE
             try:
-                # A recycled folder comes with its files empty; any other may hold
-                # files that are not this execution's.
+                # Files found there now are not this execution's: a recycled folder
+                # was emptied when it was parked, and is emptied again (no file is
+                # created), as is any folder already there.
                 if not recycle.pool_for(spec.record_dir.parent).take(spec.record_dir):
                     make_private_dirs(spec.record_dir)
-                    for stale in (exit_path, stdout_path, spec.record_dir / shim.SUMMARY_FILE):
-                        try:
-                            os.unlink(stale)
-                        except FileNotFoundError:
-                            pass
+                recycle.empty(spec.record_dir)
             except OSError as exc:
                 return fail_to_start(
                     f"cannot create the execution's record folder {spec.record_dir}: {exc}")

@@ -143,10 +143,17 @@ def read_record(record_dir: Path) -> ExecutionRecord | None:
     record_dir = Path(record_dir)
     path = record_dir / RECORD_FILE
     try:
-        document = json.loads(path.read_bytes())
+        data = path.read_bytes()
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
+        log.warning("execution record %s cannot be read (%s); ignored", path, exc)
+        return None
+    if not data:  # emptied for a recycled folder's next execution: no record yet
+        return None
+    try:
+        document = json.loads(data)
+    except ValueError as exc:
         log.warning("execution record %s cannot be read (%s); ignored", path, exc)
         return None
     try:

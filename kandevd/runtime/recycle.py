@@ -2,22 +2,28 @@
 
 Every execution of a queued run has a record folder (``attempts/<run>.<token>/``)
 holding ``record.json`` and the shim's ``exit`` and ``stdout``. Creating those
-four inodes and deleting them again after the outcome is recorded was the
+inodes and deleting them again after the outcome is recorded was the
 dearest part of an execution: on ext4 without a journal, a new inode is
-searched for past every inode freed in the last seconds
+searched for past every inode freed in the last minute
 (``recently_deleted``), so at a few hundred executions a second each
 ``mkdir`` and ``open(O_CREAT)`` cost hundreds of microseconds of CPU. With
-recycling a drain allocates no inode in the attempts folder and frees none.
+recycling, the folder, ``record.json`` and ``exit`` are neither created nor
+freed by a drain.
 
-How: once the database holds an outcome, :meth:`FolderPool.put` truncates the
-folder's files to nothing and renames the folder to ``.free-<random>``; a new
-execution's :meth:`FolderPool.take` renames a free folder to its own name.
-Files are emptied *before* the rename, so a folder under an attempt's name
-never holds another attempt's record or exit status: an empty record is no
-record, and an empty exit file is no status, for every reader. A crash at
-any point leaves either a folder of a settled attempt (removed or recycled
-by the journal's pruning later) or an empty free one (reused by the next
-daemon of the home, which finds it at its first take).
+How: once the database holds an outcome, :meth:`FolderPool.put` empties the
+folder (``record.json`` and ``exit`` truncated, everything else it normally
+holds removed) and renames it to ``.free-<random>``; a new execution's
+:meth:`FolderPool.take` renames a free folder to its own name, and the
+runner empties it once more before anything else (a parked folder whose
+emptying a power cut lost must not speak for the new attempt). The
+``stdout`` file is never reused: a process the agent left behind (outside
+its process group) may still hold it open and write on, and must write into
+a file nobody reads, not into the next attempt's output. An empty record is
+no record and an empty exit file no status, for every reader; a restart also
+checks that a record names the run it is read for. A crash at any point
+leaves either a folder of a settled attempt (removed or recycled by the
+journal's pruning later) or an empty free one (reused by the next daemon of
+the home, which finds it at its first take).
 
 The pool is per parent folder and process-wide; it keeps at most
 :data:`LIMIT` free folders (a few empty files each) and beyond that the
@@ -32,14 +38,17 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
-from kandevd.runtime.shim import EXIT_FILE, RECORD_FILE, STDOUT_FILE
+from kandevd.runtime.shim import EXIT_FILE, OUTCOME_FILE, RECORD_FILE, STDOUT_FILE, SUMMARY_FILE
 
 log = logging.getLogger("kandevd.runtime.recycle")
 
 #: Name prefix of a parked folder (hidden, and never a run id: those hold no dot).
 FREE_PREFIX = ".free-"
-#: The files a parked folder keeps, empty (the ones every execution writes again).
-KEPT_FILES = (RECORD_FILE, EXIT_FILE, STDOUT_FILE)
+#: The files a parked folder keeps, empty (written again only by the daemon and the shim).
+KEPT_FILES = (RECORD_FILE, EXIT_FILE)
+#: The files it loses: the agent's stdout (see above), the summary taken from it, and an
+#: outcome the queue wrote before recording it.
+REMOVED_FILES = (STDOUT_FILE, SUMMARY_FILE, OUTCOME_FILE)
 #: Free folders kept per parent folder at most.
 LIMIT = 256
 
@@ -48,6 +57,24 @@ def is_free(name: str) -> bool:
     """Is ``name`` (an entry of the attempts folder) a parked free folder?"""
     return name.startswith(FREE_PREFIX)
 
+
+
+def empty(directory: Path, remove: Iterable[str] = REMOVED_FILES) -> None:
+    """Truncate the kept files of ``directory`` and unlink ``remove`` (absent ones skipped).
+
+    No file is created. OSError (other than a missing file) goes to the caller.
+    """
+    base = os.fspath(directory)
+    for name in remove:
+        try:
+            os.unlink(f"{base}/{name}")
+        except FileNotFoundError:
+            pass
+    for name in KEPT_FILES:
+        try:
+            os.truncate(f"{base}/{name}", 0)
+        except FileNotFoundError:
+            pass
 
 class FolderPool:
     """The free folders of one parent folder."""
@@ -69,22 +96,14 @@ class FolderPool:
     def put(self, directory: Path, remove: Iterable[str] = ()) -> bool:
         """Empty ``directory`` and park it; False when the caller must remove it instead.
 
-        ``remove``: files the folder may hold that are not kept (unlinked).
+        ``remove``: other files the folder may hold (unlinked, as
+        :data:`REMOVED_FILES` are).
         """
         with self._lock:
             if len(self._names()) >= LIMIT:
                 return False
         try:
-            for name in remove:
-                try:
-                    os.unlink(directory / name)
-                except FileNotFoundError:
-                    pass
-            for name in KEPT_FILES:
-                try:
-                    os.truncate(directory / name, 0)
-                except FileNotFoundError:
-                    pass
+            empty(directory, (*REMOVED_FILES, *remove))
             free = FREE_PREFIX + os.urandom(8).hex()
             os.rename(directory, self.parent / free)
         except OSError as exc:

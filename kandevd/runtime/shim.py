@@ -55,6 +55,8 @@ RECORD_FILE = "record.json"
 STDOUT_FILE = "stdout"
 #: The summary taken from the stdout file before it is merged into the log.
 SUMMARY_FILE = "summary.json"
+#: An outcome the queue wrote before recording it (see kandevd.queue.journal).
+OUTCOME_FILE = "outcome.json"
 
 # $1 exit file, $2 input file, $3 log file, $4 stdout file, then the agent's
 # argv. The shim's own stdout and stderr are the log (the runner opens it so);

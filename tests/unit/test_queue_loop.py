@@ -442,6 +442,35 @@ def test_stale_claim_without_a_live_execution_is_requeued_and_run(rig: Rig) -> N
                                cost_cents=None, log_path=None)
 
 
+def test_a_restart_reads_an_attempt_record_only_for_the_run_it_names(
+        rig: Rig, tmp_path: Path) -> None:
+    """An earlier instance's claims, each with an exit status 0 on disk: the one whose
+    record names its run is recorded; the one whose record names another run (a recycled
+    folder whose emptying a power cut lost) is left to recovery, never finished."""
+    from datetime import timedelta
+
+    from kandevd.queue import journal
+    from kandevd.runtime.records import ExecutionRecord, write_record
+
+    rig.enqueue("a1")
+    rig.enqueue("b1")
+    earlier = RunRepository(rig.store, "boot-0")
+    claims = earlier.claim_batch(rig.clock(), 2)
+    names = {claims[0].run["id"]: claims[0].run["id"], claims[1].run["id"]: "run_someone_else"}
+    for claim in claims:
+        directory = journal.attempt_dir(rig.queue.layout, claim.run["id"], claim.token)
+        directory.mkdir(parents=True)
+        named = names[claim.run["id"]]
+        write_record(ExecutionRecord(
+            record_dir=directory, pid=0, pid_start=0, key=named, run_id=named, session_id="s",
+            started_at=T0, deadline=T0 + timedelta(hours=1), timeout_s=3600.0,
+            log_path=tmp_path / f"{named}.log", input_path=tmp_path / "in", argv=("true",)))
+        (directory / "exit").write_text("0\n")
+    rig.queue.restore_after_restart(adopt=False)
+    assert rig.status(claims[0].run["id"]) == "finished"
+    assert rig.status(claims[1].run["id"]) == "claimed"  # rescued by recovery, run again
+
+
 def test_a_long_live_execution_is_not_stale(rig: Rig) -> None:
     run = rig.enqueue("a1", payload={"hold": True})
     rig.tick()

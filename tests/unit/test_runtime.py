@@ -444,12 +444,11 @@ def test_stderr_after_the_summary_does_not_hide_it(tmp_path: Path, make_runtime)
         runtime.launch(spec, done)
         result = done.wait(key)
         assert (result.summary, result.cost_cents) == ("ok", 2.0)
-        # Both streams in the log: stdout after stderr; nothing left in the stdout file
-        # (kept empty for the record folder's next execution).
+        # Both streams in the log: stdout after stderr; no stdout file left.
         assert spec.log_path.read_text().splitlines() == [
             "warning: late", "progress", '{"summary": "ok", "cost_cents": 2}']
         if record:
-            assert (tmp_path / "records" / key / "stdout").stat().st_size == 0
+            assert not (tmp_path / "records" / key / "stdout").exists()
     assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == [
         "no-record.input.json", "no-record.log", "with-record.input.json", "with-record.log"]
 

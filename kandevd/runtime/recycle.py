@@ -58,7 +58,6 @@ def is_free(name: str) -> bool:
     return name.startswith(FREE_PREFIX)
 
 
-
 def empty(directory: Path, remove: Iterable[str] = REMOVED_FILES) -> None:
     """Truncate the kept files of ``directory`` and unlink ``remove`` (absent ones skipped).
 
@@ -75,6 +74,7 @@ def empty(directory: Path, remove: Iterable[str] = REMOVED_FILES) -> None:
             os.truncate(f"{base}/{name}", 0)
         except FileNotFoundError:
             pass
+
 
 class FolderPool:
     """The free folders of one parent folder."""
@@ -93,17 +93,13 @@ class FolderPool:
                 self._free = []
         return self._free
 
-    def put(self, directory: Path, remove: Iterable[str] = ()) -> bool:
-        """Empty ``directory`` and park it; False when the caller must remove it instead.
-
-        ``remove``: other files the folder may hold (unlinked, as
-        :data:`REMOVED_FILES` are).
-        """
+    def put(self, directory: Path) -> bool:
+        """Empty ``directory`` and park it; False when the caller must remove it instead."""
         with self._lock:
             if len(self._names()) >= LIMIT:
                 return False
         try:
-            empty(directory, (*REMOVED_FILES, *remove))
+            empty(directory)
             free = FREE_PREFIX + os.urandom(8).hex()
             os.rename(directory, self.parent / free)
         except OSError as exc:

@@ -10,6 +10,8 @@ daemon that dies a moment later loses an outcome: the next attempt to record
 it, or the next start of the daemon, finds it on disk instead of running the
 agent again. Once the database has the outcome, the folder is emptied and
 parked for the next execution (:mod:`kandevd.runtime.recycle`), or removed.
+The agent's stdout file, merged into the run's log by then, stays beside it,
+empty, as ``<run_id>.<token>.stdout`` until retention removes the run.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from kandevd.paths import ATTEMPTS_FOLDER, HomeLayout
 from kandevd.runtime import FAILED, OUTCOMES, SUCCEEDED, ExecutionResult
 from kandevd.runtime.process import make_private_dirs
 from kandevd.runtime.records import read_exit_status, read_record
-from kandevd.runtime.recycle import is_free, pool_for
+from kandevd.runtime.recycle import SPENT_SUFFIX, is_free, pool_for
 from kandevd.runtime.shim import EXIT_FILE, OUTCOME_FILE, RECORD_FILE, STDOUT_FILE, SUMMARY_FILE
 from kandevd.timeutil import parse_rfc3339, rfc3339
 
@@ -100,6 +102,8 @@ def exit_file_tells(directory: Path, result: ExecutionResult) -> bool:
     """
     if result.outcome not in (SUCCEEDED, FAILED) or result.exit_code is None:
         return False
+    if result.journaled:
+        return True  # the runner read that exit file and wrote that record itself
     # A restart reads the exit file only through the execution's record: without a
     # readable one (its write failed), the outcome must be written out after all.
     return read_exit_status(directory) == result.exit_code and \
@@ -177,6 +181,7 @@ def prune(layout: HomeLayout, current: dict[str, str]) -> int:
             continue  # a parked folder, empty: the next execution's
         run_id, dot, token = entry.name.partition(".")
         if dot:
+            # (A file here is an attempt's spent stdout, removed with its run by retention.)
             if current.get(run_id) != token and entry.is_dir(follow_symlinks=False):
                 discard(Path(entry.path))
                 removed += 1
@@ -187,6 +192,8 @@ def prune(layout: HomeLayout, current: dict[str, str]) -> int:
         except OSError:
             continue
         for legacy in tokens:
+            if legacy.name.endswith(SPENT_SUFFIX):
+                continue  # an attempt's spent stdout: removed with the run (retention)
             if current.get(entry.name) != legacy.name:
                 discard(Path(legacy.path))
                 removed += 1

@@ -34,7 +34,8 @@ Life of one :meth:`ProcessRunner.run`::
     shim exited -> SIGKILL stragglers left in the group -> reap the shim ->
     status from the exit file (else the shim's own status) ->
     summary from the stdout file, which is then appended to the log and
-    removed (:func:`collect_stdout`) -> ExecutionResult
+    emptied and moved out of the record folder, or removed without one
+    (:func:`collect_stdout`) -> ExecutionResult
 
 Summary and cost: the summary line (CONTRACT.md section 5) is the *last
 non-empty line of the agent's stdout*, read from the stdout file, so nothing
@@ -50,8 +51,9 @@ running (detached) is merged by whoever learns its end: the adopting runner
 or :func:`kandevd.runtime.records.outcome_from_record`. With a record folder
 the merge is idempotent: the summary is first saved as
 ``<record_dir>/summary.json`` (with the log's size before the merge), then
-the stdout file is appended and removed, so a daemon dying mid-merge neither
-loses the summary nor duplicates the output when the merge runs again.
+the stdout file is appended, emptied and moved out of the folder, so a
+daemon dying mid-merge neither loses the summary nor duplicates the output
+when the merge runs again.
 
 A SIGTERM sent right after the spawn can be lost: between ``sh`` forking the
 agent's subshell and that subshell resetting the shim's no-op trap, the
@@ -189,6 +191,10 @@ class ExecutionResult:
     started_at: datetime
     ended_at: datetime
     log_path: Path
+    #: The runner read ``exit_code`` from the shim's exit file and had written the
+    #: execution's record: the record folder already tells this outcome to a restart,
+    #: so nobody needs to read both files back to learn that.
+    journaled: bool = False
 
     @property
     def succeeded(self) -> bool:
@@ -413,11 +419,13 @@ def make_private_dirs(path: Path) -> None:
 
 
 def collect_stdout(stdout_path: Path, log_path: Path, state_path: Path | None = None,
-                   ) -> tuple[str | None, float | None]:
+                   keep_as: Path | None = None) -> tuple[str | None, float | None]:
     """``(summary, cost_cents)`` of an ended execution; its stdout file goes into the log.
 
     The summary comes from the last non-empty line of ``stdout_path`` (the
-    last MiB of it); then the file is appended to ``log_path`` and removed.
+    last MiB of it); then the file is appended to ``log_path`` and removed,
+    or with ``keep_as`` emptied and renamed there (no inode freed; see
+    :func:`kandevd.runtime.recycle.spent_stdout_path`).
     With ``state_path`` (``<record_dir>/summary.json``) this may run again
     after a crash at any point: the summary and the log's size are saved
     there before the log is touched, so a second run finds the summary
@@ -445,6 +453,18 @@ def collect_stdout(stdout_path: Path, log_path: Path, state_path: Path | None = 
             log.error("cannot append the agent's stdout %s to its log %s (%s); it is left "
                       "where it is", stdout_path, log_path, exc)
             return summary, cost
+    if keep_as is not None:
+        try:
+            # Emptied first: a crash before the rename leaves an empty stdout file,
+            # which a second call merges as nothing (the summary is in state_path).
+            os.truncate(stdout_path, 0)
+            os.rename(stdout_path, keep_as)
+            return summary, cost
+        except FileNotFoundError:
+            return summary, cost
+        except OSError as exc:
+            log.debug("the agent's stdout file %s not kept as %s (%s); removed", stdout_path,
+                      keep_as, exc)
     try:
         os.unlink(stdout_path)
     except FileNotFoundError:
@@ -605,11 +625,12 @@ class ProcessRunner:
         _reap_detached()
 
         def result(outcome: str, exit_code: int | None = None, error: str | None = None,
-                   summary: str | None = None, cost: float | None = None) -> ExecutionResult:
+                   summary: str | None = None, cost: float | None = None,
+                   journaled: bool = False) -> ExecutionResult:
             return ExecutionResult(
                 key=spec.key, outcome=outcome, exit_code=exit_code, summary=summary,
                 cost_cents=cost, error=error, started_at=started_at, ended_at=utc_now(),
-                log_path=spec.log_path,
+                log_path=spec.log_path, journaled=journaled,
             )
 
         try:
@@ -759,9 +780,12 @@ class ProcessRunner:
         status = shim.read_exit_file(exit_path)
         exit_code = status if status is not None else shim.exit_code_from_status(shim_status)
 
-        summary, cost = collect_stdout(
-            stdout_path, spec.log_path,
-            spec.record_dir / shim.SUMMARY_FILE if spec.record_dir is not None else None)
+        if spec.record_dir is not None:
+            summary, cost = collect_stdout(stdout_path, spec.log_path,
+                                           spec.record_dir / shim.SUMMARY_FILE,
+                                           recycle.spent_stdout_path(spec.record_dir))
+        else:
+            summary, cost = collect_stdout(stdout_path, spec.log_path)
         if waited.ended_by is not None:
             outcome, reason = waited.ended_by
             error: str | None = termination_error(outcome, reason, spec)
@@ -773,7 +797,8 @@ class ProcessRunner:
         # finished"); one line per run is enough at INFO when thousands run a minute.
         level = {SUCCEEDED: logging.DEBUG, FAILED: logging.INFO}.get(outcome, logging.WARNING)
         log.log(level, "execution %s ended: %s (exit %s)", spec.key, outcome, exit_code)
-        return result(outcome, exit_code=exit_code, error=error, summary=summary, cost=cost)
+        return result(outcome, exit_code=exit_code, error=error, summary=summary, cost=cost,
+                      journaled=detachable and status is not None)
 
     def _write_record(self, spec: ExecutionSpec, pid: int, started_at: datetime,
                       input_path: Path, log_offset: int, *, in_place: bool = False) -> bool:

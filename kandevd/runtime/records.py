@@ -10,7 +10,8 @@ ended::
     record.json   {"pid", "pid_start", "key", "run_id", "session_id",
                    "started_at", "deadline", "timeout_s", "log_path",
                    "input_path", "argv", "log_offset", "stdout_path"}
-    stdout        the agent's stdout, until it is appended to the log
+    stdout        the agent's stdout, until it is appended to the log (then
+                  emptied and kept beside the folder as <folder>.stdout)
     summary.json  {"summary", "cost_cents", "log_size"}: written just before
                   that append (see :func:`kandevd.runtime.process.collect_stdout`)
     exit          "<code>\\n"
@@ -54,6 +55,7 @@ from kandevd.runtime.process import (
     collect_stdout,
     describe_exit,
 )
+from kandevd.runtime.recycle import spent_stdout_path
 from kandevd.timeutil import parse_rfc3339, rfc3339
 
 log = logging.getLogger("kandevd.runtime.records")
@@ -274,13 +276,15 @@ def collect_output(record: ExecutionRecord, record_dir: Path | None = None,
     """``(summary, cost_cents)`` of the ended execution of ``record``; stdout into the log.
 
     The summary comes from the last line of the agent's stdout file, which is
-    then appended to the log and removed; ``<record_dir>/summary.json`` makes
-    a repeated call (a daemon died half-way) return the same summary without
-    appending twice. ``record_dir`` and ``log_path`` override the record's.
+    then appended to the log, emptied and moved out of the folder;
+    ``<record_dir>/summary.json`` makes a repeated call (a daemon died
+    half-way) return the same summary without appending twice. ``record_dir``
+    and ``log_path`` override the record's.
     """
     directory = Path(record_dir) if record_dir is not None else record.record_dir
     log_file = Path(log_path) if log_path is not None else record.log_path
     stdout = record.stdout_path
     if stdout is None or directory != record.record_dir:
         stdout = directory / STDOUT_FILE
-    return collect_stdout(stdout, log_file, directory / SUMMARY_FILE)
+    return collect_stdout(stdout, log_file, directory / SUMMARY_FILE,
+                          spent_stdout_path(directory))

@@ -11,14 +11,19 @@ recycling, the folder, ``record.json`` and ``exit`` are neither created nor
 freed by a drain.
 
 How: once the database holds an outcome, :meth:`FolderPool.put` empties the
-folder (``record.json`` and ``exit`` truncated, everything else it normally
-holds removed) and renames it to ``.free-<random>``; a new execution's
+folder (``record.json``, ``exit`` and ``summary.json`` truncated, anything
+else it holds removed) and renames it to ``.free-<random>``; a new execution's
 :meth:`FolderPool.take` renames a free folder to its own name, and the
 runner empties it once more before anything else (a parked folder whose
 emptying a power cut lost must not speak for the new attempt). The
 ``stdout`` file is never reused: a process the agent left behind (outside
 its process group) may still hold it open and write on, and must write into
-a file nobody reads, not into the next attempt's output. An empty record is
+a file nobody reads, not into the next attempt's output. Nor is it freed:
+once merged into the log it is emptied and kept beside the folder as
+``<run>.<token>.stdout`` (:func:`spent_stdout_path`), a few bytes of inode
+until the run's retention or the next start-up removes it, so a drain
+frees no inode at all (each new inode would otherwise be searched for past
+every one freed in the last minute). An empty record is
 no record and an empty exit file no status, for every reader; a restart also
 checks that a record names the run it is read for. A crash at any point
 leaves either a folder of a settled attempt (removed or recycled by the
@@ -44,13 +49,25 @@ log = logging.getLogger("kandevd.runtime.recycle")
 
 #: Name prefix of a parked folder (hidden, and never a run id: those hold no dot).
 FREE_PREFIX = ".free-"
-#: The files a parked folder keeps, empty (written again only by the daemon and the shim).
-KEPT_FILES = (RECORD_FILE, EXIT_FILE)
-#: The files it loses: the agent's stdout (see above), the summary taken from it, and an
-#: outcome the queue wrote before recording it.
-REMOVED_FILES = (STDOUT_FILE, SUMMARY_FILE, OUTCOME_FILE)
+#: The files a parked folder keeps, empty (written again only by the daemon and the shim;
+#: an empty one is no record, no status and no summary).
+KEPT_FILES = (RECORD_FILE, EXIT_FILE, SUMMARY_FILE)
+#: The files it loses: the agent's stdout (see above; normally moved out already) and an
+#: outcome the queue wrote before recording it (rare: written when the exit file cannot tell).
+REMOVED_FILES = (STDOUT_FILE, OUTCOME_FILE)
+#: Name suffix of an attempt's spent stdout file, kept beside the attempt folders.
+SPENT_SUFFIX = ".stdout"
 #: Free folders kept per parent folder at most.
 LIMIT = 256
+
+
+def spent_stdout_path(record_dir: Path) -> Path:
+    """Where the stdout file of the attempt in ``record_dir`` is kept, emptied, once merged.
+
+    Beside the folder (``<folder>.stdout``), outside it: the folder is parked for
+    another attempt, the spent file never is.
+    """
+    return record_dir.with_name(record_dir.name + SPENT_SUFFIX)
 
 
 def is_free(name: str) -> bool:

@@ -67,8 +67,9 @@ def wait_status(daemon: DaemonProcess, run_id: str, *wanted: str,
 
 
 def attempt_dirs(home: Path, run_id: str) -> list[Path]:
+    """The run's attempt folders (not the emptied ``<run>.<token>.stdout`` files beside them)."""
     folder = home / "attempts"
-    return sorted(folder.glob(f"{run_id}.*")) if folder.exists() else []
+    return sorted(p for p in folder.glob(f"{run_id}.*") if p.is_dir()) if folder.exists() else []
 
 
 # -- 1. an outcome is recorded, not re-earned ---------------------------------------------
@@ -87,6 +88,8 @@ def test_a_refused_outcome_write_is_retried_and_the_agent_runs_once(
     assert executions(touch) == [run["id"]]  # once, although the claim outlived stale_claim_s
     daemon.wait_for_line(f"run {run['id']}: its outcome was written after")
     assert attempt_dirs(daemon.home, run["id"]) == []  # the journal is cleaned up
+    (spent,) = (daemon.home / "attempts").glob(f"{run['id']}.*.stdout")
+    assert spent.read_text() == ""  # merged into the log, emptied, not freed
     # The agent was busy only until the outcome was written: the next run goes through.
     second = enqueue(daemon, touch=str(touch))
     wait_status(daemon, second["id"], "finished")

@@ -89,5 +89,6 @@ def test_emptying_a_taken_folder_again_drops_what_a_lost_emptying_left(tmp_path:
     target = tmp_path / "run_b.t1"
     assert pool.take(target)
     recycle.empty(target)
-    assert sorted(p.name for p in target.iterdir()) == ["exit", "record.json"]
+    assert sorted(p.name for p in target.iterdir()) == sorted(recycle.KEPT_FILES)
+    assert all(p.stat().st_size == 0 for p in target.iterdir())
     assert read_record(target) is None and read_exit_status(target) is None

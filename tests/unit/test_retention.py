@@ -98,6 +98,7 @@ def add_run(home: Home, status: str, ended: datetime | None, *, finished_null: b
         (layout.runs / run_id / "work.txt").write_text("w")
         (layout.attempts / f"{run_id}.tok.1").mkdir(parents=True)
         (layout.attempts / f"{run_id}.tok.1" / "outcome.json").write_text("{}")
+        (layout.attempts / f"{run_id}.tok.0.stdout").write_text("")  # an earlier one's spent stdout
         (layout.attempts / run_id / "old").mkdir(parents=True)  # the legacy layout
     return run_id
 
@@ -116,7 +117,7 @@ def run_files(home: Home, run_id: str) -> list[Path]:
     layout = home.layout
     return [layout.run_logs / f"{run_id}.log", layout.run_logs / f"{run_id}.input.json",
             layout.runs / run_id, layout.attempts / f"{run_id}.tok.1",
-            layout.attempts / run_id]
+            layout.attempts / f"{run_id}.tok.0.stdout", layout.attempts / run_id]
 
 
 def run_ids(home: Home) -> set[str]:

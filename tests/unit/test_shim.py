@@ -34,6 +34,7 @@ from kandevd.runtime import (
     ProcessRunner,
     shim,
 )
+from kandevd.runtime.process import collect_stdout
 from kandevd.runtime.records import (
     NO_EXIT_STATUS,
     outcome_from_record,
@@ -42,6 +43,7 @@ from kandevd.runtime.records import (
     record_alive,
     write_record,
 )
+from kandevd.runtime.recycle import spent_stdout_path
 from kandevd.timeutil import utc_now
 from tests.unit.test_runtime import CHILD_ENV, WAIT_S, Recorder
 
@@ -410,7 +412,8 @@ def test_outcome_from_record(tmp_path: Path) -> None:
     assert killed.summary == "mine"
 
 
-@pytest.mark.parametrize("crash", ["after_state", "partial_append", "after_append"])
+@pytest.mark.parametrize("crash", ["after_state", "partial_append", "after_append",
+                                   "after_emptying"])
 def test_collecting_stdout_again_after_a_crash_neither_loses_nor_duplicates(
         tmp_path: Path, crash: str) -> None:
     record = make_record(tmp_path, 1234, 99)
@@ -424,12 +427,34 @@ def test_collecting_stdout_again_after_a_crash_neither_loses_nor_duplicates(
         {"summary": "kept", "cost_cents": 3, "log_size": len(stderr)}))
     if crash == "partial_append":
         record.log_path.write_text(stderr + stdout[:5])
-    elif crash == "after_append":
+    elif crash in ("after_append", "after_emptying"):
         record.log_path.write_text(stderr + stdout)
+    if crash == "after_emptying":  # emptied, not yet moved out of the folder
+        (tmp_path / "stdout").write_text("")
     result = outcome_from_record(record, tmp_path)
     assert result is not None and (result.summary, result.cost_cents) == ("kept", 3.0)
     assert record.log_path.read_text() == stderr + stdout
     assert not (tmp_path / "stdout").exists()
+    assert spent_stdout_path(tmp_path).read_text() == ""
+
+
+def test_a_merged_stdout_is_kept_empty_beside_its_folder_not_freed(tmp_path: Path) -> None:
+    """No inode is freed per execution: the stdout file is emptied and moved out of the
+    attempt folder (never reused for another attempt), and a second merge is a no-op."""
+    folder = tmp_path / "attempts" / "run_a.t1"
+    folder.mkdir(parents=True)
+    log_path = tmp_path / "run_a.log"
+    log_path.write_text("stderr\n")
+    (folder / "stdout").write_text('{"summary": "s", "cost_cents": 2}\n')
+    inode = os.stat(folder / "stdout").st_ino
+    spent = spent_stdout_path(folder)
+    assert spent == tmp_path / "attempts" / "run_a.t1.stdout"
+    for _again in range(2):
+        assert collect_stdout(folder / "stdout", log_path, folder / "summary.json",
+                              spent) == ("s", 2.0)
+        assert log_path.read_text() == 'stderr\n{"summary": "s", "cost_cents": 2}\n'
+        assert not (folder / "stdout").exists()
+        assert os.stat(spent).st_ino == inode and spent.read_text() == ""
 
 
 def test_an_old_record_without_stdout_path_reads_the_default(tmp_path: Path) -> None:
@@ -468,6 +493,7 @@ def test_a_detached_agent_runs_on_and_its_shim_writes_the_exit_file(
     assert not record_alive(record)
     assert sorted(p.name for p in spec.record_dir.iterdir()) == [
         "exit", "record.json", "summary.json"]  # the stdout file went into the log
+    assert spent_stdout_path(spec.record_dir).read_text() == ""  # and is kept, emptied
     assert spec.log_path.read_text().endswith('working\n{"summary": "x", "cost_cents": 4}\n')
 
 

@@ -14,6 +14,7 @@ import re
 import stat
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 DEFAULT_HOME = "~/.local/share/kandevd"
@@ -75,38 +76,40 @@ ATTEMPTS_FOLDER = "attempts"
 
 @dataclass(frozen=True)
 class HomeLayout:
+    """The files and folders of a home (each path built once: some are asked for per run)."""
+
     root: Path
 
-    @property
+    @cached_property
     def db(self) -> Path:
         return self.root / "kandevd.db"
 
-    @property
+    @cached_property
     def socket(self) -> Path:
         return self.root / "kandevd.sock"
 
-    @property
+    @cached_property
     def lock(self) -> Path:
         return self.root / "kandevd.lock"
 
-    @property
+    @cached_property
     def logs(self) -> Path:
         return self.root / "logs"
 
-    @property
+    @cached_property
     def run_logs(self) -> Path:
         return self.root / "logs" / "runs"
 
-    @property
+    @cached_property
     def runs(self) -> Path:
         return self.root / "runs"
 
-    @property
+    @cached_property
     def attempts(self) -> Path:
         """One folder per run attempt (the outcome journal), outside the agents' cwd."""
         return self.root / ATTEMPTS_FOLDER
 
-    @property
+    @cached_property
     def workspace(self) -> Path:
         return self.root / "workspace"
 

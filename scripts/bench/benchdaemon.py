@@ -8,6 +8,7 @@ CPU ticks and RSS from /proc.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -20,18 +21,24 @@ KANDEVD = [sys.executable, "-m", "kandevd"]
 
 
 class Daemon:
-    def __init__(self, home: Path, config: dict[str, Any]) -> None:
+    """``command`` runs kandevd (default: this interpreter's); ``env`` adds to its environment."""
+
+    def __init__(self, home: Path, config: dict[str, Any], *, command: list[str] | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.home = home
+        self.home.parent.mkdir(parents=True, exist_ok=True)
         self.config = home.parent / f"{home.name}.yaml"
         self.config.write_text(json.dumps(config))
+        self.command = command or KANDEVD
+        self.env = {**os.environ, **env} if env else None
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Daemon:
         self.err = open(self.home.parent / f"{self.home.name}.stderr", "ab")  # noqa: SIM115
-        self.proc = subprocess.Popen([*KANDEVD, "serve", "--home", str(self.home),
+        self.proc = subprocess.Popen([*self.command, "serve", "--home", str(self.home),
                                       "--config", str(self.config)],
                                      stdout=subprocess.DEVNULL, stderr=self.err,
-                                     start_new_session=True)
+                                     start_new_session=True, env=self.env)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:

@@ -1,0 +1,114 @@
+"""What one run costs the machine while the queue drains: rate and CPU per run.
+
+Each round starts the real ``kandevd serve`` on a fresh home (SQLite, 100
+agents, ``runtime.max_concurrent`` 4, ``/bin/true`` agents), queues ``--runs``
+runs at once with ``runs.enqueue_many`` and times the drain until none is
+queued or claimed. It prints the drain rate and, per run, the CPU time of the
+daemon and of the processes it started (the shim and the agent: the
+``cutime``/``cstime`` of the daemon, which counts every child it reaped).
+
+``--baseline DIR`` names a checkout of another version of kandevd: the two
+versions then alternate round by round (``PYTHONPATH=DIR python -m kandevd``
+for the baseline), and the ratios of the medians are printed last. This
+machine's speed drifts by tens of percent within minutes, more than most
+changes measured here.
+
+The homes are kept until every round is done: deleting a drained home frees
+thousands of inodes, and on ext4 without a journal each file created in the
+following minute is slower for every one of them (docs/benchmarks.md), so one
+round's clean-up would slow the next one.
+
+Usage: .venv/bin/python scripts/bench/drain_cpu.py [--runs 1500] [--rounds 3] [--baseline DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import benchdaemon  # this folder (the script's own) is on sys.path
+
+TICK_S = 1 / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pid: int) -> tuple[float, float]:
+    """(the process's own CPU seconds, its reaped children's)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return ((int(fields[11]) + int(fields[12])) * TICK_S,
+            (int(fields[13]) + int(fields[14])) * TICK_S)
+
+
+def drain(home: Path, runs: int, command: list[str], env: dict[str, str]) -> dict[str, float]:
+    config = {"runtime": {"max_concurrent": 4, "stop_grace_s": 2},
+              "office": {"enabled": False},
+              "agents": {"default": {"command": ["/bin/true"], "timeout_s": 60}}}
+    daemon = benchdaemon.Daemon(home, config, command=command, env=env).start()
+    try:
+        ws = daemon.call("workspaces.create", {"name": "bench"})["id"]
+        agents = [daemon.call("agents.create", {"workspace_id": ws, "name": f"a{i}"})["id"]
+                  for i in range(100)]
+        client = daemon.client()
+        assert daemon.proc is not None
+        own0, children0 = cpu_s(daemon.proc.pid)
+        started = time.perf_counter()
+        for k in range(0, runs, 500):
+            client.call("runs.enqueue_many", {"runs": [
+                {"workspace_id": ws, "agent_id": agents[i % 100], "reason": f"r{i}"}
+                for i in range(k, min(runs, k + 500))]})
+        while (client.call("runs.list", {"status": "queued", "limit": 1})["total"]
+               + client.call("runs.list", {"status": "claimed", "limit": 1})["total"]):
+            time.sleep(0.02)
+        elapsed = time.perf_counter() - started
+        own1, children1 = cpu_s(daemon.proc.pid)
+        client.close()
+    finally:
+        daemon.stop()
+    return {"rate": runs / elapsed, "daemon_ms": (own1 - own0) * 1000 / runs,
+            "children_ms": (children1 - children0) * 1000 / runs}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=1500)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--baseline", type=Path, help="a checkout of another version")
+    parser.add_argument("--dir", type=Path, help="where the homes go (default: a temp folder)")
+    args = parser.parse_args()
+    versions: dict[str, tuple[list[str], dict[str, str]]] = {
+        "this": (list(benchdaemon.KANDEVD), {})}
+    if args.baseline is not None:
+        versions["baseline"] = ([sys.executable, "-m", "kandevd"],
+                                {"PYTHONPATH": str(args.baseline.resolve())})
+    top = Path(tempfile.mkdtemp(prefix="drain-cpu-", dir=args.dir))
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in versions}
+    try:
+        for round_no in range(1, args.rounds + 1):
+            order = list(versions) if round_no % 2 else list(reversed(versions))
+            for name in order:
+                command, env = versions[name]
+                figures = drain(top / f"{name}-{round_no}" / "home", args.runs, command, env)
+                results[name].append(figures)
+                print(f"round {round_no} {name:8s} {figures['rate']:7.1f} runs/s; CPU per run: "
+                      f"daemon {figures['daemon_ms']:.2f} ms, its agents' processes "
+                      f"{figures['children_ms']:.2f} ms", flush=True)
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+    medians = {name: {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
+               for name, rounds in results.items()}
+    for name, m in medians.items():
+        print(f"median {name:8s} {m['rate']:7.1f} runs/s; daemon {m['daemon_ms']:.2f} ms/run, "
+              f"agents' processes {m['children_ms']:.2f} ms/run")
+    if "baseline" in medians:
+        this, base = medians["this"], medians["baseline"]
+        print(f"ratio this/baseline: drain rate {this['rate'] / base['rate']:.2f}x, "
+              f"daemon CPU per run {this['daemon_ms'] / base['daemon_ms']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

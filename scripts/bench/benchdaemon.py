@@ -19,6 +19,20 @@ from kandevd.control.client import Client, DaemonUnavailable
 
 KANDEVD = [sys.executable, "-m", "kandevd"]
 
+# Runs kandevd from the checkout named by argv[1]. PYTHONPATH alone is not enough: the
+# editable install's import hook finds this repository's kandevd before sys.path does.
+_FROM_CHECKOUT = (
+    "import runpy, sys\n"
+    "sys.meta_path[:] = [f for f in sys.meta_path\n"
+    "                    if 'Editable' not in getattr(f, '__name__', '')]\n"
+    "sys.path.insert(0, sys.argv.pop(1))\n"
+    "runpy.run_module('kandevd', run_name='__main__', alter_sys=True)\n")
+
+
+def checkout_command(checkout: Path) -> list[str]:
+    """The command that runs kandevd from another checkout (an earlier version, say)."""
+    return [sys.executable, "-c", _FROM_CHECKOUT, str(Path(checkout).resolve())]
+
 
 class Daemon:
     """``command`` runs kandevd (default: this interpreter's); ``env`` adds to its environment."""

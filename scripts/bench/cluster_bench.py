@@ -24,6 +24,7 @@ ratios compare the medians: this machine's speed drifts by tens of percent
 within minutes, more than the differences measured.
 
 Usage: .venv/bin/python scripts/bench/cluster_bench.py [--runs 800] [--rounds 3] [--sleep 0.05]
+       [--kandevd-from DIR]   (the daemons of another checkout: an A/B in separate runs)
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from benchdaemon import Daemon  # this folder (the script's own) is on sys.path
+import benchdaemon  # this folder (the script's own) is on sys.path
+from benchdaemon import Daemon
 
 
 def new_database(server: Any) -> str:
@@ -218,7 +220,11 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=3,
                         help="drains of 1, 2 and 3 daemons, in turn; the medians are compared")
+    parser.add_argument("--kandevd-from", type=Path, metavar="DIR",
+                        help="run the daemons from this checkout (another version, to compare)")
     args = parser.parse_args()
+    if args.kandevd_from is not None:
+        benchdaemon.KANDEVD = benchdaemon.checkout_command(args.kandevd_from)
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         os.environ.setdefault("XDG_RUNTIME_DIR", str(tmp))

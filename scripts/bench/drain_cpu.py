@@ -8,8 +8,8 @@ daemon and of the processes it started (the shim and the agent: the
 ``cutime``/``cstime`` of the daemon, which counts every child it reaped).
 
 ``--baseline DIR`` names a checkout of another version of kandevd: the two
-versions then alternate round by round (``PYTHONPATH=DIR python -m kandevd``
-for the baseline), and the ratios of the medians are printed last. This
+versions then alternate round by round (the baseline run from DIR's
+sources, see ``benchdaemon.checkout_command``), and the ratios of the medians are printed last. This
 machine's speed drifts by tens of percent within minutes, more than most
 changes measured here.
 
@@ -27,7 +27,6 @@ import argparse
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -83,8 +82,7 @@ def main() -> None:
     versions: dict[str, tuple[list[str], dict[str, str]]] = {
         "this": (list(benchdaemon.KANDEVD), {})}
     if args.baseline is not None:
-        versions["baseline"] = ([sys.executable, "-m", "kandevd"],
-                                {"PYTHONPATH": str(args.baseline.resolve())})
+        versions["baseline"] = (benchdaemon.checkout_command(args.baseline), {})
     top = Path(tempfile.mkdtemp(prefix="drain-cpu-", dir=args.dir))
     results: dict[str, list[dict[str, float]]] = {name: [] for name in versions}
     try:

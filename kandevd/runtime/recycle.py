@@ -21,9 +21,9 @@ its process group) may still hold it open and write on, and must write into
 a file nobody reads, not into the next attempt's output. Nor is it freed:
 once merged into the log it is emptied and kept beside the folder as
 ``<run>.<token>.stdout`` (:func:`spent_stdout_path`), a few bytes of inode
-until the run's retention or the next start-up removes it, so a drain
-frees no inode at all (each new inode would otherwise be searched for past
-every one freed in the last minute). An empty record is
+until retention removes it with its run, so a drain frees no inode at all
+(each new inode would otherwise be searched for past every one freed in the
+last minute). An empty record is
 no record and an empty exit file no status, for every reader; a restart also
 checks that a record names the run it is read for. A crash at any point
 leaves either a folder of a settled attempt (removed or recycled by the

@@ -32,7 +32,7 @@ from kandevd.homelock import HomeLock, HomeLocked
 from kandevd.lifecycle import Loop, StopSignal
 from kandevd.logsetup import current_level, set_level
 from kandevd.metrics import DaemonMetrics, MetricsHTTPServer, daemon_health
-from kandevd.office.budgets import exceeded_hard_budgets
+from kandevd.office.budgets import HARD_BUDGET_PROBE_SQL, exceeded_hard_budgets
 from kandevd.paths import HomeLayout
 from kandevd.queue.loop import QueueLoop
 from kandevd.queue.processor import RunQueue
@@ -111,7 +111,8 @@ class Daemon:
                                     self.config.runtime.stop_grace_s)
         repo = RunRepository(self.store, self.boot_id,
                              max_attempts=self.config.queue.max_attempts,
-                             claim_gate=exceeded_hard_budgets)
+                             claim_gate=exceeded_hard_budgets,
+                             claim_gate_probe=HARD_BUDGET_PROBE_SQL)
         self.queue = RunQueue(repo, self.runtime, self.config, self.layout, self.bus,
                               faults=Faults.from_env())
         self.runtime.add_slot_listener(self.queue.signal)

@@ -19,7 +19,11 @@ def rfc3339(moment: datetime) -> str:
     """Format an aware datetime as fixed-width RFC 3339 UTC with microseconds."""
     if moment.tzinfo is None:
         raise ValueError("naive datetime: kandevd only writes aware instants")
-    return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    if moment.utcoffset():
+        moment = moment.astimezone(UTC)
+    # isoformat, not strftime: four digits for every year (strftime writes the year 1,
+    # the calendar's first, as "1", which sorts wrongly and does not parse back).
+    return moment.replace(tzinfo=None).isoformat(timespec="microseconds") + "Z"
 
 
 def parse_rfc3339(text: str) -> datetime:
@@ -39,8 +43,10 @@ def after(moment: datetime, seconds: float) -> datetime:
     The schemas bound every duration, but a value beyond any date (a cooldown of
     1e12 s) must still never raise where an outcome is being written: it means
     "until the end of time", so it is clamped to the last (or first) representable
-    moment instead of overflowing.
+    moment instead of overflowing (in UTC, so that it can still be written down).
     """
+    if moment.utcoffset():
+        moment = moment.astimezone(UTC)  # the calendar's ends are UTC's, as it is written
     try:
         return moment + timedelta(seconds=seconds)
     except (OverflowError, ValueError):

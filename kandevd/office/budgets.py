@@ -61,8 +61,10 @@ ACTIONS = ("notify_only", "pause_agent")
 ALERT_TOPIC = "budget.alert"
 
 _PROBE_SQL = f"{PROBE_TAG} SELECT EXISTS(SELECT 1 FROM office_budget_policies)"
-_HARD_PROBE_SQL = (f"{PROBE_TAG} SELECT EXISTS(SELECT 1 FROM office_budget_policies"
-                   " WHERE action_on_exceed = 'pause_agent')")
+#: True when some ``pause_agent`` policy exists: false means no agent is over a hard budget
+#: (the claim gate's first look; see ``RunRepository(claim_gate_probe=...)``).
+HARD_BUDGET_PROBE_SQL = (f"{PROBE_TAG} SELECT EXISTS(SELECT 1 FROM office_budget_policies"
+                         " WHERE action_on_exceed = 'pause_agent')")
 _HARD_POLICIES_SQL = (
     "/* office:budget-claim */ SELECT id, workspace_id, scope_type, scope_id, limit_cents,"
     " period FROM office_budget_policies WHERE action_on_exceed = 'pause_agent'")
@@ -102,7 +104,7 @@ def _exceeded(conn: sqlite3.Connection, now: datetime, where: str = "",
 
     One existence probe first: without a ``pause_agent`` policy nothing else runs.
     """
-    if not conn.execute(_HARD_PROBE_SQL).fetchone()[0]:
+    if not conn.execute(HARD_BUDGET_PROBE_SQL).fetchone()[0]:
         return
     for policy in conn.execute(_HARD_POLICIES_SQL + where + _POLICY_ORDER, params).fetchall():
         _, start = period_of(policy["period"], now)

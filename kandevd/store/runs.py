@@ -44,6 +44,34 @@ STATUSES = ("queued", "claimed", "finished", "failed", "cancelled")
 _ADD_COST = ("CASE WHEN CAST(:cost AS DOUBLE PRECISION) IS NULL THEN cost_cents"
              " ELSE COALESCE(cost_cents, 0) + CAST(:cost AS DOUBLE PRECISION) END")
 
+#: A successful attempt's row, less its WHERE clause (fenced by the claim token).
+_FINISH = ("UPDATE runs SET status = 'finished', finished_at = :now, output_summary = :summary,"
+           " cost_cents = " + _ADD_COST + ", log_path = :log, claim_token = NULL,"
+           " error_message = NULL, scheduled_retry_at = NULL, updated_at = :now")
+
+#: ``after(now, cooldown_s)`` written down as :func:`~kandevd.timeutil.rfc3339` does, in
+#: PostgreSQL (its session runs in UTC): a cooldown beyond any date ends at the last
+#: representable instant, as in Python (10**12 s already lies past the year 9999).
+_PG_COOLDOWN_UNTIL = (
+    "CASE WHEN agents.cooldown_s > 0 THEN to_char(LEAST(CAST(:now AS TIMESTAMPTZ)"
+    " + LEAST(agents.cooldown_s, 1e12) * INTERVAL '1 second',"
+    " TIMESTAMPTZ '9999-12-31 23:59:59.999999+00'), 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"')"
+    " END")
+
+#: PostgreSQL: a successful attempt in one statement, its locks in a claim's order (the
+#: agent first: the run's update reads the locked agent, so it cannot lock the run before
+#: it); the agent's last run ended and its cooldown starts, from the ``cooldown_s`` read
+#: under that lock. A row back: the attempt was current and is recorded.
+_PG_FINISH = (
+    "WITH agent AS (SELECT a.id FROM agents a JOIN runs r ON r.agent_id = a.id"
+    "  WHERE r.id = :id FOR UPDATE OF a),"
+    " finished AS (" + _FINISH + " FROM agent WHERE runs.id = :id"
+    "  AND runs.agent_id = agent.id AND runs.status = 'claimed'"
+    "  AND runs.claim_token = :token RETURNING runs.agent_id),"
+    " cooled AS (UPDATE agents SET last_finished_at = :now, cooldown_until = "
+    + _PG_COOLDOWN_UNTIL + " FROM finished WHERE agents.id = finished.agent_id)"
+    " SELECT agent_id FROM finished")
+
 RUN_FIELDS = (
     "id", "seq", "workspace_id", "agent_id", "task_id", "reason", "payload", "status",
     "idempotency_key", "coalesced_count", "retry_count", "scheduled_retry_at", "requested_at",
@@ -114,12 +142,22 @@ ClaimGate = Callable[[sqlite3.Connection, datetime], Mapping[str, str]]
 
 
 class RunRepository:
+    """The runs table's rules: enqueue, claim, outcomes, recovery, on either store.
+
+    ``claim_gate_probe``: a query of one boolean, false whenever ``claim_gate``
+    blocks no agent (the gate's own cheap first look). On PostgreSQL a claim
+    sends it inside the statement that locks the agents to claim for, so the
+    gate costs no round trip of its own while it has nothing to block.
+    """
+
     def __init__(self, store: BaseStore, boot_id: str, *, max_attempts: int = 6,
-                 claim_gate: ClaimGate | None = None) -> None:
+                 claim_gate: ClaimGate | None = None,
+                 claim_gate_probe: str | None = None) -> None:
         self.store = store
         self.boot_id = boot_id
         self.max_attempts = max_attempts
         self.claim_gate = claim_gate
+        self.claim_gate_probe = claim_gate_probe if claim_gate is not None else None
         self._sync_level: int | None = None  # the store's PRAGMA synchronous, read once
         #: Several daemons on one store (PostgreSQL): claims of a daemon whose heartbeat
         #: is younger than this many seconds are its own, never rescued here. None: this
@@ -370,11 +408,18 @@ class RunRepository:
             if postgres and own:
                 conn.execute("SET LOCAL synchronous_commit TO OFF")  # as _relaxed_sync
             excluded = set(exclude_agents)
-            if self.claim_gate is not None:
+            locked: list[str] | None = None
+            if postgres and self.claim_gate_probe is not None:
+                # The gate's probe and the agents' locks in one statement: the locks are
+                # taken only when the gate blocks no one, else the gate is asked below.
+                locked = self._lock_agents(conn, self._exclusion(excluded, params), params,
+                                           limit, unless=self.claim_gate_probe)
+            if locked is None and self.claim_gate is not None:
                 excluded.update(self.claim_gate(conn, now))
             exclusion = self._exclusion(excluded, params)
             if postgres:
-                locked = self._lock_agents(conn, exclusion, params, limit)
+                if locked is None:
+                    locked = self._lock_agents(conn, exclusion, params, limit)
                 if not locked:
                     return []
                 exclusion += self._inclusion(locked, params)
@@ -413,8 +458,8 @@ class RunRepository:
                 "SELECT EXISTS (" + self._HEADS.format(exclusion=exclusion) + ")", probe)
         return bool(row and row[0])
 
-    def _lock_agents(self, conn: Any, exclusion: str, params: dict[str, Any], limit: int
-                     ) -> list[str]:
+    def _lock_agents(self, conn: Any, exclusion: str, params: dict[str, Any], limit: int,
+                     unless: str | None = None) -> list[str] | None:
         """PostgreSQL: lock (``FOR UPDATE SKIP LOCKED``) up to ``limit`` agents to claim for.
 
         The agents whose oldest due run is oldest, as the claim would take them,
@@ -423,14 +468,25 @@ class RunRepository:
         other daemon claims for it; the claim statement that follows reads a
         fresh snapshot and so sees every claim committed before. The partial
         unique index (one claimed run per agent) stays the last word.
+
+        ``unless``: a query of one boolean; when it is true nothing is locked
+        and None is returned (see ``claim_gate_probe``).
         """
         # The heads read with room to skip agents locked elsewhere; the outer LIMIT counts
         # only the agents actually locked (PostgreSQL locks below the limit).
         scan = {**params, "limit": limit * 4, "lock_limit": int(limit)}
-        return [row[0] for row in conn.execute(
-            "SELECT a.id FROM agents a JOIN runs q ON q.agent_id = a.id WHERE q.seq IN ("
-            + self._HEADS.format(exclusion=exclusion) + ") ORDER BY q.seq"
-            " LIMIT :lock_limit FOR UPDATE OF a SKIP LOCKED", scan).fetchall()]
+        heads = ("SELECT a.id, q.seq FROM agents a JOIN runs q ON q.agent_id = a.id"
+                 " WHERE q.seq IN (" + self._HEADS.format(exclusion=exclusion) + ")")
+        lock = " ORDER BY q.seq LIMIT :lock_limit FOR UPDATE OF a SKIP LOCKED"
+        if unless is None:
+            return [row[0] for row in conn.execute(heads + lock, scan).fetchall()]
+        rows = conn.execute(
+            "SELECT l.id, g.gated FROM (" + unless + ") AS g(gated)"
+            " LEFT JOIN LATERAL (" + heads + " AND NOT g.gated" + lock + ") AS l ON TRUE"
+            " ORDER BY l.seq", scan).fetchall()
+        if rows and rows[0][1]:
+            return None
+        return [row[0] for row in rows if row[0] is not None]
 
     @staticmethod
     def _inclusion(agents: list[str], params: dict[str, Any]) -> str:
@@ -514,21 +570,19 @@ class RunRepository:
 
         Single-row and fenced, so on PostgreSQL it needs no writer lock.
         """
-        now_s = rfc3339(now)
+        params = {"now": rfc3339(now), "summary": summary, "cost": cost_cents,
+                  "log": log_path, "id": run_id, "token": token}
         with self.store.transaction(exclusive=False) as conn:
-            cooldown_s = self._lock_agent_of(conn, run_id)
-            row = conn.execute(
-                "UPDATE runs SET status = 'finished', finished_at = :now,"
-                " output_summary = :summary,"
-                " cost_cents = " + _ADD_COST + ", log_path = :log, claim_token = NULL,"
-                " error_message = NULL, scheduled_retry_at = NULL, updated_at = :now"
-                " WHERE id = :id AND status = 'claimed' AND claim_token = :token"
-                " RETURNING agent_id",
-                {"now": now_s, "summary": summary, "cost": cost_cents, "log": log_path,
-                 "id": run_id, "token": token}).fetchone()
+            if self.store.dialect == "postgresql":
+                # One round trip instead of three (the agent locked, the run, the agent's
+                # cooldown): this is every run's outcome, on a database across a network.
+                return conn.execute(_PG_FINISH, params).fetchone() is not None
+            row = conn.execute(_FINISH + " WHERE id = :id AND status = 'claimed'"
+                               " AND claim_token = :token RETURNING agent_id",
+                               params).fetchone()
             if row is None:
                 return False
-            self._start_cooldown(conn, row["agent_id"], now, cooldown_s)
+            self._start_cooldown(conn, row["agent_id"], now)
         return True
 
     def fail_attempt(self, run_id: str, token: str, *, now: datetime, error: str,

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kandevd.office.budgets import (
+    HARD_BUDGET_PROBE_SQL,
     BudgetGuard,
     budget_blocker,
     exceeded_hard_budgets,
@@ -235,13 +236,19 @@ def test_the_tick_is_unchanged_by_the_claim_check(env: OfficeEnv) -> None:
     assert agent_status(env, "a1") == "paused"
 
 
-def test_claim_gate_keeps_a_resumed_agent_from_being_claimed(env: OfficeEnv) -> None:
-    """Wired as the repository's claim gate: a resume lifts the pause, not the budget."""
+@pytest.mark.parametrize("probe", [None, HARD_BUDGET_PROBE_SQL])
+def test_claim_gate_keeps_a_resumed_agent_from_being_claimed(env: OfficeEnv,
+                                                             probe: str | None) -> None:
+    """Wired as the repository's claim gate: a resume lifts the pause, not the budget.
+
+    With its probe (as the daemon wires it) PostgreSQL sends the probe inside the
+    claim's locking statement: the same claims either way."""
     env.insert_budget(limit_cents=100, action="pause_agent")
     env.spend("a1", 150)
     BudgetGuard(env.store, env.bus).tick(env.clock())
     env.model.update_agent({"id": "a1", "status": "active"})
-    gated = RunRepository(env.store, "boot", claim_gate=exceeded_hard_budgets)
+    gated = RunRepository(env.store, "boot", claim_gate=exceeded_hard_budgets,
+                          claim_gate_probe=probe)
     waiting = env.queue.enqueue(workspace_id="ws1", agent_id="a1", reason="later",
                                 payload={}).run
     other = env.queue.enqueue(workspace_id="ws1", agent_id="a2", reason="later",
@@ -255,6 +262,24 @@ def test_claim_gate_keeps_a_resumed_agent_from_being_claimed(env: OfficeEnv) -> 
     env.store.execute("UPDATE office_budget_policies SET limit_cents = 1000")
     claim = gated.claim_next(env.clock())
     assert claim is not None and claim.run["id"] == waiting["id"]
+
+
+def test_without_a_hard_budget_the_probed_gate_claims_as_an_ungated_queue(env: OfficeEnv
+                                                                          ) -> None:
+    env.insert_budget(limit_cents=100, action="notify_only")  # spent, but only an alert
+    env.spend("a1", 150)
+    gated = RunRepository(env.store, "boot", claim_gate=exceeded_hard_budgets,
+                          claim_gate_probe=HARD_BUDGET_PROBE_SQL)
+    queued = [env.queue.enqueue(workspace_id="ws1", agent_id=agent, reason=f"r{n}",
+                                payload={}).run for n, agent in enumerate(("a1", "a2", "a1"))]
+    claims = gated.claim_batch(env.clock(), 5)
+    assert [c.run["id"] for c in claims] == [queued[0]["id"], queued[1]["id"]]
+    assert gated.claim_batch(env.clock(), 5) == []  # both agents busy now
+    env.insert_budget("hard", limit_cents=100, action="pause_agent")
+    assert gated.finish(claims[0].run["id"], claims[0].token, now=env.clock(), summary=None,
+                        cost_cents=None, log_path=None)
+    assert gated.claim_batch(env.clock(), 5) == []  # a1 is over its new hard budget
+    assert gated.get(queued[2]["id"])["status"] == "queued"
 
 
 @settings(max_examples=40, deadline=None,

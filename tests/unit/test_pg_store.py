@@ -198,3 +198,47 @@ def test_a_daemon_alone_tells_no_one_that_its_slots_filled(pg_url: str) -> None:
             cluster.stop()
         for store in stores:
             store.close()
+
+
+def test_begin_travels_with_the_first_statement_and_an_empty_transaction_sends_nothing(
+        pg_url: str) -> None:
+    store = open_store(pg_url)
+    try:
+        seed(store, agents=1, runs_each=0)
+        sent: list[str] = []
+        store._writer()._trace = sent.append  # what the connection sends, in order
+        with store.transaction(exclusive=False):
+            pass
+        assert sent == []  # nothing begun, nothing to commit or roll back
+        with store.transaction(exclusive=False) as conn:
+            assert store._in_transaction(conn)  # a transaction, though nothing was sent
+            with store.transaction(exclusive=False):  # nested: joins, begins nothing
+                conn.execute("UPDATE agents SET status = 'paused'")
+            conn.execute("UPDATE agents SET name = 'renamed'")
+        assert sent == ["BEGIN", "UPDATE agents SET status = 'paused'",
+                        "UPDATE agents SET name = 'renamed'", "COMMIT"]
+        assert tuple(store.query_one("SELECT status, name FROM agents")) == ("paused",
+                                                                             "renamed")
+    finally:
+        store.close()
+
+
+def test_a_first_statement_that_fails_rolls_its_transaction_back(pg_url: str) -> None:
+    import sqlite3
+
+    store = open_store(pg_url)
+    try:
+        seed(store, agents=1, runs_each=0)
+        with pytest.raises(sqlite3.IntegrityError), store.transaction(exclusive=False) as conn:
+            conn.execute("INSERT INTO workspaces (id, name, office_workflow_id, created_at,"
+                         " updated_at) VALUES ('ws', 'twice', '', 'x', 'x')")
+        assert not store._in_transaction(store._writer())
+        with store.transaction(exclusive=False) as conn:  # the writer works on
+            conn.execute("UPDATE agents SET status = 'paused'")
+        assert store.query_one("SELECT status FROM agents")[0] == "paused"
+        with pytest.raises(RuntimeError), store.transaction() as conn:
+            conn.execute("UPDATE agents SET status = 'active'")
+            raise RuntimeError("the caller failed after a write")
+        assert store.query_one("SELECT status FROM agents")[0] == "paused"
+    finally:
+        store.close()

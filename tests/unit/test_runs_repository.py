@@ -352,6 +352,38 @@ def test_cooldown_after_a_finished_run(repo: RunRepository, store: Store) -> Non
     assert claim2 is not None and claim2.run["id"] == second["id"]
 
 
+@pytest.mark.parametrize("cooldown_s", [0.000001, 0.1234565, 7.5, 86_400.25, 315_360_000,
+                                        10**12, 10**15])
+def test_a_finished_run_ends_its_cooldown_at_the_same_instant_on_every_backend(
+        repo: RunRepository, store: Store, cooldown_s: float) -> None:
+    # PostgreSQL computes the end in SQL (one statement per outcome); it must be the
+    # instant, and the very string, that Python's after() and rfc3339() make of it.
+    set_agent(store, "a1", cooldown_s=cooldown_s)
+    enqueue(repo, "a1")
+    claim = repo.claim_next(T0)
+    assert claim is not None
+    done_at = datetime(2026, 3, 1, 12, 0, 10, 654321, tzinfo=UTC)
+    assert repo.finish(claim.run["id"], claim.token, now=done_at, summary=None,
+                       cost_cents=None, log_path=None)
+    agent = store.query_one("SELECT * FROM agents WHERE id = 'a1'")
+    assert agent["last_finished_at"] == rfc3339(done_at)
+    assert agent["cooldown_until"] == rfc3339(after(done_at, cooldown_s))
+
+
+def test_a_superseded_finish_changes_neither_the_run_nor_the_agent(
+        repo: RunRepository, store: Store) -> None:
+    set_agent(store, "a1", cooldown_s=30.0)
+    run = enqueue(repo, "a1")
+    claim = repo.claim_next(T0)
+    assert claim is not None
+    assert not repo.finish(run["id"], "not-the-token", now=after(T0, 5), summary="x",
+                           cost_cents=3.0, log_path="/l")
+    agent = store.query_one("SELECT * FROM agents WHERE id = 'a1'")
+    assert agent["last_finished_at"] is None and agent["cooldown_until"] is None
+    row = repo.get(run["id"])
+    assert row["status"] == "claimed" and row["cost_cents"] is None
+
+
 # -- attempt outcomes ------------------------------------------------------------------
 
 

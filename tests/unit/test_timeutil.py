@@ -1,0 +1,52 @@
+"""How instants are written down: fixed width, time order, and a way back, for every date."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta, timezone
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kandevd.timeutil import after, parse_rfc3339, rfc3339
+
+offsets = st.integers(min_value=-23 * 60, max_value=23 * 60).map(
+    lambda minutes: timezone(timedelta(minutes=minutes)))
+instants = st.datetimes(min_value=datetime(1, 1, 2), max_value=datetime(9999, 12, 30),
+                        timezones=st.just(UTC)).flatmap(
+    lambda moment: offsets.map(lambda tz: moment.astimezone(tz)))
+
+
+@given(instants)
+def test_every_instant_is_written_in_utc_at_a_fixed_width_and_parses_back(moment: datetime
+                                                                          ) -> None:
+    text = rfc3339(moment)
+    assert len(text) == len("2026-12-02T13:00:00.123456Z") and text.endswith("Z")
+    assert parse_rfc3339(text) == moment
+
+
+@given(instants, instants)
+def test_the_text_sorts_as_the_instants_do(first: datetime, second: datetime) -> None:
+    assert (rfc3339(first) < rfc3339(second)) == (first < second)
+
+
+@given(instants, st.floats(min_value=-1e15, max_value=1e15))
+def test_a_moment_plus_any_duration_stays_a_writable_instant(moment: datetime,
+                                                             seconds: float) -> None:
+    # A cooldown or retry beyond any date saturates at the calendar's ends instead of
+    # raising where an outcome is written, and the end still reads back.
+    later = after(moment, seconds)
+    assert parse_rfc3339(rfc3339(later)) == later
+    assert (later >= moment) if seconds >= 0 else (later <= moment)
+
+
+def test_the_calendars_ends_are_written_with_four_digit_years() -> None:
+    assert rfc3339(after(datetime(2026, 1, 1, tzinfo=UTC), -1e15)) == \
+        "0001-01-01T00:00:00.000000Z"
+    assert rfc3339(after(datetime(2026, 1, 1, tzinfo=UTC), 1e15)) == \
+        "9999-12-31T23:59:59.999999Z"
+
+
+def test_a_naive_datetime_is_refused() -> None:
+    with pytest.raises(ValueError, match="naive"):
+        rfc3339(datetime(2026, 1, 1))

@@ -23,8 +23,16 @@ The drains come in ``--rounds`` rounds (1, 2, 3 daemons in turn) and the
 ratios compare the medians: this machine's speed drifts by tens of percent
 within minutes, more than the differences measured.
 
+``--baseline DIR`` compares this checkout with another one instead: in each
+round both versions drain with 1 and with 3 daemons, back to back (which goes
+first alternates), on the same PostgreSQL server; the medians and the
+3 / 1 ratios of both are printed (no wake-up or failover measurement then).
+Separate runs of the two versions minutes apart differ by more than most
+changes do.
+
 Usage: .venv/bin/python scripts/bench/cluster_bench.py [--runs 800] [--rounds 3] [--sleep 0.05]
        [--kandevd-from DIR]   (the daemons of another checkout: an A/B in separate runs)
+       [--baseline DIR]       (this checkout against DIR's, alternating round by round)
 """
 
 from __future__ import annotations
@@ -212,6 +220,30 @@ def failover(server: Any, tmp: Path) -> None:
         survivor.stop()
 
 
+def compare(server: Any, tmp: Path, args: argparse.Namespace) -> None:
+    """This checkout against ``args.baseline``, 1 and 3 daemons, alternating per round."""
+    commands = {"this": list(benchdaemon.KANDEVD),
+                "baseline": benchdaemon.checkout_command(args.baseline)}
+    rates: dict[str, dict[int, list[float]]] = {name: {1: [], 3: []} for name in commands}
+    for round_no in range(1, args.rounds + 1):
+        order = ("this", "baseline") if round_no % 2 else ("baseline", "this")
+        for name in order:
+            benchdaemon.KANDEVD = commands[name]
+            print(f"round {round_no}, {name}:")
+            for count in (1, 3):
+                rates[name][count].append(drain(server, tmp / name, count, args.runs,
+                                                args.agents, args.sleep, round_no))
+    for name, measured in rates.items():
+        one, three = statistics.median(measured[1]), statistics.median(measured[3])
+        ratios = ", ".join(f"{t / o:.2f}x" for o, t in zip(measured[1], measured[3],
+                                                             strict=True))
+        print(f"{name}: medians 1 daemon {one:.1f} runs/s, 3 daemons {three:.1f} runs/s;"
+              f" 3 / 1 {three / one:.2f}x (per round: {ratios})")
+    med = {name: {n: statistics.median(v) for n, v in m.items()} for name, m in rates.items()}
+    print(f"this / baseline: 1 daemon {med['this'][1] / med['baseline'][1]:.3f}x,"
+          f" 3 daemons {med['this'][3] / med['baseline'][3]:.3f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=800)
@@ -222,6 +254,8 @@ def main() -> None:
                         help="drains of 1, 2 and 3 daemons, in turn; the medians are compared")
     parser.add_argument("--kandevd-from", type=Path, metavar="DIR",
                         help="run the daemons from this checkout (another version, to compare)")
+    parser.add_argument("--baseline", type=Path, metavar="DIR",
+                        help="compare with this checkout, alternating round by round")
     args = parser.parse_args()
     if args.kandevd_from is not None:
         benchdaemon.KANDEVD = benchdaemon.checkout_command(args.kandevd_from)
@@ -232,6 +266,9 @@ def main() -> None:
 
         server = pgserver.get_server(tmp / "pgdata", cleanup_mode="stop")
         try:
+            if args.baseline is not None:
+                compare(server, tmp, args)
+                return
             # Rounds of 1, 2, 3 daemons, and the median of each: this machine's speed
             # drifts by tens of percent within minutes, and a ratio of two single
             # measurements taken a minute apart carries that drift.

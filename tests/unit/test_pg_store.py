@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from kandevd.office.budgets import HARD_BUDGET_PROBE_SQL, exceeded_hard_budgets
 from kandevd.store.db import open_store
 from kandevd.store.pg import Row, translate
 from kandevd.store.runs import RunRepository
@@ -60,9 +61,15 @@ def seed(store: Any, agents: int, runs_each: int) -> list[str]:
     return names
 
 
-def test_daemons_claiming_at_once_never_claim_an_agent_twice(pg_url: str) -> None:
+@pytest.mark.parametrize("as_the_queue_does", [False, True])
+def test_daemons_claiming_at_once_never_claim_an_agent_twice(pg_url: str,
+                                                             as_the_queue_does: bool) -> None:
     """Three stores (three daemons) claim and finish as fast as they can: each run is
-    claimed once, each agent's runs in request order, and no claim ever fails."""
+    claimed once, each agent's runs in request order, and no claim ever fails.
+
+    ``as_the_queue_does``: with the daemon's hard-budget gate and its probe, and
+    each outcome written in one transaction with the next claims, as the queue
+    loop writes them."""
     stores = [open_store(pg_url) for _ in range(3)]
     try:
         seed(stores[0], agents=12, runs_each=8)
@@ -74,18 +81,34 @@ def test_daemons_claiming_at_once_never_claim_an_agent_twice(pg_url: str) -> Non
         errors: list[BaseException] = []
 
         def work(store: Any, boot: str) -> None:
-            repo = RunRepository(store, boot)
+            repo = (RunRepository(store, boot, claim_gate=exceeded_hard_budgets,
+                                  claim_gate_probe=HARD_BUDGET_PROBE_SQL)
+                    if as_the_queue_does else RunRepository(store, boot))
+            claims: list[Any] = []
             try:
                 while True:
                     with lock:
-                        if len(done) >= total:
-                            return
-                    claims = repo.claim_batch(T0, 3)
+                        finished_all = len(done) >= total
+                    if finished_all:
+                        for claim in claims if as_the_queue_does else ():
+                            assert repo.finish(claim.run["id"], claim.token, now=T0,
+                                               summary=None, cost_cents=None, log_path=None)
+                        return
+                    if as_the_queue_does:
+                        with store.transaction(exclusive=False):
+                            for claim in claims:
+                                assert repo.finish(claim.run["id"], claim.token, now=T0,
+                                                   summary=None, cost_cents=None,
+                                                   log_path=None)
+                            claims = repo.claim_batch(T0, 3)
+                    else:
+                        claims = repo.claim_batch(T0, 3)
                     with lock:
                         done.extend((c.run["agent_id"], c.run["seq"], boot) for c in claims)
-                    for claim in claims:
-                        assert repo.finish(claim.run["id"], claim.token, now=T0, summary=None,
-                                           cost_cents=None, log_path=None)
+                    if not as_the_queue_does:
+                        for claim in claims:
+                            assert repo.finish(claim.run["id"], claim.token, now=T0,
+                                               summary=None, cost_cents=None, log_path=None)
             except BaseException as exc:  # reported by the test below
                 errors.append(exc)
 

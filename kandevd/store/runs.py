@@ -423,18 +423,22 @@ class RunRepository:
                 if not locked:
                     return []
                 exclusion += self._inclusion(locked, params)
-            sql = (
-                "UPDATE runs SET status = 'claimed', claimed_at = :now,"
-                " claim_token = :token || '.' || seq, claimed_by = :boot,"
-                " attempt = attempt + 1, finished_at = NULL, updated_at = :now"
-                # status again outside the subquery: PostgreSQL re-checks only these
-                # terms on a row a concurrent cancel changed before committing.
-                " WHERE status = 'queued' AND seq IN ("
-                + self._HEADS.format(exclusion=exclusion) + ") RETURNING *"
-                # PostgreSQL: the agents' profiles in the same round trip.
-                + (", (SELECT profile FROM agents WHERE id = runs.agent_id) AS agent_profile"
-                   if postgres else "")
-            )
+            claim = ("UPDATE runs SET status = 'claimed', claimed_at = :now,"
+                     " claim_token = :token || '.' || seq, claimed_by = :boot,"
+                     " attempt = attempt + 1, finished_at = NULL, updated_at = :now")
+            heads = self._HEADS.format(exclusion=exclusion)
+            # status again outside the subquery: PostgreSQL re-checks only these terms on
+            # a row a concurrent cancel changed before committing.
+            if postgres:
+                # The heads joined by seq, not "seq IN (heads)": PostgreSQL then looks each
+                # head up by its key instead of scanning every queued run (its planner
+                # chose that scan while the table had no statistics yet), and returns the
+                # agents' profiles in the same round trip.
+                sql = (claim + " FROM (" + heads + ") AS heads WHERE runs.seq = heads.s"
+                       " AND runs.status = 'queued' RETURNING runs.*,"
+                       " (SELECT profile FROM agents WHERE id = runs.agent_id) AS agent_profile")
+            else:
+                sql = claim + " WHERE status = 'queued' AND seq IN (" + heads + ") RETURNING *"
             rows = conn.execute(sql, params).fetchall()
             if not rows:
                 return []
@@ -475,14 +479,15 @@ class RunRepository:
         # The heads read with room to skip agents locked elsewhere; the outer LIMIT counts
         # only the agents actually locked (PostgreSQL locks below the limit).
         scan = {**params, "limit": limit * 4, "lock_limit": int(limit)}
-        heads = ("SELECT a.id, q.seq FROM agents a JOIN runs q ON q.agent_id = a.id"
-                 " WHERE q.seq IN (" + self._HEADS.format(exclusion=exclusion) + ")")
+        # The heads joined by seq (each looked up by its key; see claim_batch).
+        heads = ("SELECT a.id, q.seq FROM (" + self._HEADS.format(exclusion=exclusion) + ")"
+                 " AS heads JOIN runs q ON q.seq = heads.s JOIN agents a ON a.id = q.agent_id")
         lock = " ORDER BY q.seq LIMIT :lock_limit FOR UPDATE OF a SKIP LOCKED"
         if unless is None:
             return [row[0] for row in conn.execute(heads + lock, scan).fetchall()]
         rows = conn.execute(
             "SELECT l.id, g.gated FROM (" + unless + ") AS g(gated)"
-            " LEFT JOIN LATERAL (" + heads + " AND NOT g.gated" + lock + ") AS l ON TRUE"
+            " LEFT JOIN LATERAL (" + heads + " WHERE NOT g.gated" + lock + ") AS l ON TRUE"
             " ORDER BY l.seq", scan).fetchall()
         if rows and rows[0][1]:
             return None

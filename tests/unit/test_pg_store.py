@@ -265,3 +265,43 @@ def test_a_first_statement_that_fails_rolls_its_transaction_back(pg_url: str) ->
         assert store.query_one("SELECT status FROM agents")[0] == "paused"
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("analyzed", [False, True])
+def test_a_claim_and_an_outcome_look_runs_up_by_index_in_a_long_queue(pg_url: str,
+                                                                      analyzed: bool) -> None:
+    """With 5,000 queued runs, no statement of a claim or an outcome reads the whole
+    runs table: each touches only the heads of the agents and the rows it writes,
+    also before the table has statistics (a new database, a burst of enqueues)."""
+    store = open_store(pg_url)
+    try:
+        seed(store, agents=50, runs_each=100)
+        if analyzed:
+            store.execute("ANALYZE runs")
+            store.execute("ANALYZE agents")
+        repo = RunRepository(store, "boot", claim_gate=exceeded_hard_budgets,
+                             claim_gate_probe=HARD_BUDGET_PROBE_SQL)
+        conn = store._writer()
+        sent: list[tuple[str, Any]] = []
+        execute = conn.execute
+
+        def recording(sql: str, params: Any = ()) -> Any:
+            sent.append((sql, params))
+            return execute(sql, params)
+
+        conn.execute = recording  # type: ignore[method-assign]
+        with store.transaction(exclusive=False):
+            claims = repo.claim_batch(T0, 4)
+            assert repo.finish(claims[0].run["id"], claims[0].token, now=T0, summary=None,
+                               cost_cents=None, log_path=None)
+            repo.claim_batch(T0, 1, exclude_agents={claims[0].run["agent_id"]})
+        conn.execute = execute  # type: ignore[method-assign]
+        statements = [(sql, params) for sql, params in sent
+                      if sql.lstrip().upper().startswith(("SELECT", "UPDATE", "WITH"))]
+        assert len(statements) == 5  # lock, claim, finish, lock, claim
+        for sql, params in statements:
+            with store.transaction(exclusive=False) as tx:
+                plan = "\n".join(row[0] for row in tx.execute("EXPLAIN " + sql, params))
+            assert "Seq Scan on runs" not in plan, plan
+    finally:
+        store.close()

@@ -221,27 +221,38 @@ class Connection:
 
     def execute(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> Any:
         if self._begin_pending:
-            self._begin_pending = False
             if sql in ("COMMIT", "ROLLBACK"):
+                self._begin_pending = False
                 return None  # nothing was sent: nothing to end
-            return self._begin_with(sql, params)
+            return self.pipelined([(sql, params)])[0]  # with the BEGIN held back
         self._trace(sql)
         try:
             return self.raw.execute(translate(sql), params)  # type: ignore[arg-type]
         except psycopg.Error as exc:
             raise _as_sqlite_error(exc) from exc
 
-    def _begin_with(self, sql: str, params: Sequence[Any] | dict[str, Any]) -> Any:
-        """``BEGIN`` and the transaction's first statement in one round trip."""
-        self._trace("BEGIN")
-        self._trace(sql)
+    def pipelined(self, statements: Sequence[tuple[str, Sequence[Any] | dict[str, Any]]]
+                  ) -> list[Any]:
+        """Run ``statements`` in order, sent together: one round trip for all of them
+        (and for a ``BEGIN`` held back). Each is a statement of its own, with a fresh
+        snapshot that sees the ones before. Returns their cursors; the first error
+        raises (the transaction is then failed, and the statements after it not run)."""
+        if not self._pipelines:
+            return [self.execute(sql, params) for sql, params in statements]
+        begin, self._begin_pending = self._begin_pending, False
+        if begin:
+            self._trace("BEGIN")
+        for sql, _params in statements:
+            self._trace(sql)
         try:
             with self.raw.pipeline():
-                self.raw.execute("BEGIN")
-                cursor = self.raw.execute(translate(sql), params)  # type: ignore[arg-type]
+                if begin:
+                    self.raw.execute("BEGIN")
+                cursors = [self.raw.execute(translate(sql), params)  # type: ignore[arg-type]
+                           for sql, params in statements]
         except psycopg.Error as exc:
             raise _as_sqlite_error(exc) from exc
-        return cursor
+        return cursors
 
     def executemany(self, sql: str, seq: Sequence[Sequence[Any] | dict[str, Any]]) -> Any:
         if self._begin_pending:

@@ -408,38 +408,15 @@ class RunRepository:
             if postgres and own:
                 conn.execute("SET LOCAL synchronous_commit TO OFF")  # as _relaxed_sync
             excluded = set(exclude_agents)
-            locked: list[str] | None = None
-            if postgres and self.claim_gate_probe is not None:
-                # The gate's probe and the agents' locks in one statement: the locks are
-                # taken only when the gate blocks no one, else the gate is asked below.
-                locked = self._lock_agents(conn, self._exclusion(excluded, params), params,
-                                           limit, unless=self.claim_gate_probe)
-            if locked is None and self.claim_gate is not None:
-                excluded.update(self.claim_gate(conn, now))
-            exclusion = self._exclusion(excluded, params)
             if postgres:
-                if locked is None:
-                    locked = self._lock_agents(conn, exclusion, params, limit)
-                if not locked:
-                    return []
-                exclusion += self._inclusion(locked, params)
-            claim = ("UPDATE runs SET status = 'claimed', claimed_at = :now,"
-                     " claim_token = :token || '.' || seq, claimed_by = :boot,"
-                     " attempt = attempt + 1, finished_at = NULL, updated_at = :now")
-            heads = self._HEADS.format(exclusion=exclusion)
-            # status again outside the subquery: PostgreSQL re-checks only these terms on
-            # a row a concurrent cancel changed before committing.
-            if postgres:
-                # The heads joined by seq, not "seq IN (heads)": PostgreSQL then looks each
-                # head up by its key instead of scanning every queued run (its planner
-                # chose that scan while the table had no statistics yet), and returns the
-                # agents' profiles in the same round trip.
-                sql = (claim + " FROM (" + heads + ") AS heads WHERE runs.seq = heads.s"
-                       " AND runs.status = 'queued' RETURNING runs.*,"
-                       " (SELECT profile FROM agents WHERE id = runs.agent_id) AS agent_profile")
+                rows = self._lock_and_claim_pg(conn, excluded, params, limit, now)
             else:
-                sql = claim + " WHERE status = 'queued' AND seq IN (" + heads + ") RETURNING *"
-            rows = conn.execute(sql, params).fetchall()
+                if self.claim_gate is not None:
+                    excluded.update(self.claim_gate(conn, now))
+                rows = conn.execute(
+                    self._CLAIM + " WHERE status = 'queued' AND seq IN ("
+                    + self._HEADS.format(exclusion=self._exclusion(excluded, params))
+                    + ") RETURNING *", params).fetchall()
             if not rows:
                 return []
             if postgres:
@@ -462,45 +439,69 @@ class RunRepository:
                 "SELECT EXISTS (" + self._HEADS.format(exclusion=exclusion) + ")", probe)
         return bool(row and row[0])
 
-    def _lock_agents(self, conn: Any, exclusion: str, params: dict[str, Any], limit: int,
-                     unless: str | None = None) -> list[str] | None:
-        """PostgreSQL: lock (``FOR UPDATE SKIP LOCKED``) up to ``limit`` agents to claim for.
+    _CLAIM = ("UPDATE runs SET status = 'claimed', claimed_at = :now,"
+              " claim_token = :token || '.' || seq, claimed_by = :boot,"
+              " attempt = attempt + 1, finished_at = NULL, updated_at = :now")
+    #: PostgreSQL: the agents this transaction's last lock statement locked (a JSON list
+    #: kept in a transaction-local setting), as an array to compare agent ids with.
+    _CLAIMABLE = ("ARRAY(SELECT jsonb_array_elements_text(COALESCE(NULLIF("
+                  "current_setting('kandevd.claimable', true), ''), '[]')::jsonb))")
 
-        The agents whose oldest due run is oldest, as the claim would take them,
-        skipping agents another daemon is claiming for right now. Every claim
-        takes these locks first, so while this transaction holds an agent no
-        other daemon claims for it; the claim statement that follows reads a
-        fresh snapshot and so sees every claim committed before. The partial
-        unique index (one claimed run per agent) stays the last word.
+    def _lock_and_claim_pg(self, conn: Any, excluded: set[str], params: dict[str, Any],
+                           limit: int, now: datetime) -> list[Any]:
+        """PostgreSQL: lock up to ``limit`` agents to claim for, and claim, in one round trip.
 
-        ``unless``: a query of one boolean; when it is true nothing is locked
-        and None is returned (see ``claim_gate_probe``).
+        Two statements, sent together in one pipeline. The first locks
+        (``FOR UPDATE SKIP LOCKED``) the agents whose oldest due run is
+        oldest, as the claim takes them, skipping agents another daemon is
+        claiming for right now, and notes which in a transaction-local
+        setting; the second claims the oldest due run of each agent noted.
+        Every claim takes these locks first, so while this transaction holds
+        an agent no other daemon claims for it; the claim, a statement of its
+        own, reads a fresh snapshot and so sees every claim committed before
+        it. The partial unique index (one claimed run per agent) stays the
+        last word.
+
+        With a ``claim_gate_probe``, the first statement locks nothing when
+        the probe is true (then the second claims nothing): the gate is asked,
+        and its blocked agents excluded from a second pair of statements.
         """
-        # The heads read with room to skip agents locked elsewhere; the outer LIMIT counts
-        # only the agents actually locked (PostgreSQL locks below the limit).
-        scan = {**params, "limit": limit * 4, "lock_limit": int(limit)}
-        # The heads joined by seq (each looked up by its key; see claim_batch).
-        heads = ("SELECT a.id, q.seq FROM (" + self._HEADS.format(exclusion=exclusion) + ")"
-                 " AS heads JOIN runs q ON q.seq = heads.s JOIN agents a ON a.id = q.agent_id")
-        lock = " ORDER BY q.seq LIMIT :lock_limit FOR UPDATE OF a SKIP LOCKED"
-        if unless is None:
-            return [row[0] for row in conn.execute(heads + lock, scan).fetchall()]
-        rows = conn.execute(
-            "SELECT l.id, g.gated FROM (" + unless + ") AS g(gated)"
-            " LEFT JOIN LATERAL (" + heads + " WHERE NOT g.gated" + lock + ") AS l ON TRUE"
-            " ORDER BY l.seq", scan).fetchall()
-        if rows and rows[0][1]:
-            return None
-        return [row[0] for row in rows if row[0] is not None]
-
-    @staticmethod
-    def _inclusion(agents: list[str], params: dict[str, Any]) -> str:
-        """The HEADS clause keeping only ``agents``; their names go into ``params``."""
-        names = []
-        for i, agent in enumerate(agents):
-            params[f"y{i}"] = agent
-            names.append(f":y{i}")
-        return f" AND a.id IN ({', '.join(names)})"
+        gate_checked = self.claim_gate is None or self.claim_gate_probe is None
+        if self.claim_gate is not None and self.claim_gate_probe is None:
+            excluded.update(self.claim_gate(conn, now))
+        while True:
+            exclusion = self._exclusion(excluded, params)
+            # The heads read with room to skip agents locked elsewhere; the LIMIT counts
+            # only the agents actually locked (PostgreSQL locks below the limit). They are
+            # joined by seq, not "seq IN (heads)": each head is looked up by its key
+            # instead of every queued run being scanned (PostgreSQL's planner chose that
+            # scan while the table had no statistics yet).
+            locked = ("SELECT a.id FROM (" + self._HEADS.format(exclusion=exclusion)
+                      + ") AS heads JOIN runs q ON q.seq = heads.s"
+                      " JOIN agents a ON a.id = q.agent_id"
+                      + ("" if gate_checked else " WHERE NOT g.gated")
+                      + " ORDER BY q.seq LIMIT :lock_limit FOR UPDATE OF a SKIP LOCKED")
+            note = ("set_config('kandevd.claimable', COALESCE((SELECT json_agg(l.id) FROM ("
+                    + locked + ") AS l)::text, '[]'), true)")
+            lock = (f"SELECT FALSE, {note}" if gate_checked else
+                    f"SELECT g.gated, {note} FROM ({self.claim_gate_probe}) AS g(gated)")
+            # status again outside the subquery: PostgreSQL re-checks only these terms on
+            # a row a concurrent cancel changed before committing. The agents' profiles
+            # come back in the same statement.
+            claim = (self._CLAIM + " FROM (" + self._HEADS.format(
+                         exclusion=exclusion + " AND a.id = ANY(" + self._CLAIMABLE + ")")
+                     + ") AS heads WHERE runs.seq = heads.s AND runs.status = 'queued'"
+                     " RETURNING runs.*, (SELECT profile FROM agents"
+                     " WHERE id = runs.agent_id) AS agent_profile")
+            scan = {**params, "limit": limit * 4, "lock_limit": int(limit)}
+            locking, claiming = conn.pipelined([(lock, scan), (claim, params)])
+            gated = bool(locking.fetchone()[0])
+            rows = claiming.fetchall()
+            if not gated:
+                return rows
+            assert not rows and self.claim_gate is not None
+            excluded.update(self.claim_gate(conn, now))
+            gate_checked = True
 
     @staticmethod
     def _exclusion(excluded: set[str], params: dict[str, Any]) -> str:

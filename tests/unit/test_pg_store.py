@@ -283,19 +283,23 @@ def test_a_claim_and_an_outcome_look_runs_up_by_index_in_a_long_queue(pg_url: st
                              claim_gate_probe=HARD_BUDGET_PROBE_SQL)
         conn = store._writer()
         sent: list[tuple[str, Any]] = []
-        execute = conn.execute
+        execute, pipelined = conn.execute, conn.pipelined
 
         def recording(sql: str, params: Any = ()) -> Any:
             sent.append((sql, params))
             return execute(sql, params)
 
-        conn.execute = recording  # type: ignore[method-assign]
+        def recording_all(statements: Any) -> Any:
+            sent.extend(statements)
+            return pipelined(statements)
+
+        conn.execute, conn.pipelined = recording, recording_all  # type: ignore[method-assign]
         with store.transaction(exclusive=False):
             claims = repo.claim_batch(T0, 4)
             assert repo.finish(claims[0].run["id"], claims[0].token, now=T0, summary=None,
                                cost_cents=None, log_path=None)
             repo.claim_batch(T0, 1, exclude_agents={claims[0].run["agent_id"]})
-        conn.execute = execute  # type: ignore[method-assign]
+        conn.execute, conn.pipelined = execute, pipelined  # type: ignore[method-assign]
         statements = [(sql, params) for sql, params in sent
                       if sql.lstrip().upper().startswith(("SELECT", "UPDATE", "WITH"))]
         assert len(statements) == 5  # lock, claim, finish, lock, claim

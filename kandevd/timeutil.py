@@ -45,10 +45,13 @@ def after(moment: datetime, seconds: float) -> datetime:
     "until the end of time", so it is clamped to the last (or first) representable
     moment instead of overflowing (in UTC, so that it can still be written down).
     """
-    if moment.utcoffset():
-        moment = moment.astimezone(UTC)  # the calendar's ends are UTC's, as it is written
+    offset = moment.utcoffset()
+    if offset:
+        try:
+            moment = moment.astimezone(UTC)  # the calendar's ends are UTC's, as written
+        except OverflowError:  # an instant beyond UTC's calendar already
+            return (datetime.max if offset < timedelta(0) else datetime.min).replace(tzinfo=UTC)
     try:
         return moment + timedelta(seconds=seconds)
     except (OverflowError, ValueError):
-        edge = datetime.max if seconds > 0 else datetime.min
-        return edge.replace(tzinfo=moment.tzinfo)
+        return (datetime.max if seconds > 0 else datetime.min).replace(tzinfo=UTC)

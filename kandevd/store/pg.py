@@ -299,7 +299,10 @@ class Connection:
 _CONNECT_OPTIONS: dict[str, Any] = {
     "autocommit": True, "connect_timeout": 10, "keepalives": 1, "keepalives_idle": 10,
     "keepalives_interval": 5, "keepalives_count": 3, "tcp_user_timeout": 30000,
+    # READ COMMITTED whatever the server's or the role's default: a claim relies on each
+    # statement's fresh snapshot (see RunRepository._lock_and_claim_pg).
     "options": (f"-c lock_timeout={BUSY_TIMEOUT_MS} -c idle_in_transaction_session_timeout=60000"
+                r" -c default_transaction_isolation=read\ committed"
                 " -c tcp_keepalives_idle=10 -c tcp_keepalives_interval=5"
                 " -c tcp_keepalives_count=3 -c TimeZone=UTC"),
 }

@@ -405,11 +405,13 @@ class RunRepository:
         postgres = self.store.dialect == "postgresql"
         own = not self.store.writing
         with self._relaxed_sync(), self.store.transaction(exclusive=not postgres) as conn:
-            if postgres and own:
-                conn.execute("SET LOCAL synchronous_commit TO OFF")  # as _relaxed_sync
             excluded = set(exclude_agents)
             if postgres:
-                rows = self._lock_and_claim_pg(conn, excluded, params, limit, now)
+                # In its own transaction, a claim does not wait for the WAL flush (as
+                # _relaxed_sync): said in the same round trip as the claim.
+                rows = self._lock_and_claim_pg(
+                    conn, excluded, params, limit, now,
+                    first=[("SET LOCAL synchronous_commit TO OFF", ())] if own else [])
             else:
                 if self.claim_gate is not None:
                     excluded.update(self.claim_gate(conn, now))
@@ -448,7 +450,8 @@ class RunRepository:
                   "current_setting('kandevd.claimable', true), ''), '[]')::jsonb))")
 
     def _lock_and_claim_pg(self, conn: Any, excluded: set[str], params: dict[str, Any],
-                           limit: int, now: datetime) -> list[Any]:
+                           limit: int, now: datetime,
+                           first: list[tuple[str, Any]] | None = None) -> list[Any]:
         """PostgreSQL: lock up to ``limit`` agents to claim for, and claim, in one round trip.
 
         Two statements, sent together in one pipeline. The first locks
@@ -465,6 +468,7 @@ class RunRepository:
         With a ``claim_gate_probe``, the first statement locks nothing when
         the probe is true (then the second claims nothing): the gate is asked,
         and its blocked agents excluded from a second pair of statements.
+        ``first``: statements sent before them, in the same round trip.
         """
         gate_checked = self.claim_gate is None or self.claim_gate_probe is None
         if self.claim_gate is not None and self.claim_gate_probe is None:
@@ -494,12 +498,14 @@ class RunRepository:
                      " RETURNING runs.*, (SELECT profile FROM agents"
                      " WHERE id = runs.agent_id) AS agent_profile")
             scan = {**params, "limit": limit * 4, "lock_limit": int(limit)}
-            locking, claiming = conn.pipelined([(lock, scan), (claim, params)])
-            gated = bool(locking.fetchone()[0])
-            rows = claiming.fetchall()
+            sent = conn.pipelined([*(first or ()), (lock, scan), (claim, params)])
+            first = None
+            gated = bool(sent[-2].fetchone()[0])
+            rows = sent[-1].fetchall()
             if not gated:
                 return rows
-            assert not rows and self.claim_gate is not None
+            if rows or self.claim_gate is None:  # the first statement locked nothing
+                raise RuntimeError("a gated claim claimed runs")
             excluded.update(self.claim_gate(conn, now))
             gate_checked = True
 
@@ -687,6 +693,9 @@ class RunRepository:
         # Fenced in the write too: on PostgreSQL an outcome (which takes no writer lock)
         # may have been recorded since the read.
         if row["attempt"] >= self.max_attempts:
+            # PostgreSQL: the agent locked before the run, in the order claims and outcomes
+            # take them (the cooldown below writes the agent).
+            cooldown_s = self._lock_agent_of(conn, run_id)
             failed = conn.execute(
                 "UPDATE runs SET status = 'failed', finished_at = ?, claim_token = NULL,"
                 " error_message = ?, scheduled_retry_at = NULL, updated_at = ?"
@@ -694,7 +703,7 @@ class RunRepository:
                 (now_s, gave_up(row["attempt"], why), now_s, row["seq"], token)).rowcount
             if not failed:
                 return None
-            self._start_cooldown(conn, row["agent_id"], now)
+            self._start_cooldown(conn, row["agent_id"], now, cooldown_s)
             return "failed"
         requeued = conn.execute(self._REQUEUE + ", error_message = :why WHERE seq = :seq"
                                 " AND status = 'claimed' AND claim_token IS :token",

@@ -252,10 +252,11 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=3,
                         help="drains of 1, 2 and 3 daemons, in turn; the medians are compared")
-    parser.add_argument("--kandevd-from", type=Path, metavar="DIR",
-                        help="run the daemons from this checkout (another version, to compare)")
-    parser.add_argument("--baseline", type=Path, metavar="DIR",
-                        help="compare with this checkout, alternating round by round")
+    other = parser.add_mutually_exclusive_group()
+    other.add_argument("--kandevd-from", type=Path, metavar="DIR",
+                       help="run the daemons from this checkout (another version, to compare)")
+    other.add_argument("--baseline", type=Path, metavar="DIR",
+                       help="compare with this checkout, alternating round by round")
     args = parser.parse_args()
     if args.kandevd_from is not None:
         benchdaemon.KANDEVD = benchdaemon.checkout_command(args.kandevd_from)

@@ -309,3 +309,21 @@ def test_a_claim_and_an_outcome_look_runs_up_by_index_in_a_long_queue(pg_url: st
             assert "Seq Scan on runs" not in plan, plan
     finally:
         store.close()
+
+
+def test_every_connection_reads_committed_whatever_the_database_default(pg_url: str) -> None:
+    """A claim relies on each statement's fresh snapshot: a database (or role) whose
+    default isolation is stricter must not change that for kandevd's connections."""
+    import psycopg
+
+    with psycopg.connect(pg_url, autocommit=True) as admin:
+        database = admin.execute("SELECT current_database()").fetchone()[0]
+        admin.execute(f'ALTER DATABASE "{database}" SET default_transaction_isolation'
+                      " = 'repeatable read'")
+    store = open_store(pg_url)
+    try:
+        with store.transaction(exclusive=False) as conn:
+            level = conn.execute("SHOW transaction_isolation").fetchone()[0]
+        assert level == "read committed"
+    finally:
+        store.close()

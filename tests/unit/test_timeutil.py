@@ -50,3 +50,16 @@ def test_the_calendars_ends_are_written_with_four_digit_years() -> None:
 def test_a_naive_datetime_is_refused() -> None:
     with pytest.raises(ValueError, match="naive"):
         rfc3339(datetime(2026, 1, 1))
+
+
+def test_an_instant_near_the_calendars_end_in_another_zone_saturates_instead_of_raising(
+        ) -> None:
+    minus_two = timezone(timedelta(hours=-2))
+    # 9999-12-31T23:00-02:00 is beyond UTC's last day already
+    assert after(datetime(9999, 12, 31, 23, 0, tzinfo=minus_two), 5) == \
+        datetime.max.replace(tzinfo=UTC)
+    assert after(datetime(1, 1, 1, 1, 0, tzinfo=timezone(timedelta(hours=2))), -5) == \
+        datetime.min.replace(tzinfo=UTC)
+    zero_offset = timezone(timedelta(0), "also UTC")
+    assert rfc3339(after(datetime(9999, 12, 31, 23, 0, tzinfo=zero_offset), 1e9)) == \
+        "9999-12-31T23:59:59.999999Z"

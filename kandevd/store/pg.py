@@ -197,27 +197,14 @@ class Connection:
     def begin(self, *first: tuple[str, Sequence[Any]]) -> None:
         """Start a transaction: ``BEGIN`` with the ``first`` statements (sent at once,
         their results discarded), or, without any, with the next :meth:`execute`."""
-        if not first:
-            if self._pipelines:
-                self._begin_pending = True
-                return
+        if not self._pipelines:
             self.execute("BEGIN")
+            for sql, params in first:
+                self.execute(sql, params)
             return
-        self._trace("BEGIN")
-        for sql, _params in first:
-            self._trace(sql)
-        try:
-            if not self._pipelines:
-                self.raw.execute("BEGIN")
-                for sql, params in first:
-                    self.raw.execute(translate(sql), params)  # type: ignore[arg-type]
-                return
-            with self.raw.pipeline():
-                self.raw.execute("BEGIN")
-                for sql, params in first:
-                    self.raw.execute(translate(sql), params)  # type: ignore[arg-type]
-        except psycopg.Error as exc:
-            raise _as_sqlite_error(exc) from exc
+        self._begin_pending = True
+        if first:
+            self.pipelined(first)
 
     def execute(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> Any:
         if self._begin_pending:

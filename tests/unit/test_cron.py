@@ -18,7 +18,7 @@ from datetime import UTC, date, datetime, time, timedelta
 from zoneinfo import ZoneInfo, available_timezones
 
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from kandevd.cron import CronError, next_fire_times, parse_cron
@@ -296,6 +296,9 @@ def test_fire_times_increase_and_each_is_the_first_at_or_after_a_moment(
 @given(where=st.one_of(dst_changes().map(lambda c: (c.zone, c.at)),
                        st.tuples(st.sampled_from(FIXED_ZONES), anywhere)),
        hour=st.integers(min_value=0, max_value=23), minute=st.integers(min_value=0, max_value=59))
+# Greenland springs forward at local midnight: 23:00 on that Saturday fires at 00:00 Sunday.
+@example(where=("America/Scoresbysund", datetime(2025, 3, 30, 1, 0, tzinfo=UTC)), hour=23,
+         minute=0)
 def test_a_daily_schedule_fires_once_per_local_day(where: tuple[str, datetime], hour: int,
                                                   minute: int) -> None:
     zone_name, center = where
@@ -305,12 +308,21 @@ def test_a_daily_schedule_fires_once_per_local_day(where: tuple[str, datetime], 
     assume(all(c.after - c.before < timedelta(hours=12) for c in changes(zone_name, center.year)))
     fires = [t for t in next_fire_times(parse_cron(f"{minute} {hour} * * *", zone_name), after,
                                         12) if t <= until]
-    days = [reads(t, zone).date() for t in fires]
+
+    def day_of(fire: datetime) -> date:
+        # The local day whose hour:minute the fire stands for: the day it reads, or, for a
+        # fire at a jump over hour:minute, the day of the skipped hour:minute (a jump at
+        # local midnight, as in America/Scoresbysund, reads the next day).
+        before, now = reads(fire - timedelta(microseconds=1), zone), reads(fire, zone)
+        return next(d for d in (before.date(), before.date() + timedelta(days=1))
+                    if before < datetime.combine(d, time(hour, minute)) <= now)
+
+    days = [day_of(t) for t in fires]
     first, last = reads(after, zone).date() + timedelta(days=1), reads(until, zone).date()
     assert [d for d in days if first <= d < last] == \
         [first + timedelta(days=n) for n in range((last - first).days)]
     for fire in fires:  # at hour:minute, or at the jump over it
-        wall = datetime.combine(reads(fire, zone).date(), time(hour, minute))
+        wall = datetime.combine(day_of(fire), time(hour, minute))
         if reads(fire, zone) != wall:
             assert reads(fire - timedelta(minutes=1), zone) < wall < reads(fire, zone)
 

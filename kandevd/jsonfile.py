@@ -23,7 +23,6 @@ import json
 import logging
 import os
 import stat
-import tempfile
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -34,7 +33,7 @@ from typing import Any, TypeVar
 from filelock import FileLock
 
 from kandevd import jsonstrict
-from kandevd.paths import ensure_dir
+from kandevd.fsutil import ensure_dir, fsync_dir, replace_atomically
 from kandevd.timeutil import utc_now
 
 log = logging.getLogger("kandevd.jsonfile")
@@ -244,27 +243,8 @@ class JsonFile:
         # Through a symbolic link, the file it points to is replaced (the link stays);
         # an existing file keeps its permission bits, a new one is private (0600).
         target = Path(os.path.realpath(self.path))
-        folder = target.parent
-        ensure_dir(folder)  # every folder it creates is 0700, not only the last
-        try:
-            mode = stat.S_IMODE(target.stat().st_mode)
-        except OSError:
-            mode = 0o600
-        fd, temp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=folder)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                handle.write(text)
-                handle.flush()
-                os.fchmod(handle.fileno(), mode)
-                os.fsync(handle.fileno())
-            os.replace(temp, target)
-        except BaseException:
-            try:
-                os.unlink(temp)
-            except OSError:
-                pass
-            raise
-        _fsync_dir(folder)
+        ensure_dir(target.parent)  # every folder it creates is 0700, not only the last
+        replace_atomically(target, text, durable=True, mode=None, unique_temp=True)
 
     def _move_aside(self, problem: str) -> None:
         stamp = utc_now().strftime("%Y%m%dT%H%M%S.%fZ")
@@ -274,7 +254,7 @@ class JsonFile:
             target = self.path.with_name(f"{self.path.name}.corrupt-{stamp}-{n}")
             n += 1
         os.rename(self.path, target)
-        _fsync_dir(self.path.parent)
+        fsync_dir(self.path.parent)
         log.error("%s; moved aside to %s and started afresh", problem, target.name)
         if self._on_corrupt is not None:
             try:
@@ -282,19 +262,6 @@ class JsonFile:
                                              utc_now().isoformat()))
             except Exception:
                 log.exception("corrupt-file reporter failed")
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _json_type(kind: type) -> str:

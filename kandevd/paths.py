@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+from kandevd.fsutil import ensure_dir
+
 DEFAULT_HOME = "~/.local/share/kandevd"
 ADVISED_MODE = 0o700
 
@@ -40,24 +42,6 @@ def resolve_home(option: str | os.PathLike[str] | None) -> Path:
     """``--home``, else ``$KANDEVD_HOME``, else ``~/.local/share/kandevd``."""
     raw = option or os.environ.get("KANDEVD_HOME") or DEFAULT_HOME
     return Path(raw).expanduser().resolve()
-
-
-def ensure_dir(path: Path) -> Path:
-    """Create ``path`` and every missing parent with mode 0700 (existing ones are left as is).
-
-    ``Path.mkdir(parents=True, mode=...)`` applies the mode to the leaf only.
-    """
-    missing = []
-    current = path
-    while not current.exists():
-        missing.append(current)
-        current = current.parent
-    for folder in reversed(missing):
-        try:
-            folder.mkdir(mode=0o700)
-        except FileExistsError:
-            pass
-    return path
 
 
 def check_safe_name(value: str, what: str = "name") -> str:
@@ -124,6 +108,8 @@ class HomeLayout:
         try:
             ensure_dir(self.root)
         except OSError as exc:
+            if not created:  # (ensure_dir: NotADirectoryError)
+                raise HomeError("it exists and is not a directory") from None
             raise HomeError(f"cannot create it: {exc.strerror or exc}") from None
         try:
             info = os.stat(self.root)

@@ -36,6 +36,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from kandevd.fsutil import append_line
 from kandevd.timeutil import rfc3339, utc_now
 
 EXIT_USAGE = 2
@@ -97,13 +98,7 @@ def options_of(request: dict[str, Any]) -> dict[str, Any]:
 
 def _append_line(path: Path, line: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    # One write on an O_APPEND descriptor: agents running side by side never
-    # interleave their lines.
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    try:
-        os.write(fd, line.encode())
-    finally:
-        os.close(fd)
+    append_line(path, line.removesuffix("\n"))
 
 
 def _first_time(marker: Path) -> bool:

@@ -23,9 +23,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from kandevd.fsutil import ensure_dir, write_json
 from kandevd.paths import ATTEMPTS_FOLDER, HomeLayout
 from kandevd.runtime import FAILED, OUTCOMES, SUCCEEDED, ExecutionResult
-from kandevd.runtime.process import make_private_dirs
 from kandevd.runtime.records import read_exit_status, read_record
 from kandevd.runtime.recycle import SPENT_SUFFIX, is_free, pool_for
 from kandevd.runtime.shim import EXIT_FILE, OUTCOME_FILE, RECORD_FILE, STDOUT_FILE, SUMMARY_FILE
@@ -72,22 +72,12 @@ def write_outcome(directory: Path, result: ExecutionResult) -> bool:
         "started_at": rfc3339(result.started_at), "ended_at": rfc3339(result.ended_at),
         "log_path": str(result.log_path),
     }
-    temp = directory / f".{OUTCOME_FILE}.tmp"
     try:
-        make_private_dirs(directory)
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(document, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temp, directory / OUTCOME_FILE)
+        ensure_dir(directory)
+        write_json(directory / OUTCOME_FILE, document, durable=True)
     except OSError as exc:
         log.error("cannot write the outcome file in %s (%s); the outcome is kept in memory",
                   directory, exc)
-        try:
-            temp.unlink()
-        except OSError:
-            pass
         return False
     return True
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 import time
 import uuid
@@ -42,6 +41,7 @@ from typing import Any
 from kandevd.bus import EventBus
 from kandevd.config import Config
 from kandevd.faults import NO_FAULTS, Faults
+from kandevd.fsutil import append_note
 from kandevd.paths import HomeLayout
 from kandevd.queue import journal
 from kandevd.queue.groupcommit import GroupCommit
@@ -81,20 +81,6 @@ _WRITE_RETRY_MAX_S = 2.0
 #: Refusals (other than a full disk or a busy database) after which an outcome is
 #: recorded as a plain failed attempt instead.
 _PLAIN_OUTCOME_AFTER = 10
-
-
-def append_log_line(path: Path, text: str) -> None:
-    """One ``[kandevd]`` line in an execution's log (attempt separators); best effort."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
-    except OSError:
-        return
-    try:
-        os.write(fd, f"[kandevd] {text}\n".encode())
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 @dataclass
@@ -336,7 +322,7 @@ class RunQueue:
         try:
             self.faults.before_start(run_id)
             spec = self._spec(claim)
-            append_log_line(spec.log_path, f"==== attempt {run.get('attempt', '?')} started "
+            append_note(spec.log_path, f"==== attempt {run.get('attempt', '?')} started "
                                            f"{rfc3339(self.clock())} ====")
             self.runtime.start(reservation, spec,
                                lambda result: self._on_done(claim, result))
@@ -417,7 +403,7 @@ class RunQueue:
         directory = self._attempt_dir(claim)
         if result.outcome != DETACHED:
             ending = result.outcome + (f" ({result.error})" if result.error else "")
-            append_log_line(result.log_path, f"==== attempt {claim.run.get('attempt', '?')} "
+            append_note(result.log_path, f"==== attempt {claim.run.get('attempt', '?')} "
                                              f"ended {rfc3339(result.ended_at)}: {ending} ====")
         if result.outcome == STOPPED:
             journal.discard(directory)  # cancelled: the run row already says so

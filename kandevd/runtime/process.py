@@ -86,6 +86,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kandevd.fsutil import ensure_dir
 from kandevd.runtime import recycle, shim
 from kandevd.timeutil import after, utc_now
 
@@ -395,29 +396,6 @@ def parse_summary_line(line: str | None) -> tuple[str | None, float | None]:
     return summary_value, cost_value
 
 
-def make_private_dirs(path: Path) -> None:
-    """Create ``path`` and any missing parents with mode 0o700.
-
-    ``Path.mkdir(parents=True, mode=...)`` applies the mode only to the last
-    component; run folders can hold prompts and secrets, so every directory we
-    create is private. Existing directories are left as they are.
-    """
-    missing: list[Path] = []
-    current = path
-    while not current.exists():
-        missing.append(current)
-        if current.parent == current:
-            break
-        current = current.parent
-    for directory in reversed(missing):
-        try:
-            os.mkdir(directory, 0o700)
-        except FileExistsError:
-            pass
-    if not path.is_dir():
-        raise NotADirectoryError(f"not a directory: {path}")
-
-
 def collect_stdout(stdout_path: Path, log_path: Path, state_path: Path | None = None,
                    keep_as: Path | None = None) -> tuple[str | None, float | None]:
     """``(summary, cost_cents)`` of an ended execution; its stdout file goes into the log.
@@ -634,7 +612,7 @@ class ProcessRunner:
             )
 
         try:
-            make_private_dirs(spec.log_path.parent)
+            ensure_dir(spec.log_path.parent)
             sink = _LogSink.open(spec.log_path)
         except OSError as exc:
             message = f"cannot open log file {spec.log_path}: {exc}"
@@ -655,7 +633,7 @@ class ProcessRunner:
 
         log_offset = sink.size()  # the summary is searched after this
         try:
-            make_private_dirs(spec.cwd)
+            ensure_dir(spec.cwd)
         except OSError as exc:
             return fail_to_start(f"cannot create working directory {spec.cwd}: {exc}")
         try:
@@ -700,7 +678,7 @@ class ProcessRunner:
                 # was emptied when it was parked, and is emptied again (no file is
                 # created), as is any folder already there.
                 if not recycle.pool_for(spec.record_dir.parent).take(spec.record_dir):
-                    make_private_dirs(spec.record_dir)
+                    ensure_dir(spec.record_dir)
                 recycle.empty(spec.record_dir)
             except OSError as exc:
                 return fail_to_start(

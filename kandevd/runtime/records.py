@@ -47,6 +47,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from kandevd.fsutil import write_json
 from kandevd.runtime import shim
 from kandevd.runtime.process import (
     FAILED,
@@ -137,7 +138,9 @@ def write_record(record: ExecutionRecord, *, in_place: bool = False) -> None:
                 os.close(fd)
             if written == len(data):
                 return
-    shim.write_json_atomic(path, record.to_json())
+    # No fsync: the record matters across a restart of the daemon, not of the machine,
+    # which ends the agent it describes anyway.
+    write_json(path, record.to_json(), durable=False)
 
 
 def read_record(record_dir: Path) -> ExecutionRecord | None:

@@ -39,11 +39,9 @@ agent's summary is taken.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
-from typing import Any
 
 #: ``$0`` of every shim: how a shim is recognised in ``/proc/<pid>/cmdline``.
 SHIM_NAME = "kandevd-shim"
@@ -225,26 +223,6 @@ def group_may_be_signalled(pid: int, start_time: int) -> bool:
     """
     stat = proc_stat(pid)
     return stat is None or stat[1] == start_time
-
-
-def write_json_atomic(path: Path, document: dict[str, Any]) -> None:
-    """Write ``document`` to ``path`` via a temporary file and a rename (0600).
-
-    No fsync: the file matters across a restart of the daemon, not of the
-    machine, which ends the agent it describes anyway.
-    """
-    temp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(document, handle)
-        os.replace(temp, path)
-    except BaseException:
-        try:
-            os.unlink(temp)
-        except OSError:
-            pass
-        raise
 
 
 def last_log_line(path: Path, offset: int = 0, limit: int = TAIL_LIMIT) -> str | None:

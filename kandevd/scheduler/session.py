@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from kandevd.config import Config, UnknownProfile
-from kandevd.paths import HomeLayout, ensure_dir
+from kandevd.fsutil import ensure_dir
+from kandevd.paths import HomeLayout
 from kandevd.runtime import ExecutionResult
 from kandevd.runtime.specs import agent_execution
 from kandevd.timeutil import rfc3339, utc_now

@@ -1,0 +1,119 @@
+"""File-system helpers every room shares, written once.
+
+Replacing a file atomically (temp file, rename, optionally fsync), appending
+one line to a log, and creating private folders. Run folders and logs can hold
+prompts and secrets, so whatever kandevd creates is private (0700 folders,
+0600 files).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def ensure_dir(path: Path) -> Path:
+    """Create ``path`` and every missing parent with mode 0700; existing ones stay as they are.
+
+    ``Path.mkdir(parents=True, mode=...)`` applies the mode to the leaf only.
+    NotADirectoryError when ``path`` exists and is not a folder.
+    """
+    missing: list[Path] = []
+    current = path
+    while not current.exists():
+        missing.append(current)
+        if current.parent == current:
+            break
+        current = current.parent
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder, 0o700)
+        except FileExistsError:
+            pass
+    if not path.is_dir():
+        raise NotADirectoryError(f"not a directory: {path}")
+    return path
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make a rename in ``folder`` durable (best effort: not every file system can)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def replace_atomically(path: Path, text: str, *, durable: bool, mode: int | None = 0o600,
+                       unique_temp: bool = False) -> None:
+    """Replace ``path`` with ``text`` so a reader (or a crash) sees the old or the new file.
+
+    ``durable``: fsync the file before the rename and the folder after it (a
+    file that must survive a power cut). ``mode`` None keeps an existing
+    file's permission bits (a new one is 0600). ``unique_temp``: a temp name
+    of its own per call, for files several processes may replace at once;
+    else ``.<name>.tmp`` beside it (no random name per write).
+    """
+    folder = path.parent
+    if mode is None:
+        try:
+            mode = os.stat(path).st_mode & 0o7777
+        except OSError:
+            mode = 0o600
+    if unique_temp:
+        fd, temp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+        temp = Path(temp_name)
+        os.fchmod(fd, mode)
+    else:
+        temp = folder / f".{path.name}.tmp"
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            if durable:
+                handle.flush()
+                os.fsync(handle.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        try:
+            os.unlink(temp)
+        except OSError:
+            pass
+        raise
+    if durable:
+        fsync_dir(folder)
+
+
+def write_json(path: Path, document: Any, *, durable: bool) -> None:
+    """``document`` as JSON in ``path``, replaced atomically (see above)."""
+    replace_atomically(path, json.dumps(document), durable=durable)
+
+
+def append_line(path: Path, text: str) -> None:
+    """Append ``text`` and a newline to ``path`` (0600 when created) in one write.
+
+    One ``write`` on an ``O_APPEND`` descriptor, so lines of writers side by
+    side never interleave. Raises OSError.
+    """
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, (text + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def append_note(path: Path, text: str) -> None:
+    """``[kandevd] <text>`` in an execution's log; best effort (a note is never worth an
+    error of its own)."""
+    try:
+        append_line(path, f"[kandevd] {text}")
+    except OSError:
+        pass

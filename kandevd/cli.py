@@ -17,7 +17,7 @@ from typing import Any
 
 import click
 
-from kandevd import __version__
+from kandevd import __version__, exits
 from kandevd.cli_common import client_options, echo_json, home_option, invoke
 from kandevd.cli_db import db
 from kandevd.cli_jobs import jobs
@@ -32,12 +32,6 @@ from kandevd.paths import HomeError, HomeLayout, resolve_home
 from kandevd.timeutil import parse_rfc3339, utc_now
 
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
-EXIT_CONFIG = 78
-EXIT_CANTCREAT = 73
-EXIT_ERROR = 1
-# `validate` reports a bad config with this code: CONTRACT.md section 1 gives validate
-# "exit 0/1". `serve` uses EXIT_CONFIG (78). Both print the same one-line reason.
-EXIT_VALIDATE_BAD_CONFIG = EXIT_ERROR
 
 
 def config_option(help_text: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -80,13 +74,13 @@ def serve(home: str | None, config_path: str | None, log_format: str,
         config = load_config(Path(config_path) if config_path else None, home=root)
     except ConfigError as exc:
         click.echo(f"kandevd: bad config: {exc}", err=True)
-        sys.exit(EXIT_CONFIG)
+        sys.exit(exits.CONFIG)
     from kandevd.store.backend import backend_problem
 
     problem = backend_problem(config)
     if problem is not None:
         click.echo(f"kandevd: bad config: {config.source or 'config'}: {problem}", err=True)
-        sys.exit(EXIT_CONFIG)
+        sys.exit(exits.CONFIG)
     if log_level is None and config.log_level is not None:
         set_level(config.log_level)
     daemon = Daemon(config, HomeLayout(root),
@@ -155,10 +149,10 @@ def init(home: str | None, example: str | None, force: bool) -> None:
         written, kept = copy_example(source, root, force=force) if source else ([], [])
     except HomeError as exc:
         click.echo(f"kandevd: cannot use home {root}: {exc}", err=True)
-        sys.exit(EXIT_CANTCREAT)
+        sys.exit(exits.CANTCREAT)
     except OSError as exc:
         click.echo(f"kandevd: cannot use home {root}: {exc.strerror or exc}", err=True)
-        sys.exit(EXIT_CANTCREAT)
+        sys.exit(exits.CANTCREAT)
     for path in kept:
         click.echo(f"kept {root / path} (it exists; --force overwrites it)")
     if written:
@@ -188,18 +182,18 @@ def validate(home: str | None, config_path: str | None) -> None:
     except ConfigError as exc:
         click.echo(f"invalid: {exc}", err=True)
         click.echo("workflows not checked: the config is invalid", err=True)
-        sys.exit(EXIT_VALIDATE_BAD_CONFIG)
+        sys.exit(exits.ERROR)
     from kandevd.store.backend import backend_problem
 
     problem = backend_problem(config)
     if problem is not None:
         click.echo(f"invalid: {config.source or 'config'}: {problem}", err=True)
         click.echo("workflows not checked: the config is invalid", err=True)
-        sys.exit(EXIT_VALIDATE_BAD_CONFIG)
+        sys.exit(exits.ERROR)
     click.echo(f"config ok: {config.source or 'built-in defaults'}")
     profiles_ok = check_profiles(config, root)
     if not check_workflows(scheduler_root(config, root)) or not profiles_ok:
-        sys.exit(EXIT_ERROR)
+        sys.exit(exits.ERROR)
 
 
 def check_profiles(config: Any, root: Path) -> bool:

@@ -12,13 +12,10 @@ from typing import Any
 
 import click
 
+from kandevd import exits
 from kandevd.control.client import Client, DaemonUnavailable, RpcCallError
 from kandevd.control.client import call as rpc_call
 from kandevd.paths import HomeLayout, resolve_home
-
-EXIT_ERROR = 1
-EXIT_UNAVAILABLE = 69
-EXIT_CONFIG = 78
 
 
 def home_option(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -46,12 +43,12 @@ def connect(home: str | None, socket_path: str | None) -> Iterator[Client]:
         client = Client(_socket(home, socket_path))
     except DaemonUnavailable as exc:
         click.echo(f"kandevd: {exc}", err=True)
-        sys.exit(EXIT_UNAVAILABLE)
+        sys.exit(exits.UNAVAILABLE)
     try:
         yield client
     except DaemonUnavailable as exc:
         click.echo(f"kandevd: {exc}", err=True)
-        sys.exit(EXIT_UNAVAILABLE)
+        sys.exit(exits.UNAVAILABLE)
     finally:
         client.close()
 
@@ -63,14 +60,14 @@ def invoke(home: str | None, socket_path: str | None, method: str,
         return rpc_call(_socket(home, socket_path), method, params or {})
     except DaemonUnavailable as exc:
         click.echo(f"kandevd: {exc}", err=True)
-        sys.exit(EXIT_UNAVAILABLE)
+        sys.exit(exits.UNAVAILABLE)
     except RpcCallError as exc:
         ctx = click.get_current_context(silent=True)
         if ctx is not None and ctx.params.get("as_json") is False:
             click.echo(f"kandevd: {error_line(exc.error, ctx.command)}", err=True)
         else:  # --json, and the raw `call`, keep the JSON-RPC error object
             click.echo(json.dumps(exc.error, indent=2), err=True)
-        sys.exit(EXIT_ERROR)
+        sys.exit(exits.ERROR)
 
 
 _FIELD = re.compile(r"^(?:params\.)?([A-Za-z_][A-Za-z0-9_]*)(?=[.:\s])")

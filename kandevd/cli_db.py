@@ -10,19 +10,13 @@ from pathlib import Path
 
 import click
 
+from kandevd import exits
 from kandevd.cli_common import home_option
 from kandevd.config import POSTGRES_SCHEMES, redact_url, scrub_secrets
 from kandevd.homelock import HomeLock, HomeLocked
 from kandevd.paths import HomeLayout, resolve_home
 from kandevd.store.backend import POSTGRES_EXTRA
 from kandevd.store.check import DatabaseUnusable, backup, check_file
-
-EXIT_PROBLEMS = 1
-EXIT_USAGE = 2
-EXIT_CANTCREAT = 73
-EXIT_IOERR = 74
-EXIT_TEMPFAIL = 75  # the home is held by a live daemon, as for serve
-EXIT_CONFIG = 78
 
 
 @click.group()
@@ -39,7 +33,7 @@ def check(home: str | None) -> None:
         results = check_file(path)
     except DatabaseUnusable as exc:
         click.echo(f"kandevd: {exc}", err=True)
-        sys.exit(EXIT_IOERR)
+        sys.exit(exits.IOERR)
     failed = False
     for name, problems in results.items():
         if problems:
@@ -52,7 +46,7 @@ def check(home: str | None) -> None:
     if failed:
         click.echo(f"{path} is damaged: restore a backup, or recover what is left with "
                    f"`sqlite3 {path} .recover | sqlite3 recovered.db`", err=True)
-        sys.exit(EXIT_PROBLEMS)
+        sys.exit(exits.ERROR)
 
 
 @db.command("backup")
@@ -65,10 +59,10 @@ def backup_command(target: Path, home: str | None) -> None:
         pages = backup(path, target)
     except DatabaseUnusable as exc:
         click.echo(f"kandevd: {exc}", err=True)
-        sys.exit(EXIT_IOERR)
+        sys.exit(exits.IOERR)
     except OSError as exc:
         click.echo(f"kandevd: backup {target}: {exc}", err=True)
-        sys.exit(EXIT_IOERR)
+        sys.exit(exits.IOERR)
     click.echo(f"backed up {path} to {target} ({pages} pages)")
 
 
@@ -91,27 +85,27 @@ def migrate_command(url: str, home: str | None) -> None:
     if scheme not in POSTGRES_SCHEMES:
         click.echo(f"kandevd: --to: {shown} is not a PostgreSQL URL "
                    "(postgresql://user:password@host/database)", err=True)
-        sys.exit(EXIT_USAGE)
+        sys.exit(exits.USAGE)
     if importlib.util.find_spec("psycopg") is None:
         click.echo(f"kandevd: --to {shown} needs the PostgreSQL driver (psycopg 3), which is "
                    f"not installed: {POSTGRES_EXTRA}", err=True)
-        sys.exit(EXIT_CONFIG)
+        sys.exit(exits.CONFIG)
     layout = HomeLayout(resolve_home(home))
     if not layout.db.is_file():
         what = "is not a file" if layout.db.exists() else "does not exist"
         click.echo(f"kandevd: database {layout.db}: {what}: nothing to migrate "
                    "(is --home right?)", err=True)
-        sys.exit(EXIT_IOERR)
+        sys.exit(exits.IOERR)
     # The daemon's own lock: refused while one runs, and none can start during the copy.
     lock = HomeLock(layout.lock)
     try:
         lock.acquire()
     except HomeLocked as exc:
         click.echo(f"kandevd: {exc}; stop it before migrating", err=True)
-        sys.exit(EXIT_TEMPFAIL)
+        sys.exit(exits.TEMPFAIL)
     except OSError as exc:
         click.echo(f"kandevd: cannot lock home {layout.root}: {exc}", err=True)
-        sys.exit(EXIT_CANTCREAT)
+        sys.exit(exits.CANTCREAT)
     try:
         code = _migrate(layout.db, url, shown)
     finally:
@@ -137,13 +131,13 @@ def _migrate(path: Path, url: str, shown: str) -> int:
         source = open_source(path)
     except SourceUnusable as exc:
         click.echo(f"kandevd: {exc}", err=True)
-        return EXIT_IOERR
+        return exits.IOERR
     try:
         try:
             store = open_store(url)
         except (sqlite3.Error, RuntimeError) as exc:
             click.echo(f"kandevd: cannot open {shown}: {scrub_secrets(str(exc), url)}", err=True)
-            return EXIT_IOERR
+            return exits.IOERR
         try:
             plans = plan(source, store)
             total = sum(table.rows for table in plans)
@@ -153,7 +147,7 @@ def _migrate(path: Path, url: str, shown: str) -> int:
         except TargetNotEmpty as exc:
             click.echo(f"kandevd: {shown} is not empty ({exc}): migrate into a new, empty "
                        "database; nothing was written", err=True)
-            return EXIT_PROBLEMS
+            return exits.ERROR
         except VerificationFailed as exc:
             for count in exc.counts:
                 click.echo(f"{count.name}: {count.source} rows" + (
@@ -161,18 +155,18 @@ def _migrate(path: Path, url: str, shown: str) -> int:
             click.echo(f"kandevd: verification failed: the row counts of "
                        f"{', '.join(exc.mismatched)} differ; the copy was rolled back, "
                        f"{shown} holds none of it", err=True)
-            return EXIT_PROBLEMS
+            return exits.ERROR
         except SourceUnusable as exc:
             click.echo(f"kandevd: database {path}: {exc}; the copy was rolled back, {shown} "
                        "holds none of it", err=True)
-            return EXIT_IOERR
+            return exits.IOERR
         except CopyError as exc:
             click.echo(f"kandevd: {scrub_secrets(str(exc), url)}; nothing was written", err=True)
-            return EXIT_PROBLEMS
+            return exits.ERROR
         except sqlite3.Error as exc:
             click.echo(f"kandevd: copying into {shown} failed: {scrub_secrets(str(exc), url)}; the "
                        f"copy was rolled back, {shown} holds none of it", err=True)
-            return EXIT_PROBLEMS
+            return exits.ERROR
         finally:
             store.close()
     finally:

@@ -11,7 +11,8 @@ import sys
 
 import click
 
-from kandevd.cli_common import EXIT_ERROR, echo_json
+from kandevd import exits
+from kandevd.cli_common import echo_json
 from kandevd.control.openrpc import build_registry, discover, param_lines, param_summary
 
 
@@ -41,7 +42,7 @@ def methods(name: str | None, as_json: bool) -> None:
     entry = next((e for e in document["methods"] if e["name"] == name), None)
     if entry is None:
         click.echo(f"kandevd: unknown method: {name} (see `kandevd methods`)", err=True)
-        sys.exit(EXIT_ERROR)
+        sys.exit(exits.ERROR)
     if as_json:
         echo_json(entry)
         return

@@ -7,7 +7,8 @@ import time
 
 import click
 
-from kandevd.cli_common import EXIT_UNAVAILABLE, client_options
+from kandevd import exits
+from kandevd.cli_common import client_options
 from kandevd.control.client import DaemonUnavailable, call
 from kandevd.paths import HomeLayout, resolve_home
 
@@ -33,7 +34,7 @@ def wait(timeout_s: float, home: str | None, socket_path: str | None) -> None:
             if time.monotonic() >= deadline:
                 click.echo(f"kandevd: no daemon answered on {path} within {timeout_s:g}s "
                            f"({exc})", err=True)
-                sys.exit(EXIT_UNAVAILABLE)
+                sys.exit(exits.UNAVAILABLE)
             # A socket that is not there yet cannot be waited on with select(); poll briefly.
             time.sleep(POLL_S)
             continue

@@ -22,7 +22,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kandevd import __version__
+from kandevd import __version__, exits
 from kandevd.bus import EventBus
 from kandevd.config import Config, ConfigError, config_changes, load_config, redact_url
 from kandevd.control.registry import Registry
@@ -52,12 +52,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kandevd.daemon")
 
-EXIT_OK = 0
-EXIT_FORCED = 1
-EXIT_CANTCREAT = 73
-EXIT_IOERR = 74
-EXIT_TEMPFAIL = 75
-EXIT_CONFIG = 78
 
 LOOP_NAMES = ("queue", "office", "cron")
 #: Orphaned agents get at most this long to obey SIGTERM: their runs will run again anyway.
@@ -144,7 +138,7 @@ class Daemon:
             except sqlite3.Error as exc:
                 self.store.close()
                 raise StartupError(f"store.url {self.store.path}: cannot join the cluster: "
-                                   f"{exc}", EXIT_IOERR) from None
+                                   f"{exc}", exits.IOERR) from None
             self.bus.subscribe("*", self.cluster.on_event)
             self.queue.on_saturated = self.cluster.notify
         self.loops = {"queue": queue_loop}
@@ -172,12 +166,12 @@ class Daemon:
             try:
                 return open_checked(self.layout.db)
             except DatabaseUnusable as exc:
-                raise StartupError(str(exc), EXIT_IOERR) from None
+                raise StartupError(str(exc), exits.IOERR) from None
         try:
             store = open_store(url)
         except (sqlite3.Error, RuntimeError) as exc:
             raise StartupError(f"store.url {redact_url(url)}: the database cannot be used: "
-                               f"{exc}", EXIT_IOERR) from None
+                               f"{exc}", exits.IOERR) from None
         log.info("store: PostgreSQL at %s", store.path)
         return store
 
@@ -203,10 +197,10 @@ class Daemon:
             self._lock.acquire()
         except HomeLocked as exc:
             log.error("%s", exc)
-            return EXIT_TEMPFAIL
+            return exits.TEMPFAIL
         except OSError as exc:
             log.error("cannot use home %s: %s", self.layout.root, exc)
-            return EXIT_CANTCREAT
+            return exits.CANTCREAT
         # Signals are wired before the start, so a SIGINT/SIGTERM during it only
         # records the request (the stop then runs as soon as the start is done)
         # instead of raising KeyboardInterrupt half-way through building.
@@ -226,7 +220,7 @@ class Daemon:
             raise
         if not started:
             self._lock.release()
-            return EXIT_OK
+            return exits.OK
         try:
             log.info("kandevd %s serving %s (pid %d, config %s)", __version__, self.layout.root,
                      os.getpid(), self.config.source or "built-in defaults")
@@ -253,7 +247,7 @@ class Daemon:
         finally:
             self._lock.release()
             self._waiter.close()
-        return EXIT_OK
+        return exits.OK
 
     def _shutdown_off_main_thread(self, coordinator: ShutdownCoordinator) -> None:
         """Run the graceful stop in a joined worker; the main thread stays signal-ready.
@@ -316,9 +310,9 @@ class Daemon:
             try:
                 self.server.start()
             except SocketInUse as exc:
-                raise StartupError(str(exc), EXIT_TEMPFAIL) from None
+                raise StartupError(str(exc), exits.TEMPFAIL) from None
             except NotASocket as exc:
-                raise StartupError(str(exc), EXIT_CANTCREAT) from None
+                raise StartupError(str(exc), exits.CANTCREAT) from None
             started.append(("close control connections", self.server.close))
             self._start_metrics_http()
         except BaseException:
@@ -398,7 +392,7 @@ class Daemon:
             server = MetricsHTTPServer(address, self.metrics, lambda: daemon_health(self))
         except OSError as exc:
             raise StartupError(f"metrics.listen {self.config.metrics.listen}: cannot listen: "
-                               f"{exc.strerror or exc}", EXIT_CANTCREAT) from None
+                               f"{exc.strerror or exc}", exits.CANTCREAT) from None
         server.start()
         self.metrics_http = server
 

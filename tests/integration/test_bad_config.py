@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from kandevd.cli import EXIT_CONFIG, EXIT_VALIDATE_BAD_CONFIG
+from kandevd import exits
 from kandevd.config import ConfigError, load_config
 
 pytestmark = pytest.mark.integration
@@ -74,8 +74,8 @@ def assert_both_refuse(home: Path, config: Path | None, fragment: str,
     home_existed = home.exists()
     validate = run("validate", "--home", str(home), *extra, preexec_fn=preexec_fn)
     serve = run("serve", "--home", str(home), *extra, preexec_fn=preexec_fn)
-    for result, code, prefix in ((validate, EXIT_VALIDATE_BAD_CONFIG, "invalid: "),
-                                 (serve, EXIT_CONFIG, "kandevd: bad config: ")):
+    for result, code, prefix in ((validate, exits.ERROR, "invalid: "),
+                                 (serve, exits.CONFIG, "kandevd: bad config: ")):
         shown = f"{result.args[3]} exit {result.returncode}\n{result.stdout}{result.stderr}"
         assert result.returncode == code, shown
         assert "Traceback" not in result.stdout + result.stderr, shown
@@ -167,7 +167,7 @@ def test_a_good_config_still_validates_with_exit_0(tmp_path: Path) -> None:
     config.write_text("queue:\n  safety_interval_s: 0.5\nagents:\n  default:\n"
                       "    timeout_s: 1e3\n")  # YAML 1.1 reads 1e3 as a string: wrong type
     bad = run("validate", "--home", str(tmp_path / "home"), "--config", str(config))
-    assert bad.returncode == EXIT_VALIDATE_BAD_CONFIG
+    assert bad.returncode == exits.ERROR
     assert "agents.default.timeout_s: '1e3' is not of type 'number'" in bad.stderr
     config.write_text("queue:\n  safety_interval_s: 0.5\nagents:\n  default:\n"
                       "    timeout_s: 1.0e+3\n")
@@ -200,7 +200,7 @@ def test_a_postgresql_store_without_its_driver_is_refused_naming_the_extra(
     config.write_text("store:\n  url: postgresql://kan:s3cret@db.example:5432/kandevd\n")
     script = ("import sys; sys.modules['psycopg'] = None; from kandevd.cli import main; "
               "sys.argv = ['kandevd', *sys.argv[1:]]; main()")
-    for command, code in (("validate", EXIT_VALIDATE_BAD_CONFIG), ("serve", EXIT_CONFIG)):
+    for command, code in (("validate", exits.ERROR), ("serve", exits.CONFIG)):
         result = subprocess.run(
             [sys.executable, "-c", script, command, "--home", str(tmp_path / "home"),
              "--config", str(config)], capture_output=True, text=True, timeout=60)

@@ -21,13 +21,12 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from kandevd import __version__
+from kandevd import __version__, exits
 from kandevd.cli import cli
 from tests.harness import DaemonProcess, run_cli
 
 pytestmark = pytest.mark.integration
 
-EXIT_UNAVAILABLE = 69
 
 
 def walk(group: click.Group, path: tuple[str, ...] = ()) -> Iterator[tuple[tuple[str, ...],
@@ -103,13 +102,13 @@ def test_call_exits_69_when_no_daemon_listens(tmp_path: Path) -> None:
     home = tmp_path / "nobody-home"
     home.mkdir(mode=0o700)
     result = run_cli(home, "call", "daemon.status")
-    assert result.returncode == EXIT_UNAVAILABLE
+    assert result.returncode == exits.UNAVAILABLE
     assert "no kandevd is listening" in result.stderr
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     stale.bind(str(home / "kandevd.sock"))
     stale.close()  # a socket file nobody listens on, as a kill -9 leaves it
     for args in (("call", "daemon.status"), ("status",)):
-        assert run_cli(home, *args).returncode == EXIT_UNAVAILABLE
+        assert run_cli(home, *args).returncode == exits.UNAVAILABLE
 
 
 def test_validate_exits_0_for_a_good_config_and_1_for_a_bad_one(tmp_path: Path) -> None:

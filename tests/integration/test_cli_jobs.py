@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 
+from kandevd import exits
 from tests.harness import DaemonProcess, run_cli
 
 pytestmark = pytest.mark.integration
 
-EXIT_UNAVAILABLE = 69
 JOB = "workflow:demo:daily"
 TERMINAL = {"success", "error", "stopped"}
 
@@ -220,5 +220,5 @@ def test_commands_without_a_daemon_exit_69(tmp_path: Path) -> None:
     home.mkdir()
     for args in (("jobs", "list"), ("jobs", "trigger", JOB), ("scheduler", "status")):
         result = run_cli(home, *args)
-        assert result.returncode == EXIT_UNAVAILABLE, (args, result.stderr)
+        assert result.returncode == exits.UNAVAILABLE, (args, result.stderr)
         assert "no kandevd is listening" in result.stderr

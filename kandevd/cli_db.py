@@ -125,7 +125,7 @@ def _migrate(path: Path, url: str, shown: str) -> int:
         open_source,
         plan,
     )
-    from kandevd.store.db import open_store
+    from kandevd.store.open import open_store
 
     try:
         source = open_source(path)

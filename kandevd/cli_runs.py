@@ -17,7 +17,7 @@ from kandevd.cli_format import table
 from kandevd.control.client import RpcCallError
 from kandevd.control.protocol import MAX_DEPTH, MAX_LINE_BYTES, depth_exceeds
 from kandevd.paths import HomeLayout, resolve_home
-from kandevd.store.runs import STATUSES
+from kandevd.runs.model import STATUSES
 
 #: How often ``runs logs --follow`` looks for more output (a log is a plain file).
 FOLLOW_POLL_S = 0.5

@@ -45,7 +45,7 @@ from typing import Any
 import psycopg
 
 from kandevd.config import ClusterConfig, scrub_secrets
-from kandevd.store.pg import LEADER_LOCK, LOCK_NAMESPACE, PgStore, connect_raw
+from kandevd.store.postgres import LEADER_LOCK, LOCK_NAMESPACE, PgStore, connect_raw
 from kandevd.timeutil import after, rfc3339, utc_now
 
 log = logging.getLogger("kandevd.cluster")

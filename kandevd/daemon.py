@@ -32,19 +32,25 @@ from kandevd.homelock import HomeLock, HomeLocked
 from kandevd.lifecycle import Loop, StopSignal
 from kandevd.logsetup import current_level, set_level
 from kandevd.metrics import DaemonMetrics, MetricsHTTPServer, daemon_health
-from kandevd.office.budgets import HARD_BUDGET_PROBE_SQL, exceeded_hard_budgets
+from kandevd.office.budgets import (
+    HARD_BUDGET_PROBE_SQL,
+    RETENTION_KEEPS_COUNTED_RUNS,
+    exceeded_hard_budgets,
+)
 from kandevd.paths import HomeLayout
 from kandevd.queue.loop import QueueLoop
 from kandevd.queue.processor import RunQueue
+from kandevd.queue.retention import RunPruner
 from kandevd.runtime import AgentRuntime
 from kandevd.runtime.orphans import stop_orphan_agents
 from kandevd.sdnotify import notifier, queue_status
 from kandevd.services import Services
 from kandevd.shutdown import MainThreadWaiter, ShutdownCoordinator, SignalWiring
+from kandevd.store.base import BaseStore
 from kandevd.store.check import DatabaseUnusable, open_checked
-from kandevd.store.db import BaseStore, open_store
-from kandevd.store.retention import RunPruner, db_status
+from kandevd.store.open import open_store
 from kandevd.store.runs import RunRepository
+from kandevd.store.runs.retention import ExpiredRuns, db_status
 from kandevd.timeutil import rfc3339, utc_now
 
 if TYPE_CHECKING:
@@ -79,7 +85,7 @@ class Daemon:
         self.state = "starting"
         self.stop_requested = threading.Event()
         self.reload_requested = threading.Event()
-        self._status_cache: tuple[tuple[int, int, int], dict[str, Any]] | None = None
+        self._status_cache: tuple[object, dict[str, Any]] | None = None
         self._waiter = MainThreadWaiter()
         self.stop_signal = StopSignal()
         self.loops: dict[str, Loop] = {}
@@ -106,21 +112,24 @@ class Daemon:
         repo = RunRepository(self.store, self.boot_id,
                              max_attempts=self.config.queue.max_attempts,
                              claim_gate=exceeded_hard_budgets,
-                             claim_gate_probe=HARD_BUDGET_PROBE_SQL)
+                             claim_gate_probe=HARD_BUDGET_PROBE_SQL,
+                             peers_dead_after_s=(self.config.cluster.dead_after_s
+                                                 if self.store.shared else None))
         self.queue = RunQueue(repo, self.runtime, self.config, self.layout, self.bus,
                               faults=Faults.from_env())
         self.runtime.add_slot_listener(self.queue.signal)
         self.runtime.shutdown_requested = self.stop_requested.is_set
         queue_loop = QueueLoop(self.queue, safety_interval_s=self.config.queue.safety_interval_s,
                                max_claims_per_tick=self.config.queue.max_claims_per_tick,
-                               pruner=RunPruner(self.store, self.layout,
-                                                self.config.queue.retention_days,
-                                                home_only=self.store.dialect != "sqlite"),
+                               pruner=RunPruner(
+                                   ExpiredRuns(self.store, keep=[RETENTION_KEEPS_COUNTED_RUNS],
+                                               home_prefix=(self.layout.root_prefix
+                                                            if self.store.shared else None)),
+                                   self.layout, self.config.queue.retention_days),
                                parent=self.stop_signal)
-        if self.store.dialect == "postgresql":
+        if self.store.shared:
             from kandevd.cluster import Cluster  # psycopg: only with a PostgreSQL store
 
-            repo.peers_dead_after_s = self.config.cluster.dead_after_s
             runtime = self.runtime
 
             def wake_for_peer() -> None:
@@ -134,7 +143,7 @@ class Daemon:
                                    str(self.layout.root), wake=wake_for_peer,
                                    on_beat=self.queue.settle_with_peers)
             try:
-                repo.held_peers = tuple(self.cluster.join())
+                repo.hold_peers(tuple(self.cluster.join()))
             except sqlite3.Error as exc:
                 self.store.close()
                 raise StartupError(f"store.url {self.store.path}: cannot join the cluster: "
@@ -357,7 +366,7 @@ class Daemon:
             self.cluster.settled()
         except sqlite3.Error as exc:  # they are taken for dead after dead_after_s anyway
             log.warning("cluster: could not mark the earlier instances stopped: %s", exc)
-        self.queue.repo.held_peers = ()
+        self.queue.repo.release_peers()
 
     def _leave_cluster(self) -> None:
         cluster = self.cluster
@@ -463,14 +472,8 @@ class Daemon:
         store = self.store
         if store is None or store.closed:
             return {}
-        # PostgreSQL: other daemons write too, and nothing cheap tells when: read each time.
-        generation: tuple[int, int, int] | None = None
-        if store.dialect == "sqlite":
-            try:
-                wal = os.stat(store.path + "-wal")
-                generation = (store.commits, wal.st_size, wal.st_mtime_ns)
-            except OSError:
-                generation = (store.commits, -1, -1)
+        # A shared store: other daemons write too, and nothing cheap tells when: read each time.
+        generation = store.change_marker()
         cached = self._status_cache
         if generation is not None and cached is not None and cached[0] == generation:
             return cached[1]
@@ -525,7 +528,7 @@ class Daemon:
             degraded = self.store.degraded
             result["store"] = {"statements": self.store.statements,
                                "status": "degraded" if degraded else "ok"}
-            if self.store.dialect != "sqlite":
+            if self.store.shared:
                 result["store"]["backend"] = self.store.dialect
                 result["store"]["writer_wait_s"] = round(
                     getattr(self.store, "writer_wait_s", 0.0), 3)

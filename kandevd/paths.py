@@ -94,6 +94,11 @@ class HomeLayout:
         return self.root / ATTEMPTS_FOLDER
 
     @cached_property
+    def root_prefix(self) -> str:
+        """The home as the start of the paths inside it (``/home/x/`` for ``/home/x``)."""
+        return str(self.root).rstrip(os.sep) + os.sep
+
+    @cached_property
     def workspace(self) -> Path:
         return self.root / "workspace"
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from kandevd.bus import EventBus
 from kandevd.config import Config
 from kandevd.paths import HomeLayout
-from kandevd.store.db import BaseStore
+from kandevd.store.base import BaseStore
 
 if TYPE_CHECKING:
     from kandevd.queue.processor import RunQueue

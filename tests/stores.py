@@ -55,7 +55,7 @@ def _template(server: Any) -> str:
         if not _template_ready:
             import psycopg
 
-            from kandevd.store.db import open_store
+            from kandevd.store.open import open_store
 
             with psycopg.connect(server.get_uri(), autocommit=True) as conn:
                 conn.execute(f'DROP DATABASE IF EXISTS "{_TEMPLATE}"')

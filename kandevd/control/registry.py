@@ -7,7 +7,7 @@ only well-typed params and an unknown parameter or a wrong type is always
 
 A method that only reads (``reads``: every ``*.get`` and ``*.list``, and
 what registers with ``reads=True``) runs inside :meth:`Registry.reading`,
-the store's read connections (:meth:`kandevd.store.db.Store.reading`), so
+the store's read connections (:meth:`kandevd.store.base.BaseStore.reading`), so
 it never waits behind a write transaction. Writes inside it still go to the
 writer; a misflagged method is slower, never wrong.
 """

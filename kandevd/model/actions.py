@@ -27,7 +27,7 @@ from typing import Any
 
 import jsonschema
 
-from kandevd.store.runs import RunReferenceError
+from kandevd.runs.model import RunReferenceError
 
 log = logging.getLogger("kandevd.model.actions")
 
@@ -128,7 +128,7 @@ def run_queue_run(action: Mapping[str, Any], task: Mapping[str, Any], step_id: s
     except RunReferenceError as exc:
         log.warning("task %s entered step %s: queue_run skipped: %s", task["id"], step_id, exc)
         return {**entry, "agent_id": agent_id, "skipped": "unknown_agent"}
-    run_id = result.run["id"]
+    run_id = result.run.id
     if result.deduplicated:
         log.info("task %s entered step %s: queue_run for agent %s already queued as run %s",
                  task["id"], step_id, agent_id, run_id)

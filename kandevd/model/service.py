@@ -42,7 +42,7 @@ from kandevd.paths import HomeLayout
 from kandevd.queue.processor import RunQueue
 from kandevd.runtime import AgentRuntime, ExecutionResult, RuntimeFull
 from kandevd.runtime.specs import agent_execution
-from kandevd.store.db import BaseStore
+from kandevd.store.base import BaseStore
 from kandevd.timeutil import rfc3339, utc_now
 
 if TYPE_CHECKING:

@@ -48,7 +48,8 @@ from typing import Any
 
 from kandevd.bus import EventBus
 from kandevd.office.predicate import PROBE_TAG
-from kandevd.store.db import BaseStore
+from kandevd.store.base import BaseStore
+from kandevd.store.runs.retention import KeepRule
 from kandevd.timeutil import rfc3339
 
 from . import HandlerResult
@@ -80,6 +81,19 @@ def period_of(period: str, now: datetime) -> tuple[str, datetime | None]:
         return f"{moment.year:04d}-{moment.month:02d}", datetime(moment.year, moment.month, 1,
                                                                  tzinfo=UTC)
     return "lifetime", None
+
+
+#: Retention keeps a costed run while a budget counts it: deleting it would lower what
+#: an agent or workspace has spent and could lift a hard budget. For a ``lifetime``
+#: budget always, for a ``monthly`` one while it ended in the current (UTC) month.
+RETENTION_KEEPS_COUNTED_RUNS = KeepRule(
+    sql="r.cost_cents IS NOT NULL AND EXISTS ("
+        " SELECT 1 FROM office_budget_policies p"
+        " WHERE ((p.scope_type = 'agent' AND p.scope_id = r.agent_id)"
+        "        OR (p.scope_type = 'workspace' AND p.scope_id = r.workspace_id))"
+        "   AND (p.period != 'monthly'"
+        "        OR COALESCE(r.finished_at, r.requested_at) >= :month_start))",
+    params=lambda now: {"month_start": rfc3339(period_of("monthly", now)[1] or now)})
 
 
 def spent_cents(conn: sqlite3.Connection, scope_type: str, scope_id: str,

@@ -29,7 +29,7 @@ from kandevd.office.budgets import BudgetGuard
 from kandevd.office.recovery import UnstartedTaskRecovery
 from kandevd.office.routines import RoutineScheduler
 from kandevd.queue.processor import RunQueue
-from kandevd.store.db import BaseStore
+from kandevd.store.base import BaseStore
 
 #: How soon a daemon that is not the leader looks again whether it has become it.
 FOLLOWER_RECHECK_S = 2.0

@@ -55,8 +55,8 @@ from kandevd.model.repository import RUNNER_SQL
 from kandevd.office.predicate import OFFICE_TASK_SQL, office_adopted
 from kandevd.office.subscribers import REASON, task_assigned_key
 from kandevd.queue.processor import RunQueue
-from kandevd.store.db import BaseStore
-from kandevd.store.runs import RunReferenceError
+from kandevd.runs.model import RunReferenceError
+from kandevd.store.base import BaseStore
 from kandevd.timeutil import rfc3339
 
 from . import HandlerResult
@@ -170,10 +170,10 @@ class UnstartedTaskRecovery:
             return False
         if not result.inserted:
             log.debug("recovery: task %s: run %s already covers attempt %d", task_id,
-                      result.run["id"], attempt)
+                      result.run.id, attempt)
             return False
         last = "; no further recovery for it" if chain >= self.max_chains else ""
         log.info("recovered unstarted Office task %s: %s run %s queued for %s (attempt %d,"
-                 " chain %d of %d%s)", task_id, REASON, result.run["id"], agent, attempt,
+                 " chain %d of %d%s)", task_id, REASON, result.run.id, agent, attempt,
                  chain, self.max_chains, last)
         return True

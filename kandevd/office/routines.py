@@ -46,8 +46,8 @@ from typing import Any
 from kandevd.cron import CronError, CronSchedule, parse_cron
 from kandevd.office.predicate import PROBE_TAG
 from kandevd.queue.processor import RunQueue
-from kandevd.store.db import BaseStore
-from kandevd.store.runs import RunReferenceError
+from kandevd.runs.model import RunReferenceError
+from kandevd.store.base import BaseStore
 from kandevd.timeutil import parse_rfc3339, rfc3339
 
 from . import HandlerResult
@@ -236,8 +236,8 @@ class RoutineScheduler:
             return False
         if not result.inserted:
             log.debug("routine %s: fire at %s already enqueued as run %s", routine["id"],
-                      rfc3339(scheduled), result.run["id"])
+                      rfc3339(scheduled), result.run.id)
             return False
         log.info("routine %s fired for %s (scheduled for %s): %s run %s", routine["id"],
-                 routine["agent_id"], rfc3339(scheduled), REASON, result.run["id"])
+                 routine["agent_id"], rfc3339(scheduled), REASON, result.run.id)
         return True

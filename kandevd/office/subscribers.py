@@ -28,8 +28,8 @@ from typing import Any
 from kandevd.bus import EventBus
 from kandevd.office.predicate import is_office_task
 from kandevd.queue.processor import RunQueue
-from kandevd.store.db import BaseStore
-from kandevd.store.runs import EnqueueResult, RunConflict, RunNotFound, RunReferenceError
+from kandevd.runs.model import EnqueueResult, RunConflict, RunNotFound, RunReferenceError
+from kandevd.store.base import BaseStore
 
 #: Statuses of an earlier assignment run that do not stand for the work being done.
 VOID = frozenset({"cancelled", "failed"})
@@ -123,7 +123,7 @@ class AssignmentSubscriber:
     def enqueue(self, task: Mapping[str, Any], agent: str) -> None:
         try:
             result = self._enqueue(task, agent, attempt=0)
-            if result.deduplicated and result.run["status"] in VOID:
+            if result.deduplicated and result.run.status in VOID:
                 # Assigned to this agent before, and that run was withdrawn or failed: a new
                 # assignment is new work (the same attempt-numbered key recovery uses).
                 attempt = self.store.query_one(
@@ -135,7 +135,7 @@ class AssignmentSubscriber:
             return
         if result.inserted:
             log.info("task %s assigned to %s: %s run %s queued", task["id"], agent, REASON,
-                     result.run["id"])
+                     result.run.id)
         else:
             log.debug("task %s assigned to %s: run %s already exists", task["id"], agent,
-                      result.run["id"])
+                      result.run.id)

@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from kandevd.store.db import BaseStore
+from kandevd.store.base import BaseStore
 
 log = logging.getLogger("kandevd.queue.commit")
 

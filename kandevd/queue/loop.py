@@ -35,9 +35,9 @@ from typing import Any
 
 from kandevd.lifecycle import Loop
 from kandevd.queue.processor import RunQueue
+from kandevd.queue.retention import RunPruner
 from kandevd.sdnotify import notifier, queue_status
-from kandevd.store.db import is_environmental
-from kandevd.store.retention import RunPruner
+from kandevd.store.base import is_environmental
 from kandevd.timeutil import after
 
 log = logging.getLogger("kandevd.queue.loop")

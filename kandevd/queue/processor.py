@@ -45,6 +45,8 @@ from kandevd.fsutil import append_note
 from kandevd.paths import HomeLayout
 from kandevd.queue import journal
 from kandevd.queue.groupcommit import GroupCommit
+from kandevd.runs.model import Claim, EnqueueResult, Run
+from kandevd.runs.retry import retry_decider
 from kandevd.runtime import (
     DETACHED,
     ERROR,
@@ -64,8 +66,8 @@ from kandevd.runtime.records import (
     record_alive,
 )
 from kandevd.runtime.specs import agent_execution
-from kandevd.store.db import is_environmental
-from kandevd.store.runs import Claim, EnqueueResult, RunRepository
+from kandevd.store.base import is_environmental
+from kandevd.store.runs import RunRepository
 from kandevd.timeutil import rfc3339, utc_now
 
 log = logging.getLogger("kandevd.queue")
@@ -106,6 +108,8 @@ class RunQueue:
         self.clock = clock
         self.faults = faults
         self.monotonic = monotonic  # paces the retries of refused outcome writes
+        #: The retry policy, applied by the store inside each failed attempt's transaction.
+        self.decide_retry = retry_decider(config.retry)
         self._lock = threading.Lock()
         self._live: dict[str, str] = {}  # run id -> agent id: executing, or outcome unwritten
         #: (run id, claim token) -> the attempt's folder, when it is not the one
@@ -195,7 +199,7 @@ class RunQueue:
             self.repo.store.after_commit(announce)
         return results
 
-    def retry(self, run_id: str) -> dict[str, Any]:
+    def retry(self, run_id: str) -> Run:
         """``runs.retry``: a failed or cancelled run queued again with a fresh attempt budget."""
         run = self.repo.retry(run_id, self.clock())
         with self._lock:
@@ -263,7 +267,7 @@ class RunQueue:
     def _record_and_claim(self, outcomes: list[tuple[Claim, ExecutionResult]], now: datetime,
                           slots: int) -> list[Claim]:
         """Write ``outcomes`` and claim up to ``slots`` runs in one durable commit."""
-        ended = {claim.run["id"] for claim, _result in outcomes}
+        ended = {claim.run.id for claim, _result in outcomes}
         # An ended execution may still hold its runtime key for a moment (its worker
         # is returning): its agent waits for the next pass, or a re-claim of the same
         # run (a retry due at once) would collide with it.
@@ -298,15 +302,15 @@ class RunQueue:
     def _spec(self, claim: Claim, *, session_id: str | None = None) -> ExecutionSpec:
         """The execution of a claimed run (CONTRACT.md section 5)."""
         run = claim.run
-        run_id = run["id"]
+        run_id = run.id
         profile = self.config.profile(claim.profile)
         session_id = session_id or f"ses_{uuid.uuid4().hex}"
         return agent_execution(
             profile, self.layout, kind="run", key=run_id, run_id=run_id, session_id=session_id,
             stdin={"kind": "run", "run_id": run_id, "session_id": session_id,
-                   "agent_id": run["agent_id"], "task_id": run["task_id"],
-                   "workspace_id": run["workspace_id"], "reason": run["reason"],
-                   "payload": run["payload"]},
+                   "agent_id": run.agent_id, "task_id": run.task_id,
+                   "workspace_id": run.workspace_id, "reason": run.reason,
+                   "payload": run.payload},
             record_dir=journal.attempt_dir(self.layout, run_id, claim.token))
 
     def _dispatch(self, reservation: Reservation, claim: Claim) -> bool:
@@ -316,13 +320,13 @@ class RunQueue:
         ``claimed`` with no live execution, which stale-claim recovery rescues.
         """
         run = claim.run
-        run_id = run["id"]
+        run_id = run.id
         with self._lock:
-            self._live[run_id] = run["agent_id"]
+            self._live[run_id] = run.agent_id
         try:
             self.faults.before_start(run_id)
             spec = self._spec(claim)
-            append_note(spec.log_path, f"==== attempt {run.get('attempt', '?')} started "
+            append_note(spec.log_path, f"==== attempt {run.attempt} started "
                                            f"{rfc3339(self.clock())} ====")
             self.runtime.start(reservation, spec,
                                lambda result: self._on_done(claim, result))
@@ -341,10 +345,10 @@ class RunQueue:
             cancelled = run_id in self._cancel_requested
         if cancelled:  # runs.cancel came between the claim and the start
             self.runtime.stop_execution(run_id, "cancelled")
-        if self.metrics is not None and run.get("attempt") == 1 and run.get("claimed_at"):
-            self.metrics.observe_first_claim(run["requested_at"], run["claimed_at"])
-        log.info("run %s claimed (agent %s, reason %s, seq %d)", run_id, run["agent_id"],
-                 run["reason"], run["seq"])
+        if self.metrics is not None and run.attempt == 1 and run.claimed_at:
+            self.metrics.observe_first_claim(run.requested_at, run.claimed_at)
+        log.info("run %s claimed (agent %s, reason %s, seq %d)", run_id, run.agent_id,
+                 run.reason, run.seq)
         self.bus.publish("run.claimed", {"run": run})
         return True
 
@@ -356,7 +360,7 @@ class RunQueue:
         profile that cannot be run) is a failed attempt under the retry
         policy, so it backs off instead of being claimed again at once.
         """
-        run_id = claim.run["id"]
+        run_id = claim.run.id
         now = self.clock()
         if isinstance(exc, RuntimeStopped):
             self.repo.requeue(run_id, claim.token, now)
@@ -365,7 +369,7 @@ class RunQueue:
         error = f"could not start the agent: {exc}"
         log.error("run %s: %s", run_id, error)
         updated = self.repo.fail_attempt(run_id, claim.token, now=now, error=error,
-                                         policy=self.config.retry)
+                                         decide=self.decide_retry)
         if updated is not None:
             self._announce_failure(updated, error)
 
@@ -403,7 +407,7 @@ class RunQueue:
         directory = self._attempt_dir(claim)
         if result.outcome != DETACHED:
             ending = result.outcome + (f" ({result.error})" if result.error else "")
-            append_note(result.log_path, f"==== attempt {claim.run.get('attempt', '?')} "
+            append_note(result.log_path, f"==== attempt {claim.run.attempt} "
                                              f"ended {rfc3339(result.ended_at)}: {ending} ====")
         if result.outcome == STOPPED:
             journal.discard(directory)  # cancelled: the run row already says so
@@ -461,7 +465,7 @@ class RunQueue:
         self._announce(claim, result, effect)
 
     def _write_refused(self, claim: Claim, result: ExecutionResult, exc: Exception) -> None:
-        run_id = claim.run["id"]
+        run_id = claim.run.id
         directory = self._attempt_dir(claim)
         if not (directory / journal.OUTCOME_FILE).exists():
             journal.write_outcome(directory, result)  # kept for a restart too
@@ -477,10 +481,10 @@ class RunQueue:
                 result, outcome=ERROR, summary=None, cost_cents=None,
                 error=f"its outcome could not be recorded: {type(exc).__name__}: {exc}")
         with self._lock:
-            previous = next((u for u in self._unrecorded if u.claim.run["id"] == run_id), None)
+            previous = next((u for u in self._unrecorded if u.claim.run.id == run_id), None)
             failures = (previous.failures if previous
                         else self._failure_counts.get(run_id, 0)) + 1
-            self._unrecorded = [u for u in self._unrecorded if u.claim.run["id"] != run_id]
+            self._unrecorded = [u for u in self._unrecorded if u.claim.run.id != run_id]
             delay = min(_WRITE_RETRY_FIRST_S * 2 ** (failures - 1), _WRITE_RETRY_MAX_S)
             self._unrecorded.append(_Unrecorded(claim, result, failures,
                                                 self.monotonic() + delay))
@@ -494,7 +498,7 @@ class RunQueue:
 
     def _recorded(self, claim: Claim, result: ExecutionResult) -> None:
         """The database has the outcome (or it needs none): the run is no longer live here."""
-        run_id = claim.run["id"]
+        run_id = claim.run.id
         directory = self._attempt_dir(claim)
         with self._lock:
             self._live.pop(run_id, None)
@@ -509,7 +513,7 @@ class RunQueue:
 
     def _attempt_dir(self, claim: Claim) -> Path:
         """The folder of ``claim``'s attempt: where its execution keeps its journal."""
-        run_id = claim.run["id"]
+        run_id = claim.run.id
         with self._lock:
             known = self._attempt_dirs.get((run_id, claim.token))
         return known if known is not None else journal.attempt_dir(self.layout, run_id,
@@ -522,7 +526,7 @@ class RunQueue:
         updated run (or None when superseded) for a failure, and ``None`` for
         an execution that was interrupted or stopped, which writes nothing.
         """
-        run_id = claim.run["id"]
+        run_id = claim.run.id
         if result.outcome in _NO_WRITE:
             return None
         self.faults.outcome_write()
@@ -533,11 +537,11 @@ class RunQueue:
                                     cost_cents=result.cost_cents, log_path=log_path)
         return self.repo.fail_attempt(
             run_id, claim.token, now=now, error=result.error or result.outcome,
-            policy=self.config.retry, summary=result.summary, cost_cents=result.cost_cents,
+            decide=self.decide_retry, summary=result.summary, cost_cents=result.cost_cents,
             log_path=log_path)
 
     def _announce(self, claim: Claim, result: ExecutionResult, effect: Any) -> None:
-        run_id = claim.run["id"]
+        run_id = claim.run.id
         if self.metrics is not None:
             self.metrics.observe_execution(result)
         if result.outcome == INTERRUPTED:
@@ -550,7 +554,7 @@ class RunQueue:
             if effect:
                 log.info("run %s finished", run_id)
                 self.bus.publish("run.finished", {"run_id": run_id,
-                                                  "agent_id": claim.run["agent_id"],
+                                                  "agent_id": claim.run.agent_id,
                                                   "cost_cents": result.cost_cents})
             else:
                 log.warning("run %s: completion of a superseded attempt ignored", run_id)
@@ -559,17 +563,17 @@ class RunQueue:
         else:
             self._announce_failure(effect, result.error)
 
-    def _announce_failure(self, updated: dict[str, Any], error: str | None) -> None:
-        run_id = updated["id"]
-        if updated["status"] == "queued":
+    def _announce_failure(self, updated: Run, error: str | None) -> None:
+        run_id = updated.id
+        if updated.status == "queued":
             self.retries_total += 1
             log.info("run %s failed (%s); retry %d at %s", run_id, error,
-                     updated["retry_count"], updated["scheduled_retry_at"])
+                     updated.retry_count, updated.scheduled_retry_at)
             self.bus.publish("run.retry_scheduled", {"run": updated})
         else:
-            log.warning("run %s %s: %s", run_id, updated["status"],
-                        updated.get("error_message") or error)
-            self.bus.publish(f"run.{updated['status']}", {"run": updated})
+            log.warning("run %s %s: %s", run_id, updated.status,
+                        updated.error_message or error)
+            self.bus.publish(f"run.{updated.status}", {"run": updated})
 
     # -- recovery / control -------------------------------------------------------
     def recover_stale(self, now: datetime) -> dict[str, str]:
@@ -654,15 +658,15 @@ class RunQueue:
 
     def _record_restored(self, claim: Claim, result: ExecutionResult) -> None:
         log.info("run %s: recording the outcome its execution left on disk (%s)",
-                 claim.run["id"], result.outcome)
+                 claim.run.id, result.outcome)
         with self._lock:
-            self._live[claim.run["id"]] = claim.run["agent_id"]
+            self._live[claim.run.id] = claim.run.agent_id
         self._record(claim, result)
         return None
 
     def _adopt(self, claim: Claim, record: ExecutionRecord, directory: Path) -> int:
         """Wait here for an execution an earlier instance started; the shim's pid."""
-        run_id = claim.run["id"]
+        run_id = claim.run.id
         # Built from the record, not the profile: the agent is running already, so a
         # profile renamed or removed meanwhile must not stop it from being adopted.
         spec = ExecutionSpec(
@@ -671,7 +675,7 @@ class RunQueue:
             session_id=record.session_id, run_id=run_id, home=str(self.layout.root),
             record_dir=directory)
         with self._lock:
-            self._live[run_id] = claim.run["agent_id"]
+            self._live[run_id] = claim.run.agent_id
         try:
             self.runtime.adopt(spec, record, lambda res: self._on_done(claim, res))
         except BaseException:
@@ -729,7 +733,7 @@ class RunQueue:
             self.runtime.stop_execution(run_id, "the run is no longer claimed by this daemon")
 
     def cancel(self, run_id: str, reason: str | None = None, *,
-               only_queued: bool = False) -> dict[str, Any]:
+               only_queued: bool = False) -> Run:
         run, previous = self.repo.cancel(run_id, reason, self.clock(), only_queued=only_queued)
         if previous == "claimed":
             with self._lock:

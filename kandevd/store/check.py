@@ -20,7 +20,8 @@ import os
 import sqlite3
 from pathlib import Path
 
-from kandevd.store.db import Store, open_store
+from kandevd.store.open import open_store
+from kandevd.store.sqlite import Store
 
 RECOVER_HINT = ("restore a backup (`kandevd db backup` makes one), or recover what is left "
                 "with `sqlite3 {path} .recover | sqlite3 recovered.db`")

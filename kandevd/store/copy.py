@@ -3,7 +3,7 @@
 The source is read read-only (a ``mode=ro`` connection, one read transaction,
 so every table is read from the same snapshot); the caller holds the home's
 lock, so no daemon writes it meanwhile. The target is a store opened with
-:func:`~kandevd.store.db.open_store` (its schema already created).
+:func:`~kandevd.store.open.open_store` (its schema already created).
 
 Everything is written in ONE target transaction: the target must hold no row
 of any copied table (never overwrite, never mix two homes), every table is
@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kandevd.store.db import BaseStore
+from kandevd.store.base import BaseStore
+from kandevd.store.migrations.sqlite import MIGRATIONS
 
 #: Every table copied, in foreign-key order (a table after those it refers to).
 #: ``schema_migrations`` is not copied: each database records its own schema.
@@ -98,8 +99,6 @@ def open_source(path: Path) -> sqlite3.Connection:
     Raises :class:`SourceUnusable` when it is missing, not a kandevd database
     or not at this kandevd's schema version.
     """
-    from kandevd.store.migrations import MIGRATIONS
-
     path = Path(path)
     if not path.exists():
         raise _problem(path, "does not exist: nothing to migrate (is --home right?)")

@@ -51,8 +51,9 @@ from kandevd.paths import HomeLayout  # noqa: E402
 from kandevd.queue.loop import QueueLoop  # noqa: E402
 from kandevd.queue.processor import RunQueue  # noqa: E402
 from kandevd.runtime import AgentRuntime, ExecutionSpec, InProcessRunner  # noqa: E402
-from kandevd.store.db import Store, open_store  # noqa: E402
+from kandevd.store.open import open_store  # noqa: E402
 from kandevd.store.runs import RunRepository  # noqa: E402
+from kandevd.store.sqlite import Store  # noqa: E402
 from kandevd.timeutil import rfc3339, utc_now  # noqa: E402
 
 

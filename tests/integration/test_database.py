@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from kandevd.control.client import RpcCallError
-from kandevd.store.db import open_store
+from kandevd.store.open import open_store
 from tests.conftest import FAST_CONFIG
 from tests.harness import DaemonProcess, run_cli
 

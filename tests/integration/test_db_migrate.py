@@ -30,7 +30,8 @@ from kandevd.config import redact_url
 from kandevd.homelock import HomeLock, read_pid
 from kandevd.model import repository
 from kandevd.store import copy
-from kandevd.store.db import BaseStore, open_store
+from kandevd.store.base import BaseStore
+from kandevd.store.open import open_store
 from kandevd.store.runs import RunRepository
 from kandevd.timeutil import utc_now
 from tests.conftest import FAST_CONFIG
@@ -174,7 +175,8 @@ def test_a_populated_home_is_copied_and_verified(daemon_factory: Factory, pg_url
         with store.connection() as conn:
             assert model_lists(conn) == listed  # the lists read as the daemon answered them
         runs = RunRepository(store, "migrated")
-        assert runs.list(limit=500) == first_runs
+        page = runs.list(limit=500)
+        assert {**page, "items": [run.to_dict() for run in page["items"]]} == first_runs
         with sqlite3.connect(source) as conn:
             by_status = dict(conn.execute("SELECT status, COUNT(*) FROM runs GROUP BY status"))
         assert by_status["queued"] > QUEUED and by_status["finished"] == 1
@@ -182,8 +184,8 @@ def test_a_populated_home_is_copied_and_verified(daemon_factory: Factory, pg_url
         top = max(row[0] for row in expected["runs"])
         added = runs.enqueue(workspace_id="alpha", agent_id="helper", reason="after",
                              now=utc_now(), coalesce=False)
-        assert added.inserted and added.run["seq"] == top + 1
-        assert runs.get(added.run["id"])["seq"] == top + 1
+        assert added.inserted and added.run.seq == top + 1
+        assert runs.get(added.run.id).seq == top + 1
     finally:
         store.close()
 

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from kandevd.control.client import RpcCallError
-from kandevd.store.db import open_store
+from kandevd.store.open import open_store
 from kandevd.timeutil import rfc3339, utc_now
 from tests.harness import DaemonProcess
 

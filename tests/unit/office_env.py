@@ -23,8 +23,9 @@ from kandevd.office.routines import first_next_run_at
 from kandevd.paths import HomeLayout
 from kandevd.queue.processor import RunQueue
 from kandevd.runtime import AgentRuntime, InProcessRunner
-from kandevd.store.db import Store, open_store
+from kandevd.store.open import open_store
 from kandevd.store.runs import RunRepository
+from kandevd.store.sqlite import Store
 from kandevd.timeutil import rfc3339
 
 T0 = datetime(2026, 3, 10, 12, 0, 0, 250000, tzinfo=UTC)
@@ -146,10 +147,10 @@ class OfficeEnv:
         queued = self.queue.enqueue(workspace_id="ws1", agent_id=agent_id, reason="work",
                                     payload={"n": uuid.uuid4().hex}, coalesce=False)
         claim = self.repo.claim_next(self.clock())
-        assert claim is not None and claim.run["id"] == queued.run["id"]
-        assert self.repo.finish(claim.run["id"], claim.token, now=self.clock(), summary="ok",
+        assert claim is not None and claim.run.id == queued.run.id
+        assert self.repo.finish(claim.run.id, claim.token, now=self.clock(), summary="ok",
                                 cost_cents=cost_cents, log_path=None)
-        return self.repo.get(claim.run["id"])
+        return self.repo.get(claim.run.id)
 
     def topics(self, topic: str) -> list[dict[str, Any]]:
         return [payload for name, payload in self.events if name == topic]

@@ -14,8 +14,11 @@ from typing import Any
 
 import pytest
 
-from kandevd.store.db import Store, open_store
-from kandevd.store.runs import RunConflict, RunNotFound, RunRepository
+from kandevd.runs.model import RunConflict, RunNotFound
+from kandevd.runs.retry import retry_decider
+from kandevd.store.open import open_store
+from kandevd.store.runs import RunRepository
+from kandevd.store.sqlite import Store
 from kandevd.timeutil import after
 from tests.unit.test_runs_repository import POLICY, T0, enqueue, seed
 
@@ -49,11 +52,11 @@ def test_stale_rescues_count_attempts_and_end_in_the_dead_letter(store: Store) -
     for _ in range(3):
         claim(repo, moment)
         moment = after(moment, 100)
-        statuses.append(repo.recover_stale(moment, 60, live=())[run["id"]])
+        statuses.append(repo.recover_stale(moment, 60, live=())[run.id])
     assert statuses == ["queued", "queued", "failed"]
-    stored = repo.get(run["id"])
-    assert stored["status"] == "failed"
-    assert stored["error_message"].startswith("gave up after 3 attempts; last: the claim went")
+    stored = repo.get(run.id)
+    assert stored.status == "failed"
+    assert stored.error_message.startswith("gave up after 3 attempts; last: the claim went")
     assert repo.claim_next(after(moment, 1)) is None  # never executed again
 
 
@@ -63,9 +66,9 @@ def test_restart_rescues_count_attempts_too(store: Store) -> None:
         claim(repo_of(store, f"boot-{boot}", max_attempts=3), after(T0, boot))
         rescued = repo_of(store, f"boot-{boot + 1}", max_attempts=3).requeue_foreign_claims(
             after(T0, boot + 0.5))
-    assert rescued == {run["id"]: "failed"}
+    assert rescued == {run.id: "failed"}
     assert "gave up after 3 attempts; last: interrupted" in repo_of(store).get(
-        run["id"])["error_message"]
+        run.id).error_message
 
 
 def test_failed_attempts_stop_at_max_attempts_even_with_retries_left(store: Store) -> None:
@@ -74,14 +77,14 @@ def test_failed_attempts_stop_at_max_attempts_even_with_retries_left(store: Stor
     repo = repo_of(store, max_attempts=2)
     run = enqueue(repo)
     first = claim(repo, T0)
-    updated = repo.fail_attempt(run["id"], first.token, now=after(T0, 1), error="boom",
-                                policy=many_retries)
-    assert updated is not None and updated["status"] == "queued"
+    updated = repo.fail_attempt(run.id, first.token, now=after(T0, 1), error="boom",
+                                decide=retry_decider(many_retries))
+    assert updated is not None and updated.status == "queued"
     second = claim(repo, after(T0, 2))
-    updated = repo.fail_attempt(run["id"], second.token, now=after(T0, 3), error="boom again",
-                                policy=many_retries)
+    updated = repo.fail_attempt(run.id, second.token, now=after(T0, 3), error="boom again",
+                                decide=retry_decider(many_retries))
     assert updated is not None
-    assert (updated["status"], updated["error_message"]) == (
+    assert (updated.status, updated.error_message) == (
         "failed", "gave up after 2 attempts; last: boom again")
 
 
@@ -90,9 +93,9 @@ def test_a_start_that_never_happened_gives_its_attempt_back(store: Store) -> Non
     run = enqueue(repo)
     for second in range(5):
         claimed = claim(repo, after(T0, second))
-        assert repo.requeue(run["id"], claimed.token, after(T0, second + 0.5))
-    assert store.query_one("SELECT attempt FROM runs WHERE id = ?", (run["id"],))[0] == 0
-    assert repo.get(run["id"])["status"] == "queued"
+        assert repo.requeue(run.id, claimed.token, after(T0, second + 0.5))
+    assert store.query_one("SELECT attempt FROM runs WHERE id = ?", (run.id,))[0] == 0
+    assert repo.get(run.id).status == "queued"
 
 
 def test_retry_requeues_failed_and_cancelled_runs_with_a_fresh_budget(store: Store) -> None:
@@ -100,24 +103,24 @@ def test_retry_requeues_failed_and_cancelled_runs_with_a_fresh_budget(store: Sto
     failed = enqueue(repo)
     claim(repo, T0)
     repo.recover_stale(after(T0, 100), 60, live=())
-    assert repo.get(failed["id"])["status"] == "failed"
-    retried = repo.retry(failed["id"], after(T0, 200))
-    assert (retried["status"], retried["retry_count"], retried["finished_at"]) == (
+    assert repo.get(failed.id).status == "failed"
+    retried = repo.retry(failed.id, after(T0, 200))
+    assert (retried.status, retried.retry_count, retried.finished_at) == (
         "queued", 0, None)
-    assert retried["error_message"].startswith("gave up")  # the history is kept
-    assert retried["seq"] == failed["seq"] and retried["id"] == failed["id"]
-    assert claim(repo, after(T0, 201)).run["id"] == failed["id"]  # one more attempt allowed
+    assert retried.error_message.startswith("gave up")  # the history is kept
+    assert retried.seq == failed.seq and retried.id == failed.id
+    assert claim(repo, after(T0, 201)).run.id == failed.id  # one more attempt allowed
 
     cancelled = enqueue(repo, "a2")
-    repo.cancel(cancelled["id"], "not now", after(T0, 300))
-    assert repo.retry(cancelled["id"], after(T0, 301))["cancel_reason"] is None
+    repo.cancel(cancelled.id, "not now", after(T0, 300))
+    assert repo.retry(cancelled.id, after(T0, 301)).cancel_reason is None
 
 
 def test_retry_refuses_live_and_finished_runs(store: Store) -> None:
     repo = repo_of(store)
     queued = enqueue(repo)
     with pytest.raises(RunConflict, match="only a failed or cancelled run"):
-        repo.retry(queued["id"], T0)
+        repo.retry(queued.id, T0)
     with pytest.raises(RunNotFound):
         repo.retry("run_nope", T0)
 
@@ -130,16 +133,16 @@ def test_a_key_absorbed_by_coalescing_still_deduplicates_later(store: Store) -> 
     first = repo.enqueue(workspace_id="ws1", agent_id="a1", reason="wake", now=T0).run
     merged = repo.enqueue(workspace_id="ws1", agent_id="a1", reason="wake", now=after(T0, 1),
                           idempotency_key="k-absorbed")
-    assert merged.coalesced and merged.run["id"] == first["id"]
+    assert merged.coalesced and merged.run.id == first.id
     claimed = claim(repo, after(T0, 2))
-    repo.finish(first["id"], claimed.token, now=after(T0, 3), summary=None, cost_cents=None,
+    repo.finish(first.id, claimed.token, now=after(T0, 3), summary=None, cost_cents=None,
                 log_path=None)
     again = repo.enqueue(workspace_id="ws1", agent_id="a1", reason="wake", now=after(T0, 60),
                          idempotency_key="k-absorbed")
-    assert again.deduplicated and again.run["id"] == first["id"]
+    assert again.deduplicated and again.run.id == first.id
     later = repo.enqueue(workspace_id="ws1", agent_id="a1", reason="wake",
                          now=after(T0, 24 * 3600 + 5), idempotency_key="k-absorbed")
-    assert later.inserted and later.run["id"] != first["id"]
+    assert later.inserted and later.run.id != first.id
 
 
 def test_expired_keys_are_pruned(store: Store) -> None:
@@ -159,13 +162,13 @@ def test_the_claim_gate_holds_an_agent_back_and_explain_names_it(store: Store) -
     repo = repo_of(store, claim_gate=lambda conn, now: gate)
     held = enqueue(repo, "a1")
     free = enqueue(repo, "a2")
-    assert claim(repo, T0).run["id"] == free["id"]
+    assert claim(repo, T0).run.id == free.id
     assert repo.claim_next(T0) is None
-    explained = repo.explain(held["id"], T0, runtime_full=False)
+    explained = repo.explain(held.id, T0, runtime_full=False)
     assert "budget_exceeded" in explained["blockers"]
     assert explained["details"]["budget_exceeded"] == "budget-1"
     gate.clear()
-    assert claim(repo, after(T0, 1)).run["id"] == held["id"]
+    assert claim(repo, after(T0, 1)).run.id == held.id
 
 
 # -- after-commit hooks -----------------------------------------------------------------

@@ -22,8 +22,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kandevd.config import RetryConfig
-from kandevd.store.db import open_store
-from kandevd.store.runs import STATUSES, TERMINAL, RunConflict, RunRepository
+from kandevd.runs.model import STATUSES, TERMINAL, RunConflict
+from kandevd.runs.retry import retry_decider
+from kandevd.store.open import open_store
+from kandevd.store.runs import RunRepository
 from kandevd.timeutil import after
 from tests.unit.test_runs_repository import T0, seed
 
@@ -62,7 +64,7 @@ class FailureModel(RuleBasedStateMachine):
         self.now = after(self.now, seconds)
 
     def _status(self, run_id: str) -> str:
-        return self.repo.get(run_id)["status"]
+        return self.repo.get(run_id).status
 
     def _settle(self) -> None:
         """Learn terminal states from the rows (after rules that may end runs)."""
@@ -78,15 +80,15 @@ class FailureModel(RuleBasedStateMachine):
         self._tick()
         run = self.repo.enqueue(workspace_id="ws1", agent_id=agent, reason="r", now=self.now,
                                 coalesce=False).run
-        self.enqueued.append(run["id"])
-        self.executions[run["id"]] = 0
+        self.enqueued.append(run.id)
+        self.executions[run.id] = 0
 
     @rule()
     def claim(self) -> None:
         self._tick()
         for claimed in self.repo.claim_batch(self.now, 2):
-            self.claims[claimed.run["id"]] = claimed
-            self.executions[claimed.run["id"]] += 1
+            self.claims[claimed.run.id] = claimed
+            self.executions[claimed.run.id] += 1
 
     @precondition(lambda self: self.claims)
     @rule(data=st.data())
@@ -105,7 +107,7 @@ class FailureModel(RuleBasedStateMachine):
         self._tick()
         claimed = self.claims.pop(run_id)
         self.repo.fail_attempt(run_id, claimed.token, now=self.now, error="boom",
-                               policy=POLICY)
+                               decide=retry_decider(POLICY))
         self._settle()
 
     @precondition(lambda self: self.enqueued)

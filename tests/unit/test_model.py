@@ -31,8 +31,9 @@ from kandevd.paths import HomeLayout
 from kandevd.queue.processor import RunQueue
 from kandevd.runtime import AgentRuntime, ExecutionSpec, InProcessRunner
 from kandevd.runtime.specs import ECHO_AGENT
-from kandevd.store.db import Store, open_store
+from kandevd.store.open import open_store
 from kandevd.store.runs import RunRepository
+from kandevd.store.sqlite import Store
 
 WAIT_S = 10.0
 
@@ -189,15 +190,15 @@ def test_move_publishes_step_and_runner_change_then_queues_once(env: Env) -> Non
     (entry,) = first["actions"]
     assert entry["agent_id"] == "a1" and not entry["deduplicated"]
     (run,) = env.runs()
-    assert run["id"] == entry["run_id"] and run["task_id"] == "t1"
-    assert run["reason"] == "queue_run"
-    assert run["payload"] == {"n": 1, "task_id": "t1", "workflow_step_id": "doing"}
-    assert run["idempotency_key"] == queue_run_key(
+    assert run.id == entry["run_id"] and run.task_id == "t1"
+    assert run.reason == "queue_run"
+    assert run.payload == {"n": 1, "task_id": "t1", "workflow_step_id": "doing"}
+    assert run.idempotency_key == queue_run_key(
         "t1", "doing", "a1", {"action": "queue_run", "payload": {"n": 1}}, 1)
     assert env.signals >= 1
 
     replay = env.model.move_task("t1", "doing")
-    assert replay["actions"][0]["run_id"] == run["id"] and replay["actions"][0]["deduplicated"]
+    assert replay["actions"][0]["run_id"] == run.id and replay["actions"][0]["deduplicated"]
     assert len(env.runs()) == 1
     assert env.topics("task.updated")[-1]["changes"] == ["step_id"]
 
@@ -212,7 +213,7 @@ def test_explicit_target_is_honoured_for_every_style(env: Env, style: str) -> No
     (entry,) = result["actions"]
     assert entry["target"] == "agent:a2" and entry["agent_id"] == "a2"
     (run,) = env.runs()
-    assert run["agent_id"] == "a2" and run["reason"] == "review"
+    assert run.agent_id == "a2" and run.reason == "review"
 
 
 def test_queue_run_without_runner_is_skipped_and_reported(

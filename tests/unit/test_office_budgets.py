@@ -80,16 +80,16 @@ def test_pause_agent_pauses_and_keeps_queued_runs_queued(env: OfficeEnv) -> None
     assert alerts(env) == [("2026-03", 80.0), ("2026-03", 100.0)]
     assert env.topics("budget.alert")[1]["paused_agents"] == ["a1"]
     assert agent_status(env, "a1") == "paused" and agent_status(env, "a2") == "active"
-    assert env.repo.get(waiting["id"])["status"] == "queued"
+    assert env.repo.get(waiting.id).status == "queued"
     assert env.repo.claim_next(env.clock()) is None       # paused: not claimable
-    assert env.queue.explain(waiting["id"])["blockers"] == ["agent_paused"]
-    assert [r["status"] for r in env.runs()] == ["finished", "queued"]  # nothing failed
+    assert env.queue.explain(waiting.id)["blockers"] == ["agent_paused"]
+    assert [r.status for r in env.runs()] == ["finished", "queued"]  # nothing failed
 
     env.model.update_agent({"id": "a1", "status": "active"})  # the operator resumes it
     assert guard.tick(env.clock()).acted == 0
     assert agent_status(env, "a1") == "active"            # not overruled in this period
     claim = env.repo.claim_next(env.clock())
-    assert claim is not None and claim.run["id"] == waiting["id"]
+    assert claim is not None and claim.run.id == waiting.id
 
 
 def test_monthly_reset(env: OfficeEnv) -> None:
@@ -254,14 +254,14 @@ def test_claim_gate_keeps_a_resumed_agent_from_being_claimed(env: OfficeEnv,
     other = env.queue.enqueue(workspace_id="ws1", agent_id="a2", reason="later",
                               payload={}).run
     claims = gated.claim_batch(env.clock(), 5)
-    assert [c.run["id"] for c in claims] == [other["id"]]
-    assert gated.get(waiting["id"])["status"] == "queued"
-    explained = gated.explain(waiting["id"], env.clock(), runtime_full=False)
+    assert [c.run.id for c in claims] == [other.id]
+    assert gated.get(waiting.id).status == "queued"
+    explained = gated.explain(waiting.id, env.clock(), runtime_full=False)
     assert "budget_exceeded" in explained["blockers"]
     assert explained["details"]["budget_exceeded"] == "b1"
     env.store.execute("UPDATE office_budget_policies SET limit_cents = 1000")
     claim = gated.claim_next(env.clock())
-    assert claim is not None and claim.run["id"] == waiting["id"]
+    assert claim is not None and claim.run.id == waiting.id
 
 
 def test_without_a_hard_budget_the_probed_gate_claims_as_an_ungated_queue(env: OfficeEnv
@@ -273,13 +273,13 @@ def test_without_a_hard_budget_the_probed_gate_claims_as_an_ungated_queue(env: O
     queued = [env.queue.enqueue(workspace_id="ws1", agent_id=agent, reason=f"r{n}",
                                 payload={}).run for n, agent in enumerate(("a1", "a2", "a1"))]
     claims = gated.claim_batch(env.clock(), 5)
-    assert [c.run["id"] for c in claims] == [queued[0]["id"], queued[1]["id"]]
+    assert [c.run.id for c in claims] == [queued[0].id, queued[1].id]
     assert gated.claim_batch(env.clock(), 5) == []  # both agents busy now
     env.insert_budget("hard", limit_cents=100, action="pause_agent")
-    assert gated.finish(claims[0].run["id"], claims[0].token, now=env.clock(), summary=None,
+    assert gated.finish(claims[0].run.id, claims[0].token, now=env.clock(), summary=None,
                         cost_cents=None, log_path=None)
     assert gated.claim_batch(env.clock(), 5) == []  # a1 is over its new hard budget
-    assert gated.get(queued[2]["id"])["status"] == "queued"
+    assert gated.get(queued[2].id).status == "queued"
 
 
 @settings(max_examples=40, deadline=None,

@@ -55,7 +55,7 @@ def test_configuration_created_at_run_time_takes_effect_next_tick(env: OfficeEnv
     stats = loop.stats()
     assert stats["recovery_scans"] == stats["routine_scans"] == stats["budget_scans"] == 1
     assert (stats["recovered"], stats["routine_fires"], stats["budget_alerts"]) == (1, 1, 2)
-    reasons = sorted(r["reason"] for r in env.runs())
+    reasons = sorted(r.reason for r in env.runs())
     assert reasons == ["routine_trigger", "task_assigned", "work"]
 
 
@@ -120,4 +120,4 @@ def test_tick_uses_the_given_now(env: OfficeEnv) -> None:
     loop.tick(env.clock())
     assert env.runs() == []
     loop.tick(env.clock() - timedelta(hours=10))         # the past: t_old is inside lookback
-    assert [r["task_id"] for r in env.runs()] == ["t_old"]
+    assert [r.task_id for r in env.runs()] == ["t_old"]

@@ -10,7 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kandevd.office.predicate import OFFICE_TASK_SQL, PROBE_TAG, is_office_task, office_adopted
-from kandevd.store.db import Store, open_store
+from kandevd.store.open import open_store
+from kandevd.store.sqlite import Store
 
 STAMP = "2026-01-01T00:00:00.000000Z"
 WORKFLOWS = ("wf_a", "wf_b", "wf_c")

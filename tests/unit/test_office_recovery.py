@@ -36,9 +36,9 @@ def test_exactly_one_run_across_ticks_and_restarts(env: OfficeEnv) -> None:
     result = recovery(env).tick(env.clock())
     assert result.scanned and result.acted == 1
     (run,) = env.runs()
-    assert (run["reason"], run["agent_id"], run["task_id"]) == ("task_assigned", "a1", "t1")
-    assert run["payload"] == {"task_id": "t1"}
-    assert run["idempotency_key"] == "task_assigned:t1:a1"
+    assert (run.reason, run.agent_id, run.task_id) == ("task_assigned", "a1", "t1")
+    assert run.payload == {"task_id": "t1"}
+    assert run.idempotency_key == "task_assigned:t1:a1"
     for _ in range(3):
         env.clock.advance(seconds=30)
         assert recovery(env).tick(env.clock()).acted == 0   # a fresh instance = a restart
@@ -78,15 +78,15 @@ def test_failed_too_old_or_withdrawn_runs_do_not_block(env: OfficeEnv, ended: st
     handler = recovery(env)
     handler.tick(env.clock())
     (first,) = env.runs()
-    end_run(env, first["id"], ended)         # within the 24 h window of its key
+    end_run(env, first.id, ended)         # within the 24 h window of its key
     env.clock.advance(minutes=1)
     assert handler.tick(env.clock()).acted == 1
     second = env.runs(status="queued")[0]
-    assert second["idempotency_key"] == "task_assigned:t1:a1:attempt:1"
+    assert second.idempotency_key == "task_assigned:t1:a1:attempt:1"
     assert handler.tick(env.clock()).acted == 0          # the new one blocks again
-    end_run(env, second["id"], ended)
+    end_run(env, second.id, ended)
     assert handler.tick(env.clock()).acted == 1
-    assert env.runs(status="queued")[0]["idempotency_key"] == "task_assigned:t1:a1:attempt:2"
+    assert env.runs(status="queued")[0].idempotency_key == "task_assigned:t1:a1:attempt:2"
     assert len(env.runs()) == 3
 
 
@@ -96,13 +96,13 @@ def test_a_user_cancel_is_never_undone(env: OfficeEnv, reason: str | None) -> No
     handler = recovery(env)
     assert handler.tick(env.clock()).acted == 1
     (run,) = env.runs()
-    env.queue.cancel(run["id"], reason)      # runs.cancel, default reason or free text
-    assert env.repo.get(run["id"])["cancel_reason"] == (reason or "cancelled")
+    env.queue.cancel(run.id, reason)      # runs.cancel, default reason or free text
+    assert env.repo.get(run.id).cancel_reason == (reason or "cancelled")
     for _ in range(50):                       # ticks across most of the lookback window
         env.clock.advance(minutes=25)
         assert handler.tick(env.clock()).acted == 0
         assert recovery(env).tick(env.clock()).acted == 0      # nor after a restart
-    assert [r["status"] for r in env.runs()] == ["cancelled"]
+    assert [r.status for r in env.runs()] == ["cancelled"]
 
 
 def test_the_enqueue_transaction_rechecks_the_rules(env: OfficeEnv) -> None:
@@ -111,11 +111,11 @@ def test_the_enqueue_transaction_rechecks_the_rules(env: OfficeEnv) -> None:
     handler = recovery(env)
     handler.tick(env.clock())
     (run,) = env.runs()
-    env.set_status(run["id"], "failed")
+    env.set_status(run.id, "failed")
     cutoff = rfc3339(env.clock() - timedelta(hours=24))
     other = env.queue.enqueue(workspace_id="ws1", agent_id="a2", reason="queue_run",
                               task_id="t1", payload={}).run
-    env.queue.cancel(other["id"])               # after the scan saw only the failed run
+    env.queue.cancel(other.id)               # after the scan saw only the failed run
     assert handler._recover("t1", "ws1", "a1", cutoff) is False
     assert len(env.runs()) == 2
 
@@ -124,7 +124,7 @@ def test_a_cancel_without_a_recorded_reason_counts_as_the_users(env: OfficeEnv) 
     env.insert_task("t1", "office")
     recovery(env).tick(env.clock())
     (run,) = env.runs()
-    env.set_status(run["id"], "cancelled")   # cancel_reason NULL: origin unknown, keep it
+    env.set_status(run.id, "cancelled")   # cancel_reason NULL: origin unknown, keep it
     assert recovery(env).tick(env.clock()).acted == 0
 
 
@@ -133,13 +133,13 @@ def test_only_the_latest_run_decides(env: OfficeEnv) -> None:
     handler = recovery(env)
     handler.tick(env.clock())
     (first,) = env.runs()
-    env.queue.cancel(first["id"])             # the user cancels ...
+    env.queue.cancel(first.id)             # the user cancels ...
     other = env.queue.enqueue(workspace_id="ws1", agent_id="a2", reason="queue_run",
                               task_id="t1", payload={}).run
-    env.set_status(other["id"], "failed")     # ... later work on the task supersedes it
+    env.set_status(other.id, "failed")     # ... later work on the task supersedes it
     assert handler.tick(env.clock()).acted == 1
     latest = env.runs(status="queued")[0]
-    env.queue.cancel(latest["id"], "stop it")  # and a user cancel of that one holds again
+    env.queue.cancel(latest.id, "stop it")  # and a user cancel of that one holds again
     assert handler.tick(env.clock()).acted == 0
 
 
@@ -150,10 +150,10 @@ def test_a_withdrawn_run_is_void(env: OfficeEnv) -> None:
     handler.tick(env.clock())
     AssignmentSubscriber(env.store, env.queue).withdraw("t1", "a1")
     (withdrawn,) = env.runs()
-    assert (withdrawn["status"], withdrawn["cancel_reason"]) == ("cancelled", "reassigned")
+    assert (withdrawn.status, withdrawn.cancel_reason) == ("cancelled", "reassigned")
     env.store.execute("UPDATE tasks SET runner_agent_id = 'a2' WHERE id = 't1'")
     assert handler.tick(env.clock()).acted == 1
-    assert [(r["agent_id"], r["status"]) for r in env.runs()] == [
+    assert [(r.agent_id, r.status) for r in env.runs()] == [
         ("a1", "cancelled"), ("a2", "queued")]
 
 
@@ -165,7 +165,7 @@ def test_at_most_three_chains_per_task(env: OfficeEnv,
         for chain in range(1, MAX_CHAINS_PER_TASK + 1):
             assert handler.tick(env.clock()).acted == 1
             (queued,) = env.runs(status="queued")
-            env.set_status(queued["id"], "failed")
+            env.set_status(queued.id, "failed")
             env.clock.advance(hours=1)
             assert f"chain {chain} of {MAX_CHAINS_PER_TASK}" in caplog.text
     assert MAX_CHAINS_PER_TASK == 3 and len(env.runs()) == 3
@@ -188,7 +188,7 @@ def test_chains_count_every_agent_and_not_withdrawals(env: OfficeEnv) -> None:
     env.store.execute("UPDATE tasks SET runner_agent_id = 'a2' WHERE id = 't1'")
     for _ in range(MAX_CHAINS_PER_TASK):
         assert handler.tick(env.clock()).acted == 1
-        env.set_status(env.runs(status="queued")[0]["id"], "failed")
+        env.set_status(env.runs(status="queued")[0].id, "failed")
     env.store.execute("UPDATE tasks SET runner_agent_id = 'a1' WHERE id = 't1'")
     assert handler.tick(env.clock()).acted == 0        # 3 chains of the task, whoever ran them
     assert len(env.runs()) == 1 + MAX_CHAINS_PER_TASK
@@ -201,7 +201,7 @@ def test_chains_outside_the_lookback_window_do_not_count(env: OfficeEnv) -> None
         run = env.queue.enqueue(workspace_id="ws1", agent_id="a1", reason="task_assigned",
                                 task_id="t1", payload={"task_id": "t1"},
                                 idempotency_key=f"old:{n}", coalesce=False).run
-        env.set_status(run["id"], "failed")
+        env.set_status(run.id, "failed")
     env.store.execute("UPDATE runs SET requested_at = ?",
                       (rfc3339(now - timedelta(hours=30)),))
     assert recovery(env).tick(now).acted == 1
@@ -220,13 +220,13 @@ def test_exhausted_or_cancelled_tasks_do_not_starve_a_fresh_one(env: OfficeEnv) 
                                     task_id=task, payload={"task_id": task},
                                     idempotency_key=f"{task}:{c}", coalesce=False).run
             if n % 2:
-                env.queue.cancel(run["id"])
+                env.queue.cancel(run.id)
             else:
-                env.set_status(run["id"], "failed")
+                env.set_status(run.id, "failed")
     before = len(env.runs())
     env.insert_task("fresh", "office")
     assert handler.tick(env.clock()).acted == 1
-    assert [r["task_id"] for r in env.runs()[before:]] == ["fresh"]
+    assert [r.task_id for r in env.runs()[before:]] == ["fresh"]
 
 
 @settings(max_examples=60, deadline=None,
@@ -244,9 +244,9 @@ def test_property_recovery_is_bounded_and_respects_cancels(tmp_path_factory: pyt
         for _ in range(len(outcomes) + 3):
             runs = env.runs(task_id="t1")
             latest = runs[-1] if runs else None
-            chains = sum(1 for r in runs if r["cancel_reason"] != "reassigned")
-            expected = not (latest is not None and latest["status"] == "cancelled"
-                            and latest["cancel_reason"] not in ("reassigned", "run_too_old")) \
+            chains = sum(1 for r in runs if r.cancel_reason != "reassigned")
+            expected = not (latest is not None and latest.status == "cancelled"
+                            and latest.cancel_reason not in ("reassigned", "run_too_old")) \
                 and chains < MAX_CHAINS_PER_TASK
             assert handler.tick(env.clock()).acted == int(expected)
             env.clock.advance(minutes=10)
@@ -254,9 +254,9 @@ def test_property_recovery_is_bounded_and_respects_cancels(tmp_path_factory: pyt
             if not queued:
                 continue
             ended = next(pending, "failed")
-            end_run(env, queued[0]["id"], ended.replace(":user", ":no thanks"))
+            end_run(env, queued[0].id, ended.replace(":user", ":no thanks"))
         runs = env.runs(task_id="t1")
-        assert sum(1 for r in runs if r["cancel_reason"] != "reassigned") \
+        assert sum(1 for r in runs if r.cancel_reason != "reassigned") \
             <= MAX_CHAINS_PER_TASK
 
 
@@ -266,7 +266,7 @@ def test_any_live_or_finished_run_for_the_task_blocks(env: OfficeEnv, status: st
     other = env.queue.enqueue(workspace_id="ws1", agent_id="a2", reason="queue_run",
                               task_id="t1", payload={})
     if status != "queued":
-        env.store.execute("UPDATE runs SET status = ? WHERE id = ?", (status, other.run["id"]))
+        env.store.execute("UPDATE runs SET status = ? WHERE id = ?", (status, other.run.id))
     assert recovery(env).tick(env.clock()).acted == 0
     assert len(env.runs()) == 1
 
@@ -287,7 +287,7 @@ def test_project_tasks_and_explicit_runners_are_recovered(env: OfficeEnv) -> Non
     env.insert_task("k1", "kanban", project_id="p1")
     env.insert_task("o1", "office", step_id="free", runner="a2")
     recovery(env).tick(env.clock())
-    assert sorted((r["task_id"], r["agent_id"]) for r in env.runs()) == [
+    assert sorted((r.task_id, r.agent_id) for r in env.runs()) == [
         ("k1", "a1"), ("o1", "a2")]
 
 
@@ -296,9 +296,9 @@ def test_lookback_window(env: OfficeEnv) -> None:
     env.insert_task("old", "office", created_at=now - timedelta(hours=25))
     env.insert_task("recent", "office", created_at=now - timedelta(hours=23))
     recovery(env).tick(now)
-    assert [r["task_id"] for r in env.runs()] == ["recent"]
+    assert [r.task_id for r in env.runs()] == ["recent"]
     recovery(env, lookback_hours=26).tick(now)
-    assert sorted(r["task_id"] for r in env.runs()) == ["old", "recent"]
+    assert sorted(r.task_id for r in env.runs()) == ["old", "recent"]
 
 
 def test_at_most_five_per_tick(env: OfficeEnv) -> None:
@@ -306,7 +306,7 @@ def test_at_most_five_per_tick(env: OfficeEnv) -> None:
         env.insert_task(f"t{n}", "office", created_at=env.clock() - timedelta(minutes=10 - n))
     handler = recovery(env)
     assert handler.tick(env.clock()).acted == MAX_PER_TICK == 5
-    assert sorted(r["task_id"] for r in env.runs()) == [f"t{n}" for n in range(5)]  # oldest
+    assert sorted(r.task_id for r in env.runs()) == [f"t{n}" for n in range(5)]  # oldest
     assert handler.tick(env.clock()).acted == 2
     assert handler.tick(env.clock()).acted == 0
     assert len(env.runs()) == 7
@@ -320,7 +320,7 @@ def test_unqueueable_tasks_do_not_starve_the_rest(env: OfficeEnv) -> None:
                         created_at=env.clock() - timedelta(hours=1))
     env.insert_task("good", "office")
     assert recovery(env).tick(env.clock()).acted == 1
-    assert [r["task_id"] for r in env.runs()] == ["good"]
+    assert [r.task_id for r in env.runs()] == ["good"]
 
 
 def test_gate_without_adoption_is_one_query_and_no_scan(tmp_path: Path) -> None:
@@ -337,7 +337,7 @@ def test_gate_without_adoption_is_one_query_and_no_scan(tmp_path: Path) -> None:
         env.model.update_workspace({"id": "ws1", "office_workflow_id": "office"})
         env.insert_task("o1", "office")
         assert handler.tick(env.clock()).scanned
-        assert [r["task_id"] for r in env.runs()] == ["o1"]
+        assert [r.task_id for r in env.runs()] == ["o1"]
         env.model.update_workspace({"id": "ws1", "office_workflow_id": ""})
         env.insert_project("p1")
         assert handler.tick(env.clock()).scanned

@@ -39,7 +39,7 @@ def routine_runs(env: OfficeEnv) -> list[dict]:
 
 
 def scheduled(env: OfficeEnv) -> list[str]:
-    return [r["payload"]["scheduled_for"] for r in routine_runs(env)]
+    return [r.payload["scheduled_for"] for r in routine_runs(env)]
 
 
 def next_run_at(env: OfficeEnv, routine_id: str = "r1") -> str:
@@ -136,13 +136,13 @@ def test_every_minute_fires_once_per_minute_across_many_ticks(env: OfficeEnv) ->
     expected = [minute(T0 + timedelta(minutes=m)) for m in range(1, 11)]
     assert scheduled(env) == expected
     runs = routine_runs(env)
-    assert [r["idempotency_key"] for r in runs] == [
+    assert [r.idempotency_key for r in runs] == [
         routine_key("r1", parse_rfc3339(s)) for s in expected]
     first_minute = int(parse_rfc3339(expected[0]).timestamp()) // 60
-    assert runs[0]["idempotency_key"] == f"routine:r1:{first_minute}"
-    assert runs[0]["payload"] == {"topic": "news", "routine_id": "r1",
+    assert runs[0].idempotency_key == f"routine:r1:{first_minute}"
+    assert runs[0].payload == {"topic": "news", "routine_id": "r1",
                                   "scheduled_for": expected[0]}
-    assert {r["agent_id"] for r in runs} == {"a1"} and {r["task_id"] for r in runs} == {None}
+    assert {r.agent_id for r in runs} == {"a1"} and {r.task_id for r in runs} == {None}
     assert next_run_at(env) == minute(env.clock() + timedelta(minutes=1))
     last = env.store.query_one("SELECT last_run_at FROM office_routines")[0]
     assert last == expected[-1]
@@ -157,10 +157,10 @@ def test_skip_if_active_skips_while_its_run_is_queued_or_claimed(env: OfficeEnv)
     env.clock.advance(minutes=1)
     assert handler.tick(env.clock()).acted == 0             # queued: skipped
     claim = env.repo.claim_next(env.clock())
-    assert claim is not None and claim.run["id"] == first["id"]
+    assert claim is not None and claim.run.id == first.id
     env.clock.advance(minutes=1)
     assert handler.tick(env.clock()).acted == 0             # claimed: skipped
-    assert env.repo.finish(first["id"], claim.token, now=env.clock(), summary=None,
+    assert env.repo.finish(first.id, claim.token, now=env.clock(), summary=None,
                            cost_cents=None, log_path=None)
     env.clock.advance(minutes=1)
     assert handler.tick(env.clock()).acted == 1             # finished: fires again

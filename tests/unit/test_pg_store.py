@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from kandevd.office.budgets import HARD_BUDGET_PROBE_SQL, exceeded_hard_budgets
-from kandevd.store.db import open_store
-from kandevd.store.pg import Row, translate
+from kandevd.store.open import open_store
+from kandevd.store.postgres import Row, translate
 from kandevd.store.runs import RunRepository
 from kandevd.timeutil import rfc3339
 
@@ -91,23 +91,23 @@ def test_daemons_claiming_at_once_never_claim_an_agent_twice(pg_url: str,
                         finished_all = len(done) >= total
                     if finished_all:
                         for claim in claims if as_the_queue_does else ():
-                            assert repo.finish(claim.run["id"], claim.token, now=T0,
+                            assert repo.finish(claim.run.id, claim.token, now=T0,
                                                summary=None, cost_cents=None, log_path=None)
                         return
                     if as_the_queue_does:
                         with store.transaction(exclusive=False):
                             for claim in claims:
-                                assert repo.finish(claim.run["id"], claim.token, now=T0,
+                                assert repo.finish(claim.run.id, claim.token, now=T0,
                                                    summary=None, cost_cents=None,
                                                    log_path=None)
                             claims = repo.claim_batch(T0, 3)
                     else:
                         claims = repo.claim_batch(T0, 3)
                     with lock:
-                        done.extend((c.run["agent_id"], c.run["seq"], boot) for c in claims)
+                        done.extend((c.run.agent_id, c.run.seq, boot) for c in claims)
                     if not as_the_queue_does:
                         for claim in claims:
-                            assert repo.finish(claim.run["id"], claim.token, now=T0,
+                            assert repo.finish(claim.run.id, claim.token, now=T0,
                                                summary=None, cost_cents=None, log_path=None)
             except BaseException as exc:  # reported by the test below
                 errors.append(exc)
@@ -296,9 +296,9 @@ def test_a_claim_and_an_outcome_look_runs_up_by_index_in_a_long_queue(pg_url: st
         conn.execute, conn.pipelined = recording, recording_all  # type: ignore[method-assign]
         with store.transaction(exclusive=False):
             claims = repo.claim_batch(T0, 4)
-            assert repo.finish(claims[0].run["id"], claims[0].token, now=T0, summary=None,
+            assert repo.finish(claims[0].run.id, claims[0].token, now=T0, summary=None,
                                cost_cents=None, log_path=None)
-            repo.claim_batch(T0, 1, exclude_agents={claims[0].run["agent_id"]})
+            repo.claim_batch(T0, 1, exclude_agents={claims[0].run.agent_id})
         conn.execute, conn.pipelined = execute, pipelined  # type: ignore[method-assign]
         statements = [(sql, params) for sql, params in sent
                       if sql.lstrip().upper().startswith(("SELECT", "UPDATE", "WITH"))]

@@ -28,8 +28,9 @@ import pytest
 
 from kandevd.config import RetryConfig
 from kandevd.office.budgets import BudgetGuard, budget_blocker, exceeded_hard_budgets
-from kandevd.store.db import Store
+from kandevd.runs.retry import retry_decider
 from kandevd.store.runs import RunRepository
+from kandevd.store.sqlite import Store
 from kandevd.timeutil import rfc3339
 from tests.unit.office_env import OfficeEnv, seeded_env
 
@@ -175,19 +176,19 @@ def exercise(env: OfficeEnv) -> None:
     claims = repo.claim_batch(now, 5)
     assert claims
     for claim in claims:
-        if claim.run["agent_id"] == "a1":
-            repo.finish(claim.run["id"], claim.token, now=now, summary="ok", cost_cents=2.5,
+        if claim.run.agent_id == "a1":
+            repo.finish(claim.run.id, claim.token, now=now, summary="ok", cost_cents=2.5,
                         log_path=None)
-        elif claim.run["agent_id"] == "a2":
-            repo.fail_attempt(claim.run["id"], claim.token, now=now, error="boom",
-                              policy=RETRY, cost_cents=1.0, draw=0.5)
+        elif claim.run.agent_id == "a2":
+            repo.fail_attempt(claim.run.id, claim.token, now=now, error="boom",
+                              decide=retry_decider(RETRY, draw=0.5), cost_cents=1.0)
         else:
-            repo.requeue(claim.run["id"], claim.token, now)
+            repo.requeue(claim.run.id, claim.token, now)
     claim = repo.claim_next(now + timedelta(hours=2))
     assert claim is not None
-    repo.fail_attempt(claim.run["id"], claim.token, now=now + timedelta(hours=2),
-                      error="boom", policy=NO_RETRY)
-    repo.claim_of(claim.run["id"], claim.token)
+    repo.fail_attempt(claim.run.id, claim.token, now=now + timedelta(hours=2),
+                      error="boom", decide=retry_decider(NO_RETRY))
+    repo.claim_of(claim.run.id, claim.token)
     repo.claimed_tokens()
 
     # recovery
@@ -200,14 +201,14 @@ def exercise(env: OfficeEnv) -> None:
     other.requeue_foreign_claims(now + timedelta(hours=6))
     again = repo.claim_next(now + timedelta(hours=7))
     assert again is not None
-    repo.adopt_claim(again.run["id"], again.token)
+    repo.adopt_claim(again.run.id, again.token)
     with store.transaction() as conn:
-        repo.rescue(conn, again.run["id"], again.token, now, "test")
+        repo.rescue(conn, again.run.id, again.token, now, "test")
 
     # cancel and retry
-    repo.cancel(first.run["id"], "no longer needed", now)
-    repo.retry(first.run["id"], now)
-    repo.cancel(first.run["id"], None, now, only_queued=True)
+    repo.cancel(first.run.id, "no longer needed", now)
+    repo.retry(first.run.id, now)
+    repo.cancel(first.run.id, None, now, only_queued=True)
 
     # reads
     later = now + timedelta(hours=8)
@@ -217,11 +218,11 @@ def exercise(env: OfficeEnv) -> None:
                             ("workspace_id", "ws1"), ("task_id", "task7"),
                             ("reason", "routine")):
             repo.list(order=order, limit=20, offset=5, **{name: value})
-    repo.get(first.run["id"])
+    repo.get(first.run.id)
     queued = repo.list(status="queued", limit=3)["items"]
     for run in queued:
-        repo.explain(run["id"], later, runtime_full=False)
-    repo.explain(first.run["id"], later, runtime_full=True)
+        repo.explain(run.id, later, runtime_full=False)
+    repo.explain(first.run.id, later, runtime_full=True)
     repo.count_by_status()
     repo.oldest_queued_at()
     repo.has_queued()

@@ -29,9 +29,11 @@ from kandevd.config import AgentProfile, Config, build_config
 from kandevd.paths import HomeLayout
 from kandevd.queue.loop import QueueLoop
 from kandevd.queue.processor import RunQueue
+from kandevd.runs.model import RunConflict
 from kandevd.runtime import AgentRuntime, ExecutionSpec, InProcessRunner
-from kandevd.store.db import Store, open_store
-from kandevd.store.runs import RunConflict, RunRepository
+from kandevd.store.open import open_store
+from kandevd.store.runs import RunRepository
+from kandevd.store.sqlite import Store
 from kandevd.timeutil import after, parse_rfc3339
 from tests.unit.test_runs_repository import T0, seed, set_agent
 
@@ -129,7 +131,7 @@ class Rig:
         return self.loop.tick(self.clock())
 
     def status(self, run_id: str) -> str:
-        return self.repo.get(run_id)["status"]
+        return self.repo.get(run_id).status
 
     def wait_until(self, predicate: Callable[[], bool], what: str = "condition") -> None:
         """Re-check whenever a runtime slot frees (the runtime's own signal)."""
@@ -217,15 +219,15 @@ def test_tick_claims_and_hands_runs_to_the_runtime_without_waiting(rig: Rig) -> 
     b = rig.enqueue("b1", payload={"hold": True})
     assert rig.tick() == SAFETY_S  # returns while both agents are still running
     assert rig.runtime.active == 2
-    assert rig.status(a["id"]) == rig.status(b["id"]) == "claimed"
-    rig.agents.wait_running(a["id"])
-    rig.agents.release(a["id"])
-    rig.agents.release(b["id"])
+    assert rig.status(a.id) == rig.status(b.id) == "claimed"
+    rig.agents.wait_running(a.id)
+    rig.agents.release(a.id)
+    rig.agents.release(b.id)
     rig.settle()
-    finished = rig.repo.get(a["id"])
-    assert finished["status"] == "finished"
-    assert (finished["output_summary"], finished["cost_cents"]) == ("A", 2.5)
-    assert finished["log_path"].endswith(f"{a['id']}.log")
+    finished = rig.repo.get(a.id)
+    assert finished.status == "finished"
+    assert (finished.output_summary, finished.cost_cents) == ("A", 2.5)
+    assert finished.log_path.endswith(f"{a.id}.log")
     topics = [topic for topic, _ in rig.events]
     assert topics.count("run.queued") == 2
     assert topics.count("run.claimed") == 2
@@ -235,7 +237,7 @@ def test_tick_claims_and_hands_runs_to_the_runtime_without_waiting(rig: Rig) -> 
 def test_runs_are_executed_in_request_order_across_workspaces(rig_factory: Callable[..., Rig]
                                                               ) -> None:
     rig = rig_factory(max_concurrent=1)
-    order = [rig.enqueue(agent)["id"] for agent in ["b1", "a1", "a2", "b1", "a1"]]
+    order = [rig.enqueue(agent).id for agent in ["b1", "a1", "a2", "b1", "a1"]]
     while rig.repo.list(status="queued")["total"]:
         rig.tick()
         rig.settle()
@@ -248,20 +250,20 @@ def test_an_agent_runs_one_run_at_a_time(rig: Rig) -> None:
     second = rig.enqueue("a1")
     other = rig.enqueue("b1")
     rig.tick()
-    assert rig.status(first["id"]) == "claimed"
-    assert rig.status(second["id"]) == "queued"  # a1 is busy
+    assert rig.status(first.id) == "claimed"
+    assert rig.status(second.id) == "queued"  # a1 is busy
     rig.settle()
-    assert rig.status(other["id"]) == "finished"  # b1 was not held up by a1
-    assert "agent_busy" in rig.queue.explain(second["id"])["blockers"]
+    assert rig.status(other.id) == "finished"  # b1 was not held up by a1
+    assert "agent_busy" in rig.queue.explain(second.id)["blockers"]
     rig.tick()
-    assert rig.status(second["id"]) == "queued"
+    assert rig.status(second.id) == "queued"
     before = len(rig.signals)
-    rig.agents.release(first["id"])
+    rig.agents.release(first.id)
     rig.settle()
     assert len(rig.signals) > before  # a finished run signals the loop
     rig.tick()
     rig.settle()
-    assert rig.status(second["id"]) == "finished"
+    assert rig.status(second.id) == "finished"
     assert rig.agents.overlap == {"a1": 1, "b1": 1}
 
 
@@ -269,9 +271,9 @@ def test_max_claims_per_tick_bounds_a_tick(rig_factory: Callable[..., Rig]) -> N
     rig = rig_factory(config=make_config(queue={"max_claims_per_tick": 2}))
     runs = [rig.enqueue(agent, payload={"hold": True}) for agent in ["a1", "a2", "b1"]]
     assert rig.tick() == 0.0  # there may be more work right now
-    assert [rig.status(r["id"]) for r in runs] == ["claimed", "claimed", "queued"]
+    assert [rig.status(r.id) for r in runs] == ["claimed", "claimed", "queued"]
     assert rig.tick() == SAFETY_S
-    assert rig.status(runs[2]["id"]) == "claimed"
+    assert rig.status(runs[2].id) == "claimed"
 
 
 def test_a_full_runtime_claims_nothing(rig_factory: Callable[..., Rig]) -> None:
@@ -280,15 +282,15 @@ def test_a_full_runtime_claims_nothing(rig_factory: Callable[..., Rig]) -> None:
     waiting = rig.enqueue("b1")
     rig.tick()
     rig.tick()
-    row = rig.store.query_one("SELECT status, attempt FROM runs WHERE id = ?", (waiting["id"],))
+    row = rig.store.query_one("SELECT status, attempt FROM runs WHERE id = ?", (waiting.id,))
     assert (row["status"], row["attempt"]) == ("queued", 0)  # never claimed, not even briefly
-    assert rig.queue.explain(waiting["id"])["blockers"] == ["runtime_full"]
-    rig.agents.release(busy["id"])
+    assert rig.queue.explain(waiting.id)["blockers"] == ["runtime_full"]
+    rig.agents.release(busy.id)
     rig.settle()
-    assert rig.queue.explain(waiting["id"]) == {"eligible": True, "blockers": [], "details": {}}
+    assert rig.queue.explain(waiting.id) == {"eligible": True, "blockers": [], "details": {}}
     rig.tick()
     rig.settle()
-    assert rig.status(waiting["id"]) == "finished"
+    assert rig.status(waiting.id) == "finished"
 
 
 def test_a_full_runtime_waits_for_its_freed_slot_not_for_a_due_cooldown(
@@ -303,11 +305,11 @@ def test_a_full_runtime_waits_for_its_freed_slot_not_for_a_due_cooldown(
     rig.enqueue("b1")
     busy = rig.enqueue("a1", payload={"hold": True})
     rig.tick()
-    rig.agents.wait_running(busy["id"])
+    rig.agents.wait_running(busy.id)
     before = rig.store.statements
     assert rig.tick() == SAFETY_S  # not the 2 s of b1's cooldown: a1 holds the one slot
     assert rig.store.statements - before <= 1  # "anything queued?" only
-    rig.agents.release(busy["id"])
+    rig.agents.release(busy.id)
     rig.settle()
     assert 0 < rig.tick() <= 2.0  # a free slot: the cooldown's end is the next wake-up
 
@@ -332,7 +334,7 @@ def test_enqueue_signals_the_loop_only_for_new_runs(rig: Rig) -> None:
     assert rig.queue.enqueue(workspace_id="ws1", agent_id="a1", reason="hb").coalesced
     assert len(rig.signals) == 1
     assert [t for t, _ in rig.events] == ["run.queued"]
-    assert rig.events[0][1]["run"]["id"] == first.run["id"]
+    assert rig.events[0][1]["run"].id == first.run.id
 
 
 # -- agent state -----------------------------------------------------------------------
@@ -344,12 +346,12 @@ def test_paused_agent_is_skipped_until_resumed(rig: Rig) -> None:
     other = rig.enqueue("b1")
     rig.tick()
     rig.settle()
-    assert (rig.status(paused["id"]), rig.status(other["id"])) == ("queued", "finished")
-    assert rig.queue.explain(paused["id"])["blockers"] == ["agent_paused"]
+    assert (rig.status(paused.id), rig.status(other.id)) == ("queued", "finished")
+    assert rig.queue.explain(paused.id)["blockers"] == ["agent_paused"]
     set_agent(rig.store, "a1", status="active")
     rig.tick()
     rig.settle()
-    assert rig.status(paused["id"]) == "finished"
+    assert rig.status(paused.id) == "finished"
 
 
 def test_cooldown_delays_the_next_run_and_sets_the_wait(rig: Rig) -> None:
@@ -358,15 +360,15 @@ def test_cooldown_delays_the_next_run_and_sets_the_wait(rig: Rig) -> None:
     second = rig.enqueue("a1")
     rig.tick()
     rig.settle()
-    finished_at = parse_rfc3339(rig.repo.get(first["id"])["finished_at"])
+    finished_at = parse_rfc3339(rig.repo.get(first.id).finished_at)
     rig.clock.now = after(finished_at, 7)
     assert rig.tick() == pytest.approx(3.0)  # wakes exactly when the cooldown ends
-    assert rig.status(second["id"]) == "queued"
-    assert "cooldown_until" in rig.queue.explain(second["id"])["blockers"]
+    assert rig.status(second.id) == "queued"
+    assert "cooldown_until" in rig.queue.explain(second.id)["blockers"]
     rig.clock.now = after(finished_at, 10)
     rig.tick()
     rig.settle()
-    assert rig.status(second["id"]) == "finished"
+    assert rig.status(second.id) == "finished"
 
 
 # -- retries ---------------------------------------------------------------------------
@@ -376,20 +378,20 @@ def test_failed_run_is_retried_on_schedule_then_finishes(rig: Rig) -> None:
     run = rig.enqueue("a1", payload={"fail_times": 1})
     rig.tick()
     rig.settle()
-    queued = rig.repo.get(run["id"])
-    assert (queued["status"], queued["retry_count"]) == ("queued", 1)
-    retry_at = parse_rfc3339(queued["scheduled_retry_at"])
+    queued = rig.repo.get(run.id)
+    assert (queued.status, queued.retry_count) == ("queued", 1)
+    retry_at = parse_rfc3339(queued.scheduled_retry_at)
     assert retry_at == after(T0, 10)  # delays_s[0] with jitter 0, failed at T0
-    assert queued["error_message"] == "exit code 1"
+    assert queued.error_message == "exit code 1"
     rig.clock.advance(6)
     assert rig.tick() == pytest.approx(4.0)  # the loop wakes for the retry
-    assert rig.status(run["id"]) == "queued"
+    assert rig.status(run.id) == "queued"
     rig.clock.now = retry_at
     rig.tick()
     rig.settle()
-    done = rig.repo.get(run["id"])
-    assert (done["status"], done["retry_count"]) == ("finished", 1)
-    assert rig.agents.attempts[run["id"]] == 2
+    done = rig.repo.get(run.id)
+    assert (done.status, done.retry_count) == ("finished", 1)
+    assert rig.agents.attempts[run.id] == 2
     assert "run.retry_scheduled" in [t for t, _ in rig.events]
 
 
@@ -399,13 +401,13 @@ def test_exhausted_retries_fail_the_run(rig: Rig) -> None:
         rig.tick()
         rig.settle()
         rig.clock.advance(120)
-    failed = rig.repo.get(run["id"])
-    assert (failed["status"], failed["retry_count"]) == ("failed", 2)
-    assert failed["error_message"] == "exit code 1"
-    assert rig.agents.attempts[run["id"]] == 3
+    failed = rig.repo.get(run.id)
+    assert (failed.status, failed.retry_count) == ("failed", 2)
+    assert failed.error_message == "exit code 1"
+    assert rig.agents.attempts[run.id] == 3
     rig.tick()
     rig.settle()
-    assert rig.agents.attempts[run["id"]] == 3
+    assert rig.agents.attempts[run.id] == 3
     assert "run.failed" in [t for t, _ in rig.events]
 
 
@@ -414,8 +416,8 @@ def test_a_failure_after_max_age_cancels_the_run(rig: Rig) -> None:
     rig.clock.advance(3601)
     rig.tick()
     rig.settle()
-    cancelled = rig.repo.get(run["id"])
-    assert (cancelled["status"], cancelled["cancel_reason"]) == ("cancelled", "run_too_old")
+    cancelled = rig.repo.get(run.id)
+    assert (cancelled.status, cancelled.cancel_reason) == ("cancelled", "run_too_old")
 
 
 # -- recovery --------------------------------------------------------------------------
@@ -427,18 +429,18 @@ def test_stale_claim_without_a_live_execution_is_requeued_and_run(rig: Rig) -> N
     assert orphan is not None
     rig.clock.advance(599)
     rig.tick()  # the stale check runs (at most once per safety interval): not stale yet
-    assert rig.status(run["id"]) == "claimed"
+    assert rig.status(run.id) == "claimed"
     rig.clock.advance(2)
     rig.tick()  # stale now, but the check already ran less than an interval ago
-    assert rig.status(run["id"]) == "claimed"
+    assert rig.status(run.id) == "claimed"
     rig.clock.advance(SAFETY_S)
     assert rig.tick() == 0.0  # re-queues the stale claim and asks to run again at once ...
-    assert rig.status(run["id"]) == "queued"
+    assert rig.status(run.id) == "queued"
     rig.tick()  # ... and the next tick runs it
     rig.settle()
-    assert rig.status(run["id"]) == "finished"
-    assert rig.agents.started == [run["id"]]
-    assert not rig.repo.finish(run["id"], orphan.token, now=rig.clock(), summary=None,
+    assert rig.status(run.id) == "finished"
+    assert rig.agents.started == [run.id]
+    assert not rig.repo.finish(run.id, orphan.token, now=rig.clock(), summary=None,
                                cost_cents=None, log_path=None)
 
 
@@ -456,32 +458,32 @@ def test_a_restart_reads_an_attempt_record_only_for_the_run_it_names(
     rig.enqueue("b1")
     earlier = RunRepository(rig.store, "boot-0")
     claims = earlier.claim_batch(rig.clock(), 2)
-    names = {claims[0].run["id"]: claims[0].run["id"], claims[1].run["id"]: "run_someone_else"}
+    names = {claims[0].run.id: claims[0].run.id, claims[1].run.id: "run_someone_else"}
     for claim in claims:
-        directory = journal.attempt_dir(rig.queue.layout, claim.run["id"], claim.token)
+        directory = journal.attempt_dir(rig.queue.layout, claim.run.id, claim.token)
         directory.mkdir(parents=True)
-        named = names[claim.run["id"]]
+        named = names[claim.run.id]
         write_record(ExecutionRecord(
             record_dir=directory, pid=0, pid_start=0, key=named, run_id=named, session_id="s",
             started_at=T0, deadline=T0 + timedelta(hours=1), timeout_s=3600.0,
             log_path=tmp_path / f"{named}.log", input_path=tmp_path / "in", argv=("true",)))
         (directory / "exit").write_text("0\n")
     rig.queue.restore_after_restart(adopt=False)
-    assert rig.status(claims[0].run["id"]) == "finished"
-    assert rig.status(claims[1].run["id"]) == "claimed"  # rescued by recovery, run again
+    assert rig.status(claims[0].run.id) == "finished"
+    assert rig.status(claims[1].run.id) == "claimed"  # rescued by recovery, run again
 
 
 def test_a_long_live_execution_is_not_stale(rig: Rig) -> None:
     run = rig.enqueue("a1", payload={"hold": True})
     rig.tick()
-    token = rig.store.query_one("SELECT claim_token FROM runs WHERE id = ?", (run["id"],))[0]
+    token = rig.store.query_one("SELECT claim_token FROM runs WHERE id = ?", (run.id,))[0]
     rig.clock.advance(10_000)
     rig.tick()
-    row = rig.store.query_one("SELECT status, claim_token FROM runs WHERE id = ?", (run["id"],))
+    row = rig.store.query_one("SELECT status, claim_token FROM runs WHERE id = ?", (run.id,))
     assert (row["status"], row["claim_token"]) == ("claimed", token)
-    rig.agents.release(run["id"])
+    rig.agents.release(run.id)
     rig.settle()
-    assert rig.status(run["id"]) == "finished"
+    assert rig.status(run.id) == "finished"
 
 
 def test_restart_recovery_requeues_foreign_claims_in_request_order(rig: Rig) -> None:
@@ -490,12 +492,12 @@ def test_restart_recovery_requeues_foreign_claims_in_request_order(rig: Rig) -> 
     for _ in runs:
         assert old.claim_next(rig.clock()) is not None
     assert rig.tick() == SAFETY_S and rig.agents.started == []  # all agents look busy
-    assert sorted(rig.queue.recover_after_restart()) == sorted(r["id"] for r in runs)
+    assert sorted(rig.queue.recover_after_restart()) == sorted(r.id for r in runs)
     rig.tick()
     rig.settle()
-    assert sorted(rig.agents.started) == sorted(r["id"] for r in runs)
-    assert [r["seq"] for r in rig.repo.list()["items"]] == [r["seq"] for r in runs]
-    assert {rig.status(r["id"]) for r in runs} == {"finished"}
+    assert sorted(rig.agents.started) == sorted(r.id for r in runs)
+    assert [r.seq for r in rig.repo.list()["items"]] == [r.seq for r in runs]
+    assert {rig.status(r.id) for r in runs} == {"finished"}
 
 
 # -- cancel ----------------------------------------------------------------------------
@@ -503,13 +505,13 @@ def test_restart_recovery_requeues_foreign_claims_in_request_order(rig: Rig) -> 
 
 def test_cancel_queued_run_never_executes(rig: Rig) -> None:
     run = rig.enqueue("a1")
-    assert rig.queue.cancel(run["id"], "no longer needed")["status"] == "cancelled"
+    assert rig.queue.cancel(run.id, "no longer needed").status == "cancelled"
     rig.tick()
     rig.settle()
     assert rig.agents.started == []
-    assert rig.repo.get(run["id"])["cancel_reason"] == "no longer needed"
+    assert rig.repo.get(run.id).cancel_reason == "no longer needed"
     with pytest.raises(RunConflict):
-        rig.queue.cancel(run["id"])
+        rig.queue.cancel(run.id)
 
 
 def test_cancel_claimed_run_stops_it_and_its_late_completion_is_ignored(
@@ -517,21 +519,21 @@ def test_cancel_claimed_run_stops_it_and_its_late_completion_is_ignored(
     run = rig.enqueue("a1", payload={"hold": True})
     after_it = rig.enqueue("a1")
     rig.tick()
-    rig.agents.wait_running(run["id"])
-    cancelled = rig.queue.cancel(run["id"])
-    assert cancelled["status"] == "cancelled"
+    rig.agents.wait_running(run.id)
+    cancelled = rig.queue.cancel(run.id)
+    assert cancelled.status == "cancelled"
     rig.tick()
     # The stopped agent still holds its slot until its execution really ends:
     # the agent's next run must wait for that, not just for the row change.
-    assert rig.status(after_it["id"]) == "queued"
+    assert rig.status(after_it.id) == "queued"
     with caplog.at_level(logging.WARNING, logger="kandevd.queue"):
-        rig.agents.release(run["id"])  # the in-process agent cannot be interrupted
+        rig.agents.release(run.id)  # the in-process agent cannot be interrupted
         rig.settle()
-    assert rig.status(run["id"]) == "cancelled"  # the late success changed nothing
+    assert rig.status(run.id) == "cancelled"  # the late success changed nothing
     assert any("superseded" in r.message for r in caplog.records)
     rig.tick()
     rig.settle()
-    assert rig.status(after_it["id"]) == "finished"
+    assert rig.status(after_it.id) == "finished"
     assert rig.agents.overlap["a1"] == 1
 
 
@@ -553,10 +555,10 @@ def test_a_run_whose_agent_cannot_start_is_retried_and_frees_its_slot(
     rig.tick()
     rig.settle()
     assert rig.runtime.active == 0
-    row = rig.repo.get(bad["id"])
-    assert (row["status"], row["retry_count"]) == ("queued", 1)
-    assert "timeout_s" in row["error_message"]
-    assert rig.status(fine["id"]) == "finished"
+    row = rig.repo.get(bad.id)
+    assert (row.status, row.retry_count) == ("queued", 1)
+    assert "timeout_s" in row.error_message
+    assert rig.status(fine.id) == "finished"
 
 
 # -- batched claims and group commit ---------------------------------------------------
@@ -567,8 +569,8 @@ def test_a_tick_claims_one_run_per_agent_in_one_transaction(rig: Rig) -> None:
     before = rig.store.statements
     rig.tick()
     used = rig.store.statements - before
-    claimed = [r["id"] for r in rig.repo.list(status="claimed")["items"]]
-    assert claimed == [runs[0]["id"], runs[2]["id"], runs[3]["id"]]  # a1's second run waits
+    claimed = [r.id for r in rig.repo.list(status="claimed")["items"]]
+    assert claimed == [runs[0].id, runs[2].id, runs[3].id]  # a1's second run waits
     # "anything queued?" + "anything claimable?" (a read) + BEGIN + UPDATE ... RETURNING
     # + profile lookup + COMMIT (+ the sync pragmas), plus the tick's stale-claim and
     # next-due reads: not one per claim.
@@ -710,18 +712,18 @@ def test_deferred_outcome_and_the_next_claim_share_one_commit(
     rig.tick()
     rig.settle()  # the execution ended and gave its slot back ...
     assert rig.runtime.active == 0
-    assert rig.status(first["id"]) == "claimed"  # ... but its outcome waits for the loop
+    assert rig.status(first.id) == "claimed"  # ... but its outcome waits for the loop
     assert rig.queue.live_agents() == {"a1"}  # so the agent is still busy here
     assert rig.signals  # and the loop was told
     mark = trace_length(trace)
     rig.tick()
     assert transactions(trace, mark) == 1  # outcome + next claim: one BEGIN ... COMMIT
-    assert rig.repo.get(first["id"])["output_summary"] == "one"
-    assert rig.status(first["id"]) == "finished"
-    assert rig.status(second["id"]) == "claimed"
+    assert rig.repo.get(first.id).output_summary == "one"
+    assert rig.status(first.id) == "finished"
+    assert rig.status(second.id) == "claimed"
     rig.settle()
     rig.queue.defer_outcomes(False)  # what the loop's last act does: flush what is pending
-    assert rig.status(second["id"]) == "finished"
+    assert rig.status(second.id) == "finished"
     assert [t for t, _ in rig.events].count("run.finished") == 2
 
 
@@ -731,14 +733,14 @@ def test_deferred_failures_follow_the_retry_policy(rig: Rig) -> None:
     rig.tick()
     rig.settle()
     rig.tick()  # writes the failure
-    queued = rig.repo.get(run["id"])
-    assert (queued["status"], queued["retry_count"]) == ("queued", 1)
-    assert parse_rfc3339(queued["scheduled_retry_at"]) == after(T0, 10)
+    queued = rig.repo.get(run.id)
+    assert (queued.status, queued.retry_count) == ("queued", 1)
+    assert parse_rfc3339(queued.scheduled_retry_at) == after(T0, 10)
     rig.clock.advance(10)
     rig.tick()
     rig.settle()
     rig.tick()
-    assert rig.status(run["id"]) == "finished"
+    assert rig.status(run.id) == "finished"
     rig.queue.defer_outcomes(False)
 
 
@@ -751,28 +753,28 @@ def test_one_bad_outcome_does_not_hold_back_the_others(
     real_finish = rig.repo.finish
 
     def finish(run_id: str, token: str, **kwargs: Any) -> bool:
-        if run_id == bad["id"]:
+        if run_id == bad.id:
             raise RuntimeError("injected: this outcome cannot be written")
         return real_finish(run_id, token, **kwargs)
 
     monkeypatch.setattr(rig.repo, "finish", finish)
     rig.queue.monotonic = lambda: rig.clock().timestamp()
     rig.tick()
-    assert rig.status(good["id"]) == "finished"
+    assert rig.status(good.id) == "finished"
     # The refused outcome is kept: the run stays claimed and its agent busy (so neither
     # a claim nor stale-claim recovery runs it again) until the write goes through.
-    assert rig.status(bad["id"]) == "claimed"
+    assert rig.status(bad.id) == "claimed"
     assert rig.queue.live_agents() == frozenset({"a1"})
     assert rig.queue.unrecorded() == 1
     assert rig.tick() == pytest.approx(0.1)  # the loop comes back for the retry
     monkeypatch.undo()
     rig.tick()  # not due yet
-    assert rig.status(bad["id"]) == "claimed"
+    assert rig.status(bad.id) == "claimed"
     rig.clock.advance(0.1)
     rig.tick()
-    assert rig.status(bad["id"]) == "finished"
+    assert rig.status(bad.id) == "finished"
     assert rig.queue.live_agents() == frozenset() and rig.queue.unrecorded() == 0
-    assert sorted(rig.agents.started) == sorted([bad["id"], good["id"]])  # each ran once
+    assert sorted(rig.agents.started) == sorted([bad.id, good.id])  # each ran once
     rig.queue.defer_outcomes(False)
 
 
@@ -791,13 +793,13 @@ def test_an_outcome_refused_for_good_is_recorded_as_a_plain_failed_attempt(
     for _ in range(12):
         rig.tick()
         rig.clock.advance(2.0)
-        if rig.status(run["id"]) != "claimed":
+        if rig.status(run.id) != "claimed":
             break
-    row = rig.repo.get(run["id"])
-    assert row["status"] == "queued" and row["retry_count"] == 1  # settled, retried later
-    assert row["error_message"].startswith("its outcome could not be recorded: RuntimeError")
+    row = rig.repo.get(run.id)
+    assert row.status == "queued" and row.retry_count == 1  # settled, retried later
+    assert row.error_message.startswith("its outcome could not be recorded: RuntimeError")
     assert rig.queue.live_agents() == frozenset() and rig.queue.unrecorded() == 0
-    assert rig.agents.started == [run["id"]]  # never run again to learn it
+    assert rig.agents.started == [run.id]  # never run again to learn it
     rig.queue.defer_outcomes(False)
 
 
@@ -816,16 +818,16 @@ def test_stopping_the_loop_thread_flushes_and_ends_deferral(rig: Rig) -> None:
     try:
         quick = rig.enqueue("a1")
         with done:
-            assert done.wait_for(lambda: quick["id"] in finished, WAIT_S)
+            assert done.wait_for(lambda: quick.id in finished, WAIT_S)
         held = rig.enqueue("b1", payload={"hold": True})
-        rig.agents.wait_running(held["id"])
+        rig.agents.wait_running(held.id)
     finally:
         rig.loop.stop()
-    assert rig.status(held["id"]) == "claimed"
-    rig.agents.release(held["id"])  # ends after the loop: recorded by its own worker
+    assert rig.status(held.id) == "claimed"
+    rig.agents.release(held.id)  # ends after the loop: recorded by its own worker
     with done:
-        assert done.wait_for(lambda: held["id"] in finished, WAIT_S)
-    assert rig.status(held["id"]) == "finished"
+        assert done.wait_for(lambda: held.id in finished, WAIT_S)
+    assert rig.status(held.id) == "finished"
 
 
 def test_an_enqueue_wakes_the_loop_unless_every_slot_runs_and_a_freed_slot_does(
@@ -835,14 +837,14 @@ def test_an_enqueue_wakes_the_loop_unless_every_slot_runs_and_a_freed_slot_does(
     first = rig.enqueue("a1", payload={"hold": True})
     assert rig.signals  # a free runtime: the loop is woken
     rig.tick()
-    rig.agents.wait_running(first["id"])
+    rig.agents.wait_running(first.id)
     before = len(rig.signals)
     second = rig.enqueue("a2")
     assert len(rig.signals) == before  # the one slot runs: a pass could claim nothing
-    rig.agents.gate(first["id"]).set()  # the execution ends; its slot frees
+    rig.agents.gate(first.id).set()  # the execution ends; its slot frees
     rig.wait_until(lambda: len(rig.signals) > before, "the freed slot's wake-up")
     rig.tick()  # records the outcome and claims the second run
-    rig.wait_until(lambda: rig.status(second["id"]) == "finished", "the second run")
+    rig.wait_until(lambda: rig.status(second.id) == "finished", "the second run")
     rig.wait_until(lambda: rig.runtime.active == 0, "the second run's slot to free")
     # A reservation held by a pass in progress is not a running slot: it may have
     # looked for work already, so the enqueue still wakes the loop.

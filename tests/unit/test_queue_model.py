@@ -34,8 +34,10 @@ from hypothesis.stateful import (
 )
 
 from kandevd.config import RetryConfig
-from kandevd.store.db import open_store
-from kandevd.store.runs import TERMINAL, RunConflict, RunRepository
+from kandevd.runs.model import TERMINAL, RunConflict
+from kandevd.runs.retry import retry_decider
+from kandevd.store.open import open_store
+from kandevd.store.runs import RunRepository
 from kandevd.timeutil import parse_rfc3339
 from tests.unit.test_runs_repository import T0, seed
 
@@ -101,8 +103,8 @@ class QueueMachine(RuleBasedStateMachine):
     def enqueue(self, agent: str) -> None:
         run = self.repo.enqueue(workspace_id=AGENTS[agent], agent_id=agent, reason="model",
                                 now=self.now, coalesce=False).run
-        assert all(run["seq"] > r.seq for r in self.runs.values())
-        self.runs[run["id"]] = ModelRun(run["id"], run["seq"], agent, self.now)
+        assert all(run.seq > r.seq for r in self.runs.values())
+        self.runs[run.id] = ModelRun(run.id, run.seq, agent, self.now)
 
     @rule(target=claims)
     def claim(self) -> tuple[str, str] | None:
@@ -112,8 +114,8 @@ class QueueMachine(RuleBasedStateMachine):
             assert claim is None
             return None
         assert claim is not None, f"expected {expected[0].run_id} to be claimed"
-        assert claim.run["id"] == expected[0].run_id  # FIFO among the eligible
-        run = self.runs[claim.run["id"]]
+        assert claim.run.id == expected[0].run_id  # FIFO among the eligible
+        run = self.runs[claim.run.id]
         run.status, run.token = "claimed", claim.token
         return (run.run_id, claim.token)
 
@@ -143,23 +145,23 @@ class QueueMachine(RuleBasedStateMachine):
         if run is None:
             return
         updated = self.repo.fail_attempt(run.run_id, handle[1], now=self.now, error="boom",
-                                         policy=POLICY, draw=draw)
+                                         decide=retry_decider(POLICY, draw=draw))
         assert updated is not None
         self.old_tokens.append(handle)
         run.token = None
         if (self.now - run.requested_at).total_seconds() > POLICY.max_age_s:
-            assert (updated["status"], updated["cancel_reason"]) == ("cancelled", "run_too_old")
+            assert (updated.status, updated.cancel_reason) == ("cancelled", "run_too_old")
             run.status = "cancelled"
         elif run.retry_count >= POLICY.max_retries:
-            assert updated["status"] == "failed"
-            assert updated["error_message"] == "boom"
+            assert updated.status == "failed"
+            assert updated.error_message == "boom"
             run.status = "failed"
         else:
             delay = POLICY.delays_s[run.retry_count] * (1 + POLICY.jitter * draw)
             expected = self.now + timedelta(seconds=delay)
-            assert updated["status"] == "queued"
-            assert updated["retry_count"] == run.retry_count + 1
-            got = parse_rfc3339(updated["scheduled_retry_at"])
+            assert updated.status == "queued"
+            assert updated.retry_count == run.retry_count + 1
+            got = parse_rfc3339(updated.scheduled_retry_at)
             assert abs(got - expected) <= timedelta(microseconds=1)
             run.status, run.retry_count, run.retry_at = "queued", run.retry_count + 1, got
         self.ended(run)
@@ -174,7 +176,7 @@ class QueueMachine(RuleBasedStateMachine):
         assert not self.repo.finish(run_id, token, now=self.now, summary="late",
                                     cost_cents=None, log_path=None)
         assert self.repo.fail_attempt(run_id, token, now=self.now, error="late",
-                                      policy=POLICY) is None
+                                      decide=retry_decider(POLICY)) is None
         assert self.repo.get(run_id) == before
 
     @precondition(lambda self: self.runs)
@@ -189,7 +191,7 @@ class QueueMachine(RuleBasedStateMachine):
                 return
             raise AssertionError(f"cancel of a {run.status} run did not conflict")
         cancelled, previous = self.repo.cancel(run.run_id, "model", self.now)
-        assert (cancelled["status"], previous) == ("cancelled", run.status)
+        assert (cancelled.status, previous) == ("cancelled", run.status)
         run.status, run.token = "cancelled", None
 
     @rule(agent=st.sampled_from(sorted(AGENTS)))

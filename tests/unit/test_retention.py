@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -23,14 +24,17 @@ from hypothesis import strategies as st
 
 from kandevd.bus import EventBus
 from kandevd.config import build_config
+from kandevd.office.budgets import RETENTION_KEEPS_COUNTED_RUNS
 from kandevd.paths import HomeLayout
 from kandevd.queue.loop import QueueLoop
 from kandevd.queue.processor import RunQueue
+from kandevd.queue.retention import RunPruner
+from kandevd.runs.model import IDEMPOTENCY_WINDOW_S, TERMINAL
 from kandevd.runtime import AgentRuntime
-from kandevd.store import retention
-from kandevd.store.db import Store, open_store
-from kandevd.store.retention import RunPruner, db_size_bytes, db_status, oldest_run_at
-from kandevd.store.runs import IDEMPOTENCY_WINDOW_S, TERMINAL, RunRepository
+from kandevd.store.open import open_store
+from kandevd.store.runs import RunRepository
+from kandevd.store.runs.retention import ExpiredRuns, db_status, oldest_run_at
+from kandevd.store.sqlite import Store, db_size_bytes
 from kandevd.timeutil import after, rfc3339
 from tests.stores import sqlite_only
 
@@ -124,6 +128,12 @@ def run_ids(home: Home) -> set[str]:
     return {r[0] for r in home.store.query("SELECT id FROM runs")}
 
 
+def make_pruner(home: Home, retention_days: float, **kwargs: Any) -> RunPruner:
+    """The daemon's pruner: Office budgets keep the costed runs they count."""
+    return RunPruner(ExpiredRuns(home.store, keep=[RETENTION_KEEPS_COUNTED_RUNS]), home.layout,
+                     retention_days, **kwargs)
+
+
 def prune_all(pruner: RunPruner, now: datetime) -> int:
     total = 0
     for _ in range(10_000):
@@ -170,7 +180,7 @@ def test_pruning_to_completion_removes_exactly_the_old_terminal_runs_and_their_f
             old = ended < cutoff
             if retention_days > 0 and status in TERMINAL and old and key != "fresh":
                 expect_gone.add(run_id)
-        pruner = RunPruner(home.store, home.layout, retention_days, batch=batch, budget_s=0.0)
+        pruner = make_pruner(home, retention_days, batch=batch, budget_s=0.0)
         assert prune_all(pruner, now) == len(expect_gone)
         assert run_ids(home) == everyone - expect_gone
         for run_id in everyone:
@@ -187,7 +197,7 @@ def test_pruning_to_completion_removes_exactly_the_old_terminal_runs_and_their_f
 def test_one_call_deletes_at_most_one_batch_when_its_budget_is_used_and_the_next_continues(
         home: Home) -> None:
     old = [add_run(home, "finished", after(T0, -40 * DAY + i)) for i in range(7)]
-    pruner = RunPruner(home.store, home.layout, 30, batch=3, budget_s=0.0)
+    pruner = make_pruner(home, 30, batch=3, budget_s=0.0)
     first = pruner.prune(T0)
     assert (first.deleted, first.more) == (3, True)
     assert run_ids(home) == set(old[3:])  # the oldest went first
@@ -202,11 +212,11 @@ def test_a_call_stops_starting_batches_once_its_time_budget_is_spent(home: Home)
     for i in range(10):
         add_run(home, "failed", after(T0, -40 * DAY + i), files=False)
     ticks = iter(range(100))  # a clock that advances 1 s per reading
-    pruner = RunPruner(home.store, home.layout, 30, batch=2, budget_s=2.5,
+    pruner = make_pruner(home, 30, batch=2, budget_s=2.5,
                        clock=lambda: float(next(ticks)))
     # readings: start 0, after batch 1 -> 1, after batch 2 -> 2, after batch 3 -> 3 >= 2.5
     assert pruner.prune(T0).deleted == 6
-    unbounded = RunPruner(home.store, home.layout, 30, batch=2, budget_s=60.0)
+    unbounded = make_pruner(home, 30, batch=2, budget_s=60.0)
     assert unbounded.prune(T0).deleted == 4
 
 
@@ -218,7 +228,7 @@ def test_each_batch_is_its_own_transaction(home: Home) -> None:
     conn = home.store._conn
     conn.set_trace_callback(lambda sql: begins.append(sql) if sql.startswith("BEGIN") else None)
     try:
-        pruner = RunPruner(home.store, home.layout, 30, batch=2, budget_s=60.0)
+        pruner = make_pruner(home, 30, batch=2, budget_s=60.0)
         assert pruner.prune(T0).deleted == 5
         assert len(begins) == 3
         assert pruner.prune(T0).deleted == 0  # nothing to do: not even the write lock
@@ -235,7 +245,7 @@ def test_queued_and_claimed_runs_are_never_touched_whatever_their_age(home: Home
     kept = [add_run(home, "queued", ancient),
             add_run(home, "claimed", ancient, agent=new_agent(home))]
     gone = add_run(home, "finished", ancient)
-    assert prune_all(RunPruner(home.store, home.layout, 1), T0) == 1
+    assert prune_all(make_pruner(home, 1), T0) == 1
     assert run_ids(home) == set(kept)
     assert not any(p.exists() for p in run_files(home, gone))
     assert all(p.exists() for run_id in kept for p in run_files(home, run_id))
@@ -243,7 +253,7 @@ def test_queued_and_claimed_runs_are_never_touched_whatever_their_age(home: Home
 
 def test_retention_zero_keeps_everything(home: Home) -> None:
     add_run(home, "finished", after(T0, -3650 * DAY))
-    pruner = RunPruner(home.store, home.layout, 0)
+    pruner = make_pruner(home, 0)
     assert not pruner.enabled
     assert pruner.prune(T0).deleted == 0 and len(run_ids(home)) == 1
 
@@ -251,12 +261,12 @@ def test_retention_zero_keeps_everything(home: Home) -> None:
 def test_a_run_whose_key_still_deduplicates_is_kept_until_the_key_expires(home: Home) -> None:
     ended = after(T0, -2 * DAY)
     run_id = add_run(home, "finished", ended, key="k-live", key_at=after(T0, -3600))
-    pruner = RunPruner(home.store, home.layout, 1)
+    pruner = make_pruner(home, 1)
     assert pruner.prune(T0).deleted == 0
     repo = RunRepository(home.store, "boot")
     again = repo.enqueue(workspace_id="ws", agent_id="a", reason="r", now=T0,
                          idempotency_key="k-live")
-    assert again.deduplicated and again.run["id"] == run_id
+    assert again.deduplicated and again.run.id == run_id
     later = after(T0, IDEMPOTENCY_WINDOW_S)
     assert pruner.prune(later).deleted == 1
     fresh = repo.enqueue(workspace_id="ws", agent_id="a", reason="r", now=later,
@@ -266,7 +276,7 @@ def test_a_run_whose_key_still_deduplicates_is_kept_until_the_key_expires(home: 
 
 def test_live_executions_are_kept(home: Home) -> None:
     run_id = add_run(home, "cancelled", after(T0, -40 * DAY))
-    pruner = RunPruner(home.store, home.layout, 30)
+    pruner = make_pruner(home, 30)
     assert pruner.prune(T0, live={run_id}).deleted == 0
     assert pruner.prune(T0).deleted == 1
 
@@ -287,7 +297,7 @@ def test_costed_runs_a_budget_still_counts_are_kept(home: Home) -> None:
                          cost=5.0, agent="b")
     last_month = add_run(home, "finished", datetime(2026, 2, 28, 23, 0, tzinfo=UTC),
                          cost=5.0, agent="b")
-    assert prune_all(RunPruner(home.store, home.layout, 10), T0) == 2
+    assert prune_all(make_pruner(home, 10), T0) == 2
     assert run_ids(home) == {lifetime, this_month}
     assert uncosted not in run_ids(home) and last_month not in run_ids(home)
 
@@ -308,7 +318,7 @@ def test_files_outside_the_home_are_never_removed(home: Home, tmp_path: Path) ->
             log_path=str(home.layout.root / ".." / "elsewhere" / "precious.log"))
     linked_id = add_run(home, "failed", after(T0, -40 * DAY), files=False)
     (home.layout.runs / linked_id).symlink_to(outside)  # its folder is a link out
-    assert prune_all(RunPruner(home.store, home.layout, 30), T0) == 4
+    assert prune_all(make_pruner(home, 30), T0) == 4
     assert victim.read_text() == "keep me"
     assert not os.path.lexists(home.layout.runs / linked_id)  # the link went, not its target
     assert outside.is_dir() and victim.exists()
@@ -320,7 +330,7 @@ def test_a_log_path_elsewhere_in_the_home_goes_with_its_input(home: Home) -> Non
     (other / "x.log").write_text("x")
     (other / "x.input.json").write_text("{}")
     add_run(home, "finished", after(T0, -40 * DAY), log_path=str(other / "x.log"))
-    assert prune_all(RunPruner(home.store, home.layout, 30), T0) == 1
+    assert prune_all(make_pruner(home, 30), T0) == 1
     assert list(other.iterdir()) == []
 
 
@@ -330,7 +340,7 @@ def test_files_stay_when_the_batch_rolls_back(home: Home) -> None:
     home.store.execute("CREATE TRIGGER no_delete BEFORE DELETE ON runs"
                        " BEGIN SELECT RAISE(ABORT, 'refused'); END")
     with pytest.raises(sqlite3.IntegrityError):
-        RunPruner(home.store, home.layout, 30).prune(T0)
+        make_pruner(home, 30).prune(T0)
     assert run_ids(home) == {run_id}
     assert all(p.exists() for p in run_files(home, run_id))
 
@@ -343,7 +353,7 @@ def test_one_info_line_per_pass_that_deleted_something(home: Home,
     kept = add_run(home, "queued", after(T0, -50 * DAY))
     for i in range(5):
         add_run(home, "finished", after(T0, -40 * DAY + i))
-    pruner = RunPruner(home.store, home.layout, 30, batch=2, budget_s=60.0)
+    pruner = make_pruner(home, 30, batch=2, budget_s=60.0)
     with caplog.at_level(logging.INFO, logger="kandevd.store.retention"):
         assert pruner.prune(T0).deleted == 5
         assert pruner.prune(T0).deleted == 0
@@ -370,7 +380,8 @@ def test_db_status(home: Home) -> None:
 def test_the_candidate_query_uses_the_retention_index(home: Home) -> None:
     sqlite_only(home.store, "EXPLAIN QUERY PLAN")
     plan = [r["detail"] for r in home.store.query(
-        "EXPLAIN QUERY PLAN " + retention._CANDIDATES.format(home_only=""),
+        "EXPLAIN QUERY PLAN " + ExpiredRuns(home.store,
+                                             keep=[RETENTION_KEEPS_COUNTED_RUNS])._candidates,
         {"cutoff": rfc3339(T0), "key_cutoff": rfc3339(T0), "month_start": rfc3339(T0),
          "limit": 200})]
     assert any("USING INDEX runs_terminal_ended" in line for line in plan), plan
@@ -395,7 +406,7 @@ def test_the_safety_pass_prunes_at_most_once_per_interval_and_continues_later(
         home: Home) -> None:
     for i in range(5):
         add_run(home, "finished", after(T0, -40 * DAY + i))
-    loop = make_loop(home, RunPruner(home.store, home.layout, 30, batch=2, budget_s=0.0))
+    loop = make_loop(home, make_pruner(home, 30, batch=2, budget_s=0.0))
     loop.tick(T0)
     assert len(run_ids(home)) == 3
     loop.tick(after(T0, 1))  # within the safety interval: no pruning
@@ -411,7 +422,7 @@ def test_a_failing_retention_pass_never_disturbs_the_queue(
     add_run(home, "finished", after(T0, -40 * DAY))
     home.store.execute("CREATE TRIGGER no_delete BEFORE DELETE ON runs"
                        " BEGIN SELECT RAISE(ABORT, 'refused'); END")
-    loop = make_loop(home, RunPruner(home.store, home.layout, 30))
+    loop = make_loop(home, make_pruner(home, 30))
     with caplog.at_level(logging.WARNING, logger="kandevd.queue.loop"):
         assert loop.tick(T0) == 5.0  # the usual wait: the pass went on
     assert "retention pass failed" in caplog.text

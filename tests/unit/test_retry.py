@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kandevd.config import RetryConfig, build_config
-from kandevd.queue.retry import decide_retry, retry_delay
-from kandevd.store.db import open_store
+from kandevd.runs.retry import decide_retry, retry_decider, retry_delay
+from kandevd.store.open import open_store
 from kandevd.store.runs import RunRepository
 from kandevd.timeutil import parse_rfc3339
 from tests.unit.test_runs_repository import T0, seed
@@ -92,23 +92,24 @@ def test_repository_writes_the_policy_schedule(tmp_path_factory: pytest.TempPath
     try:
         seed(store, "ws1", "a1")
         repo = RunRepository(store, "boot")
-        run_id = repo.enqueue(workspace_id="ws1", agent_id="a1", reason="r", now=T0).run["id"]
+        run_id = repo.enqueue(workspace_id="ws1", agent_id="a1", reason="r", now=T0).run.id
         now: datetime = T0
         for retry_count, draw in enumerate(draws_):
             claim = repo.claim_next(now)
             assert claim is not None
             updated = repo.fail_attempt(run_id, claim.token, now=now, error="x",
-                                        policy=policy, draw=draw)
-            assert updated is not None and updated["retry_count"] == retry_count + 1
+                                        decide=retry_decider(policy, draw=draw))
+            assert updated is not None and updated.retry_count == retry_count + 1
             expected = now + timedelta(seconds=policy.delays_s[retry_count] * (1 + 0.5 * draw))
-            retry_at = parse_rfc3339(updated["scheduled_retry_at"])
+            retry_at = parse_rfc3339(updated.scheduled_retry_at)
             assert abs(retry_at - expected) <= timedelta(microseconds=1)
             assert retry_at.tzinfo == UTC
             now = retry_at
         claim = repo.claim_next(now)
         assert claim is not None
-        final = repo.fail_attempt(run_id, claim.token, now=now, error="last", policy=policy)
-        assert final is not None and final["status"] == "failed"
-        assert final["error_message"] == "last"
+        final = repo.fail_attempt(run_id, claim.token, now=now, error="last",
+                                  decide=retry_decider(policy))
+        assert final is not None and final.status == "failed"
+        assert final.error_message == "last"
     finally:
         store.close()

@@ -20,7 +20,9 @@ import pytest
 
 from kandevd.lifecycle import Loop, LoopState, StopSignal
 from kandevd.shutdown import ShutdownCoordinator, SignalWiring
-from kandevd.store.db import Store, StoreClosedError, open_store
+from kandevd.store.base import StoreClosedError
+from kandevd.store.open import open_store
+from kandevd.store.sqlite import Store
 
 TIMEOUT = 10.0
 NOW = "2026-12-02T13:00:00.000000Z"

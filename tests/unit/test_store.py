@@ -15,8 +15,10 @@ from typing import Any
 import pytest
 import sqlite_utils
 
-from kandevd.store import migrations
-from kandevd.store.db import Store, StoreClosedError, StoreError, open_store
+from kandevd.store.base import StoreClosedError, StoreError
+from kandevd.store.migrations import sqlite as migrations
+from kandevd.store.open import open_store
+from kandevd.store.sqlite import Store
 
 TIMEOUT = 10.0
 NOW = "2026-12-02T13:00:00.000000Z"

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from kandevd.control.registry import Registry
-from kandevd.store.db import MAX_IDLE_READERS, Store, StoreClosedError, open_store
+from kandevd.store.base import MAX_IDLE_READERS, StoreClosedError
+from kandevd.store.open import open_store
+from kandevd.store.sqlite import Store
 
 
 @pytest.fixture

@@ -34,7 +34,7 @@ from kandevd.office.routines import (
     first_next_run_at,
 )
 from kandevd.services import Services
-from kandevd.store.db import BaseStore
+from kandevd.store.base import BaseStore
 from kandevd.timeutil import rfc3339, utc_now
 
 NEW_ID = {"type": "string", "pattern": r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$"}

@@ -9,14 +9,14 @@ import jsonschema
 from kandevd.config import format_validation_error
 from kandevd.control.protocol import Conflict, InvalidParams, NotFound
 from kandevd.control.registry import Registry, object_schema, paging_properties
-from kandevd.services import Services
-from kandevd.store.runs import (
+from kandevd.runs.model import (
     STATUSES,
     BatchItemError,
     RunConflict,
     RunNotFound,
     RunReferenceError,
 )
+from kandevd.services import Services
 
 ID = {"type": "string", "minLength": 1, "maxLength": 200}
 
@@ -56,8 +56,7 @@ def register(registry: Registry, services: Services) -> None:
                 idempotency_key=p.get("idempotency_key"), coalesce=p.get("coalesce", True))
         except RunReferenceError as exc:
             raise InvalidParams(str(exc)) from None
-        return {"run": result.run, "deduplicated": result.deduplicated,
-                "coalesced": result.coalesced}
+        return result.to_dict()
 
     def enqueue_many(p: dict[str, Any]) -> dict[str, Any]:
         check_items(p["runs"])
@@ -73,25 +72,24 @@ def register(registry: Registry, services: Services) -> None:
             results = queue.enqueue_many(items)
         except BatchItemError as exc:
             raise InvalidParams(f"params.{exc}", data={"index": exc.index}) from None
-        return {"results": [
-            {"run": r.run, "deduplicated": r.deduplicated, "coalesced": r.coalesced}
-            for r in results]}
+        return {"results": [result.to_dict() for result in results]}
 
     def get(p: dict[str, Any]) -> dict[str, Any]:
         try:
-            return queue.repo.get(p["id"])
+            return queue.repo.get(p["id"]).to_dict()
         except RunNotFound as exc:
             raise NotFound(str(exc)) from None
 
     def list_(p: dict[str, Any]) -> dict[str, Any]:
-        return queue.repo.list(limit=p.get("limit", 50), offset=p.get("offset", 0),
+        page = queue.repo.list(limit=p.get("limit", 50), offset=p.get("offset", 0),
                                order=p.get("order", "asc"),
                                **{k: p.get(k) for k in ("status", "agent_id", "workspace_id",
                                                         "task_id", "reason")})
+        return {**page, "items": [run.to_dict() for run in page["items"]]}
 
     def cancel(p: dict[str, Any]) -> dict[str, Any]:
         try:
-            return queue.cancel(p["id"], p.get("reason"))
+            return queue.cancel(p["id"], p.get("reason")).to_dict()
         except RunNotFound as exc:
             raise NotFound(str(exc)) from None
         except RunConflict as exc:
@@ -99,7 +97,7 @@ def register(registry: Registry, services: Services) -> None:
 
     def retry(p: dict[str, Any]) -> dict[str, Any]:
         try:
-            return queue.retry(p["id"])
+            return queue.retry(p["id"]).to_dict()
         except RunNotFound as exc:
             raise NotFound(str(exc)) from None
         except RunConflict as exc:

@@ -1,4 +1,4 @@
-"""Versioned schema migrations.
+"""The SQLite schema, as versioned migrations.
 
 ``schema_migrations`` records each applied version. A migration is a function
 of a :class:`sqlite_utils.Database` wrapping the store's connection; it runs
@@ -17,8 +17,8 @@ from collections.abc import Callable
 
 import sqlite_utils
 
-from kandevd.store.db import BaseStore, Store
-from kandevd.timeutil import rfc3339, utc_now
+from kandevd.store.base import BaseStore
+from kandevd.store.migrations.common import SCHEMA_TABLE, record, refuse_newer
 
 log = logging.getLogger("kandevd.store.migrations")
 
@@ -234,73 +234,23 @@ MIGRATIONS: list[tuple[int, str, Migration]] = [
 ]
 
 
-def current_version(store: Store) -> int:
+def current_version(store: BaseStore) -> int:
     with store.connection() as conn:
-        conn.execute(
-            "CREATE TABLE IF NOT EXISTS schema_migrations "
-            "(version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at TEXT NOT NULL)"
-        )
+        conn.execute(SCHEMA_TABLE)
         row = conn.execute("SELECT MAX(version) FROM schema_migrations").fetchone()
     return int(row[0] or 0)
 
 
-def _refuse_newer(version: int, known: int) -> None:
-    if version > known:
-        raise RuntimeError(
-            f"database schema version {version} is newer than this kandevd knows ({known}); "
-            "refusing to touch it"
-        )
-
-
-def _migrate_postgresql(store: BaseStore) -> int:
-    """PostgreSQL: every pending version in one transaction, under the writer lock.
-
-    Daemons starting together on a new database take turns: the first
-    creates the schema, the others find it done.
-    """
-    from kandevd.store.pg_schema import MIGRATIONS as PG_MIGRATIONS
-
-    known = PG_MIGRATIONS[-1][0]
-    applied: list[tuple[int, str]] = []
-    with store.transaction() as conn:
-        conn.execute(
-            "CREATE TABLE IF NOT EXISTS schema_migrations "
-            "(version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at TEXT NOT NULL)"
-        )
-        version = int(conn.execute("SELECT MAX(version) FROM schema_migrations")
-                      .fetchone()[0] or 0)
-        _refuse_newer(version, known)
-        for number, name, statements in PG_MIGRATIONS:
-            if number <= version:
-                continue
-            for statement in statements:
-                conn.execute(statement)
-            conn.execute(
-                "INSERT INTO schema_migrations (version, name, applied_at) VALUES (?, ?, ?)",
-                (number, name, rfc3339(utc_now())),
-            )
-            applied.append((number, name))
-            version = number
-    for number, name in applied:
-        log.info("database migrated to version %d (%s)", number, name)
-    return version
-
-
 def migrate(store: BaseStore) -> int:
-    """Apply every pending migration; return the resulting schema version."""
-    if store.dialect == "postgresql":
-        return _migrate_postgresql(store)
+    """Apply every pending migration, each in its own transaction; the resulting version."""
     version = current_version(store)
-    _refuse_newer(version, MIGRATIONS[-1][0] if MIGRATIONS else 0)
+    refuse_newer(version, MIGRATIONS[-1][0] if MIGRATIONS else 0)
     for number, name, apply in MIGRATIONS:
         if number <= version:
             continue
         with store.transaction() as conn:
             apply(sqlite_utils.Database(conn))
-            conn.execute(
-                "INSERT INTO schema_migrations (version, name, applied_at) VALUES (?, ?, ?)",
-                (number, name, rfc3339(utc_now())),
-            )
+            record(conn, number, name)
         log.info("database migrated to version %d (%s)", number, name)
         version = number
     return version

@@ -1,36 +1,11 @@
-"""The stores: :class:`BaseStore` (what every backend shares) and SQLite's :class:`Store`.
+"""What every store shares: the guarded writer, the reader pool, nested transactions.
 
-SQLite in the home is the default store: one database file, one guarded
-writer connection, read connections. PostgreSQL (``store.url``) is
-:class:`kandevd.store.pg.PgStore`, on the same base. What follows is said of
-SQLite; the base's locking, nesting and reader pool are the same for both.
-
-Threading model: the daemon opens one writer ``sqlite3.Connection``
-(``check_same_thread=False``) and serialises every use of it with a
-re-entrant lock. SQLite allows one writer at a time anyway, our statements
-are short, and a single writer makes ``close()`` simple: it takes the same
-lock, so it waits for whatever statement is running, and after it every use
-raises :class:`StoreClosedError` with a message that says this is a
-shutdown-order bug. Other processes (tests, the CLI, a second reader) may
-open the same file; WAL mode lets them read while the daemon writes.
-
-Read connections: inside :meth:`Store.reading` the calling thread's
-:meth:`~Store.query`, :meth:`~Store.query_one` and :meth:`~Store.connection`
-run on a read-only connection (``mode=ro``) instead of the writer, without
-the writer's lock, so a read (``runs.list``, ``daemon.status``) never waits
-for a write transaction and never holds one up; WAL gives each statement the
-latest committed snapshot. The first use in a ``reading()`` block checks a
-connection out of a small pool; the block's end gives it back (so a thread
-per client connection does not leave a connection per thread behind). A
-thread inside a writer :meth:`~Store.transaction` keeps reading from the
-writer (it must see its own uncommitted writes); ``transaction()`` is always
-the writer. Each read connection has its own lock, which ``close()`` takes
-before closing it: a read in progress finishes first, and any later use
-raises :class:`StoreClosedError`. A ``:memory:`` store has no second
-connection to the same database: there ``reading()`` falls back to the writer.
-
-``transaction()`` is ``BEGIN IMMEDIATE``: the write lock is taken up front,
-so a read-then-update (a claim) can never be interleaved with another writer.
+A backend (:mod:`kandevd.store.sqlite`, :mod:`kandevd.store.postgres`) gives
+the connections; the locking, the nesting of transactions, the after-commit
+callbacks and the routing of reads are the same for every database, so the
+code above the store runs on either. The store's errors are the DB-API
+classes of :mod:`sqlite3` whatever the backend. See docs/architecture.md
+("The store") for the threading model.
 """
 
 from __future__ import annotations
@@ -43,7 +18,6 @@ import sqlite3
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("kandevd.store")
@@ -120,6 +94,9 @@ class BaseStore(abc.ABC):
 
     #: Which SQL dialect the store speaks (``sqlite`` or ``postgresql``).
     dialect = "sqlite"
+    #: Several daemons may share this database (each prunes only its own home's files,
+    #: and they form a cluster).
+    shared = False
 
     def _init_common(self) -> None:
         self._lock = threading.RLock()
@@ -180,6 +157,11 @@ class BaseStore(abc.ABC):
     @abc.abstractmethod
     def size_bytes(self) -> int:
         """How much room the database takes, in bytes."""
+
+    def change_marker(self) -> object | None:
+        """A value that changes whenever anything committed, or None when nothing cheap
+        tells (several daemons write): then every reader must read again."""
+        return None
 
     # -- read connections ---------------------------------------------------------
     @contextmanager
@@ -396,125 +378,3 @@ class BaseStore(abc.ABC):
             if self._trace_file is not None:
                 self._trace_file.close()
         log.debug("store closed")
-
-
-class Store(BaseStore):
-    """The SQLite store in the home: one file, WAL, ``BEGIN IMMEDIATE`` writes."""
-
-    #: The class of every connection the store opens (a test may record statements).
-    connection_factory: type[sqlite3.Connection] = sqlite3.Connection
-
-    def __init__(self, path: Path | str, *, synchronous: str = "FULL") -> None:
-        self.path = str(path)
-        self._init_common()
-        self._memory = self.path == ":memory:" or self.path.startswith("file::memory:") \
-            or "mode=memory" in self.path
-        conn = sqlite3.connect(
-            self.path, check_same_thread=False, isolation_level=None,
-            timeout=BUSY_TIMEOUT_MS / 1000, factory=self.connection_factory,
-        )
-        conn.row_factory = sqlite3.Row
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
-        conn.execute("PRAGMA foreign_keys=ON")
-        conn.execute(f"PRAGMA synchronous={synchronous}")
-        self._last_written: str | None = None
-        conn.set_trace_callback(self._trace_writer)
-        self._conn = conn
-        if self.path != ":memory:" and os.path.exists(self.path):
-            os.chmod(self.path, 0o600)
-
-    def _trace_writer(self, statement: str) -> None:
-        """The writer's trace: each statement once, not once more per trigger it fires.
-
-        SQLite reports the start of every trigger program (the run counts of
-        migration 6 fire on each run written) as the statement that fired it,
-        and Python passes the same text again; a repeat of the text just seen
-        on this connection is that. (Running the very same statement, values
-        included, twice in a row is then counted once: a diagnostic counter.)
-        """
-        if statement == self._last_written:
-            return
-        self._last_written = statement
-        self._trace(statement)
-
-    def _open_reader_connection(self) -> sqlite3.Connection:
-        uri = Path(self.path).absolute().as_uri() + "?mode=ro"
-        try:
-            conn = sqlite3.connect(uri, uri=True, check_same_thread=False,
-                                   isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000,
-                                   factory=self.connection_factory)
-        except sqlite3.DatabaseError as exc:
-            self._note_failure(exc)
-            raise
-        try:
-            conn.row_factory = sqlite3.Row
-            conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
-            conn.execute("PRAGMA journal_mode")  # WAL: set by the writer, persistent
-            conn.set_trace_callback(self._trace)
-        except sqlite3.DatabaseError as exc:
-            conn.close()
-            self._note_failure(exc)
-            raise
-        return conn
-
-    def _begin(self, conn: sqlite3.Connection, exclusive: bool) -> None:
-        conn.execute("BEGIN IMMEDIATE")  # SQLite has one writer at a time either way
-
-    def _in_transaction(self, conn: sqlite3.Connection) -> bool:
-        return conn.in_transaction
-
-    def _note_failure(self, exc: BaseException) -> None:
-        """A damaged database (corruption, I/O error) is reported once, then degraded.
-
-        A full disk, a busy database or a constraint violation passes and is
-        not damage. Corruption or an I/O error means the file cannot be
-        trusted: ``daemon.status`` says ``degraded`` with the reason, and one
-        error line tells the operator what to do, instead of a traceback per use.
-        """
-        # Corruption ("malformed", "not a database") is a plain DatabaseError; a
-        # constraint violation (IntegrityError) or a full disk is not damage.
-        # Bytes that are not the text that was stored are damage too.
-        damaged = type(exc) in (sqlite3.DatabaseError, sqlite3.InternalError) or (
-            isinstance(exc, sqlite3.OperationalError)
-            and ("disk I/O" in str(exc) or "Could not decode" in str(exc)))
-        if damaged and self.degraded is None:
-            self.degraded = str(exc)
-            log.error("database %s is damaged (%s): requests that need it answer "
-                      "'unavailable'; stop the daemon, run `kandevd db check`, and "
-                      "restore a backup or recover it", self.path, exc)
-
-    def size_bytes(self) -> int:
-        """The database file plus its write-ahead log, in bytes."""
-        from kandevd.store.retention import db_size_bytes
-
-        return db_size_bytes(self.path)
-
-    def _close_writer(self) -> None:
-        try:
-            self._conn.execute("PRAGMA optimize")
-        except sqlite3.Error:
-            pass
-        self._conn.close()
-
-
-def open_store(path: Path | str, **kwargs: Any) -> BaseStore:
-    """Open the store and bring its schema up to date.
-
-    ``path``: a SQLite file, or a ``postgresql://`` URL (the shared store).
-    """
-    from kandevd.store.migrations import migrate
-
-    store: BaseStore
-    if isinstance(path, str) and path.startswith(("postgresql://", "postgres://")):
-        from kandevd.store.pg import PgStore
-
-        store = PgStore(path)
-    else:
-        store = Store(path, **kwargs)
-    try:
-        migrate(store)
-    except BaseException:
-        store.close()
-        raise
-    return store

@@ -1,26 +1,21 @@
 """The retry policy: what happens to a run whose attempt failed.
 
 Pure functions of (policy, run, now, random draw) so the schedule can be
-property-tested without a database.
+property-tested without a database. The queue hands :func:`retry_decider` to
+the store, which applies the decision inside the outcome's transaction.
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from collections.abc import Callable
 from datetime import datetime
 
 from kandevd.config import RetryConfig
+from kandevd.runs.model import FailedAttempt, RetryDecision
 from kandevd.timeutil import after
 
-
-@dataclass(frozen=True)
-class RetryDecision:
-    """``action`` is ``retry`` (with ``retry_at``), ``fail`` or ``too_old``."""
-
-    action: str
-    retry_at: datetime | None = None
-    delay_s: float | None = None
+RetryDecider = Callable[[FailedAttempt], RetryDecision]
 
 
 def retry_delay(policy: RetryConfig, retry_count: int, draw: float) -> float:
@@ -41,3 +36,11 @@ def decide_retry(policy: RetryConfig, *, retry_count: int, requested_at: datetim
         return RetryDecision("fail")
     delay = retry_delay(policy, retry_count, random.random() if draw is None else draw)
     return RetryDecision("retry", after(now, delay), delay)
+
+
+def retry_decider(policy: RetryConfig, *, draw: float | None = None) -> RetryDecider:
+    """The decision for a failed attempt under ``policy`` (``draw``: a fixed jitter draw)."""
+    def decide(failed: FailedAttempt) -> RetryDecision:
+        return decide_retry(policy, retry_count=failed.retry_count,
+                            requested_at=failed.requested_at, now=failed.now, draw=draw)
+    return decide

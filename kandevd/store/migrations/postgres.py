@@ -1,4 +1,4 @@
-"""The PostgreSQL schema: the SQLite schema of :mod:`kandevd.store.migrations`, typed.
+"""The PostgreSQL schema: the SQLite schema of :mod:`kandevd.store.migrations.sqlite`, typed.
 
 Version 6 is SQLite's versions 1-6 in one step (a new PostgreSQL database
 starts there); later versions are shared by number with SQLite where both
@@ -19,6 +19,13 @@ need them. Differences that matter, and why:
 """
 
 from __future__ import annotations
+
+import logging
+
+from kandevd.store.base import BaseStore
+from kandevd.store.migrations.common import SCHEMA_TABLE, record, refuse_newer
+
+log = logging.getLogger("kandevd.store.migrations")
 
 T = 'TEXT COLLATE "C"'
 
@@ -153,3 +160,29 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
     (6, "workspace model and runs queue (SQLite versions 1-6)", _V6),
     (7, "cluster: daemons and cron fires", _V7),
 ]
+
+
+def migrate(store: BaseStore) -> int:
+    """Every pending version in one transaction, under the writer lock.
+
+    Daemons starting together on a new database take turns: the first
+    creates the schema, the others find it done.
+    """
+    known = MIGRATIONS[-1][0]
+    applied: list[tuple[int, str]] = []
+    with store.transaction() as conn:
+        conn.execute(SCHEMA_TABLE)
+        version = int(conn.execute("SELECT MAX(version) FROM schema_migrations")
+                      .fetchone()[0] or 0)
+        refuse_newer(version, known)
+        for number, name, statements in MIGRATIONS:
+            if number <= version:
+                continue
+            for statement in statements:
+                conn.execute(statement)
+            record(conn, number, name)
+            applied.append((number, name))
+            version = number
+    for number, name in applied:
+        log.info("database migrated to version %d (%s)", number, name)
+    return version

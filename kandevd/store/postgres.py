@@ -1,7 +1,7 @@
 """The PostgreSQL store: the shared database several daemons use (``store.url``).
 
-It offers exactly what the SQLite :class:`~kandevd.store.db.Store` offers (the
-same :class:`~kandevd.store.db.BaseStore`: one guarded writer connection, a
+It offers exactly what the SQLite :class:`~kandevd.store.base.Store` offers (the
+same :class:`~kandevd.store.base.BaseStore`: one guarded writer connection, a
 pool of read connections, nested transactions, after-commit callbacks), so
 the repositories, the queue, Office and the control methods run on either
 without knowing which.
@@ -20,7 +20,7 @@ idempotency key, an outcome with its cooldown) is atomic across every daemon
 sharing the database, exactly as it is inside one SQLite file. Claims, the
 hot path of every daemon, do not take it: a claim locks the agents it claims
 for (``FOR UPDATE SKIP LOCKED``, see
-:meth:`~kandevd.store.runs.RunRepository.claim_batch`), so daemons claim for
+:meth:`~kandevd.store.runs.claims.Claims.claim_batch`), so daemons claim for
 different agents at the same time, and the one-claim-per-agent rule is still
 enforced by the database itself (a partial unique index). Transactions are
 short (the longest is a batch of 1,000 enqueues), and ``lock_timeout``
@@ -29,7 +29,7 @@ bounds a wait as SQLite's busy timeout does.
 Errors: psycopg's exceptions are raised as the DB-API classes of
 :mod:`sqlite3` (``IntegrityError``, ``OperationalError``), the store's one
 error vocabulary; a connection that broke (the server restarted, the network
-failed) is :class:`~kandevd.store.db.StoreUnavailable`, which passes like a
+failed) is :class:`~kandevd.store.base.StoreUnavailable`, which passes like a
 busy SQLite file, and the next use opens a new connection.
 """
 
@@ -49,7 +49,7 @@ from psycopg import errors as pg_errors
 from psycopg.pq import TransactionStatus
 
 from kandevd.config import redact_url, scrub_secrets
-from kandevd.store.db import BUSY_TIMEOUT_MS, BaseStore, StoreUnavailable
+from kandevd.store.base import BUSY_TIMEOUT_MS, BaseStore, StoreUnavailable
 
 log = logging.getLogger("kandevd.store.pg")
 
@@ -314,6 +314,7 @@ class PgStore(BaseStore):
     """The PostgreSQL store at ``url``; ``path`` is the URL without its password."""
 
     dialect = "postgresql"
+    shared = True
 
     def __init__(self, url: str) -> None:
         self.url = url

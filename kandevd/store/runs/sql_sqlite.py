@@ -1,0 +1,79 @@
+"""The run repository's SQLite statements: what only SQLite says this way."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from datetime import datetime
+from typing import Any
+
+from kandevd.store.base import BaseStore
+from kandevd.store.runs.base import RunRepositoryBase
+from kandevd.store.runs.statements import CLAIM, FINISH, HEADS, exclusion
+
+
+class SqliteRuns:
+    def __init__(self) -> None:
+        self._sync_level: int | None = None  # the store's PRAGMA synchronous, read once
+
+    def count_queued(self, conn: Any, inserted: int) -> None:
+        if inserted:
+            conn.execute("INSERT INTO run_counts (status, n) VALUES ('queued', ?)"
+                         " ON CONFLICT (status) DO UPDATE SET n = run_counts.n + excluded.n",
+                         (inserted,))
+
+    @contextmanager
+    def claim_sync(self, store: BaseStore) -> Iterator[None]:
+        """``synchronous=NORMAL`` on the writer for the enclosed (claim) transaction."""
+        with store.connection() as conn:
+            if self._sync_level is None:
+                self._sync_level = int(conn.execute("PRAGMA synchronous").fetchone()[0])
+            level = self._sync_level
+            # Already NORMAL or OFF: nothing to relax. Inside a caller's transaction the
+            # level cannot change (SQLite refuses); that transaction decides.
+            if level <= 1 or conn.in_transaction:
+                yield
+                return
+            conn.execute("PRAGMA synchronous=NORMAL")
+            try:
+                yield
+            finally:
+                conn.execute(f"PRAGMA synchronous={level}")
+
+    def claim(self, repo: RunRepositoryBase, conn: Any, excluded: set[str],
+              params: dict[str, Any], limit: int, now: datetime, own: bool
+              ) -> tuple[list[Any], dict[str, str]]:
+        """One ``UPDATE ... RETURNING`` under SQLite's one writer lock; then the profiles.
+
+        (No subquery in RETURNING: SQLite evaluates it with a full scan of its table.)
+        """
+        if repo.claim_gate is not None:
+            excluded.update(repo.claim_gate(conn, now))
+        rows = conn.execute(CLAIM + " WHERE status = 'queued' AND seq IN ("
+                            + HEADS.format(exclusion=exclusion(excluded, params))
+                            + ") RETURNING *", params).fetchall()
+        if not rows:
+            return [], {}
+        agents = sorted({r["agent_id"] for r in rows})
+        profiles = dict(conn.execute(
+            f"SELECT id, profile FROM agents WHERE id IN ({', '.join('?' * len(agents))})",
+            agents).fetchall())
+        return rows, profiles
+
+    def lock_agent_of(self, conn: Any, run_id: str) -> float | None:
+        return None  # the writer lock serializes every write already
+
+    def finish(self, repo: RunRepositoryBase, conn: Any, params: dict[str, Any],
+               now: datetime) -> bool:
+        row = conn.execute(FINISH + " WHERE id = :id AND status = 'claimed'"
+                           " AND claim_token = :token RETURNING agent_id", params).fetchone()
+        if row is None:
+            return False
+        repo.start_cooldown(conn, row["agent_id"], now)
+        return True
+
+    def live_peer_excluded(self, dead_after_s: float | None, held: Sequence[str]) -> str:
+        return ""  # one daemon per SQLite file
+
+    def earlier_instances_only(self, dead_after_s: float | None, held: Sequence[str]) -> str:
+        return ""

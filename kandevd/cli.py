@@ -203,7 +203,7 @@ def check_profiles(config: Any, root: Path) -> bool:
     bare name through PATH with the profile's env), so a typo is found here
     instead of failing every attempt of every run.
     """
-    from kandevd.runtime.process import _executable_problem
+    from kandevd.agents.profiles import executable_problem
 
     ok = True
     for name, profile in sorted(config.agents.items()):
@@ -211,7 +211,7 @@ def check_profiles(config: Any, root: Path) -> bool:
             click.echo(f"profile {name}: the built-in echo agent")
             continue
         path_env = dict(profile.env).get("PATH", os.environ.get("PATH"))
-        problem = _executable_problem(profile.command[0], root / "runs", path_env)
+        problem = executable_problem(profile.command[0], root / "runs", path_env)
         if problem is None:
             click.echo(f"profile {name}: {profile.command[0]} ok")
         else:

@@ -108,7 +108,8 @@ class Daemon:
         self.store = self._open_store()
         self.bus = EventBus()
         self.runtime = AgentRuntime(self.config.runtime.max_concurrent,
-                                    self.config.runtime.stop_grace_s)
+                                    self.config.runtime.stop_grace_s,
+                                    shutdown_requested=self.stop_requested.is_set)
         repo = RunRepository(self.store, self.boot_id,
                              max_attempts=self.config.queue.max_attempts,
                              claim_gate=exceeded_hard_budgets,
@@ -118,7 +119,6 @@ class Daemon:
         self.queue = RunQueue(repo, self.runtime, self.config, self.layout, self.bus,
                               faults=Faults.from_env())
         self.runtime.add_slot_listener(self.queue.signal)
-        self.runtime.shutdown_requested = self.stop_requested.is_set
         queue_loop = QueueLoop(self.queue, safety_interval_s=self.config.queue.safety_interval_s,
                                max_claims_per_tick=self.config.queue.max_claims_per_tick,
                                pruner=RunPruner(

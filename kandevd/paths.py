@@ -54,7 +54,7 @@ def check_safe_name(value: str, what: str = "name") -> str:
     return value
 
 
-#: The attempt journal's folder in a home (see :mod:`kandevd.queue.journal`).
+#: The attempt journal's folder in a home (see :mod:`kandevd.runtime.attempts`).
 ATTEMPTS_FOLDER = "attempts"
 
 

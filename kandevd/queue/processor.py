@@ -13,7 +13,7 @@ goes back to the queue while the runtime is stopping, and is otherwise a
 failed attempt under the retry policy (so a broken profile backs off instead
 of spinning).
 
-An outcome is recorded, never re-earned (see :mod:`kandevd.queue.journal`):
+An outcome is recorded, never re-earned (see :mod:`kandevd.runtime.attempts`):
 when an execution ends, its outcome is first written to the attempt's folder,
 then to the database (outcomes that arrive together share one durable
 commit, :class:`kandevd.queue.groupcommit.GroupCommit`). A database write that
@@ -43,7 +43,6 @@ from kandevd.config import Config
 from kandevd.faults import NO_FAULTS, Faults
 from kandevd.fsutil import append_note
 from kandevd.paths import HomeLayout
-from kandevd.queue import journal
 from kandevd.queue.groupcommit import GroupCommit
 from kandevd.runs.model import Claim, EnqueueResult, Run
 from kandevd.runs.retry import retry_decider
@@ -57,6 +56,8 @@ from kandevd.runtime import (
     ExecutionSpec,
     Reservation,
     RuntimeStopped,
+    attempts,
+    records,
 )
 from kandevd.runtime.records import (
     ExecutionRecord,
@@ -311,7 +312,7 @@ class RunQueue:
                    "agent_id": run.agent_id, "task_id": run.task_id,
                    "workspace_id": run.workspace_id, "reason": run.reason,
                    "payload": run.payload},
-            record_dir=journal.attempt_dir(self.layout, run_id, claim.token))
+            record_dir=attempts.attempt_dir(self.layout.attempts, run_id, claim.token))
 
     def _dispatch(self, reservation: Reservation, claim: Claim) -> bool:
         """Start the claimed run's execution; False (and the claim settled) when it cannot.
@@ -410,9 +411,9 @@ class RunQueue:
             append_note(result.log_path, f"==== attempt {claim.run.attempt} "
                                              f"ended {rfc3339(result.ended_at)}: {ending} ====")
         if result.outcome == STOPPED:
-            journal.discard(directory)  # cancelled: the run row already says so
-        elif result.outcome != DETACHED and not journal.exit_file_tells(directory, result):
-            journal.write_outcome(directory, result)
+            attempts.discard(directory)  # cancelled: the run row already says so
+        elif result.outcome != DETACHED and not records.exit_file_tells(directory, result):
+            attempts.write_outcome(directory, result)
         with self._lock:
             deferred = self._defer
             if deferred:
@@ -467,8 +468,8 @@ class RunQueue:
     def _write_refused(self, claim: Claim, result: ExecutionResult, exc: Exception) -> None:
         run_id = claim.run.id
         directory = self._attempt_dir(claim)
-        if not (directory / journal.OUTCOME_FILE).exists():
-            journal.write_outcome(directory, result)  # kept for a restart too
+        if not attempts.has_outcome(directory):
+            attempts.write_outcome(directory, result)  # kept for a restart too
         if (not is_environmental(exc) and result.outcome != ERROR
                 and self._failure_counts.get(run_id, 0) + 1 >= _PLAIN_OUTCOME_AFTER):
             # Refused again and again, and not for want of disk: something in this
@@ -506,17 +507,17 @@ class RunQueue:
             self._cancel_requested.discard(run_id)
             failures = self._failure_counts.pop(run_id, 0)
         if result.outcome not in (INTERRUPTED, DETACHED):
-            journal.discard(directory)
+            attempts.discard(directory)
         if failures:
             log.info("run %s: its outcome was written after %d refused attempt(s)", run_id,
                      failures)
 
     def _attempt_dir(self, claim: Claim) -> Path:
-        """The folder of ``claim``'s attempt: where its execution keeps its journal."""
+        """The folder of ``claim``'s attempt: where its execution keeps its attempts."""
         run_id = claim.run.id
         with self._lock:
             known = self._attempt_dirs.get((run_id, claim.token))
-        return known if known is not None else journal.attempt_dir(self.layout, run_id,
+        return known if known is not None else attempts.attempt_dir(self.layout.attempts, run_id,
                                                                    claim.token)
 
     def _apply(self, claim: Claim, result: ExecutionResult) -> Any:
@@ -626,16 +627,16 @@ class RunQueue:
         """
         if not token or run_id in self.live_runs():  # settled here already
             return None
-        directory = journal.existing_attempt_dir(self.layout, run_id, token)
+        directory = attempts.existing_attempt_dir(self.layout.attempts, run_id, token)
         if not directory.is_dir():
             return None
-        if directory != journal.attempt_dir(self.layout, run_id, token):
+        if directory != attempts.attempt_dir(self.layout.attempts, run_id, token):
             with self._lock:  # a legacy attempt: its journal stays where it is
                 self._attempt_dirs[(run_id, token)] = directory
         claim = self.repo.claim_of(run_id, token)
         if claim is None:
             return None
-        result = journal.read_outcome(directory, run_id)
+        result = attempts.read_outcome(directory, run_id)
         interrupted = result is not None and result.outcome == INTERRUPTED
         if result is not None and not interrupted:
             return self._record_restored(claim, result)
@@ -700,7 +701,7 @@ class RunQueue:
         # SIGTERM: such a run is re-queued like the rest, one attempt counted.)
         self.restore_after_restart(adopt=False, only_success=True)
         recovered = self.repo.requeue_foreign_claims(self.clock(), keep=self.live_runs())
-        pruned = journal.prune(self.layout, self.repo.claimed_tokens())
+        pruned = attempts.prune(self.layout.attempts, self.repo.claimed_tokens())
         if pruned:
             log.info("removed %d attempt folder(s) of earlier attempts", pruned)
         if recovered:

@@ -26,6 +26,7 @@ from datetime import datetime
 from pathlib import Path
 
 from kandevd.paths import HomeLayout, check_safe_name
+from kandevd.runtime import attempts
 from kandevd.store.runs.retention import ExpiredRuns, oldest_run_at
 from kandevd.timeutil import after
 
@@ -113,8 +114,8 @@ class RunPruner:
             else:
                 files += [self.layout.run_logs / f"{run_id}.log",
                           self.layout.run_logs / f"{run_id}.input.json"]
-                folders += [self.layout.runs / run_id, self.layout.attempts / run_id]
-                folders += self.layout.attempts.glob(f"{run_id}.*")  # one folder per attempt
+                folders.append(self.layout.runs / run_id)
+                folders += attempts.of_run(self.layout.attempts, run_id)
             for path in dict.fromkeys(files):
                 if self._inside(path, roots):
                     _unlink(path)

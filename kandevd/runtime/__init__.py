@@ -1,12 +1,13 @@
-"""The agent runtime: the bounded pool that runs agent executions.
+"""The agent runtime: the bounded pool every agent execution goes through.
 
-``AgentRuntime`` (runtime.py) owns the slots and the worker threads;
-``ProcessRunner`` (process.py) runs one execution under a shim (shim.py) that
-owns the agent's process group and records its exit status; records.py reads
-what an execution left on disk, for adopting it after a daemon restart.
+execution.py (the spec, the result, the control, the runner interface),
+pool.py (``AgentRuntime``: slots, workers, stop), process.py (``ProcessRunner``:
+one execution under a shim), output.py (the log, the stdout merge),
+inprocess.py (the test double), attempts.py (the attempt folder's one owner),
+records.py (what an execution left on disk), shim.py, orphans.py, specs.py.
 """
 
-from kandevd.runtime.process import (
+from kandevd.runtime.execution import (
     DETACHED,
     ERROR,
     FAILED,
@@ -18,17 +19,12 @@ from kandevd.runtime.process import (
     ExecutionControl,
     ExecutionResult,
     ExecutionSpec,
-    InProcessRunner,
-    ProcessRunner,
     Runner,
 )
+from kandevd.runtime.inprocess import InProcessRunner
+from kandevd.runtime.pool import AgentRuntime, Reservation, RuntimeFull, RuntimeStopped
+from kandevd.runtime.process import ProcessRunner
 from kandevd.runtime.records import ExecutionRecord, read_record, record_alive
-from kandevd.runtime.runtime import (
-    AgentRuntime,
-    Reservation,
-    RuntimeFull,
-    RuntimeStopped,
-)
 
 __all__ = [
     "DETACHED",

@@ -1,39 +1,14 @@
-"""What an execution leaves in its record folder, read back after a daemon restart.
+"""What an execution leaves in its attempt folder, read back after a daemon restart.
 
-When an :class:`~kandevd.runtime.process.ExecutionSpec` names a
-``record_dir`` (the queue gives each attempt of a run its own), the runner
-writes ``record.json`` there right after the shim started (atomically: a
-temporary file and a rename), the shim (see :mod:`kandevd.runtime.shim`)
-appends the agent's stdout to ``stdout`` and writes ``exit`` once the agent
-ended::
-
-    record.json   {"pid", "pid_start", "key", "run_id", "session_id",
-                   "started_at", "deadline", "timeout_s", "log_path",
-                   "input_path", "argv", "log_offset", "stdout_path"}
-    stdout        the agent's stdout, until it is appended to the log (then
-                  emptied and kept beside the folder as <folder>.stdout)
-    summary.json  {"summary", "cost_cents", "log_size"}: written just before
-                  that append (see :func:`kandevd.runtime.process.collect_stdout`)
-    exit          "<code>\\n"
-
-``pid`` is the shim's (it leads the agent's process group), ``pid_start``
-its start time from ``/proc`` (a reused pid has another), ``deadline`` the
-wall-clock end of the execution's timeout, ``log_offset`` the size of the
-log when the execution began and ``stdout_path`` the agent's stdout file
-(``<record_dir>/stdout`` when a record from an older version has none).
-
-Whoever learns that the execution ended (the runner waiting for it, the one
-that adopted it, or :func:`outcome_from_record` after a restart) takes the
-summary from the stdout file and appends the file to the log
-(:func:`collect_output`). That is idempotent: the summary is kept in
-``summary.json`` before the log is touched, so running it again, after a
-daemon died half-way or simply a second time, finds the same summary and
-does not append the output twice.
-
-The next daemon instance reads these back: a finished execution's outcome
-comes from :func:`outcome_from_record`; a live one (:func:`record_alive`) can
-be adopted with :meth:`kandevd.runtime.AgentRuntime.adopt`. The runner never
-deletes a record folder; its owner does.
+The runner writes ``record.json`` right after the shim started (the shim's
+pid and start time, the deadline, the log, the input, the argv); the shim
+writes ``exit`` once the agent ended (:mod:`kandevd.runtime.attempts` names
+the files). The next daemon instance reads them back: a finished execution's
+outcome comes from :func:`outcome_from_record`; a live one
+(:func:`record_alive`) can be adopted with
+:meth:`kandevd.runtime.pool.AgentRuntime.adopt`. Whoever learns that the
+execution ended merges the agent's stdout into the log
+(:func:`collect_output`), idempotently.
 """
 
 from __future__ import annotations
@@ -49,26 +24,54 @@ from typing import Any
 
 from kandevd.fsutil import write_json
 from kandevd.runtime import shim
-from kandevd.runtime.process import (
+from kandevd.runtime.attempts import (
+    EXIT_FILE,
+    RECORD_FILE,
+    STDOUT_FILE,
+    SUMMARY_FILE,
+    spent_stdout_path,
+)
+from kandevd.runtime.execution import (
     FAILED,
     SUCCEEDED,
     ExecutionResult,
-    collect_stdout,
     describe_exit,
 )
-from kandevd.runtime.recycle import spent_stdout_path
+from kandevd.runtime.output import collect_stdout
 from kandevd.timeutil import parse_rfc3339, rfc3339
 
 log = logging.getLogger("kandevd.runtime.records")
 
-RECORD_FILE = shim.RECORD_FILE
-EXIT_FILE = shim.EXIT_FILE
 #: The error of an execution whose shim ended without writing its exit file.
 NO_EXIT_STATUS = "agent supervisor ended without recording an exit status"
 
-read_exit_status = shim.read_exit_status
-STDOUT_FILE = shim.STDOUT_FILE
-SUMMARY_FILE = shim.SUMMARY_FILE
+
+def read_exit_status(record_dir: Path) -> int | None:
+    """The agent's exit code recorded by its shim, or None (none yet, or lost).
+
+    Only a complete line ``<code>\\n`` counts: an empty or partial file (the
+    shim is writing it, or the disk filled up) is no status at all.
+    ``128+N`` is translated to ``-N``.
+    """
+    return shim.read_exit_file(Path(record_dir) / EXIT_FILE)
+
+
+def exit_file_tells(directory: Path, result: ExecutionResult) -> bool:
+    """Does the shim's exit file in ``directory`` already record ``result``?
+
+    True for an agent that exited on its own (``succeeded``/``failed`` with
+    its exit code) whose exit file and record exist: a restart derives the
+    same outcome from it (with the summary its stdout left), so an outcome
+    file would only repeat it at the price of a file creation and an fsync.
+    """
+    if result.outcome not in (SUCCEEDED, FAILED) or result.exit_code is None:
+        return False
+    if result.journaled:
+        return True  # the runner read that exit file and wrote that record itself
+    # A restart reads the exit file only through the execution's record: without a
+    # readable one (its write failed), the outcome must be written out after all.
+    return read_exit_status(directory) == result.exit_code and \
+        read_record(directory) is not None
 
 
 @dataclass(frozen=True)

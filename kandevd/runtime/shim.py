@@ -26,7 +26,7 @@ daemon knows the outcome itself (it sent the SIGKILL) or falls back to the
 shim's own wait status.
 
 A status read back is translated to the convention of
-:class:`~kandevd.runtime.process.ExecutionResult`: ``128+N`` (N a signal
+:class:`~kandevd.runtime.execution.ExecutionResult`: ``128+N`` (N a signal
 number) becomes ``-N``. An agent that itself exits with 143 is therefore
 reported as killed by SIGTERM; ``sh`` cannot tell the two apart, and neither
 can anyone reading its status.
@@ -46,15 +46,6 @@ from pathlib import Path
 #: ``$0`` of every shim: how a shim is recognised in ``/proc/<pid>/cmdline``.
 SHIM_NAME = "kandevd-shim"
 SHELL = "/bin/sh"
-#: The shim's files inside an execution's record folder.
-EXIT_FILE = "exit"
-RECORD_FILE = "record.json"
-#: The agent's stdout while it runs (appended to the log when it ended).
-STDOUT_FILE = "stdout"
-#: The summary taken from the stdout file before it is merged into the log.
-SUMMARY_FILE = "summary.json"
-#: An outcome the queue wrote before recording it (see kandevd.queue.journal).
-OUTCOME_FILE = "outcome.json"
 
 # $1 exit file, $2 input file, $3 log file, $4 stdout file, then the agent's
 # argv. The shim's own stdout and stderr are the log (the runner opens it so);
@@ -103,18 +94,9 @@ def exit_code_from_status(status: int) -> int:
     return status
 
 
-def read_exit_status(record_dir: Path) -> int | None:
-    """The agent's exit code recorded by its shim, or None (none yet, or lost).
-
-    Only a complete line ``<code>\\n`` counts: an empty or partial file (the
-    shim is writing it, or the disk filled up) is no status at all.
-    ``128+N`` is translated to ``-N``.
-    """
-    return read_exit_file(Path(record_dir) / EXIT_FILE)
-
-
 def read_exit_file(path: Path) -> int | None:
-    """Like :func:`read_exit_status`, for the exit file at ``path``."""
+    """The exit code in the exit file at ``path`` (``<code>\\n``), or None: a missing,
+    empty or partial file (being written, or the disk filled up) is no status."""
     try:
         with open(path, "rb") as handle:
             data = handle.read(32)

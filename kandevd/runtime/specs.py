@@ -15,7 +15,7 @@ from typing import Any
 from kandevd.agents import echo_argv
 from kandevd.config import AgentProfile
 from kandevd.paths import HomeLayout
-from kandevd.runtime.process import ExecutionSpec
+from kandevd.runtime.execution import ExecutionSpec
 
 ECHO_AGENT = echo_argv()
 
@@ -29,7 +29,7 @@ def agent_execution(profile: AgentProfile, layout: HomeLayout, *, kind: str, key
     Runs and launches work in ``<home>/runs/<key>/``; a workflow turn passes its
     run folder as ``cwd`` and its session's log as ``log_path``. A queued run
     passes its attempt's folder as ``record_dir`` (where the shim records the
-    agent's process and exit status, see :mod:`kandevd.queue.journal`).
+    agent's process and exit status, see :mod:`kandevd.runtime.attempts`).
     """
     return ExecutionSpec(
         key=key, kind=kind,

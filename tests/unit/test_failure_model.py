@@ -195,37 +195,37 @@ def test_after_commit_waits_for_the_outermost_commit_and_drops_on_rollback(
 def test_the_journal_keeps_only_current_claims_and_round_trips_an_outcome(
         tmp_path: Path) -> None:
     from kandevd.paths import HomeLayout
-    from kandevd.queue import journal
-    from kandevd.runtime import SUCCEEDED, ExecutionResult
+    from kandevd.runtime import SUCCEEDED, ExecutionResult, attempts
 
     layout = HomeLayout(tmp_path)
-    current = journal.attempt_dir(layout, "run_a", "t2")
-    stale = [journal.attempt_dir(layout, "run_a", "t1"), journal.attempt_dir(layout, "run_b", "t")]
+    current = attempts.attempt_dir(layout.attempts, "run_a", "t2")
+    stale = [attempts.attempt_dir(layout.attempts, "run_a", "t1"),
+             attempts.attempt_dir(layout.attempts, "run_b", "t")]
     result = ExecutionResult(key="run_a", outcome=SUCCEEDED, exit_code=0, summary="s",
                              cost_cents=1.5, error=None, started_at=T0, ended_at=after(T0, 1),
                              log_path=tmp_path / "a.log")
     # Folders of the legacy two-level layout (a daemon before the one-level one).
-    legacy_current = journal.legacy_attempt_dir(layout, "run_c", "t9")
-    legacy_stale = journal.legacy_attempt_dir(layout, "run_c", "t8")
+    legacy_current = attempts.legacy_attempt_dir(layout.attempts, "run_c", "t9")
+    legacy_stale = attempts.legacy_attempt_dir(layout.attempts, "run_c", "t8")
     for directory in [current, *stale, legacy_current, legacy_stale]:
-        assert journal.write_outcome(directory, result)
-    assert journal.read_outcome(current, "run_a") == result
-    assert journal.existing_attempt_dir(layout, "run_c", "t9") == legacy_current
-    assert journal.existing_attempt_dir(layout, "run_a", "t2") == current
-    assert journal.prune(layout, {"run_a": "t2", "run_c": "t9"}) == 3
+        assert attempts.write_outcome(directory, result)
+    assert attempts.read_outcome(current, "run_a") == result
+    assert attempts.existing_attempt_dir(layout.attempts, "run_c", "t9") == legacy_current
+    assert attempts.existing_attempt_dir(layout.attempts, "run_a", "t2") == current
+    assert attempts.prune(layout.attempts, {"run_a": "t2", "run_c": "t9"}) == 3
     names = sorted(p.name for p in (tmp_path / "attempts").iterdir())
     free = [name for name in names if name.startswith(".free-")]
     assert [name for name in names if name not in free] == ["run_a.t2", "run_c"]
     assert len(free) == 2  # the stale folders of the current layout, emptied and parked
     for name in free:  # an outcome is never left where a later attempt's folder comes from
         assert all(f.stat().st_size == 0 for f in (tmp_path / "attempts" / name).iterdir())
-        assert not (tmp_path / "attempts" / name / journal.OUTCOME_FILE).exists()
+        assert not (tmp_path / "attempts" / name / attempts.OUTCOME_FILE).exists()
     assert current.is_dir() and not any(d.exists() for d in stale)
     assert legacy_current.is_dir() and not legacy_stale.exists()
-    journal.discard(legacy_current)
+    attempts.discard(legacy_current)
     assert (tmp_path / "attempts").is_dir()  # discarding an attempt never takes attempts/
-    (current / journal.OUTCOME_FILE).write_text("{not json")
-    assert journal.read_outcome(current, "run_a") is None  # unreadable: ignored, not fatal
+    (current / attempts.OUTCOME_FILE).write_text("{not json")
+    assert attempts.read_outcome(current, "run_a") is None  # unreadable: ignored, not fatal
 
 
 def test_the_exit_file_spares_outcome_json_only_when_a_restart_can_read_it(
@@ -234,43 +234,42 @@ def test_the_exit_file_spares_outcome_json_only_when_a_restart_can_read_it(
     from datetime import timedelta
 
     from kandevd.paths import HomeLayout
-    from kandevd.queue import journal
-    from kandevd.runtime import FAILED, SUCCEEDED, ExecutionResult
+    from kandevd.runtime import FAILED, SUCCEEDED, ExecutionResult, attempts, records
     from kandevd.runtime.records import ExecutionRecord, write_record
 
     layout = HomeLayout(tmp_path)
-    directory = journal.attempt_dir(layout, "run_a", "t1.1")
+    directory = attempts.attempt_dir(layout.attempts, "run_a", "t1.1")
     directory.mkdir(parents=True)
     ok = ExecutionResult(key="run_a", outcome=SUCCEEDED, exit_code=0, summary=None,
                          cost_cents=None, error=None, started_at=T0, ended_at=T0,
                          log_path=tmp_path / "a.log")
     (directory / "exit").write_text("0\n")
-    assert not journal.exit_file_tells(directory, ok)  # no record.json yet
+    assert not records.exit_file_tells(directory, ok)  # no record.json yet
     (directory / "record.json").write_text("")  # a rewrite that failed half-way
-    assert not journal.exit_file_tells(directory, ok)
+    assert not records.exit_file_tells(directory, ok)
     record = ExecutionRecord(record_dir=directory, pid=0, pid_start=0, key="run_a",
                              run_id="run_a", session_id="s", started_at=T0,
                              deadline=T0 + timedelta(hours=1), timeout_s=3600.0,
                              log_path=tmp_path / "a.log", input_path=tmp_path / "in",
                              argv=("true",))
     write_record(record, in_place=True)  # truncated file: rewritten whole
-    assert journal.exit_file_tells(directory, ok)
-    assert not journal.exit_file_tells(directory, dataclasses.replace(
+    assert records.exit_file_tells(directory, ok)
+    assert not records.exit_file_tells(directory, dataclasses.replace(
         ok, outcome=FAILED, exit_code=3))  # the exit file says otherwise
 
 
 def test_a_legacy_attempt_keeps_its_folder_even_when_the_new_one_exists(
         tmp_path: Path) -> None:
     from kandevd.paths import HomeLayout
-    from kandevd.queue import journal
+    from kandevd.runtime import attempts
 
     layout = HomeLayout(tmp_path)
-    legacy = journal.legacy_attempt_dir(layout, "run_a", "t1.1")
+    legacy = attempts.legacy_attempt_dir(layout.attempts, "run_a", "t1.1")
     legacy.mkdir(parents=True)
     (legacy / "record.json").write_text("{}")
-    current = journal.attempt_dir(layout, "run_a", "t1.1")
+    current = attempts.attempt_dir(layout.attempts, "run_a", "t1.1")
     current.mkdir(parents=True)
-    (current / journal.OUTCOME_FILE).write_text("{}")  # e.g. written there by mistake
-    assert journal.existing_attempt_dir(layout, "run_a", "t1.1") == legacy
+    (current / attempts.OUTCOME_FILE).write_text("{}")  # e.g. written there by mistake
+    assert attempts.existing_attempt_dir(layout.attempts, "run_a", "t1.1") == legacy
     (current / "record.json").write_text("{}")
-    assert journal.existing_attempt_dir(layout, "run_a", "t1.1") == current
+    assert attempts.existing_attempt_dir(layout.attempts, "run_a", "t1.1") == current

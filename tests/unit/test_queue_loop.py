@@ -451,7 +451,7 @@ def test_a_restart_reads_an_attempt_record_only_for_the_run_it_names(
     folder whose emptying a power cut lost) is left to recovery, never finished."""
     from datetime import timedelta
 
-    from kandevd.queue import journal
+    from kandevd.runtime import attempts
     from kandevd.runtime.records import ExecutionRecord, write_record
 
     rig.enqueue("a1")
@@ -460,7 +460,7 @@ def test_a_restart_reads_an_attempt_record_only_for_the_run_it_names(
     claims = earlier.claim_batch(rig.clock(), 2)
     names = {claims[0].run.id: claims[0].run.id, claims[1].run.id: "run_someone_else"}
     for claim in claims:
-        directory = journal.attempt_dir(rig.queue.layout, claim.run.id, claim.token)
+        directory = attempts.attempt_dir(rig.queue.layout.attempts, claim.run.id, claim.token)
         directory.mkdir(parents=True)
         named = names[claim.run.id]
         write_record(ExecutionRecord(

@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kandevd.runtime import recycle
-from kandevd.runtime.records import read_record
-from kandevd.runtime.shim import read_exit_status
+from kandevd.runtime import attempts as recycle
+from kandevd.runtime.records import read_exit_status, read_record
 
 
 def attempt(parent: Path, name: str, **files: str) -> Path:

@@ -41,7 +41,7 @@ from kandevd.runtime import (
     RuntimeStopped,
 )
 from kandevd.runtime import process as process_module
-from kandevd.runtime.process import parse_summary_line
+from kandevd.runtime.output import parse_summary_line
 from kandevd.runtime.records import read_record, record_alive
 
 REPO_ROOT = str(Path(kandevd.__file__).resolve().parent.parent)

@@ -34,7 +34,8 @@ from kandevd.runtime import (
     ProcessRunner,
     shim,
 )
-from kandevd.runtime.process import collect_stdout
+from kandevd.runtime.attempts import spent_stdout_path
+from kandevd.runtime.output import collect_stdout
 from kandevd.runtime.records import (
     NO_EXIT_STATUS,
     outcome_from_record,
@@ -43,7 +44,6 @@ from kandevd.runtime.records import (
     record_alive,
     write_record,
 )
-from kandevd.runtime.recycle import spent_stdout_path
 from kandevd.timeutil import utc_now
 from tests.unit.test_runtime import CHILD_ENV, WAIT_S, Recorder
 

@@ -1,0 +1,315 @@
+"""One agent execution as the runtime speaks of it: its spec, its result, its control.
+
+A runner (:class:`Runner`: :mod:`kandevd.runtime.process`, or the in-process
+double of :mod:`kandevd.runtime.inprocess`) executes one spec in the calling
+thread and always returns an :class:`ExecutionResult`; the pool
+(:mod:`kandevd.runtime.pool`) decides when.
+
+Outcomes: ``succeeded`` (exit 0), ``failed`` (any other exit), ``timed_out``,
+``stopped`` (someone stopped this execution), ``interrupted`` (the runtime is
+shutting down), ``error`` (it could not even start), ``detached`` (the runner
+stopped waiting without touching the process, which keeps running for the
+next daemon instance to adopt).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from kandevd.runtime.records import ExecutionRecord
+
+log = logging.getLogger("kandevd.runtime.process")
+
+SUCCEEDED = "succeeded"
+FAILED = "failed"
+TIMED_OUT = "timed_out"
+STOPPED = "stopped"
+INTERRUPTED = "interrupted"
+ERROR = "error"
+DETACHED = "detached"
+
+OUTCOMES = frozenset({SUCCEEDED, FAILED, TIMED_OUT, STOPPED, INTERRUPTED, ERROR, DETACHED})
+#: Outcomes a caller may ask for through :meth:`ExecutionControl.request_termination`.
+TERMINATION_OUTCOMES = frozenset({TIMED_OUT, STOPPED, INTERRUPTED})
+KINDS = frozenset({"run", "launch", "turn"})
+
+@dataclass(frozen=True)
+class ExecutionSpec:
+    """Everything needed to run one agent execution, decided before it starts.
+
+    ``argv`` is an argument vector, never a shell string: an agent's prompt or
+    payload must not be able to inject commands. Lists are accepted and
+    stored as tuples; string paths are stored as :class:`Path`.
+
+    ``record_dir`` (optional) is the folder where the execution's
+    ``record.json``, the shim's ``exit`` file and the agent's ``stdout``
+    (until it is merged into the log) are kept, so a later daemon instance
+    can adopt the agent or learn its outcome. The runner creates it and never
+    deletes it; its owner does. Without one the shim's exit and stdout files
+    are temporary files beside the log, removed when the execution ended
+    (such an execution cannot be adopted, so it is never detached).
+    """
+
+    key: str
+    kind: str
+    argv: tuple[str, ...]
+    stdin: Mapping[str, Any]
+    cwd: Path
+    log_path: Path
+    timeout_s: float
+    env: Mapping[str, str] = field(default_factory=dict)
+    session_id: str = ""
+    run_id: str = ""
+    home: str = ""
+    record_dir: Path | None = None
+
+    def __post_init__(self) -> None:
+        # Reject bad specs at construction so the mistake surfaces at the
+        # caller, not as a puzzling "error" outcome minutes later.
+        if not self.key:
+            raise ValueError("ExecutionSpec.key must not be empty")
+        if self.kind not in KINDS:
+            raise ValueError(
+                f"ExecutionSpec.kind must be one of {sorted(KINDS)}, not {self.kind!r}")
+        if isinstance(self.argv, str):
+            raise TypeError("ExecutionSpec.argv must be an argument list, not a shell string")
+        object.__setattr__(self, "argv", tuple(self.argv))
+        if not self.argv:
+            raise ValueError("ExecutionSpec.argv must not be empty")
+        object.__setattr__(self, "cwd", Path(self.cwd))
+        object.__setattr__(self, "log_path", Path(self.log_path))
+        if self.record_dir is not None:
+            object.__setattr__(self, "record_dir", Path(self.record_dir))
+        if not self.timeout_s > 0:  # also rejects NaN
+            raise ValueError(f"ExecutionSpec.timeout_s must be > 0, not {self.timeout_s!r}")
+
+    @property
+    def input_path(self) -> Path:
+        """``<log>.input.json``: the stdin object on disk, named by ``$KANDEVD_INPUT``."""
+        return self.log_path.with_name(self.log_path.stem + ".input.json")
+
+
+@dataclass(frozen=True)
+class ExecutionResult:
+    """How one execution ended. ``exit_code`` is negative when a signal ended it."""
+
+    key: str
+    outcome: str
+    exit_code: int | None
+    summary: str | None
+    cost_cents: float | None
+    error: str | None
+    started_at: datetime
+    ended_at: datetime
+    log_path: Path
+    #: The runner read ``exit_code`` from the shim's exit file and had written the
+    #: execution's record: the record folder already tells this outcome to a restart,
+    #: so nobody needs to read both files back to learn that.
+    journaled: bool = False
+
+    @property
+    def succeeded(self) -> bool:
+        """True only for a clean exit 0 that nobody interrupted."""
+        return self.outcome == SUCCEEDED
+
+    @property
+    def duration_s(self) -> float:
+        """Wall time of the execution in seconds."""
+        return (self.ended_at - self.started_at).total_seconds()
+
+
+class ExecutionControl:
+    """The runtime's handle on one execution while a runner executes it.
+
+    Requests are made from other threads (a cancel RPC, shutdown); the runner
+    reacts to them in its own thread. A self-pipe wakes the runner's select()
+    at once, so a silent child is stopped without any polling. The first
+    termination request wins: a shutdown arriving after a cancel does not turn
+    a ``stopped`` execution into an ``interrupted`` one.
+
+    A detach request (:meth:`request_detach`) asks the runner to stop waiting
+    and leave the process running. A runner that cannot leave it (an
+    in-process one, an execution without a record folder, one already being
+    terminated) ignores it, so a termination may still follow.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._request: tuple[str, str] | None = None
+        self._requested = threading.Event()
+        self._detach = False
+        self._kill_now = False
+        self._pgid: int | None = None
+        self._closed = False
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+
+    @property
+    def wake_fd(self) -> int:
+        """Readable whenever a termination or detach was requested (for selectors)."""
+        return self._wake_r
+
+    @property
+    def requested(self) -> tuple[str, str] | None:
+        """``(outcome, reason)`` of the first termination request, or None."""
+        with self._lock:
+            return self._request
+
+    @property
+    def detach_requested(self) -> bool:
+        """True once :meth:`request_detach` was accepted."""
+        with self._lock:
+            return self._detach
+
+    @property
+    def kill_requested(self) -> bool:
+        """True once :meth:`kill_now` was called (a forced exit)."""
+        with self._lock:
+            return self._kill_now
+
+    def request_termination(self, outcome: str, reason: str) -> bool:
+        """Ask the runner to end the execution with ``outcome``.
+
+        Returns True when this call made the (first) request, False when one
+        was already made or the execution is over.
+        """
+        if outcome not in TERMINATION_OUTCOMES:
+            raise ValueError(f"not a termination outcome: {outcome!r}")
+        with self._lock:
+            if self._closed or self._request is not None:
+                return False
+            self._request = (outcome, reason)
+            self._requested.set()
+            self._wake()
+            return True
+
+    def request_detach(self) -> bool:
+        """Ask the runner to stop waiting and leave the process running.
+
+        False when a termination was already requested (it goes on), a detach
+        was already requested, or the execution is over.
+        """
+        with self._lock:
+            if self._closed or self._request is not None or self._detach:
+                return False
+            self._detach = True
+            self._wake()
+            return True
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:  # pipe full: the runner is already awake
+            pass
+
+    def wait_requested(self, timeout: float | None = None) -> bool:
+        """Block until a termination is requested (for runners without fds)."""
+        return self._requested.wait(timeout)
+
+    def kill_now(self) -> None:
+        """SIGKILL the process group at once (forced exit); no grace, no waiting."""
+        with self._lock:
+            self._kill_now = True
+            pgid = self._pgid
+        if pgid is not None:
+            signal_group(pgid, signal.SIGKILL)
+
+    def attach(self, pgid: int) -> None:
+        """Record the live process group; called by the runner right after spawn.
+
+        The runner must :meth:`detach` before it reaps the leader, so a pid the
+        kernel hands out again is never signalled by mistake.
+        """
+        with self._lock:
+            self._pgid = pgid
+            kill = self._kill_now
+        if kill:
+            signal_group(pgid, signal.SIGKILL)
+
+    def detach(self) -> None:
+        """Forget the process group (before reaping the leader, or when leaving it)."""
+        with self._lock:
+            self._pgid = None
+
+    def drain_wake(self) -> None:
+        """Empty the wake pipe so select() does not spin on it."""
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def close(self) -> None:
+        """Release the pipe; later requests are refused. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._pgid = None
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+class Runner(Protocol):
+    """Executes one spec in the calling thread and always returns a result."""
+
+    def run(self, spec: ExecutionSpec, control: ExecutionControl) -> ExecutionResult:
+        """Run ``spec`` to its end, honouring termination requests on ``control``."""
+        ...
+
+    def adopt(self, spec: ExecutionSpec, control: ExecutionControl,
+              record: ExecutionRecord) -> ExecutionResult:
+        """Wait for an execution an earlier daemon instance started (see ``record``)."""
+        ...
+
+
+def termination_error(outcome: str, reason: str, spec: ExecutionSpec) -> str:
+    """The human readable ``error`` text for an execution ended on request."""
+    return termination_text(outcome, reason, spec.timeout_s)
+
+
+def termination_text(outcome: str, reason: str, timeout_s: float) -> str:
+    if outcome == TIMED_OUT:
+        return f"timed out after {float(timeout_s)}s"
+    return f"{outcome}: {reason}" if reason else outcome
+
+
+def describe_exit(exit_code: int) -> str:
+    """``exit code N`` or ``killed by signal SIGX`` (for a negative code)."""
+    if exit_code >= 0:
+        return f"exit code {exit_code}"
+    return f"killed by signal {_signal_name(-exit_code)}"
+
+
+def signal_group(pgid: int, sig: int) -> bool:
+    """Send ``sig`` to a process group; False when the group is already gone."""
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        log.warning("not permitted to signal process group %d with %s", pgid, sig)
+        return False
+    return True
+
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return str(number)
+

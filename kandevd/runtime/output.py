@@ -1,0 +1,201 @@
+"""An execution's output: its log as the daemon holds it, and the agent's stdout merged in.
+
+The summary line (the contract's section 5) is the *last non-empty line of
+the agent's stdout*, read from the stdout file, so nothing the agent writes
+to stderr afterwards hides it. Only the last MiB of the file is read; a last
+line longer than that counts as ``<line too long>`` (no summary). The log
+holds both streams, but *stdout after stderr*: the stdout file is appended
+once the execution ended, idempotently with a record folder (see
+:func:`collect_stdout`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from pathlib import Path
+
+from kandevd.runtime import shim
+
+log = logging.getLogger("kandevd.runtime.process")
+
+_LOG_PREFIX = "[kandevd] "
+#: Chunk size when the stdout file is appended to the log.
+_COPY_CHUNK = 1024 * 1024
+
+
+def parse_summary_line(line: str | None) -> tuple[str | None, float | None]:
+    """``(summary, cost_cents)`` from the agent's last output line (contract 5)."""
+    if not line:
+        return None, None
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        return None, None
+    if not isinstance(obj, dict):
+        return None, None
+    summary = obj.get("summary")
+    cost = obj.get("cost_cents")
+    summary_value = summary if isinstance(summary, str) else None
+    cost_value: float | None = None
+    if isinstance(cost, int | float) and not isinstance(cost, bool):
+        cost_value = float(cost)
+        if not math.isfinite(cost_value) or cost_value < 0:
+            cost_value = None  # a cost cannot be negative: it would hide spend from budgets
+    return summary_value, cost_value
+
+
+def collect_stdout(stdout_path: Path, log_path: Path, state_path: Path | None = None,
+                   keep_as: Path | None = None) -> tuple[str | None, float | None]:
+    """``(summary, cost_cents)`` of an ended execution; its stdout file goes into the log.
+
+    The summary comes from the last non-empty line of ``stdout_path`` (the
+    last MiB of it); then the file is appended to ``log_path`` and removed,
+    or with ``keep_as`` emptied and renamed there (no inode freed; see
+    :func:`kandevd.runtime.attempts.spent_stdout_path`).
+    With ``state_path`` (``<record_dir>/summary.json``) this may run again
+    after a crash at any point: the summary and the log's size are saved
+    there before the log is touched, so a second run finds the summary
+    even once the stdout file is gone, and appends only what was not
+    appended yet (a partial copy is cut off first). Without it (a temporary
+    stdout file nobody reads again) it simply runs once. Errors are logged,
+    never raised: at worst the output stays in the stdout file.
+    """
+    state = _read_summary_state(state_path) if state_path is not None else None
+    try:
+        size = os.stat(stdout_path).st_size
+    except OSError:  # merged already (or never written)
+        if state is not None:
+            return state[0], state[1]
+        return None, None
+    if state is not None:
+        summary, cost, merged_from = state
+    else:
+        summary, cost = parse_summary_line(shim.last_line(stdout_path))
+        merged_from = None
+    if size:
+        try:
+            _append_stdout(stdout_path, log_path, size, summary, cost, merged_from, state_path)
+        except OSError as exc:
+            log.error("cannot append the agent's stdout %s to its log %s (%s); it is left "
+                      "where it is", stdout_path, log_path, exc)
+            return summary, cost
+    if keep_as is not None:
+        try:
+            # Emptied first: a crash before the rename leaves an empty stdout file,
+            # which a second call merges as nothing (the summary is in state_path).
+            os.truncate(stdout_path, 0)
+            os.rename(stdout_path, keep_as)
+            return summary, cost
+        except FileNotFoundError:
+            return summary, cost
+        except OSError as exc:
+            log.debug("the agent's stdout file %s not kept as %s (%s); removed", stdout_path,
+                      keep_as, exc)
+    try:
+        os.unlink(stdout_path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("cannot remove the agent's stdout file %s (%s)", stdout_path, exc)
+    return summary, cost
+
+
+def _append_stdout(stdout_path: Path, log_path: Path, size: int, summary: str | None,
+                   cost: float | None, merged_from: int | None,
+                   state_path: Path | None) -> None:
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+    try:
+        log_size = os.fstat(fd).st_size
+        if merged_from is not None and merged_from <= log_size:
+            if log_size >= merged_from + size:
+                return  # appended completely by an earlier run: only the unlink is left
+            os.ftruncate(fd, merged_from)  # a partial copy: cut it off, append again
+        elif state_path is not None:
+            document = {"summary": summary, "cost_cents": cost, "log_size": log_size}
+            fd_state = os.open(state_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
+                               0o600)
+            with os.fdopen(fd_state, "w", encoding="utf-8") as handle:
+                json.dump(document, handle)
+        with open(stdout_path, "rb") as source:
+            while chunk := source.read(_COPY_CHUNK):
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
+
+
+def _read_summary_state(path: Path) -> tuple[str | None, float | None, int] | None:
+    """``(summary, cost, log size before the merge)`` from ``summary.json``, or None."""
+    try:
+        document = json.loads(Path(path).read_bytes())
+        summary, cost, log_size = (document["summary"], document["cost_cents"],
+                                   document["log_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if summary is not None and not isinstance(summary, str):
+        return None
+    if cost is not None and (not isinstance(cost, int | float) or isinstance(cost, bool)):
+        return None
+    if not isinstance(log_size, int) or isinstance(log_size, bool) or log_size < 0:
+        return None
+    return summary, (float(cost) if cost is not None else None), log_size
+
+
+
+class LogSink:
+    """The execution's log file as the daemon holds it (the shim's output, our notes)."""
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path = path
+        self.fd = fd
+        self._broken = fd < 0
+
+    @classmethod
+    def open(cls, path: Path) -> LogSink:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
+        return cls(path, os.open(path, flags, 0o600))
+
+    @classmethod
+    def open_or_disabled(cls, path: Path) -> LogSink:
+        """The log, or a sink that drops notes when the log cannot be opened."""
+        try:
+            return cls.open(path)
+        except OSError as exc:
+            log.error("cannot open log %s (%s); notes about the execution are dropped",
+                      path, exc)
+            return cls(path, -1)
+
+    def size(self) -> int:
+        try:
+            return os.fstat(self.fd).st_size
+        except OSError:
+            return 0
+
+    def write(self, data: bytes) -> None:
+        if self._broken:
+            return
+        view = memoryview(data)
+        try:
+            while view:
+                written = os.write(self.fd, view)
+                view = view[written:]
+        except OSError as exc:  # disk full and friends: keep the child running
+            self._broken = True
+            log.error("cannot write log %s (%s); dropping further notes", self.path, exc)
+
+    def note(self, text: str) -> None:
+        self.write(f"{_LOG_PREFIX}{text}\n".encode())
+
+    def close(self) -> None:
+        if self.fd < 0:
+            return
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
+        self.fd = -1
+

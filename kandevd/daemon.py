@@ -39,8 +39,8 @@ from kandevd.office.budgets import (
 )
 from kandevd.paths import HomeLayout
 from kandevd.queue.loop import QueueLoop
-from kandevd.queue.processor import RunQueue
 from kandevd.queue.retention import RunPruner
+from kandevd.queue.service import RunQueue
 from kandevd.runtime import AgentRuntime
 from kandevd.runtime.orphans import stop_orphan_agents
 from kandevd.sdnotify import notifier, queue_status
@@ -118,7 +118,6 @@ class Daemon:
                                                  if self.store.shared else None))
         self.queue = RunQueue(repo, self.runtime, self.config, self.layout, self.bus,
                               faults=Faults.from_env())
-        self.runtime.add_slot_listener(self.queue.signal)
         queue_loop = QueueLoop(self.queue, safety_interval_s=self.config.queue.safety_interval_s,
                                max_claims_per_tick=self.config.queue.max_claims_per_tick,
                                pruner=RunPruner(
@@ -149,14 +148,14 @@ class Daemon:
                 raise StartupError(f"store.url {self.store.path}: cannot join the cluster: "
                                    f"{exc}", exits.IOERR) from None
             self.bus.subscribe("*", self.cluster.on_event)
-            self.queue.on_saturated = self.cluster.notify
+            self.queue.dispatcher.on_saturated = self.cluster.notify
         self.loops = {"queue": queue_loop}
         for name, loop in self._extra_loops().items():
             self.loops[name] = loop
         cron = self.loops.get("cron")
         self.metrics = DaemonMetrics(
             self.status, cron.registry.jobs if cron is not None else None)  # type: ignore[attr-defined]
-        self.queue.metrics = self.metrics
+        self.queue.outcomes.observer = self.queue.dispatcher.observer = self.metrics
         registry = Registry()
         services = Services(config=self.config, layout=self.layout, store=self.store,
                             bus=self.bus, runtime=self.runtime, queue=self.queue,
@@ -540,7 +539,7 @@ class Daemon:
             if "runs" in stored and self.queue is not None:
                 # ``failed`` is the dead letter: runs that used their attempts or retries.
                 result["runs"] = {**stored["runs"], "unrecorded_outcomes": self.queue.unrecorded(),
-                                  "adopted": self.queue.adopted_total,
+                                  "adopted": self.queue.restorer.adopted_total,
                                   "oldest_queued_at": stored["oldest_queued_at"]}
         cron = self.loops.get("cron")
         if cron is not None:

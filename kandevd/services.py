@@ -16,7 +16,7 @@ from kandevd.paths import HomeLayout
 from kandevd.store.base import BaseStore
 
 if TYPE_CHECKING:
-    from kandevd.queue.processor import RunQueue
+    from kandevd.queue.service import RunQueue
     from kandevd.runtime import AgentRuntime
 
 

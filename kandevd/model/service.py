@@ -39,7 +39,7 @@ from kandevd.model.repository import (
     NotFoundError,
 )
 from kandevd.paths import HomeLayout
-from kandevd.queue.processor import RunQueue
+from kandevd.queue.service import RunQueue
 from kandevd.runtime import AgentRuntime, ExecutionResult, RuntimeFull
 from kandevd.runtime.specs import agent_execution
 from kandevd.store.base import BaseStore

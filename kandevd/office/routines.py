@@ -45,7 +45,7 @@ from typing import Any
 
 from kandevd.cron import CronError, CronSchedule, parse_cron
 from kandevd.office.predicate import PROBE_TAG
-from kandevd.queue.processor import RunQueue
+from kandevd.queue.service import RunQueue
 from kandevd.runs.model import RunReferenceError
 from kandevd.store.base import BaseStore
 from kandevd.timeutil import parse_rfc3339, rfc3339

@@ -27,7 +27,7 @@ from typing import Any
 
 from kandevd.bus import EventBus
 from kandevd.office.predicate import is_office_task
-from kandevd.queue.processor import RunQueue
+from kandevd.queue.service import RunQueue
 from kandevd.runs.model import EnqueueResult, RunConflict, RunNotFound, RunReferenceError
 from kandevd.store.base import BaseStore
 

@@ -34,8 +34,8 @@ from datetime import datetime
 from typing import Any
 
 from kandevd.lifecycle import Loop
-from kandevd.queue.processor import RunQueue
 from kandevd.queue.retention import RunPruner
+from kandevd.queue.service import RunQueue
 from kandevd.sdnotify import notifier, queue_status
 from kandevd.store.base import is_environmental
 from kandevd.timeutil import after
@@ -52,7 +52,7 @@ class QueueLoop(Loop):
         self.safety_interval_s = float(safety_interval_s)
         self.max_claims_per_tick = int(max_claims_per_tick)
         self._next_stale_check: datetime | None = None
-        queue.set_waker(self.wake)
+        queue.wake.connect(self.wake)
 
     def start(self) -> None:
         """Start the loop thread; while it runs, outcomes are written by its drains."""
@@ -131,7 +131,4 @@ class QueueLoop(Loop):
 
     def stats(self) -> dict[str, int]:
         """Counters for ``daemon.status``."""
-        commits = self.queue.commits
-        return {"ticks": self.ticks, "claimed": self.queue.claimed_total,
-                "outcome_commits": commits.commits, "outcomes": commits.operations,
-                "retries": self.queue.retries_total, "rescued": self.queue.rescued_total}
+        return {"ticks": self.ticks, **self.queue.stats()}

@@ -49,7 +49,7 @@ from kandevd.bus import EventBus  # noqa: E402
 from kandevd.config import Config, build_config  # noqa: E402
 from kandevd.paths import HomeLayout  # noqa: E402
 from kandevd.queue.loop import QueueLoop  # noqa: E402
-from kandevd.queue.processor import RunQueue  # noqa: E402
+from kandevd.queue.service import RunQueue  # noqa: E402
 from kandevd.runtime import AgentRuntime, ExecutionSpec, InProcessRunner  # noqa: E402
 from kandevd.store.open import open_store  # noqa: E402
 from kandevd.store.runs import RunRepository  # noqa: E402
@@ -159,10 +159,10 @@ def bench_drain(n: int, agents: int, config: Config, sync: str) -> tuple[float, 
     with temp_home() as home:
         bench = Bench.build(home, agents=agents, config=config, sync=sync)
         try:
-            bench.queue.signals_enabled = False  # queue everything first, loop not running
+            bench.queue.wake.enabled = False  # queue everything first, loop not running
             for i in range(n):
                 bench.enqueue(i)
-            bench.queue.signals_enabled = True
+            bench.queue.wake.enabled = True
             done = Counter(bench.bus, "run.finished")
             statements = bench.store.statements
             started = time.perf_counter()

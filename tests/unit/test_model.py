@@ -28,7 +28,7 @@ from kandevd.model import (
 )
 from kandevd.model.actions import ActionError, action_digest, validate_action
 from kandevd.paths import HomeLayout
-from kandevd.queue.processor import RunQueue
+from kandevd.queue.service import RunQueue
 from kandevd.runtime import AgentRuntime, ExecutionSpec, InProcessRunner
 from kandevd.runtime.specs import ECHO_AGENT
 from kandevd.store.open import open_store
@@ -122,7 +122,7 @@ class Env:
         self.queue = RunQueue(RunRepository(self.store, "boot"), self.runtime, self.config,
                               self.layout, self.bus)
         self.signals = 0
-        self.queue.set_waker(self._count_signal)
+        self.queue.wake.connect(self._count_signal)
         self.model = WorkspaceService(self.store, self.bus, self.queue, self.runtime,
                                       self.config, self.layout)
 

@@ -28,7 +28,7 @@ from kandevd.bus import EventBus
 from kandevd.config import AgentProfile, Config, build_config
 from kandevd.paths import HomeLayout
 from kandevd.queue.loop import QueueLoop
-from kandevd.queue.processor import RunQueue
+from kandevd.queue.service import RunQueue
 from kandevd.runs.model import RunConflict
 from kandevd.runtime import AgentRuntime, ExecutionSpec, InProcessRunner
 from kandevd.store.open import open_store
@@ -186,7 +186,7 @@ def rig_factory(tmp_path: Path, store_location: str) -> Iterator[Callable[..., R
             signals.append(1.0)
             loop.wake()
 
-        queue.set_waker(waker)
+        queue.wake.connect(waker)
         slot_cond = threading.Condition()
 
         def slot_freed() -> None:
@@ -758,7 +758,7 @@ def test_one_bad_outcome_does_not_hold_back_the_others(
         return real_finish(run_id, token, **kwargs)
 
     monkeypatch.setattr(rig.repo, "finish", finish)
-    rig.queue.monotonic = lambda: rig.clock().timestamp()
+    rig.queue.outcomes.monotonic = lambda: rig.clock().timestamp()
     rig.tick()
     assert rig.status(good.id) == "finished"
     # The refused outcome is kept: the run stays claimed and its agent busy (so neither
@@ -781,7 +781,7 @@ def test_one_bad_outcome_does_not_hold_back_the_others(
 def test_an_outcome_refused_for_good_is_recorded_as_a_plain_failed_attempt(
         rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
     rig.queue.defer_outcomes(True)
-    rig.queue.monotonic = lambda: rig.clock().timestamp()
+    rig.queue.outcomes.monotonic = lambda: rig.clock().timestamp()
     run = rig.enqueue("a1")
     rig.tick()
     rig.settle()

@@ -27,8 +27,8 @@ from kandevd.config import build_config
 from kandevd.office.budgets import RETENTION_KEEPS_COUNTED_RUNS
 from kandevd.paths import HomeLayout
 from kandevd.queue.loop import QueueLoop
-from kandevd.queue.processor import RunQueue
 from kandevd.queue.retention import RunPruner
+from kandevd.queue.service import RunQueue
 from kandevd.runs.model import IDEMPOTENCY_WINDOW_S, TERMINAL
 from kandevd.runtime import AgentRuntime
 from kandevd.store.open import open_store

@@ -1,0 +1,194 @@
+"""RunQueue: the queue's one face, and its intake (enqueue, cancel, retry, explain).
+
+Everything that changes a run goes through the run repository, so the
+database stays the truth. The rooms behind it: dispatch.py (reserve → claim
+→ start), outcomes.py (journal → group commit → refused-write retry →
+announce), restore.py (restart adoption, peer settlement); the queue loop
+(loop.py) only decides *when* :meth:`RunQueue.drain` runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any
+
+from kandevd.bus import EventBus
+from kandevd.config import Config
+from kandevd.faults import NO_FAULTS, Faults
+from kandevd.paths import HomeLayout
+from kandevd.queue.dispatch import Dispatcher
+from kandevd.queue.live import LiveRuns, Waker
+from kandevd.queue.outcomes import Observer, OutcomeRecorder
+from kandevd.queue.restore import Restorer
+from kandevd.runs.model import EnqueueResult, Run
+from kandevd.runs.retry import retry_decider
+from kandevd.runtime import AgentRuntime
+from kandevd.store.runs import RunRepository
+from kandevd.timeutil import utc_now
+
+log = logging.getLogger("kandevd.queue")
+
+
+class RunQueue:
+    def __init__(self, repo: RunRepository, runtime: AgentRuntime, config: Config,
+                 layout: HomeLayout, bus: EventBus, *,
+                 clock: Callable[[], datetime] = utc_now, faults: Faults = NO_FAULTS,
+                 monotonic: Callable[[], float] = time.monotonic,
+                 observer: Observer | None = None,
+                 on_saturated: Callable[[], None] | None = None) -> None:
+        """``observer``: hears of executions as they end (metrics); ``on_saturated``:
+        several daemons: a pass filled every free slot here, the others should look."""
+        self.repo = repo
+        self.runtime = runtime
+        self.config = config
+        self.layout = layout
+        self.bus = bus
+        self.clock = clock
+        self.live = LiveRuns(layout.attempts)
+        #: The in-process signal: the queue loop connects its ``wake``.
+        self.wake = Waker()
+        self.outcomes = OutcomeRecorder(
+            repo, self.live, bus, self.wake, decide_retry=retry_decider(config.retry),
+            clock=clock, faults=faults, observer=observer, monotonic=monotonic)
+        self.dispatcher = Dispatcher(repo, runtime, self.outcomes, self.live, bus, config,
+                                     layout, clock=clock, faults=faults, observer=observer,
+                                     on_saturated=on_saturated)
+        self.restorer = Restorer(repo, runtime, self.outcomes, self.live, self.wake, config,
+                                 layout, clock=clock)
+        runtime.add_slot_listener(self.wake)
+
+    # -- signal -----------------------------------------------------------------
+    def signal(self) -> None:
+        self.wake()
+
+    def signal_if_a_slot_is_free(self) -> None:
+        """Wake the loop for new work, unless every runtime slot runs an execution.
+
+        Then a pass could claim nothing, and the slot that frees next wakes the
+        loop anyway (the runtime's slot listener), after this run was committed,
+        so no run waits longer. A slot merely reserved does not count: the pass
+        holding it may have looked for work before this run was committed, and
+        gives it back without waking anyone. Under load this spares a pass (and
+        a commit of whatever outcomes it would take along) per enqueue.
+        """
+        if not self.runtime.all_running:
+            self.wake()
+
+    # -- intake -----------------------------------------------------------------
+    def enqueue(self, *, workspace_id: str, agent_id: str, reason: str,
+                task_id: str | None = None, payload: dict[str, Any] | None = None,
+                idempotency_key: str | None = None, coalesce: bool = True) -> EnqueueResult:
+        """Persist a run request (what the ``queue_run`` workflow action calls).
+
+        The caller may hold a transaction of its own (Office recovery re-checks
+        and enqueues in one): ``run.queued`` and the wake-up wait for the
+        outermost commit, so nobody hears of a run that may still roll back.
+        """
+        result = self.repo.enqueue(workspace_id=workspace_id, agent_id=agent_id, reason=reason,
+                                   task_id=task_id, payload=payload,
+                                   idempotency_key=idempotency_key, coalesce=coalesce,
+                                   now=self.clock())
+        if result.inserted:
+            run = result.run
+
+            def announce() -> None:
+                self.bus.publish("run.queued", {"run": run})
+                self.signal_if_a_slot_is_free()
+
+            self.repo.store.after_commit(announce)
+        return result
+
+    def enqueue_many(self, items: list[dict[str, Any]]) -> list[EnqueueResult]:
+        """Persist a batch of run requests in one transaction (``runs.enqueue_many``).
+
+        All or nothing (see :meth:`RunRepository.enqueue_many`); the new runs
+        are announced after the commit, with one wake-up for the batch.
+        """
+        results = self.repo.enqueue_many(items, now=self.clock())
+        inserted = [result.run for result in results if result.inserted]
+        if inserted:
+            def announce() -> None:
+                for run in inserted:
+                    self.bus.publish("run.queued", {"run": run})
+                self.signal_if_a_slot_is_free()
+
+            self.repo.store.after_commit(announce)
+        return results
+
+    def retry(self, run_id: str) -> Run:
+        """``runs.retry``: a failed or cancelled run queued again with a fresh attempt budget."""
+        run = self.repo.retry(run_id, self.clock())
+        with self.live.lock:
+            # A new request: no old cancel applies. Unless the cancelled attempt is still
+            # live here (being dispatched or stopped): its flag must still stop it, and
+            # the run cannot be claimed again before that attempt's outcome is settled.
+            if run_id not in self.live.agents:
+                self.live.cancel_requested.discard(run_id)
+        log.info("run %s re-queued by runs.retry", run_id)
+        self.bus.publish("run.queued", {"run": run})
+        self.wake()
+        return run
+
+    def cancel(self, run_id: str, reason: str | None = None, *,
+               only_queued: bool = False) -> Run:
+        run, previous = self.repo.cancel(run_id, reason, self.clock(), only_queued=only_queued)
+        if previous == "claimed":
+            with self.live.lock:
+                # Seen by a dispatch that has not started the execution yet (the claim
+                # may even be committed but not handed to a dispatch): it stops it.
+                self.live.cancel_requested.add(run_id)
+            self.runtime.stop_execution(run_id, reason or "cancelled")
+        log.info("run %s cancelled (was %s)", run_id, previous)
+        self.bus.publish("run.cancelled", {"run": run})
+        self.wake()
+        return run
+
+    def explain(self, run_id: str) -> dict[str, Any]:
+        return self.repo.explain(run_id, self.clock(),
+                                 runtime_full=self.runtime.active >= self.runtime.max_concurrent,
+                                 live_agents=self.live.agent_ids())
+
+    def counts(self) -> dict[str, int]:
+        """Runs by status, for ``daemon.status`` (``failed`` is the dead letter)."""
+        return self.repo.count_by_status()
+
+    # -- the rooms behind it, as the loop, the daemon and status see them ---------------
+    def drain(self, now: datetime, limit: int) -> int:
+        return self.dispatcher.drain(now, limit)
+
+    def defer_outcomes(self, enabled: bool) -> None:
+        self.outcomes.defer_outcomes(enabled)
+
+    def next_write_retry_in(self) -> float | None:
+        return self.outcomes.next_write_retry_in()
+
+    def unrecorded(self) -> int:
+        return self.outcomes.unrecorded()
+
+    def live_runs(self) -> frozenset[str]:
+        return self.live.run_ids()
+
+    def live_agents(self) -> frozenset[str]:
+        return self.live.agent_ids()
+
+    def recover_stale(self, now: datetime) -> dict[str, str]:
+        return self.restorer.recover_stale(now)
+
+    def restore_after_restart(self, *, adopt: bool) -> frozenset[int]:
+        return self.restorer.restore_after_restart(adopt=adopt)
+
+    def recover_after_restart(self) -> dict[str, str]:
+        return self.restorer.recover_after_restart()
+
+    def settle_with_peers(self, rescue: bool = True) -> None:
+        self.restorer.settle_with_peers(rescue)
+
+    def stats(self) -> dict[str, int]:
+        """Counters for ``daemon.status``."""
+        commits = self.outcomes.commits
+        return {"claimed": self.dispatcher.claimed_total, "outcome_commits": commits.commits,
+                "outcomes": commits.operations, "retries": self.outcomes.retries_total,
+                "rescued": self.restorer.rescued_total}

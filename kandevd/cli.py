@@ -65,7 +65,7 @@ def cli() -> None:
 def serve(home: str | None, config_path: str | None, log_format: str,
           log_level: str | None) -> None:
     """Run the daemon in the foreground until SIGINT/SIGTERM or `daemon.shutdown`."""
-    from kandevd.daemon import Daemon
+    from kandevd.app.daemon import Daemon
     from kandevd.logsetup import configure_logging, set_level
 
     configure_logging(log_format, log_level or "INFO")

@@ -13,7 +13,8 @@ import click
 
 from kandevd import exits
 from kandevd.cli_common import echo_json
-from kandevd.control.openrpc import build_registry, discover, param_lines, param_summary
+from kandevd.control.openrpc import discover
+from kandevd.control.reference import build_registry, param_lines, param_summary
 
 
 @click.command("methods")

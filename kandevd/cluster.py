@@ -87,19 +87,15 @@ def _iso(moment: datetime | None) -> str | None:
 class Cluster:
     """This daemon's membership in the cluster sharing ``store``."""
 
-    def __init__(self, store: PgStore, config: ClusterConfig, boot_id: str, home: str,
-                 *, wake: Callable[[], None], on_beat: Callable[[bool], None] | None = None
-                 ) -> None:
+    def __init__(self, store: PgStore, config: ClusterConfig, boot_id: str, home: str) -> None:
         self.store = store
         self.config = config
         self.boot_id = boot_id
         self.home = home
         self.host = socket.gethostname()
         self.machine = machine_id()
-        self._wake = wake
-        #: ``on_beat(rescue)`` at every heartbeat once settled: stop executions lost here,
-        #: and with ``rescue`` (steady for dead_after_s) re-queue dead daemons' claims.
-        self.on_beat = on_beat
+        self._wake: Callable[[], None] = lambda: None
+        self._on_beat: Callable[[bool], None] | None = None
         self._leader = False
         self._stopping = threading.Event()
         self._notify_wanted = threading.Event()
@@ -215,7 +211,17 @@ class Cluster:
             self._notify_wanted.set()
 
     # -- threads -----------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, *, wake: Callable[[], None],
+              on_beat: Callable[[bool], None] | None = None) -> None:
+        """Heartbeats, wake-ups and leadership from now on.
+
+        ``wake()`` when another daemon may have made work claimable here;
+        ``on_beat(rescue)`` at every heartbeat once settled: stop executions
+        lost here, and with ``rescue`` (steady for dead_after_s) re-queue dead
+        daemons' claims.
+        """
+        self._wake = wake
+        self._on_beat = on_beat
         for name, target in (("kandevd-cluster", self._listen_and_beat),
                              ("kandevd-cluster-notify", self._notify_loop)):
             thread = threading.Thread(target=target, name=name)
@@ -330,8 +336,8 @@ class Cluster:
         # first daemon back must not take everyone else for dead. Executions lost here
         # are stopped at every beat.
         steady = now - self._beating_since >= self.config.dead_after_s
-        if self.on_beat is not None and self._settled:
-            self.on_beat(steady)
+        if self._on_beat is not None and self._settled:
+            self._on_beat(steady)
 
     def _prune(self) -> None:
         """The leader forgets fires and stopped daemons older than a week, and folds the

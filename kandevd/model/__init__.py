@@ -14,7 +14,7 @@ from kandevd.model.repository import (
     NotFoundError,
     effective_runner,
 )
-from kandevd.model.service import WorkspaceService, get_service
+from kandevd.model.service import WorkspaceService
 
 __all__ = [
     "RUNNER_SQL",
@@ -25,6 +25,5 @@ __all__ = [
     "NotFoundError",
     "WorkspaceService",
     "effective_runner",
-    "get_service",
     "queue_run_key",
 ]

@@ -48,13 +48,10 @@ from kandevd.timeutil import rfc3339, utc_now
 if TYPE_CHECKING:
     import sqlite3
 
-    from kandevd.services import Services
-
 log = logging.getLogger("kandevd.model")
 
 STYLES = ("kanban", "office", "custom")
 AGENT_STATUSES = ("active", "paused")
-EXTRAS_KEY = "workspace"
 _TIMESTAMPS = frozenset({"created_at", "updated_at"})
 
 
@@ -78,11 +75,6 @@ class WorkspaceService:
         self.config = config
         self.layout = layout
         self.clock = clock
-
-    @classmethod
-    def from_services(cls, services: Services) -> WorkspaceService:
-        return cls(services.store, services.bus, services.queue, services.runtime,
-                   services.config, services.layout)
 
     def _now(self) -> str:
         return rfc3339(self.clock())
@@ -461,12 +453,3 @@ class WorkspaceService:
             "task_id": task["id"], "agent_id": agent_id, "session_id": result.key,
             "outcome": result.outcome, "exit_code": result.exit_code,
             "summary": result.summary, "cost_cents": result.cost_cents})
-
-
-def get_service(services: Services) -> WorkspaceService:
-    """The daemon's one WorkspaceService (built on first use, kept in ``services.extras``)."""
-    service = services.extras.get(EXTRAS_KEY)
-    if service is None:
-        service = WorkspaceService.from_services(services)
-        services.extras[EXTRAS_KEY] = service
-    return service

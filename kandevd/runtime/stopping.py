@@ -172,7 +172,7 @@ class Stopping:
     def kill_all_now(self, quiet: bool = False) -> None:
         """Forced exit: SIGKILL every live process group at once; join nothing.
 
-        ``quiet``: no logging (called from a signal handler, see kandevd.shutdown).
+        ``quiet``: no logging (called from a signal handler, see kandevd.app.shutdown).
         """
         with self._cond:
             self._stopping = True

@@ -25,9 +25,9 @@ import psycopg
 import pytest
 from click.testing import CliRunner
 
+from kandevd.app.homelock import HomeLock, read_pid
 from kandevd.cli import cli
 from kandevd.config import redact_url
-from kandevd.homelock import HomeLock, read_pid
 from kandevd.model import repository
 from kandevd.store import copy
 from kandevd.store.base import BaseStore

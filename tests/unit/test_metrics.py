@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kandevd.app.metrics import DaemonMetrics, MetricsHTTPServer
+from kandevd.app.status import health
 from kandevd.config import ConfigError, build_config
-from kandevd.metrics import DaemonMetrics, MetricsHTTPServer, daemon_health
 from kandevd.timeutil import rfc3339, utc_now
 
 
@@ -137,12 +138,9 @@ def test_port_in_use_is_an_oserror() -> None:
 
 
 def test_daemon_health() -> None:
-    store = SimpleNamespace(degraded=None)
-    assert daemon_health(SimpleNamespace(state="running", store=store)) == (True, "ok")
-    assert daemon_health(SimpleNamespace(state="stopping", store=store))[0] is False
-    store.degraded = "disk full"
-    assert daemon_health(SimpleNamespace(state="running", store=store)) == (
-        False, "store degraded")
+    assert health("running", None) == (True, "ok")
+    assert health("stopping", None) == (False, "stopping")
+    assert health("running", "disk full") == (False, "store degraded")
 
 
 @pytest.mark.parametrize("listen", ["127.0.0.1:9464", "localhost:1", "[::1]:65535",
@@ -171,7 +169,7 @@ def test_cron_job_series_carry_failures_last_success_and_next_fire() -> None:
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    from kandevd.metrics import DaemonMetrics
+    from kandevd.app.metrics import DaemonMetrics
     from kandevd.scheduler.registry import JobState
 
     state = JobState()
@@ -201,7 +199,7 @@ def test_cron_job_series_carry_failures_last_success_and_next_fire() -> None:
 def test_queue_wait_histogram_and_office_handler_series() -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
-    from kandevd.metrics import DaemonMetrics
+    from kandevd.app.metrics import DaemonMetrics
 
     status = {"state": "running", "runtime": {"active": 0, "max_concurrent": 4},
               "stats": {"office": {"ticks": 10, "handler_errors": 0, "recovery_scans": 4,

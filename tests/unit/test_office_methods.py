@@ -11,7 +11,7 @@ import pytest
 from kandevd.control.methods import office
 from kandevd.control.protocol import Conflict, InvalidParams, NotFound, RpcError
 from kandevd.control.registry import Registry
-from kandevd.services import Services
+from kandevd.control.services import Services
 from kandevd.timeutil import parse_rfc3339, utc_now
 from tests.unit.office_env import OfficeEnv, seeded_env
 
@@ -21,7 +21,8 @@ class Methods:
         self.registry = Registry()
         office.register(self.registry, Services(
             config=env.config, layout=env.layout, store=env.store, bus=env.bus,
-            runtime=env.runtime, queue=env.queue, status=dict, request_shutdown=lambda: None))
+            runtime=env.runtime, queue=env.queue, model=env.model, cron=None, status=dict,
+            request_shutdown=lambda: None, metrics_text=str))
 
     def __call__(self, name: str, params: dict[str, Any] | None = None) -> Any:
         method = self.registry.get(name)

@@ -11,14 +11,14 @@ from click.testing import CliRunner
 
 from kandevd import __version__
 from kandevd.cli import cli
-from kandevd.control import openrpc
+from kandevd.control import openrpc, reference
 from kandevd.control.protocol import InvalidParams
 from kandevd.control.registry import Registry, object_schema, paging_properties
 
 
 @pytest.fixture(scope="module")
 def document() -> dict[str, Any]:
-    registry = openrpc.build_registry()
+    registry = reference.build_registry()
     return registry.get("rpc.discover").handler({})
 
 
@@ -56,10 +56,10 @@ def test_every_method_has_a_summary(document: dict[str, Any]) -> None:
 
 
 def test_docs_method_reference_is_generated() -> None:
-    current = openrpc.DOCS_PATH.read_text(encoding="utf-8")
-    wanted = openrpc.render_docs(current, openrpc.markdown_reference())
+    current = reference.DOCS_PATH.read_text(encoding="utf-8")
+    wanted = reference.render_docs(current, reference.markdown_reference())
     assert current == wanted, ("docs/protocol.md's method reference is stale: "
-                               "run python -m kandevd.control.openrpc --write")
+                               "run python -m kandevd.control.reference --write")
 
 
 def test_validation_lists_every_problem_at_once() -> None:
@@ -106,7 +106,7 @@ def test_a_real_daemon_discovers_what_the_cli_shows(tmp_path: Any) -> None:
     process.start()
     try:
         served = process.call("rpc.discover")
-        assert served == openrpc.discover(openrpc.build_registry())
+        assert served == openrpc.discover(reference.build_registry())
         assert process.stop() == 0
     finally:
         process.cleanup()

@@ -190,13 +190,13 @@ def test_a_daemon_alone_tells_no_one_that_its_slots_filled(pg_url: str) -> None:
         with beat:
             beat.notify_all()
 
-    clusters = [Cluster(store, config, f"boot-{n}", f"/home-{n}", wake=lambda: None,
-                        on_beat=on_beat) for n, store in enumerate(stores)]
+    clusters = [Cluster(store, config, f"boot-{n}", f"/home-{n}")
+                for n, store in enumerate(stores)]
     alone = clusters[0]
     try:
         alone.join()
         alone.settled()
-        alone.start()
+        alone.start(wake=lambda: None, on_beat=on_beat)
         with beat:
             assert beat.wait_for(lambda: alone.beats >= 2, 10)
         assert alone.peers_alive is False
@@ -204,7 +204,7 @@ def test_a_daemon_alone_tells_no_one_that_its_slots_filled(pg_url: str) -> None:
         assert not alone._notify_wanted.is_set()  # no NOTIFY for nobody
         other = clusters[1]
         other.join()
-        other.start()
+        other.start(wake=lambda: None, on_beat=on_beat)
         with beat:
             target = alone.beats + 2
             assert beat.wait_for(lambda: alone.beats >= target, 10)

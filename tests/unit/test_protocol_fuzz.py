@@ -25,7 +25,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kandevd import extensions, jsonstrict
+from kandevd import jsonstrict
+from kandevd.control.methods import MODULES
 from kandevd.control.registry import Registry
 from tests.conftest import FAST_CONFIG
 from tests.harness import DaemonProcess
@@ -41,12 +42,11 @@ ALLOWED_CODES = {-32700, -32600, -32601, -32602, -32000}
 
 
 def build_registry() -> Registry:
-    """Every method as kandevd/daemon.py registers it (handlers bound to stubs: only the
+    """Every method as the daemon registers it (handlers bound to stubs: only the
     names and the schemas are used here)."""
     registry = Registry()
     services = mock.MagicMock()
-    services.extras = {"cron": mock.MagicMock()}
-    for module in extensions.method_modules():
+    for module in MODULES:
         module.register(registry, services)
     return registry
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from kandevd.app.shutdown import ShutdownCoordinator, SignalWiring
 from kandevd.lifecycle import Loop, LoopState, StopSignal
-from kandevd.shutdown import ShutdownCoordinator, SignalWiring
 from kandevd.store.base import StoreClosedError
 from kandevd.store.open import open_store
 from kandevd.store.sqlite import Store
@@ -154,7 +154,7 @@ def test_concurrent_shutdown_callers_all_return_after_the_last_step() -> None:
 
 SIGNAL_SCRIPT = textwrap.dedent("""
     import logging, sys, threading
-    from kandevd.shutdown import SignalWiring
+    from kandevd.app.shutdown import SignalWiring
 
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(message)s")
     requested = threading.Event()

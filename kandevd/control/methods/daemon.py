@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from kandevd.control import openrpc
 from kandevd.control.registry import Registry, object_schema
-from kandevd.services import Services
+from kandevd.control.services import Services
 
 
 def register(registry: Registry, services: Services) -> None:
@@ -20,9 +21,7 @@ def register(registry: Registry, services: Services) -> None:
         return {}
 
     def discover(_params: dict[str, Any]) -> dict[str, Any]:
-        from kandevd.control.openrpc import discover as openrpc_discover
-
-        return openrpc_discover(registry)
+        return openrpc.discover(registry)
 
     registry.add("daemon.status", status, object_schema({}), allowed_while_stopping=True,
                  reads=True,
@@ -34,7 +33,7 @@ def register(registry: Registry, services: Services) -> None:
                  summary="Start a graceful shutdown (running requests finish first).",
                  result="{}")
     def metrics(_params: dict[str, Any]) -> str:
-        return "" if services.metrics is None else services.metrics.exposition()
+        return services.metrics_text()
 
     registry.add("daemon.metrics", metrics, object_schema({}), reads=True,
                  summary="The Prometheus text exposition of the daemon's metrics.",

@@ -25,6 +25,7 @@ from typing import Any
 
 from kandevd.control.protocol import Conflict, InvalidParams, NotFound
 from kandevd.control.registry import Registry, object_schema, paging_properties
+from kandevd.control.services import Services
 from kandevd.cron import CronError
 from kandevd.office.budgets import ACTIONS, PERIODS, SCOPE_TYPES
 from kandevd.office.routines import (
@@ -33,7 +34,6 @@ from kandevd.office.routines import (
     STATUSES,
     first_next_run_at,
 )
-from kandevd.services import Services
 from kandevd.store.base import BaseStore
 from kandevd.timeutil import rfc3339, utc_now
 

@@ -16,13 +16,12 @@ from kandevd.control.protocol import (
     ShuttingDown,
 )
 from kandevd.control.registry import Registry, object_schema, paging_properties
+from kandevd.control.services import Services
 from kandevd.cron import CronError, next_fire_times, parse_cron, parse_timezone
 from kandevd.products.jobs import PRODUCT_PREFIX, ProductJob
 from kandevd.products.schedule import ScheduleState, decide
 from kandevd.scheduler import runner as run
-from kandevd.scheduler.loop import CronLoop
 from kandevd.scheduler.registry import AmbiguousJob, AnyJob, Job, JobNotFound
-from kandevd.services import Services
 from kandevd.timeutil import parse_rfc3339, rfc3339, utc_now
 from kandevd.workflows import history as hist
 from kandevd.workflows import manifest
@@ -53,7 +52,7 @@ MAX_NEXT = 100
 
 
 def register(registry: Registry, services: Services) -> None:
-    loop: CronLoop = services.extras["cron"]
+    loop = services.cron
     jobs = loop.registry
     runner = loop.runner
 

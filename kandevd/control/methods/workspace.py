@@ -2,9 +2,8 @@
 
 Params are checked against the schemas below before a handler runs (unknown
 names and wrong types are -32602). The handlers hand over to the daemon's
-:class:`kandevd.model.service.WorkspaceService`, which is also left in
-``services.extras["workspace"]`` for other capabilities, and translate its
-errors: an unknown ``id`` is ``not_found``, a taken id ``conflict``, a bad
+:class:`kandevd.model.service.WorkspaceService` and translate its errors: an
+unknown ``id`` is ``not_found``, a taken id ``conflict``, a bad
 reference ``invalid_params`` naming the field, a launch the runtime cannot
 take ``refused``.
 """
@@ -16,11 +15,11 @@ from typing import Any
 
 from kandevd.control.protocol import Conflict, InvalidParams, NotFound, Refused, ShuttingDown
 from kandevd.control.registry import Registry, object_schema, paging_properties
+from kandevd.control.services import Services
 from kandevd.model.actions import ACTION_SCHEMA
 from kandevd.model.repository import ConflictError, InvalidReference, LaunchRefused, NotFoundError
-from kandevd.model.service import AGENT_STATUSES, STYLES, get_service
+from kandevd.model.service import AGENT_STATUSES, STYLES
 from kandevd.runtime import RuntimeStopped
-from kandevd.services import Services
 
 #: Ids a caller chooses for a new object: safe in paths and in ``:``-separated keys.
 NEW_ID = {"type": "string", "pattern": r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$"}
@@ -109,7 +108,7 @@ def _paging(p: dict[str, Any], *filters: str) -> dict[str, Any]:
 
 
 def register(registry: Registry, services: Services) -> None:
-    model = get_service(services)
+    model = services.model
     handlers: dict[str, Callable[[dict[str, Any]], Any]] = {
         "workspaces.create": model.create_workspace,
         "workspaces.update": model.update_workspace,

@@ -161,10 +161,13 @@ class _StatusCollector(Collector):
 class DaemonMetrics:
     """The daemon's metrics: a private registry and its text exposition."""
 
-    def __init__(self, status: Callable[[], dict[str, Any]],
+    def __init__(self, status: Callable[[], dict[str, Any]] | None = None,
                  cron_jobs: Callable[[], list[Any]] | None = None) -> None:
+        """Observed from the first execution on; the status values come with ``status``,
+        now or later through :meth:`collect` (the queue observes before status exists)."""
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_StatusCollector(status, cron_jobs or (lambda: [])))
+        if status is not None:
+            self.collect(status, cron_jobs)
         self._durations = Histogram(
             "kandevd_execution_duration_seconds", "Wall time of agent executions",
             labelnames=["outcome"], buckets=DURATION_BUCKETS, registry=self.registry)
@@ -172,6 +175,11 @@ class DaemonMetrics:
             "kandevd_queue_wait_seconds",
             "From a run's request to its first claim (the wake latency when its agent was free)",
             buckets=WAIT_BUCKETS, registry=self.registry)
+
+    def collect(self, status: Callable[[], dict[str, Any]],
+                cron_jobs: Callable[[], list[Any]] | None = None) -> None:
+        """Read ``status()`` (and the cron jobs' counters) at every scrape."""
+        self.registry.register(_StatusCollector(status, cron_jobs or (lambda: [])))
 
     def observe_first_claim(self, requested_at: str, claimed_at: str) -> None:
         """A run's first claim: how long it waited from its request (never raises)."""
@@ -252,13 +260,3 @@ def _handler(metrics: DaemonMetrics,
             log.debug("metrics http: " + format, *args)
 
     return Handler
-
-
-def daemon_health(daemon: Any) -> tuple[bool, str]:
-    """``/health``: ok while running with a usable store; else 503 with the reason."""
-    if daemon.state != "running":
-        return False, daemon.state
-    store = daemon.store
-    if store is not None and store.degraded:
-        return False, "store degraded"
-    return True, "ok"

@@ -1,0 +1,177 @@
+"""The composition root: every part of a daemon, built in order and returned together.
+
+Nothing here starts a thread or runs work; :mod:`kandevd.app.daemon` starts
+the parts in order and stops them through the ShutdownCoordinator. Each part
+gets its collaborators at construction (no attribute is set afterwards), and
+the control methods get a typed :class:`~kandevd.control.services.Services`.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kandevd import exits
+from kandevd.app.metrics import DaemonMetrics
+from kandevd.app.status import StatusReporter
+from kandevd.bus import EventBus
+from kandevd.config import Config, redact_url
+from kandevd.control.methods import MODULES
+from kandevd.control.registry import Registry
+from kandevd.control.server import ControlServer
+from kandevd.control.services import Services
+from kandevd.faults import Faults
+from kandevd.lifecycle import Loop, StopSignal
+from kandevd.model.service import WorkspaceService
+from kandevd.office.budgets import (
+    HARD_BUDGET_PROBE_SQL,
+    RETENTION_KEEPS_COUNTED_RUNS,
+    exceeded_hard_budgets,
+)
+from kandevd.office.loop import OfficeLoop
+from kandevd.office.subscribers import AssignmentSubscriber
+from kandevd.paths import HomeLayout
+from kandevd.queue.loop import QueueLoop
+from kandevd.queue.retention import RunPruner
+from kandevd.queue.service import RunQueue
+from kandevd.runtime import AgentRuntime
+from kandevd.scheduler.build import build_cron_loop
+from kandevd.scheduler.loop import CronLoop
+from kandevd.store.base import BaseStore
+from kandevd.store.check import DatabaseUnusable, open_checked
+from kandevd.store.open import open_store
+from kandevd.store.runs import RunRepository
+from kandevd.store.runs.retention import ExpiredRuns
+
+if TYPE_CHECKING:
+    from kandevd.cluster import Cluster
+
+log = logging.getLogger("kandevd.daemon")
+
+
+class StartupError(Exception):
+    """The daemon cannot start; ``exit_code`` says why (sysexits)."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@dataclass(frozen=True)
+class Parts:
+    """Everything a running daemon is made of, fully built."""
+
+    store: BaseStore
+    bus: EventBus
+    runtime: AgentRuntime
+    queue: RunQueue
+    cluster: Cluster | None
+    #: The loops in start order (queue, office when enabled, cron).
+    loops: dict[str, Loop]
+    cron: CronLoop
+    metrics: DaemonMetrics
+    status: StatusReporter
+    server: ControlServer
+
+
+def open_configured_store(config: Config, layout: HomeLayout) -> BaseStore:
+    """The configured store, open and migrated, or a :class:`StartupError` (exit 74)."""
+    url = config.store.url
+    if url is None:
+        try:
+            return open_checked(layout.db)
+        except DatabaseUnusable as exc:
+            raise StartupError(str(exc), exits.IOERR) from None
+    try:
+        store = open_store(url)
+    except (sqlite3.Error, RuntimeError) as exc:
+        raise StartupError(f"store.url {redact_url(url)}: the database cannot be used: "
+                           f"{exc}", exits.IOERR) from None
+    log.info("store: PostgreSQL at %s", store.path)
+    return store
+
+
+def assemble(config: Config, layout: HomeLayout, *, boot_id: str, stop_signal: StopSignal,
+             stop_requested: threading.Event, request_shutdown: Callable[[], None],
+             state: Callable[[], str], started_at: str) -> Parts:
+    """Build every part of the daemon of ``layout`` (the store opened and migrated).
+
+    What fails half-way closes the store it opened, and raises StartupError
+    for what an operator must fix.
+    """
+    for folder in (layout.run_logs, layout.runs, layout.attempts):
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    store = open_configured_store(config, layout)
+    try:
+        return _assemble(config, layout, store, boot_id=boot_id, stop_signal=stop_signal,
+                         stop_requested=stop_requested, request_shutdown=request_shutdown,
+                         state=state, started_at=started_at)
+    except BaseException:
+        store.close()
+        raise
+
+
+def _assemble(config: Config, layout: HomeLayout, store: BaseStore, *, boot_id: str,
+              stop_signal: StopSignal, stop_requested: threading.Event,
+              request_shutdown: Callable[[], None], state: Callable[[], str],
+              started_at: str) -> Parts:
+    bus = EventBus()
+    runtime = AgentRuntime(config.runtime.max_concurrent, config.runtime.stop_grace_s,
+                           shutdown_requested=stop_requested.is_set)
+    cluster = _join_cluster(config, layout, store, boot_id) if store.shared else None
+    metrics = DaemonMetrics()
+    repo = RunRepository(store, boot_id, max_attempts=config.queue.max_attempts,
+                         claim_gate=exceeded_hard_budgets, claim_gate_probe=HARD_BUDGET_PROBE_SQL,
+                         peers_dead_after_s=config.cluster.dead_after_s if cluster else None)
+    if cluster is not None:
+        repo.hold_peers(tuple(cluster.held))
+        bus.subscribe("*", cluster.on_event)
+    queue = RunQueue(repo, runtime, config, layout, bus, faults=Faults.from_env(),
+                     observer=metrics, on_saturated=cluster.notify if cluster else None)
+    expired = ExpiredRuns(store, keep=[RETENTION_KEEPS_COUNTED_RUNS],
+                          home_prefix=layout.root_prefix if store.shared else None)
+    loops: dict[str, Loop] = {"queue": QueueLoop(
+        queue, safety_interval_s=config.queue.safety_interval_s,
+        max_claims_per_tick=config.queue.max_claims_per_tick,
+        pruner=RunPruner(expired, layout, config.queue.retention_days), parent=stop_signal)}
+    if config.office.enabled:
+        # office.enabled false: no assignment subscribers and no Office loop at all.
+        AssignmentSubscriber(store, queue).attach(bus)
+        loops["office"] = OfficeLoop(store, queue, bus, config.office,
+                                     leader=cluster.is_leader if cluster else None,
+                                     parent=stop_signal)
+    cron = build_cron_loop(config, layout, runtime, parent=stop_signal,
+                           fire_gate=cluster.fire_gate if cluster else None)
+    loops["cron"] = cron
+    status = StatusReporter(config, layout, store, runtime, queue, loops, cron, cluster,
+                            boot_id=boot_id, started_at=started_at, state=state)
+    metrics.collect(status.status, cron.registry.jobs)
+    services = Services(config=config, layout=layout, store=store, bus=bus, runtime=runtime,
+                        queue=queue,
+                        model=WorkspaceService(store, bus, queue, runtime, config, layout),
+                        cron=cron, status=status.status, request_shutdown=request_shutdown,
+                        metrics_text=metrics.exposition)
+    registry = Registry()
+    for module in MODULES:
+        module.register(registry, services)
+    server = ControlServer(layout.socket, registry, idle_timeout_s=config.control.idle_timeout_s)
+    return Parts(store=store, bus=bus, runtime=runtime, queue=queue, cluster=cluster,
+                 loops=loops, cron=cron, metrics=metrics, status=status, server=server)
+
+
+def _join_cluster(config: Config, layout: HomeLayout, store: BaseStore, boot_id: str
+                  ) -> Cluster:
+    """This daemon as a member of the daemons sharing ``store`` (PostgreSQL)."""
+    from kandevd.cluster import Cluster  # psycopg: only with a PostgreSQL store
+
+    cluster = Cluster(store, config.cluster, boot_id, str(layout.root))  # type: ignore[arg-type]
+    try:
+        cluster.join()
+    except sqlite3.Error as exc:
+        raise StartupError(f"store.url {store.path}: cannot join the cluster: {exc}",
+                           exits.IOERR) from None
+    return cluster

@@ -1,0 +1,137 @@
+"""``daemon.status`` and ``/health``: what the daemon tells about itself.
+
+Polled often (monitors, ``kandevd wait``, the benchmarks), so the parts read
+from the database are read again only after something committed: while the
+store's change marker stays the same (a daemon idle between runs), the same
+answer is given without a query. Each part that cannot be read is left out:
+status must answer, whatever the store does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from kandevd import __version__
+from kandevd.config import Config
+from kandevd.lifecycle import Loop
+from kandevd.paths import HomeLayout
+from kandevd.queue.service import RunQueue
+from kandevd.runtime import AgentRuntime
+from kandevd.scheduler.loop import CronLoop
+from kandevd.store.base import BaseStore
+from kandevd.store.runs.retention import db_status
+
+if TYPE_CHECKING:
+    from kandevd.cluster import Cluster
+
+log = logging.getLogger("kandevd.daemon")
+
+LOOP_NAMES = ("queue", "office", "cron")
+
+
+class StatusReporter:
+    def __init__(self, config: Config, layout: HomeLayout, store: BaseStore,
+                 runtime: AgentRuntime, queue: RunQueue, loops: Mapping[str, Loop],
+                 cron: CronLoop, cluster: Cluster | None, *, boot_id: str, started_at: str,
+                 state: Callable[[], str]) -> None:
+        """``state()``: the daemon's (starting, running, stopping)."""
+        self.config = config
+        self.layout = layout
+        self.store = store
+        self.runtime = runtime
+        self.queue = queue
+        self.loops = loops
+        self.cron = cron
+        self.cluster = cluster
+        self.boot_id = boot_id
+        self.started_at = started_at
+        self.state = state
+        self._cache: tuple[object, dict[str, Any]] | None = None
+
+    def status(self) -> dict[str, Any]:
+        loops = {name: "stopped" for name in LOOP_NAMES}
+        for name, loop in self.loops.items():
+            loops[name] = loop.state.value
+        store = self.store
+        degraded = store.degraded
+        result: dict[str, Any] = {
+            "version": __version__,
+            "pid": os.getpid(),
+            "state": self.state(),
+            "started_at": self.started_at,
+            "home": str(self.layout.root),
+            "boot_id": self.boot_id,
+            "loops": loops,
+            "runtime": {"active": self.runtime.active,
+                        "max_concurrent": self.config.runtime.max_concurrent},
+            "store": {"statements": store.statements,
+                      "status": "degraded" if degraded else "ok"},
+        }
+        if store.shared:
+            result["store"]["backend"] = store.dialect
+            result["store"]["writer_wait_s"] = round(getattr(store, "writer_wait_s", 0.0), 3)
+        if degraded:
+            result["store"]["reason"] = degraded
+        stored = self._stored()
+        if "db" in stored:
+            result["store"]["db"] = stored["db"]
+        if "runs" in stored:
+            # ``failed`` is the dead letter: runs that used their attempts or retries.
+            result["runs"] = {**stored["runs"], "unrecorded_outcomes": self.queue.unrecorded(),
+                              "adopted": self.queue.restorer.adopted_total,
+                              "oldest_queued_at": stored["oldest_queued_at"]}
+        result["scheduler"] = self.cron.status()
+        if self.cluster is not None and not store.closed:
+            result["cluster"] = self.cluster.status()
+        for name, loop in self.loops.items():
+            extra = getattr(loop, "stats", None)
+            if callable(extra):
+                result.setdefault("stats", {})[name] = extra()
+        return result
+
+    def health(self) -> tuple[bool, str]:
+        """``/health``: ok while running with a usable store; else 503 with the reason."""
+        return health(self.state(), self.store.degraded)
+
+    def _stored(self) -> dict[str, Any]:
+        """The parts read from the database, read again only after a commit."""
+        store = self.store
+        if store.closed:
+            return {}
+        # A shared store: other daemons write too, and nothing cheap tells when: read each time.
+        generation = store.change_marker()
+        cached = self._cache
+        if generation is not None and cached is not None and cached[0] == generation:
+            return cached[1]
+        parts: dict[str, Any] = {}
+        try:
+            parts["db"] = db_status(store, self.config.queue.retention_days)
+        except sqlite3.DatabaseError as exc:  # damage or a full disk: the store says so
+            log.debug("daemon.status: the database size cannot be read: %s", exc)
+        except Exception:  # status must answer even when the store cannot
+            log.exception("daemon.status: reading the database size failed")
+        try:
+            parts["runs"] = self.queue.counts()
+            parts["oldest_queued_at"] = self.queue.repo.oldest_queued_at()
+        except sqlite3.DatabaseError as exc:
+            log.debug("daemon.status: the runs cannot be counted: %s", exc)
+            parts.pop("runs", None)
+        except Exception:  # status must answer even when the store cannot
+            log.exception("daemon.status: counting runs failed")
+            parts.pop("runs", None)
+        if generation is not None and "db" in parts and "runs" in parts:
+            self._cache = (generation, parts)
+        return parts
+
+
+def health(state: str, degraded: str | None) -> tuple[bool, str]:
+    """Ok while running with a usable store; else not, and the reason."""
+    if state != "running":
+        return False, state
+    if degraded:
+        return False, "store degraded"
+    return True, "ok"

@@ -174,7 +174,7 @@ def validate(home: str | None, config_path: str | None) -> None:
     Workflows are not checked while the config itself is invalid (their root
     comes from it). Nothing is written.
     """
-    from kandevd.scheduler.build import scheduler_root
+    from kandevd.schedules.build import scheduler_root
 
     root = resolve_home(home)
     try:

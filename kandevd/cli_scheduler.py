@@ -123,8 +123,8 @@ def check_workflows(root: Path) -> bool:
     Each problem goes to stderr as one ``path: message`` line, nothing else
     does; the summary goes to stdout. Nothing is written or moved.
     """
-    from kandevd.products import catalog
-    from kandevd.workflows import manifest
+    from kandevd.schedules.products import catalog
+    from kandevd.schedules.workflows import manifest
 
     workflows, problems = manifest.scan(root)
     try:

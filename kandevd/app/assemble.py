@@ -39,8 +39,8 @@ from kandevd.queue.loop import QueueLoop
 from kandevd.queue.retention import RunPruner
 from kandevd.queue.service import RunQueue
 from kandevd.runtime import AgentRuntime
-from kandevd.scheduler.build import build_cron_loop
-from kandevd.scheduler.loop import CronLoop
+from kandevd.schedules.build import build_cron_loop
+from kandevd.schedules.loop import CronLoop
 from kandevd.store.base import BaseStore
 from kandevd.store.check import DatabaseUnusable, open_checked
 from kandevd.store.open import open_store
@@ -149,7 +149,7 @@ def _assemble(config: Config, layout: HomeLayout, store: BaseStore, *, boot_id: 
     loops["cron"] = cron
     status = StatusReporter(config, layout, store, runtime, queue, loops, cron, cluster,
                             boot_id=boot_id, started_at=started_at, state=state)
-    metrics.collect(status.status, cron.registry.jobs)
+    metrics.collect(status.status, lambda: cron.registry.jobs(source="workflows"))
     services = Services(config=config, layout=layout, store=store, bus=bus, runtime=runtime,
                         queue=queue,
                         model=WorkspaceService(store, bus, queue, runtime, config, layout),

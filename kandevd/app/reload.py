@@ -13,7 +13,7 @@ from pathlib import Path
 
 from kandevd.config import Config, ConfigError, config_changes, load_config
 from kandevd.logsetup import current_level, set_level
-from kandevd.scheduler.loop import CronLoop
+from kandevd.schedules.loop import CronLoop
 from kandevd.sdnotify import notifier
 from kandevd.store.backend import backend_problem
 

@@ -21,7 +21,7 @@ from kandevd.lifecycle import Loop
 from kandevd.paths import HomeLayout
 from kandevd.queue.service import RunQueue
 from kandevd.runtime import AgentRuntime
-from kandevd.scheduler.loop import CronLoop
+from kandevd.schedules.loop import CronLoop
 from kandevd.store.base import BaseStore
 from kandevd.store.runs.retention import db_status
 

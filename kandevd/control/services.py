@@ -16,7 +16,7 @@ from kandevd.model.service import WorkspaceService
 from kandevd.paths import HomeLayout
 from kandevd.queue.service import RunQueue
 from kandevd.runtime import AgentRuntime
-from kandevd.scheduler.loop import CronLoop
+from kandevd.schedules.loop import CronLoop
 from kandevd.store.base import BaseStore
 
 

@@ -41,8 +41,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from kandevd.control.client import call  # noqa: E402
+from kandevd.schedules.history import History  # noqa: E402
 from kandevd.timeutil import parse_rfc3339, rfc3339  # noqa: E402
-from kandevd.workflows.history import History  # noqa: E402
 
 TICKS = os.sysconf("SC_CLK_TCK")
 GROUPS = {"groups": [{"group_id": "g1", "display_name": "G1", "values": {}, "enabled": True}]}

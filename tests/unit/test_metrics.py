@@ -170,7 +170,7 @@ def test_cron_job_series_carry_failures_last_success_and_next_fire() -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
     from kandevd.app.metrics import DaemonMetrics
-    from kandevd.scheduler.registry import JobState
+    from kandevd.schedules.jobs import JobState
 
     state = JobState()
     state.record({"status": "success", "started_at": "2026-12-01T10:00:00.000000Z",

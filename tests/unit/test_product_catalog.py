@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kandevd.products import catalog
+from kandevd.schedules.products import catalog
 
 
 def write(root: Path, folder: str, text: str) -> Path:

@@ -14,8 +14,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kandevd.cron import next_fire_times, parse_cron
-from kandevd.products import schedule as ps
-from kandevd.products.schedule import Decision, ProductSchedule, ScheduleState, decide
+from kandevd.schedules.products import schedule as ps
+from kandevd.schedules.products.schedule import (
+    Decision,
+    ProductSchedule,
+    ScheduleState,
+    decide,
+)
 
 PROPERTY = settings(max_examples=40, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])

@@ -9,9 +9,9 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kandevd.scheduler.registry import seed_state
+from kandevd.schedules import history as hist
+from kandevd.schedules.jobs import seed_state
 from kandevd.timeutil import rfc3339
-from kandevd.workflows import history as hist
 
 NOW = datetime(2026, 12, 3, 12, tzinfo=UTC)
 STATUSES = ["running", "success", "error", "stopped"]

@@ -21,12 +21,12 @@ from hypothesis import strategies as st
 from kandevd.config import build_config
 from kandevd.paths import HomeLayout
 from kandevd.runtime import AgentRuntime, ExecutionSpec, InProcessRunner
-from kandevd.scheduler.loop import CronLoop, Decision, decide_fire
-from kandevd.scheduler.registry import JobRegistry
-from kandevd.scheduler.runner import SessionRunner
-from kandevd.scheduler.settings import Switches
+from kandevd.schedules.build import build_registry
+from kandevd.schedules.history import SHUTDOWN_ERROR
+from kandevd.schedules.loop import CronLoop, Decision, decide_fire
+from kandevd.schedules.runner import SessionRunner
+from kandevd.schedules.settings import Switches
 from kandevd.timeutil import parse_rfc3339
-from kandevd.workflows.history import SHUTDOWN_ERROR
 from tests.workflows import history, schedule, write_workflow
 
 T0 = datetime(2026, 12, 3, 10, 0, 30, tzinfo=UTC)
@@ -64,9 +64,8 @@ def build(home: HomeLayout) -> Iterator[Callable[..., tuple[CronLoop, Agent]]]:
         config = build_config({"runtime": {"max_concurrent": max_concurrent}},
                               environ=env or {})
         runtime = AgentRuntime(max_concurrent, 1, runner=InProcessRunner(agent))
-        registry = JobRegistry(home.workspace,
-                               switches=Switches.from_config(config.scheduler, env or {}),
-                               retention_days=90)
+        registry = build_registry(home.workspace,
+                                  Switches.from_config(config.scheduler, env or {}), 90)
         registry.load_at_start(T0)
 
         def runner(loop: CronLoop) -> SessionRunner:
@@ -144,8 +143,8 @@ def test_paused_and_disabled_fires_are_counted_not_run(build, home) -> None:
     blocked.tick(T0 + timedelta(minutes=1))
     job = blocked.registry.resolve("s")
     assert job.state.skipped_disabled == 1
-    assert blocked.registry.as_dict(job, running=False, paused=False)[
-        "cron_ineligible_reason"] == "workflow blocked by the block list (W)"
+    assert blocked.registry.ineligible_reason(job, paused=False) == \
+        "workflow blocked by the block list (W)"
     assert agent.seen == [] and history(folder_of(home)) == []
 
 
@@ -296,10 +295,9 @@ def test_a_cadence_product_schedule_fires_under_an_injected_clock(build, home) -
     write_product(home.workspace, [{"id": "every2h", "cadence_hours": 2,
                                     "messages": ["hello"]}])
     loop, agent = build()
-    products = loop.registry.products
-    [job] = products.jobs()
+    [job] = loop.registry.jobs(source="products")
     loop.tick(T0)  # first sight: not due, the first slot is written down
-    assert agent.seen == [] and job.state.next_run_at == T0 + timedelta(hours=2)
+    assert agent.seen == [] and job.state.next_fire == T0 + timedelta(hours=2)
     state_file = home.workspace / "_users" / "local" / "chat_history" / \
         "product-schedules.json"
     assert json.loads(state_file.read_text())["schedules"]["helper:every2h"]["next_run_at"]
@@ -314,20 +312,20 @@ def test_a_cadence_product_schedule_fires_under_an_injected_clock(build, home) -
     loop.fanout.join()
     assert len(agent.seen) == 1
     # the next slot is two hours after the run began (sessions keep real time)
-    assert job.state.next_run_at == parse_rfc3339(job.state.last_run_at) + timedelta(hours=2)
+    assert job.state.next_fire == parse_rfc3339(job.state.last_run_at) + timedelta(hours=2)
 
 
 def test_a_reload_picks_up_a_changed_product_and_user_directory(build, home) -> None:
     write_product(home.workspace, [{"id": "a", "cadence_hours": 1, "messages": ["m"]}])
     loop, _agent = build()
-    assert [j.user.id for j in loop.registry.products.jobs()] == ["local"]
+    assert [j.user_id for j in loop.registry.jobs(source="products")] == ["local"]
     write_product(home.workspace, [{"id": "a", "cadence_hours": 1, "messages": ["m"]},
                                    {"id": "b", "cron_expression": "0 8 * * *",
                                     "messages": ["m"]}])
     (home.workspace / "users.yaml").write_text("- {id: ann, enabled: true, products: '*'}\n")
     result = loop.registry.rescan(T0)
     assert result["product_jobs"] == 2
-    assert [(j.id, j.user.id) for j in loop.registry.products.jobs()] == [
+    assert [(j.id, j.user_id) for j in loop.registry.jobs(source="products")] == [
         ("product:helper:a", "ann"), ("product:helper:b", "ann")]
 
 
@@ -341,9 +339,9 @@ def test_a_cron_product_occurrence_missed_while_down_is_not_replayed(build, home
     loop, agent = build()
     loop.tick(T0)
     loop.fanout.join()
-    [job] = loop.registry.products.jobs()
+    [job] = loop.registry.jobs(source="products")
     assert agent.seen == []
-    assert job.state.next_run_at == datetime(2026, 12, 4, 8, tzinfo=UTC)
+    assert job.state.next_fire == datetime(2026, 12, 4, 8, tzinfo=UTC)
 
 
 def test_an_impossible_stored_time_never_stalls_the_tick(build, home) -> None:

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kandevd.config import build_config
-from kandevd.scheduler.settings import PauseState, Switches, list_verdict, parse_list
+from kandevd.schedules.settings import PauseState, Switches, list_verdict, parse_list
 
 NAMES = st.sampled_from(["reports", "Reports", "REP", "rep", "other", "x"])
 

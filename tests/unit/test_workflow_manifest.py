@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kandevd.workflows import manifest
-from kandevd.workflows.manifest import ManifestError, ManifestUnusable
+from kandevd.schedules.workflows import manifest
+from kandevd.schedules.workflows.manifest import ManifestError, ManifestUnusable
 from tests.workflows import schedule, write_workflow
 
 

@@ -14,11 +14,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from kandevd.products.catalog import Product
-from kandevd.products.schedule import ProductSchedule
-from kandevd.products.state import chats_folder
-from kandevd.scheduler.session import Session, TurnSpec
-from kandevd.workflows import history as hist
+from kandevd.schedules import history as hist
+from kandevd.schedules.products.catalog import Product
+from kandevd.schedules.products.schedule import ProductSchedule
+from kandevd.schedules.products.state import chats_folder
+from kandevd.schedules.session import Session, TurnSpec
 
 _conversations: dict[tuple[Path, str, str], threading.Lock] = {}
 _conversations_lock = threading.Lock()

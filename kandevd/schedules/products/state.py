@@ -20,13 +20,14 @@ from __future__ import annotations
 import re
 import uuid
 from collections.abc import Callable
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from kandevd.jsonfile import CorruptReporter, JsonFile
-from kandevd.timeutil import rfc3339, utc_now
-from kandevd.workflows.history import History
+from kandevd.schedules.history import History
+from kandevd.schedules.jobs import JobState
+from kandevd.timeutil import parse_rfc3339, rfc3339, utc_now
 
 USERS_DIR = "_users"
 HISTORY_CAP = 200
@@ -102,3 +103,53 @@ def _session_id_ok(value: Any) -> bool:
     """A session id goes into logs, the environment and stdin: plain characters only
     (anything else in the file is replaced by a new conversation id)."""
     return isinstance(value, str) and _SESSION_ID.fullmatch(value) is not None
+
+
+# -- a job's bookkeeping in the user's file -----------------------------------------------
+
+_EARLIEST = datetime(1970, 1, 1, tzinfo=UTC)
+_LATEST = datetime(9000, 1, 1, tzinfo=UTC)
+
+
+def stored_time(value: Any) -> datetime | None:
+    """A stored time, or None when it is not one kandevd could have written (a hand-edited
+    year 9999 must not overflow the date arithmetic of ``decide``)."""
+    if not isinstance(value, str):
+        return None
+    try:
+        moment = parse_rfc3339(value)
+    except (ValueError, OverflowError):
+        return None
+    return moment if _EARLIEST <= moment < _LATEST else None
+
+
+def state_from_file(stored: Any) -> JobState:
+    """A product job's state from its entry in the user's state file (only well-typed
+    values are believed)."""
+    stored = stored if isinstance(stored, dict) else {}
+    state = JobState()
+    if isinstance(stored.get("enabled"), bool):
+        state.enabled = stored["enabled"]
+    for name in ("last_status", "last_error", "last_session_id"):
+        if isinstance(stored.get(name), str):
+            setattr(state, name, stored[name])
+    if stored_time(stored.get("last_run_at")) is not None:
+        state.last_run_at = stored["last_run_at"]
+    for name in ("run_count", "consecutive_failures"):
+        if isinstance(stored.get(name), int) and not isinstance(stored.get(name), bool):
+            setattr(state, name, max(0, stored[name]))
+    state.next_fire = stored_time(stored.get("next_run_at"))
+    return state
+
+
+def state_to_file(state: JobState) -> dict[str, Any]:
+    stored: dict[str, Any] = {
+        "last_run_at": state.last_run_at, "last_status": state.last_status,
+        "last_error": state.last_error, "last_session_id": state.last_session_id,
+        "run_count": state.run_count, "consecutive_failures": state.consecutive_failures,
+        "next_run_at": rfc3339(state.next_fire) if state.next_fire else None,
+    }
+    if state.enabled is not None:
+        stored["enabled"] = state.enabled
+    return stored
+

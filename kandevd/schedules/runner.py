@@ -16,14 +16,11 @@ from typing import Any
 
 from kandevd.config import Config
 from kandevd.paths import HomeLayout
-from kandevd.scheduler.registry import Job, JobNotFound, JobRegistry
-from kandevd.scheduler.session import (
-    MANUAL_STOP_ERROR,
-    Session,
-    SessionControl,
-    SessionPlan,
-)
-from kandevd.workflows.history import SHUTDOWN_ERROR, History
+from kandevd.schedules.history import SHUTDOWN_ERROR, History
+from kandevd.schedules.jobs import Job, JobNotFound
+from kandevd.schedules.registry import JobRegistry
+from kandevd.schedules.session import MANUAL_STOP_ERROR, Session, SessionControl, SessionPlan
+from kandevd.timeutil import utc_now
 
 log = logging.getLogger("kandevd.scheduler")
 
@@ -87,7 +84,7 @@ class SessionRunner:
     # -- starting -------------------------------------------------------------------
     def start(self, job: Job, trigger_source: str) -> SessionPlan:
         """Start a session of ``job`` now; AlreadyRunning when one is in flight."""
-        plan, history = self._registry.session_for(job, trigger_source)
+        plan, history = job.source.plan(job, trigger_source)
         control = SessionControl(self._runtime.wake_waiters)
         with self._lock:
             if self._closed:
@@ -97,7 +94,7 @@ class SessionRunner:
                                      f"{self._running[job.key].plan.session_id})")
             self._running[job.key] = _InFlight(plan, control)
         try:
-            self._registry.session_started(job)
+            job.source.started(job, utc_now())
             self._spawn(f"session-{plan.entry_id[:8]}",
                         lambda: self._run(plan, history, control))
         except BaseException:
@@ -125,7 +122,12 @@ class SessionRunner:
 
     def _finish(self, plan: SessionPlan, entry: dict[str, Any] | None) -> None:
         if entry is not None:
-            self._registry.record_finished(plan.job_id, entry)
+            try:  # (gone after a reload: only its history was written)
+                job = self._registry.by_key(plan.job_id)
+            except JobNotFound:
+                pass
+            else:
+                job.source.finished(job, entry)
         with self._lock:
             self._running.pop(plan.job_id, None)
             start_buffered = plan.job_id in self._buffered and not self._closed
@@ -142,10 +144,10 @@ class SessionRunner:
     def start_buffered(self, job: Job) -> None:
         """Start the fire a ``buffer_one`` schedule kept, now that its session ended."""
         try:
-            log.info("%s: starting the buffered fire", job.id)
+            log.info("%s: starting the buffered fire", job.key)
             self.start(job, "cron")
         except (RunnerClosed, AlreadyRunning) as exc:
-            log.info("%s: buffered fire dropped: %s", job.id, exc)
+            log.info("%s: buffered fire dropped: %s", job.key, exc)
 
     # -- stopping -------------------------------------------------------------------
     def stop(self, job_id: str) -> SessionPlan:

@@ -4,9 +4,9 @@ A session is a sequence of agent executions of kind ``turn`` through the
 AgentRuntime (so they share ``runtime.max_concurrent`` with queued runs), each
 started only after the previous one exited. *What* the turns are is the
 session's :class:`Program`: a workflow schedule's (preflight, messages,
-reports, pulse: :mod:`kandevd.scheduler.workflow_session`) or a product
+reports, pulse: :mod:`kandevd.schedules.workflows.program`) or a product
 schedule's (its messages into the user's conversation:
-:mod:`kandevd.products.session`). This module is the part they share: the
+:mod:`kandevd.schedules.products.program`). This module is the part they share: the
 history entry (written ``running`` at the start, updated around every turn,
 completed at the end), one turn's execution, and stopping.
 
@@ -33,8 +33,8 @@ from kandevd.fsutil import ensure_dir
 from kandevd.paths import HomeLayout
 from kandevd.runtime import ExecutionResult
 from kandevd.runtime.specs import agent_execution
+from kandevd.schedules import history as hist
 from kandevd.timeutil import rfc3339, utc_now
-from kandevd.workflows import history as hist
 
 log = logging.getLogger("kandevd.scheduler.session")
 

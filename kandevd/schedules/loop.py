@@ -25,9 +25,9 @@ from collections.abc import Callable
 from datetime import datetime
 
 from kandevd.lifecycle import Loop, StopSignal
-from kandevd.products.jobs import ProductJob
-from kandevd.scheduler.registry import AnyJob, Job, JobRegistry
-from kandevd.scheduler.runner import AlreadyRunning, RunnerClosed, SessionRunner
+from kandevd.schedules.jobs import Job
+from kandevd.schedules.registry import JobRegistry
+from kandevd.schedules.runner import AlreadyRunning, RunnerClosed, SessionRunner
 from kandevd.timeutil import utc_now
 
 log = logging.getLogger("kandevd.scheduler")
@@ -92,21 +92,15 @@ class CronLoop(Loop):
             self._reload.clear()
             self.registry.rescan(now)
         due = self.registry.due(now)
-        due_products = self.registry.products.due(now)
-        if due or due_products:
+        if due:
             paused = self.registry.pause.get()["globally_paused"]
             for job in due:
                 if self._ours(job.key, job.state.due_at or now):
                     self.fire(job, now, paused=paused)
-            for product_job in due_products:
-                # A product occurrence is known by its minute: ``decide`` says "due now".
-                if self._ours(product_job.key, now.replace(second=0, microsecond=0)):
-                    self.fire_product(product_job, now, paused=paused)
-        times = [t for t in (self.registry.next_wake(), self.registry.products.next_wake(now))
-                 if t is not None]
-        if not times:
+        wake = self.registry.next_wake(now)
+        if wake is None:
             return MAX_WAIT_S
-        return min(MAX_WAIT_S, (min(times) - now).total_seconds())
+        return min(MAX_WAIT_S, (wake - now).total_seconds())
 
     def _ours(self, key: str, intended: datetime) -> bool:
         """Does this daemon fire the occurrence of ``key`` at ``intended``? (The gate's say.)"""
@@ -119,57 +113,41 @@ class CronLoop(Loop):
                         intended.isoformat(), exc)
             return False
 
-    def fire_product(self, job: ProductJob, now: datetime, *, paused: bool) -> Decision:
-        """Act on a product job ``decide`` found due: one run for that user, or a skip
-        that spends the occurrence (never kept for later)."""
-        self.fires += 1
-        switches = self.registry.switches
-        decision = decide_fire(
-            execution_enabled=switches.execution_enabled,
-            workflow_allowed=switches.user_verdict(job.user.id) is None, paused=paused,
-            running=self.runner.is_running(job.key), buffered=False, overlap_policy="skip")
-        if decision is Decision.RUN:
-            try:
-                self.runner.start(job, "cron")
-                return decision
-            except AlreadyRunning:
-                decision = Decision.SKIP_OVERLAP
-            except RunnerClosed:
-                return decision
-        self._skip(job, decision, "a run for this user is still going")
-        self.registry.products.consumed(job, now)
-        return decision
-
     def fire(self, job: Job, now: datetime, *, paused: bool) -> Decision:
-        """Act on one due cron fire of ``job``."""
+        """Act on one due cron fire of ``job``: a session, a buffered fire, or a skip.
+
+        A skipped occurrence is spent (never kept for later)."""
         self.fires += 1
-        decision = self._decide(job, paused=paused, running=self.runner.is_running(job.id),
-                                buffered=self.runner.is_buffered(job.id))
+        decision = self._decide(job, paused=paused, running=self.runner.is_running(job.key),
+                                buffered=self.runner.is_buffered(job.key))
         if decision is Decision.RUN:
             try:
                 self.runner.start(job, "cron")
+                return decision
             except AlreadyRunning:  # a manual trigger won the race
                 decision = Decision.SKIP_OVERLAP
                 self._skip(job, decision, "a session is already running")
             except RunnerClosed:
-                pass
+                return decision
         elif decision is Decision.BUFFER:
-            self.runner.buffer(job.id)
+            self.runner.buffer(job.key)
             log.info("%s: cron fire buffered: it starts when the running session ends",
-                     job.id)
+                     job.key)
+            return decision
         elif decision is Decision.SKIP_OVERLAP:
             self._skip(job, decision, "the previous session is still running" + (
-                " and one fire already waits" if job.schedule.overlap_policy == "buffer_one"
+                " and one fire already waits" if job.spec.overlap_policy == "buffer_one"
                 else ""))
         else:
             self._skip(job, decision)
+        job.source.skipped(job, now)
         return decision
 
     def fire_buffered(self, job: Job) -> None:
         """The fire a ``buffer_one`` schedule kept, decided again now that it may start:
         a pause, a disabled schedule or a switch turned off since then still wins."""
-        if not job.schedule.enabled:
-            log.info("%s: buffered fire dropped: the schedule was disabled", job.id)
+        if not job.enabled:
+            log.info("%s: buffered fire dropped: the schedule was disabled", job.key)
             return
         decision = self._decide(job, paused=self.registry.pause.get()["globally_paused"],
                                 running=False, buffered=False)
@@ -182,11 +160,11 @@ class CronLoop(Loop):
         switches = self.registry.switches
         return decide_fire(
             execution_enabled=switches.execution_enabled,
-            workflow_allowed=switches.workflow_verdict(job.workflow.aliases) is None,
+            workflow_allowed=job.spec.verdict(switches) is None,
             paused=paused, running=running, buffered=buffered,
-            overlap_policy=job.schedule.overlap_policy)
+            overlap_policy=job.spec.overlap_policy)
 
-    def _skip(self, job: AnyJob, decision: Decision, why: str | None = None) -> None:
+    def _skip(self, job: Job, decision: Decision, why: str | None = None) -> None:
         """Count a fire that does not run and say why, once, at INFO."""
         state = job.state
         if decision is Decision.SKIP_OVERLAP:

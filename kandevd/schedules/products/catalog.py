@@ -20,9 +20,9 @@ from typing import Any
 import jsonschema
 
 from kandevd.config import format_validation_error
-from kandevd.products import schedule as product_schedule
-from kandevd.products.schedule import ProductSchedule
-from kandevd.workflows.manifest import ManifestError, Problem, check_workflow_name
+from kandevd.schedules.products import schedule as product_schedule
+from kandevd.schedules.products.schedule import ProductSchedule
+from kandevd.schedules.workflows.manifest import ManifestError, Problem, check_workflow_name
 from kandevd.yamlsafe import YamlError
 from kandevd.yamlsafe import load_file as load_yaml
 

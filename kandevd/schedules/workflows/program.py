@@ -17,10 +17,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kandevd.scheduler.session import Session, TurnSpec
-from kandevd.workflows import history as hist
-from kandevd.workflows.decisions import Decisions
-from kandevd.workflows.manifest import Schedule, Workflow
+from kandevd.schedules import history as hist
+from kandevd.schedules.session import Session, TurnSpec
+from kandevd.schedules.workflows.decisions import Decisions
+from kandevd.schedules.workflows.manifest import Schedule, Workflow
 
 DEFAULT_MESSAGE = "Run the full workflow using run_full_workflow tool."
 REPORT_MESSAGE = "Generate the final report using run_full_report tool."

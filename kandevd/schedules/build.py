@@ -10,10 +10,13 @@ from typing import Any
 from kandevd.config import Config
 from kandevd.lifecycle import StopSignal
 from kandevd.paths import HomeLayout
-from kandevd.scheduler.loop import CronLoop
-from kandevd.scheduler.registry import JobRegistry
-from kandevd.scheduler.runner import SessionRunner
-from kandevd.scheduler.settings import Switches
+from kandevd.schedules.loop import CronLoop
+from kandevd.schedules.products.source import ProductSource
+from kandevd.schedules.registry import JobRegistry
+from kandevd.schedules.runner import SessionRunner
+from kandevd.schedules.settings import Switches
+from kandevd.schedules.source import JobSource
+from kandevd.schedules.workflows.source import WorkflowSource
 from kandevd.timeutil import utc_now
 
 
@@ -25,14 +28,25 @@ def scheduler_root(config: Config, home: Path) -> Path:
     return HomeLayout(home).workspace
 
 
+def build_registry(root: Path, switches: Switches, retention_days: float) -> JobRegistry:
+    """The registry of ``root``'s jobs, of both kinds (not loaded yet)."""
+    def sources(registry: JobRegistry) -> dict[str, JobSource]:
+        return {"workflows": WorkflowSource(registry, retention_days=retention_days,
+                                            on_corrupt=registry.report_corrupt),
+                "products": ProductSource(registry, retention_days=retention_days,
+                                          on_corrupt=registry.report_corrupt)}
+
+    return JobRegistry(root, switches=switches, sources=sources)
+
+
 def build_cron_loop(config: Config, layout: HomeLayout, runtime: Any, *,
                     parent: StopSignal | None = None,
                     fire_gate: Callable[[str, datetime], bool] | None = None) -> CronLoop:
     """The cron loop over the home's workflow root, its jobs loaded (histories a dead
     daemon left ``running`` are closed here, before anything can start a session)."""
-    registry = JobRegistry(scheduler_root(config, layout.root),
-                           switches=Switches.from_config(config.scheduler),
-                           retention_days=config.scheduler.history_retention_days)
+    registry = build_registry(scheduler_root(config, layout.root),
+                              Switches.from_config(config.scheduler),
+                              config.scheduler.history_retention_days)
     registry.load_at_start(utc_now())
 
     def runner(loop: CronLoop) -> SessionRunner:

@@ -1,0 +1,134 @@
+"""One job model for every schedule: a :class:`Job` with one :class:`JobState`, one JOB dict.
+
+A job is a schedule as the scheduler runs it: a workflow schedule
+(``workflow:<workflow>:<schedule>``) or a product schedule for one user
+(``product:<profile>:<schedule>``). What differs between the kinds (where
+the definition comes from, when an occurrence is due, what a session runs)
+is behind :class:`~kandevd.schedules.source.JobSpec` and
+:class:`~kandevd.schedules.source.JobSource`; the cron loop, the registry and
+the jobs API only ever see a Job.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from kandevd.schedules import history as hist
+from kandevd.timeutil import rfc3339
+
+if TYPE_CHECKING:
+    from kandevd.schedules.source import JobSource, JobSpec
+
+
+class JobNotFound(LookupError):
+    pass
+
+
+class AmbiguousJob(ValueError):
+    """A bare schedule id that several workflows use."""
+
+
+class UserNeeded(LookupError):
+    """A job that exists once per user was named without its user."""
+
+
+@dataclass
+class JobState:
+    """What the daemon knows about a job beyond its definition."""
+
+    #: A user's override of a product schedule's ``enabled`` (None: the definition's).
+    enabled: bool | None = None
+    last_status: str | None = None
+    last_run_at: str | None = None
+    last_session_id: str | None = None
+    last_error: str | None = None
+    last_duration_ms: int | None = None
+    run_count: int = 0
+    consecutive_failures: int = 0
+    last_success_at: str | None = None
+    skipped_overlap: int = 0
+    skipped_paused: int = 0
+    skipped_disabled: int = 0
+    missed_while_down: int = 0
+    #: When the job fires next (a product's pending occurrence).
+    next_fire: datetime | None = None
+    #: When to ask the job's source again whether it is due (None: at the next tick).
+    next_check: datetime | None = None
+    #: The occurrence the last ``due()`` found (the fire's intended time).
+    due_at: datetime | None = None
+
+    def record(self, entry: dict[str, Any]) -> None:
+        """Fold a completed history entry into the state (the failure streak with it)."""
+        self.last_status = entry.get("status")
+        self.last_run_at = entry.get("started_at")
+        self.last_session_id = entry.get("session_id")
+        self.last_error = entry.get("error")
+        self.last_duration_ms = entry.get("duration_ms")
+        self.run_count += 1
+        if self.last_status == hist.ERROR:
+            self.consecutive_failures += 1
+        elif self.last_status == hist.SUCCESS:
+            self.consecutive_failures = 0
+            self.last_success_at = entry.get("completed_at") or entry.get("started_at")
+
+
+def seed_state(entries: list[dict[str, Any]]) -> JobState:
+    """Runtime state from one job's history entries (newest first)."""
+    state = JobState()
+    terminal = [e for e in entries if e.get("status") in hist.TERMINAL]
+    if entries:
+        newest = entries[0]
+        state.last_status = newest.get("status")
+        state.last_run_at = newest.get("started_at")
+        state.last_session_id = newest.get("session_id")
+        state.last_error = newest.get("error")
+        state.last_duration_ms = newest.get("duration_ms")
+    state.run_count = len(terminal)
+    for entry in terminal:
+        if entry.get("status") != hist.ERROR:
+            break
+        state.consecutive_failures += 1
+    return state
+
+
+@dataclass
+class Job:
+    """A schedule as the scheduler runs it."""
+
+    id: str
+    spec: JobSpec
+    source: JobSource
+    state: JobState = field(default_factory=JobState)
+
+    @property
+    def key(self) -> str:
+        """What one session at a time is counted by (a product job adds its user)."""
+        return self.spec.key
+
+    @property
+    def user_id(self) -> str | None:
+        return self.spec.user_id
+
+    @property
+    def enabled(self) -> bool:
+        definition: bool = self.spec.schedule.enabled
+        return definition if self.state.enabled is None else self.state.enabled
+
+
+def job_dict(job: Job, *, running: bool, ineligible: str | None) -> dict[str, Any]:
+    """The contract's JOB: the definition, then the run-time state."""
+    state = job.state
+    return {
+        **job.spec.definition(), "enabled": job.enabled,
+        "last_status": state.last_status, "last_run_at": state.last_run_at,
+        "next_run_at": rfc3339(state.next_fire) if state.next_fire else None,
+        "last_session_id": state.last_session_id, "last_error": state.last_error,
+        "last_duration_ms": state.last_duration_ms, "run_count": state.run_count,
+        "consecutive_failures": state.consecutive_failures, "running": running,
+        "skipped_overlap": state.skipped_overlap, "skipped_paused": state.skipped_paused,
+        "skipped_disabled": state.skipped_disabled,
+        "missed_while_down": state.missed_while_down,
+        "cron_eligible": ineligible is None, "cron_ineligible_reason": ineligible,
+    }

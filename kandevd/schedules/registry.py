@@ -1,0 +1,162 @@
+"""The job registry: every job of the workflow root, whatever its kind, in memory.
+
+Definitions live in the files; the registry holds the jobs loaded from them
+by each source (workflow schedules, product schedules) with what the daemon
+knows at run time (last run, next fire, skip counters). Nothing about a job
+lives in kandevd.db. Thread-safe: the cron loop, sessions ending in their
+threads and the control methods all use it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from kandevd.jsonfile import CorruptFile
+from kandevd.schedules.jobs import Job, JobNotFound
+from kandevd.schedules.settings import PauseState, Switches
+from kandevd.schedules.source import JobSource
+
+log = logging.getLogger("kandevd.scheduler")
+
+
+class JobRegistry:
+    """The jobs of one workflow root; thread-safe."""
+
+    def __init__(self, root: Path, *, switches: Switches,
+                 sources: Callable[[JobRegistry], dict[str, JobSource]],
+                 on_corrupt: Callable[[CorruptFile], None] | None = None) -> None:
+        """``sources(registry)``: the kinds of job, by name, in lookup order."""
+        self.root = root
+        self.switches = switches
+        self._external_corrupt = on_corrupt
+        self._lock = threading.RLock()
+        self._corrupt_files: list[CorruptFile] = []
+        self.pause = PauseState(root, on_corrupt=self.report_corrupt)
+        self.sources = sources(self)
+        self._jobs: dict[str, dict[str, Job]] = {name: {} for name in self.sources}
+
+    def report_corrupt(self, report: CorruptFile) -> None:
+        """A file under the root was moved aside: keep it for ``scheduler.errors``."""
+        with self._lock:
+            self._corrupt_files.append(report)
+            del self._corrupt_files[:-100]
+        if self._external_corrupt is not None:
+            self._external_corrupt(report)
+
+    # -- loading --------------------------------------------------------------------
+    def load_at_start(self, now: datetime) -> None:
+        """The first scan (histories a dead daemon left ``running`` are closed)."""
+        for name, source in self.sources.items():
+            self._install(name, source.load(now, {}))
+        counts = self.counts()
+        log.info("scheduler: %d workflow(s), %d job(s), %d product job(s) under %s",
+                 counts.get("workflows", 0), counts.get("jobs", 0),
+                 counts.get("product_jobs", 0), self.root)
+
+    def rescan(self, now: datetime) -> dict[str, Any]:
+        """Reload every source; state carries over, changed timings get a new next fire."""
+        summary: dict[str, Any] = {}
+        for name, source in self.sources.items():
+            with self._lock:
+                old = dict(self._jobs[name])
+            jobs = source.load(None, old)
+            self._install(name, jobs)
+            summary.update(source.summary(old, self._jobs[name], now))
+        return {**summary, "errors": self.problems()}
+
+    def replace(self, source: JobSource, jobs: list[Job]) -> None:
+        """A source's jobs after it changed its own files."""
+        name = next(n for n, s in self.sources.items() if s is source)
+        self._install(name, jobs)
+
+    def _install(self, name: str, jobs: list[Job]) -> None:
+        with self._lock:
+            self._jobs[name] = {job.key: job for job in jobs}
+
+    # -- lookups --------------------------------------------------------------------
+    def of(self, name: str) -> dict[str, Job]:
+        """The jobs of source ``name``, by key (a copy)."""
+        with self._lock:
+            return dict(self._jobs[name])
+
+    def jobs(self, *, source: str | None = None, user_id: str | None = None) -> list[Job]:
+        """Every job (of one source, of one user), sorted by id then user."""
+        with self._lock:
+            chosen = [job for name, jobs in self._jobs.items() if source in (None, name)
+                      for job in jobs.values() if user_id is None or job.user_id == user_id]
+        return sorted(chosen, key=lambda job: (job.id, job.user_id or ""))
+
+    def by_key(self, key: str) -> Job:
+        with self._lock:
+            for jobs in self._jobs.values():
+                job = jobs.get(key)
+                if job is not None:
+                    return job
+        raise JobNotFound(f"no job {key!r}")
+
+    def source_of(self, job_id: str) -> JobSource:
+        """The source whose jobs ``job_id`` names (by its prefix; a bare id: workflows)."""
+        return self.sources[self._source_name(job_id)]
+
+    def _source_name(self, job_id: str) -> str:
+        chosen = [name for name, source in self.sources.items()
+                  if job_id.startswith(source.prefix)] or \
+                 [name for name, source in self.sources.items() if source.accepts_bare_ids]
+        if not chosen:
+            raise JobNotFound(f"no job {job_id!r}")
+        return chosen[0]
+
+    def resolve(self, job_id: str, user_id: str | None = None) -> Job:
+        """The job named by ``job_id`` (and ``user_id`` for a job of each user).
+
+        An id starts with its source's prefix; a bare id goes to the source that
+        takes bare ids. JobNotFound, AmbiguousJob (a bare schedule id several
+        workflows use) or UserNeeded (a job of each user named without one).
+        """
+        name = self._source_name(job_id)
+        return self.sources[name].find(self.of(name), job_id, user_id)
+
+    def problems(self) -> list[dict[str, str]]:
+        found = [problem for source in self.sources.values() for problem in source.problems()]
+        with self._lock:
+            found += [{"path": c.path, "message": f"{c.error}; moved aside to {c.moved_to}"}
+                      for c in self._corrupt_files]
+        return found
+
+    def counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for name, source in self.sources.items():
+            counts.update(source.counts(self.of(name)))
+        return counts
+
+    # -- the clock ------------------------------------------------------------------
+    def due(self, now: datetime) -> list[Job]:
+        """The jobs due at ``now`` (each with its intended time in ``state.due_at``)."""
+        found: list[Job] = []
+        for name, source in self.sources.items():
+            found += source.due(list(self.of(name).values()), now)
+        return found
+
+    def next_wake(self, now: datetime) -> datetime | None:
+        times = [t for name, source in self.sources.items()
+                 if (t := source.next_wake(list(self.of(name).values()), now)) is not None]
+        return min(times) if times else None
+
+    # -- eligibility ----------------------------------------------------------------
+    def ineligible_reason(self, job: Job, paused: bool) -> str | None:
+        """Why a cron fire of ``job`` would not run now (None: it would)."""
+        if not job.enabled:
+            return "schedule is disabled"
+        if not self.switches.execution_enabled:
+            return self.switches.disabled_reason
+        verdict = job.spec.verdict(self.switches)
+        if verdict is not None:
+            return verdict
+        if paused:
+            return "scheduler is globally paused"
+        return None

@@ -1,0 +1,301 @@
+"""Workflow schedules as jobs: ``Workflow/<name>/workflow.json``, fired on their cron times.
+
+Job ids are ``workflow:<workflow>:<schedule_id>``; a bare ``<schedule_id>`` is
+accepted when it is unique across workflows. The run-time state lives in
+memory and is seeded at start from each workflow's retained history, so a
+restart still shows the last run; fires missed while the daemon was down
+are counted, not replayed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kandevd.cron import next_fire_times
+from kandevd.jsonfile import CorruptFile
+from kandevd.schedules import history as hist
+from kandevd.schedules.jobs import AmbiguousJob, Job, JobNotFound, seed_state
+from kandevd.schedules.session import SessionPlan
+from kandevd.schedules.settings import Switches
+from kandevd.schedules.workflows import manifest
+from kandevd.schedules.workflows.manifest import Problem, Schedule, Workflow
+from kandevd.schedules.workflows.program import WorkflowProgram
+from kandevd.timeutil import rfc3339, utc_now
+
+if TYPE_CHECKING:
+    from kandevd.schedules.registry import JobRegistry
+
+log = logging.getLogger("kandevd.scheduler")
+
+MISSED_CAP = 1000
+WORKFLOW_PREFIX = "workflow:"
+
+
+def workflow_job_id(workflow: str, schedule_id: str) -> str:
+    return f"{WORKFLOW_PREFIX}{workflow}:{schedule_id}"
+
+
+def count_missed(schedule: Schedule, since: datetime, until: datetime) -> int:
+    """Fire times of ``schedule`` in ``(since, until]``, capped at MISSED_CAP."""
+    times = next_fire_times(schedule.trigger, since, MISSED_CAP)
+    return sum(1 for moment in times if moment <= until)
+
+
+def next_fire(schedule: Schedule, after: datetime) -> datetime | None:
+    if not schedule.enabled:
+        return None
+    times = next_fire_times(schedule.trigger, after, 1)
+    return times[0] if times else None
+
+
+@dataclass(frozen=True)
+class WorkflowSpec:
+    workflow: Workflow
+    schedule: Schedule
+    entity_type = "workflow"
+    user_id = None
+
+    @property
+    def key(self) -> str:
+        return workflow_job_id(self.workflow.name, self.schedule.id)
+
+    @property
+    def overlap_policy(self) -> str:
+        return self.schedule.overlap_policy
+
+    def definition(self) -> dict[str, Any]:
+        fields = self.schedule.as_dict()
+        del fields["id"]
+        return {"id": self.key, "entity_type": "workflow", "workflow": self.workflow.name,
+                "schedule_id": self.schedule.id, **fields}
+
+    def verdict(self, switches: Switches) -> str | None:
+        return switches.workflow_verdict(self.workflow.aliases)
+
+
+class WorkflowSource:
+    """The workflow schedules of one root."""
+
+    prefix = WORKFLOW_PREFIX
+    accepts_bare_ids = True
+    editable = True
+
+    def __init__(self, registry: JobRegistry, *, retention_days: float,
+                 on_corrupt: Callable[[CorruptFile], None]) -> None:
+        self.registry = registry
+        self.root: Path = registry.root
+        self.retention_days = retention_days
+        self.on_corrupt = on_corrupt
+        self._problems: list[Problem] = []
+        self._workflows: dict[str, Workflow] = {}
+
+    # -- files ----------------------------------------------------------------------
+    def history_of(self, workflow: Workflow) -> hist.History:
+        return hist.History(workflow.folder, retention_days=self.retention_days,
+                            on_corrupt=self.on_corrupt)
+
+    def history(self, job: Job) -> hist.History:
+        return self.history_of(job.spec.workflow)
+
+    def load(self, now: datetime | None, old: dict[str, Job]) -> list[Job]:
+        workflows, problems = manifest.scan(self.root)
+        moment = now if now is not None else utc_now()
+        jobs: list[Job] = []
+        for workflow in workflows:
+            grouped: dict[str, list[dict[str, Any]]] = {}
+            if now is not None:  # the first load: what a dead daemon left is closed
+                history = self.history_of(workflow)
+                entries, fixed = history.repair_after_restart(now)
+                if fixed:
+                    log.warning("%s: %d run(s) left running by a previous daemon marked "
+                                "'error' (%s)", history.file.path, fixed, hist.RESTART_ERROR)
+                grouped = hist.latest_by_schedule(entries)
+            for schedule in workflow.schedules:
+                job = self._job(old, workflow, schedule, moment)
+                if now is not None:
+                    entries = grouped.get(schedule.id, [])
+                    job.state = seed_state(entries)
+                    job.state.next_fire = next_fire(schedule, now)
+                    self._count_missed(job, entries, now)
+                jobs.append(job)
+        self._workflows = {w.name: w for w in workflows}
+        self._problems = problems
+        for problem in problems:
+            log.error("workflow not loaded: %s", problem)
+        return jobs
+
+    def summary(self, old: dict[str, Job], new: dict[str, Job], now: datetime
+                ) -> dict[str, Any]:
+        added = sorted(set(new) - set(old))
+        removed = sorted(set(old) - set(new))
+        changed = sorted(j for j in set(new) & set(old)
+                         if new[j].spec.schedule != old[j].spec.schedule)
+        log.info("scheduler reloaded: %d workflow(s), %d job(s) (%d added, %d changed, "
+                 "%d removed), %d problem(s)", len(self._workflows), len(new), len(added),
+                 len(changed), len(removed), len(self._problems))
+        return {"workflows": len(self._workflows), "jobs": len(new), "added": added,
+                "changed": changed, "removed": removed}
+
+    def _job(self, old: dict[str, Job], workflow: Workflow, schedule: Schedule,
+             now: datetime) -> Job:
+        spec = WorkflowSpec(workflow, schedule)
+        job = Job(spec.key, spec, self)
+        previous = old.get(spec.key)
+        if previous is None:
+            job.state.next_fire = next_fire(schedule, now)
+            return job
+        # The state object itself carries over (not a copy), so a session that ends
+        # during the reload records into the job either way.
+        job.state = previous.state
+        timing = (schedule.cron_expression, schedule.timezone, schedule.enabled)
+        before = previous.spec.schedule
+        if timing != (before.cron_expression, before.timezone, before.enabled) \
+                or job.state.next_fire is None:
+            job.state.next_fire = next_fire(schedule, now)
+        return job
+
+    def _count_missed(self, job: Job, entries: list[dict[str, Any]], now: datetime) -> None:
+        schedule = job.spec.schedule
+        if not entries or not schedule.enabled:
+            return
+        newest = hist.entry_time({"started_at": entries[0].get("started_at")})
+        if newest is None or newest >= now:
+            return
+        missed = count_missed(schedule, newest, now)
+        job.state.missed_while_down = missed
+        if missed:
+            more = "+" if missed >= MISSED_CAP else ""
+            log.info("%s: %d%s fire(s) missed while the daemon was down since %s; not "
+                     "replayed, next fire %s", job.id, missed, more, rfc3339(newest),
+                     rfc3339(job.state.next_fire) if job.state.next_fire else "none")
+
+    def problems(self) -> list[dict[str, str]]:
+        return [problem.as_dict() for problem in self._problems]
+
+    def counts(self, jobs: dict[str, Job]) -> dict[str, int]:
+        return {"workflows": len(self._workflows), "jobs": len(jobs)}
+
+    def find(self, jobs: dict[str, Job], job_id: str, user_id: str | None) -> Job:
+        """The job named by a full id or a bare, unique schedule id."""
+        job = jobs.get(job_id)
+        if job is not None:
+            return job
+        if job_id.startswith(WORKFLOW_PREFIX):
+            raise JobNotFound(f"no job {job_id!r}")
+        matches = sorted(key for key, job in jobs.items() if job.spec.schedule.id == job_id)
+        if not matches:
+            raise JobNotFound(f"no job {job_id!r} (ids look like "
+                              "'workflow:<workflow>:<schedule_id>')")
+        if len(matches) > 1:
+            raise AmbiguousJob(f"schedule id {job_id!r} is used by several workflows; use "
+                               f"one of: {', '.join(matches)}")
+        return jobs[matches[0]]
+
+    # -- the clock ------------------------------------------------------------------
+    def due(self, jobs: list[Job], now: datetime) -> list[Job]:
+        fired = []
+        for job in jobs:
+            moment = job.state.next_fire
+            if moment is not None and moment <= now:
+                job.state.due_at = moment
+                job.state.next_fire = next_fire(job.spec.schedule, max(moment, now))
+                fired.append(job)
+        return sorted(fired, key=lambda j: j.id)
+
+    def next_wake(self, jobs: list[Job], now: datetime) -> datetime | None:
+        times = [j.state.next_fire for j in jobs if j.state.next_fire is not None]
+        return min(times) if times else None
+
+    def next_times(self, job: Job, after: datetime, count: int) -> list[datetime]:
+        return next_fire_times(job.spec.schedule.trigger, after, count)
+
+    # -- sessions -------------------------------------------------------------------
+    def plan(self, job: Job, trigger_source: str) -> tuple[SessionPlan, hist.History]:
+        program = WorkflowProgram(job.spec.workflow, job.spec.schedule,
+                                  on_corrupt=self.on_corrupt)
+        return SessionPlan(job.key, program, trigger_source), self.history(job)
+
+    def started(self, job: Job, now: datetime) -> None:
+        """Nothing to keep: a workflow's next fire comes from its cron expression."""
+
+    def finished(self, job: Job, entry: dict[str, Any]) -> None:
+        job.state.record(entry)
+
+    def skipped(self, job: Job, now: datetime) -> None:
+        """Nothing to keep: the following fire was computed when this one came due."""
+
+    # -- changing the manifest ------------------------------------------------------
+    def set_enabled(self, job: Job, enabled: bool, now: datetime) -> Job:
+        changed = self.change(job, {"enabled": enabled}, now)
+        assert changed is not None
+        return changed
+
+    def change(self, job: Job, fields: dict[str, Any] | None, now: datetime) -> Job | None:
+        """Merge ``fields`` into the schedule in workflow.json (None: remove it)."""
+        schedule_id = job.spec.schedule.id
+
+        def edit(schedules: list[Any]) -> list[Any]:
+            index = manifest.find_schedule(schedules, schedule_id)
+            if index < 0:
+                raise ScheduleGone(f"schedule {schedule_id!r} is no longer in the manifest")
+            if fields is None:
+                del schedules[index]
+            else:
+                schedules[index] = {**schedules[index], **fields}
+            return schedules
+
+        self._edit(job.spec.workflow.name, edit, now)
+        return None if fields is None else self.registry.by_key(job.key)
+
+    def create(self, name: str, schedule: dict[str, Any], now: datetime) -> Job:
+        """Add ``schedule`` to workflow ``name``'s manifest; the new job."""
+        def add(schedules: list[Any]) -> list[Any]:
+            if manifest.find_schedule(schedules, schedule["id"]) >= 0:
+                raise DuplicateSchedule(f"workflow {name!r} already has a schedule "
+                                        f"{schedule['id']!r}")
+            return [*schedules, schedule]
+
+        workflow = self._edit(name, add, now)
+        return self.registry.by_key(workflow_job_id(workflow.name, schedule["id"]))
+
+    def _edit(self, name: str, edit: Callable[[list[Any]], list[Any]], now: datetime
+              ) -> Workflow:
+        """Rewrite workflow ``name``'s schedules, then reload that one workflow."""
+        folder = manifest.workflow_folder(self.root, name)
+        if not (folder / manifest.MANIFEST).is_file():
+            raise WorkflowMissing(f"no workflow {name!r}: {folder / manifest.MANIFEST} "
+                                  "does not exist")
+        try:
+            written = manifest.edit_schedules(folder, edit)
+        except manifest.ManifestUnusable:
+            raise
+        except manifest.ManifestError as exc:
+            raise manifest.ManifestError(f"workflow {name!r}: {exc}") from None
+        workflow, problems = manifest.load_workflow(folder)
+        old = self.registry.of("workflows")
+        jobs = [job for job in old.values() if job.spec.workflow.name != name]
+        self._problems = [p for p in self._problems
+                          if not Path(p.path).is_relative_to(folder)] + problems
+        self._workflows.pop(name, None)
+        if workflow is not None:
+            self._workflows[name] = workflow
+            jobs += [self._job(old, workflow, schedule, now) for schedule in workflow.schedules]
+        self.registry.replace(self, jobs)
+        return written
+
+
+class ScheduleGone(LookupError):
+    """The schedule was removed from the manifest meanwhile."""
+
+
+class WorkflowMissing(LookupError):
+    """No such workflow folder (with a manifest)."""
+
+
+class DuplicateSchedule(ValueError):
+    """The workflow already has a schedule of that id."""

@@ -1,1 +1,0 @@
-"""The files of a workflow folder: manifest, variables, run history, decisions."""

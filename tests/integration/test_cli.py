@@ -151,7 +151,7 @@ def test_init_lays_out_a_home_and_copies_an_example(tmp_path: Path) -> None:
     demo = tmp_path / "demo-home"
     result = run_cli(demo, "init", "--example", "demo")
     assert result.returncode == 0, result.stderr
-    example = Path(__file__).resolve().parents[2] / "examples" / "demo"
+    example = Path(__file__).resolve().parents[2] / "kandevd" / "examples" / "demo"
     copied = {p.relative_to(example) for p in example.rglob("*")
               if p.is_file() and "__pycache__" not in p.parts}
     assert copied and all((demo / rel).is_file() for rel in copied)
@@ -160,6 +160,22 @@ def test_init_lays_out_a_home_and_copies_an_example(tmp_path: Path) -> None:
     for name in ("no-such-example", "../etc"):
         refused = run_cli(tmp_path / "x", "init", "--example", name)
         assert refused.returncode == 1 and name in refused.stderr
+
+
+def test_init_writes_a_systemd_unit_for_its_home_and_keeps_an_edited_one(
+        tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    result = run_cli(home, "init", "--systemd")
+    assert result.returncode == 0, result.stderr
+    unit = home / "kandevd.service"
+    text = unit.read_text()
+    [start] = [line for line in text.splitlines() if line.startswith("ExecStart=")]
+    assert start.endswith(f"serve --home {home} --log-format json"), start
+    assert "Type=notify" in text and stat.S_IMODE(unit.stat().st_mode) == 0o600
+    unit.write_text("# edited by hand\n")
+    again = run_cli(home, "init", "--systemd")
+    assert again.returncode == 0 and "kept" in again.stdout
+    assert unit.read_text() == "# edited by hand\n"
 
 
 # -- the home is not changed behind the user's back -------------------------------------

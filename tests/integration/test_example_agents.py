@@ -13,7 +13,7 @@ from tests.harness import DaemonProcess
 
 pytestmark = pytest.mark.integration
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "agents"
+EXAMPLES = Path(__file__).resolve().parents[2] / "kandevd" / "examples" / "agents"
 
 
 @pytest.mark.parametrize(("profile", "argv", "summary"), [

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kandevd import cli_runs
+from kandevd.cli import runs as cli_runs
 from kandevd.control.client import RpcCallError
 
 

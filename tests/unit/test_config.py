@@ -79,7 +79,7 @@ def test_defaults_are_the_contracts() -> None:
 
 
 def test_the_shipped_annotated_config_matches_the_defaults() -> None:
-    document = yaml.safe_load((REPO / "conf" / "kandevd.yaml").read_text())
+    document = yaml.safe_load((REPO / "kandevd" / "conf" / "kandevd.yaml").read_text())
     assert document == ALL_DEFAULTS
     assert build_config(document, environ={}).queue == build_config(None, environ={}).queue
 

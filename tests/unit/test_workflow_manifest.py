@@ -144,7 +144,7 @@ def test_a_manifest_that_does_not_parse_is_never_rewritten(tmp_path: Path) -> No
 
 
 def test_the_demo_workflows_load_without_a_problem() -> None:
-    demo = Path(__file__).resolve().parents[2] / "examples" / "demo" / "workspace"
+    demo = Path(__file__).resolve().parents[2] / "kandevd" / "examples" / "demo" / "workspace"
     workflows, problems = manifest.scan(demo)
     assert problems == [] and workflows
     assert any(s.cron_expression == "* * * * *" for w in workflows for s in w.schedules)

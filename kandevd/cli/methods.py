@@ -12,15 +12,15 @@ import sys
 import click
 
 from kandevd import exits
-from kandevd.cli_common import echo_json
+from kandevd.cli.common import echo_json
+from kandevd.cli.format import json_option
 from kandevd.control.openrpc import discover
 from kandevd.control.reference import build_registry, param_lines, param_summary
 
 
 @click.command("methods")
 @click.argument("name", required=False)
-@click.option("--json", "as_json", is_flag=True,
-              help="Print the OpenRPC document (or the one method's entry).")
+@json_option
 def methods(name: str | None, as_json: bool) -> None:
     """List every control method, or show one method's params.
 

@@ -12,8 +12,8 @@ from typing import Any
 import click
 
 from kandevd import jsonstrict
-from kandevd.cli_common import client_options, connect, echo_json, invoke
-from kandevd.cli_format import table
+from kandevd.cli.common import client_options, connect, echo_json, invoke
+from kandevd.cli.format import json_option, table
 from kandevd.control.client import RpcCallError
 from kandevd.control.protocol import MAX_DEPTH, MAX_LINE_BYTES, depth_exceeds
 from kandevd.paths import HomeLayout, resolve_home
@@ -52,7 +52,7 @@ def runs() -> None:
 @click.option("--from-file", "from_file", type=click.File("rb"), default=None,
               help="Queue one run per line of this JSONL file (- for stdin); each line holds "
                    "runs.enqueue params.")
-@click.option("--json", "as_json", is_flag=True, help="Print the raw JSON.")
+@json_option
 @client_options
 def enqueue(workspace_id: str | None, agent_id: str | None, reason: str | None,
             task_id: str | None, payload: str, idempotency_key: str | None, no_coalesce: bool,
@@ -273,7 +273,7 @@ def _send_batch(client: Any, batch: list[tuple[int, dict[str, Any]]], counts: di
 @click.option("--offset", type=int, default=0, show_default=True, help="Rows to skip.")
 @click.option("--order", type=click.Choice(["desc", "asc"]), default="desc", show_default=True,
               help="Newest first (desc) or in request order (asc).")
-@click.option("--json", "as_json", is_flag=True, help="Print the raw JSON.")
+@json_option
 @client_options
 def list_runs(status: str | None, agent_id: str | None, workspace_id: str | None,
               task_id: str | None, reason: str | None, limit: int, offset: int, order: str,
@@ -293,7 +293,7 @@ def list_runs(status: str | None, agent_id: str | None, workspace_id: str | None
 
 @runs.command("get")
 @click.argument("run_id")
-@click.option("--json", "as_json", is_flag=True, help="Print the raw JSON.")
+@json_option
 @client_options
 def get(run_id: str, as_json: bool, home: str | None, socket_path: str | None) -> None:
     """Show one run."""
@@ -304,7 +304,7 @@ def get(run_id: str, as_json: bool, home: str | None, socket_path: str | None) -
 @runs.command("cancel")
 @click.argument("run_id")
 @click.option("--reason", default=None, help="Why it is cancelled.")
-@click.option("--json", "as_json", is_flag=True, help="Print the raw JSON.")
+@json_option
 @client_options
 def cancel(run_id: str, reason: str | None, as_json: bool, home: str | None,
            socket_path: str | None) -> None:
@@ -318,7 +318,7 @@ def cancel(run_id: str, reason: str | None, as_json: bool, home: str | None,
 
 @runs.command("retry")
 @click.argument("run_id")
-@click.option("--json", "as_json", is_flag=True, help="Print the raw JSON.")
+@json_option
 @client_options
 def retry(run_id: str, as_json: bool, home: str | None, socket_path: str | None) -> None:
     """Queue a failed or cancelled run again, with a fresh attempt budget."""
@@ -364,7 +364,7 @@ def _print_from(path: Path, offset: int) -> int:
 
 @runs.command("explain")
 @click.argument("run_id")
-@click.option("--json", "as_json", is_flag=True, help="Print the raw JSON.")
+@json_option
 @client_options
 def explain(run_id: str, as_json: bool, home: str | None, socket_path: str | None) -> None:
     """Say why a queued run is not claimed yet."""

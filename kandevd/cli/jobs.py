@@ -13,8 +13,8 @@ from typing import Any
 
 import click
 
-from kandevd.cli_common import client_options, echo_json, invoke
-from kandevd.cli_format import (
+from kandevd.cli.common import client_options, echo_json, invoke
+from kandevd.cli.format import (
     NONE,
     duration,
     fields,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from kandevd.cli_common import client_options, invoke
+from kandevd.cli.common import client_options, invoke
 
 
 @click.command()

@@ -8,7 +8,7 @@ import time
 import click
 
 from kandevd import exits
-from kandevd.cli_common import client_options
+from kandevd.cli.common import client_options
 from kandevd.control.client import DaemonUnavailable, call
 from kandevd.paths import HomeLayout, resolve_home
 

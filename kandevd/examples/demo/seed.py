@@ -1,9 +1,9 @@
 """Seed the demo home: a workspace, two agents, a custom workflow with a queue_run step,
 an Office workflow, tasks, and a few runs. Safe to run twice (existing objects are kept).
 (The file-backed workflow `daily-digest` needs no seeding: `kandevd init --example demo`
-copies examples/demo/workspace/ into the home, and the daemon loads it at start.)
+copies kandevd/examples/demo/workspace/ into the home, and the daemon loads it at start.)
 
-    python examples/demo/seed.py --home demo-home
+    python kandevd/examples/demo/seed.py --home demo-home
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import click
 
 from kandevd import exits
 from kandevd.app.homelock import HomeLock, HomeLocked
-from kandevd.cli_common import home_option
+from kandevd.cli.common import home_option
 from kandevd.config import POSTGRES_SCHEMES, redact_url, scrub_secrets
 from kandevd.paths import HomeLayout, resolve_home
 from kandevd.store.backend import POSTGRES_EXTRA

@@ -9,8 +9,8 @@ from typing import Any
 
 import click
 
-from kandevd.cli_common import client_options, echo_json, invoke
-from kandevd.cli_format import fields, json_option, one_line
+from kandevd.cli.common import client_options, echo_json, invoke
+from kandevd.cli.format import fields, json_option, one_line
 
 
 @click.group()

@@ -14,8 +14,8 @@ from typing import Any
 
 import click
 
-from kandevd.cli_common import client_options, echo_json, invoke
-from kandevd.cli_format import NONE, fields, json_option, shown, table
+from kandevd.cli.common import client_options, echo_json, invoke
+from kandevd.cli.format import NONE, fields, json_option, shown, table
 
 Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 Render = Callable[[Any], None]

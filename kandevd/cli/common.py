@@ -97,3 +97,11 @@ def error_line(error: dict[str, Any], command: click.Command | None = None) -> s
 
 def echo_json(value: Any) -> None:
     click.echo(json.dumps(value, indent=2, sort_keys=False))
+
+
+def config_option(help_text: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``--config FILE``. Not click.Path(dir_okay=False): click would answer a directory
+    with its own usage error (exit 2); load_config reports it like every other bad
+    config file (serve 78), with the path and the reason."""
+    return click.option("--config", "config_path", type=click.Path(readable=False), metavar="FILE",
+                        default=None, help=help_text)

@@ -1,0 +1,1 @@
+"""Product schedules: product.yaml and users.yaml, per-user state, the product's turns."""

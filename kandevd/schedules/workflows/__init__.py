@@ -1,0 +1,1 @@
+"""Workflow schedules: the files of a workflow folder, its jobs and its program of turns."""

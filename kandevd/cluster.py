@@ -44,9 +44,10 @@ from typing import Any
 
 import psycopg
 
-from kandevd.config import ClusterConfig, scrub_secrets
+from kandevd.config import ClusterConfig
 from kandevd.store.postgres import LEADER_LOCK, LOCK_NAMESPACE, PgStore, connect_raw
 from kandevd.timeutil import after, rfc3339, utc_now
+from kandevd.urls import scrub_secrets
 
 log = logging.getLogger("kandevd.cluster")
 

@@ -1,13 +1,9 @@
 """Configuration: ``kandevd.yaml`` + JSON Schema + environment -> a frozen Config.
 
-The file is optional and every key in it is optional; what is missing comes
-from :data:`DEFAULTS` (the values CONTRACT.md section 2 lists). Validation is
-done by the JSON Schema shipped in ``kandevd/schemas/config.json`` so that a
-mistake is reported with the key path that holds it, e.g.
-``queue.safety_interval_s: -1 is less than the minimum of 0``.
-
-The resulting :class:`Config` is immutable and handed to components
-explicitly; nothing in kandevd reads configuration from globals.
+Every key is optional (:data:`DEFAULTS` fills in); the JSON Schema in
+``kandevd/schemas/config.json`` reports a mistake with the key path that holds
+it (``queue.safety_interval_s: -1 is less than the minimum of 0``). The
+:class:`Config` is immutable and handed to components explicitly.
 """
 
 from __future__ import annotations
@@ -17,7 +13,6 @@ import dataclasses
 import json
 import math
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cache
@@ -29,6 +24,7 @@ from typing import Any
 import jsonschema
 
 from kandevd import yamlsafe
+from kandevd.urls import POSTGRES_SCHEMES, redact_url
 
 DEFAULTS: dict[str, Any] = {
     "store": {"url": None},
@@ -84,52 +80,6 @@ class ClusterConfig:
 
     heartbeat_s: float = 2.0
     dead_after_s: float = 10.0
-
-
-#: The URL schemes ``store.url`` takes (PostgreSQL's two spellings).
-POSTGRES_SCHEMES = ("postgresql", "postgres")
-
-
-_USERINFO_SECRET = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://[^:/@?#]*:)[^/?#]*@")
-_QUERY_SECRET = re.compile(r"(?i)([?&](?:password|passfile|sslpassword)=)[^&#]*")
-
-
-def redact_url(url: str) -> str:
-    """``url`` with every password replaced by ``***`` (for logs and error messages).
-
-    Both places a libpq URL can carry one are masked: ``user:password@`` and a
-    ``password=`` query parameter. Something that is not a URL at all (a
-    ``key=value`` connection string) is not shown.
-    """
-    if not re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", url):
-        return "<not a URL>"
-    return _QUERY_SECRET.sub(r"\1***", _USERINFO_SECRET.sub(r"\1***@", url))
-
-
-#: The password of a URL's userinfo (``scheme://user:PASSWORD@``), found without parsing.
-_USERINFO_PASSWORD = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://[^:/@?#]*:([^@]*)@")
-_QUERY_PASSWORD = re.compile(r"(?i)[?&](?:password|passfile|sslpassword)=([^&#]*)")
-
-
-def scrub_secrets(text: str, url: str) -> str:
-    """``text`` (a driver's error message about ``url``) on one line, every secret masked.
-
-    A driver may quote the URL, or only the token it could not parse (a
-    password with a bad ``%`` escape): every form of the URL's password,
-    as written and percent-decoded, becomes ``***``, and so does any URL
-    with userinfo the text quotes. Never parses ``url`` (a URL too broken
-    to parse may still hold a password).
-    """
-    from urllib.parse import unquote
-
-    text = "; ".join(line.strip() for line in str(text).splitlines() if line.strip())
-    secrets: set[str] = set()
-    for pattern in (_USERINFO_PASSWORD, _QUERY_PASSWORD):
-        for match in pattern.finditer(url):
-            secrets.update((match.group(1), unquote(match.group(1))))
-    for secret in sorted(filter(None, secrets), key=len, reverse=True):
-        text = text.replace(secret, "***")
-    return re.sub(r"([A-Za-z][A-Za-z0-9+.-]*://[^:/@\s?#]*:)[^@\s]*@", r"\1***@", text)
 
 
 def _check_store_url(url: str | None) -> None:

@@ -19,7 +19,7 @@ from kandevd import exits
 from kandevd.app.metrics import DaemonMetrics
 from kandevd.app.status import StatusReporter
 from kandevd.bus import EventBus
-from kandevd.config import Config, redact_url
+from kandevd.config import Config
 from kandevd.control.methods import MODULES
 from kandevd.control.registry import Registry
 from kandevd.control.server import ControlServer
@@ -46,6 +46,7 @@ from kandevd.store.check import DatabaseUnusable, open_checked
 from kandevd.store.open import open_store
 from kandevd.store.runs import RunRepository
 from kandevd.store.runs.retention import ExpiredRuns
+from kandevd.urls import redact_url
 
 if TYPE_CHECKING:
     from kandevd.cluster import Cluster

@@ -28,7 +28,7 @@ from kandevd.app.metrics import MetricsHTTPServer
 from kandevd.app.reload import reload
 from kandevd.app.shutdown import MainThreadWaiter, ShutdownCoordinator, SignalWiring
 from kandevd.config import Config
-from kandevd.control.server import NotASocket, SocketInUse
+from kandevd.control.sockets import NotASocket, SocketInUse
 from kandevd.lifecycle import StopSignal
 from kandevd.paths import HomeLayout
 from kandevd.runtime.orphans import stop_orphan_agents

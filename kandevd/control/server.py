@@ -1,40 +1,15 @@
 """ControlServer: JSON-RPC 2.0 over the daemon's unix socket (the external intake).
 
-Security and robustness, following supervisor:
-
-* the socket is bound to a temporary name, chmod'ed 0600 and then renamed
-  into place, so it is never reachable with looser permissions; its folder
-  (the home) is 0700;
-* a socket file left by a killed daemon is detected by trying to connect
-  to it; a live one is never stolen (:class:`SocketInUse`);
-* every connection's peer uid is read with SO_PEERCRED; another uid is
-  refused unless it is root;
-* errors are codes from a closed set, never a traceback.
-
-Threads: one accept thread and one thread per connection, all non-daemon
-and joined by :meth:`close`. No client can lock the socket up:
-
-* a connection that completes no request for ``idle_timeout_s`` is closed
-  (an unfinished line counts as nothing: a slowloris client is closed too);
-  the wait is a socket timeout, never a poll;
-* a response that cannot be written within ``send_timeout_s`` (a client
-  that does not read) drops the connection;
-* the cap never locks a client out: at ``max_connections`` a new connection
-  is still accepted and the longest-idle connection (one not running a
-  request) is closed to make room; when every connection is running a
-  request, the new one takes one of ``reserved_connections`` extra slots
-  where only ``daemon.status`` and ``daemon.shutdown`` are served (others
-  answer ``refused``), so both are never refused for lack of connections.
-
-Every request line read gets its answer, in order, whatever it held; a
-``sqlite3.DatabaseError`` escaping a method is ``unavailable`` (logged once
-per distinct reason, without a traceback).
-
-Shutdown is in two steps so the coordinator can order them:
-:meth:`begin_drain` makes every method except ``daemon.status`` answer
-``shutting_down``, waits for requests already in progress to finish, and
-closes the listener; :meth:`close` (after the loops and the runtime have
-stopped) closes the remaining connections and joins their threads.
+Following supervisor: the socket is bound to a temporary name, chmod'ed 0600
+and renamed into place; a live socket is never stolen; every peer's uid is
+checked (SO_PEERCRED); errors are codes from a closed set, never a
+traceback. One accept thread and one thread per connection, all joined by
+:meth:`ControlServer.close`; an idle or slow client is closed, and
+``daemon.status``/``daemon.shutdown`` are never refused for lack of
+connections (docs/protocol.md, "Connection"). Shutdown is in two steps:
+:meth:`ControlServer.begin_drain` (every method but ``daemon.status`` answers
+``shutting_down``, requests in progress finish, the listener closes), then
+:meth:`ControlServer.close`.
 """
 
 from __future__ import annotations
@@ -45,7 +20,6 @@ import os
 import socket
 import sqlite3
 import stat
-import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -67,41 +41,17 @@ from kandevd.control.protocol import (
     success,
 )
 from kandevd.control.registry import Registry
+from kandevd.control.sockets import (
+    KernelTimeouts,
+    NotASocket,
+    SocketInUse,
+    peer_uid,
+    send_all,
+    shutdown,
+    socket_is_live,
+)
 
 log = logging.getLogger("kandevd.control")
-
-_UCRED = struct.Struct("3i")
-
-
-class SocketInUse(RuntimeError):
-    def __init__(self, path: Path) -> None:
-        super().__init__(f"another process is serving {path}")
-
-
-class NotASocket(RuntimeError):
-    def __init__(self, path: Path) -> None:
-        super().__init__(f"{path} exists and is not a socket; refusing to replace it "
-                         "(move it away to start the daemon)")
-
-
-def socket_is_live(path: Path) -> bool:
-    """True when something accepts connections on the unix socket ``path``."""
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(1.0)
-    try:
-        probe.connect(str(path))
-    except OSError:
-        return False
-    finally:
-        probe.close()
-    return True
-
-
-def peer_uid(conn: socket.socket) -> int:
-    raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
-    _pid, uid, _gid = _UCRED.unpack(raw)
-    return uid
-
 
 #: Served even on a connection admitted beyond the cap.
 PRIORITY_METHODS = frozenset({"daemon.status", "daemon.shutdown"})
@@ -220,7 +170,7 @@ class ControlServer:
             connections = dict(self._connections)
         self._close_listener()
         for state in connections.values():
-            _shutdown(state.sock)
+            shutdown(state.sock)
         for thread in connections:
             thread.join()
 
@@ -319,7 +269,7 @@ class ControlServer:
         self.connections_evicted += 1
         log.debug("closing a control connection idle for %.1f s to make room",
                   time.monotonic() - victim.last_active)
-        _shutdown(victim.sock)  # its thread wakes from recv/sendall and exits
+        shutdown(victim.sock)  # its thread wakes from recv/sendall and exits
         return True
 
     @staticmethod
@@ -334,11 +284,11 @@ class ControlServer:
     # -- one connection ------------------------------------------------------
     def _serve(self, state: _Connection) -> None:
         sock = state.sock
-        timeout = _KernelTimeouts(sock)
+        timeout = KernelTimeouts(sock)
         try:
             timeout.send(self.send_timeout_s)
         except OSError:
-            _shutdown(sock)
+            shutdown(sock)
             sock.close()
             with self._lock:
                 self._connections.pop(threading.current_thread(), None)
@@ -390,7 +340,7 @@ class ControlServer:
                 deadline = time.monotonic() + self.idle_timeout_s
                 fresh = not buffer
         finally:
-            _shutdown(sock)
+            shutdown(sock)
             try:
                 sock.close()
             except OSError:
@@ -427,7 +377,7 @@ class ControlServer:
             log.exception("a control response is not standard JSON")
             data = encode(failure(message.get("id"), InternalError("internal error")))
         try:
-            _send_all(state.sock, data, self.send_timeout_s)
+            send_all(state.sock, data, self.send_timeout_s)
             return True
         except (TimeoutError, BlockingIOError):
             log.info("dropping a control connection that does not read its responses "
@@ -492,65 +442,3 @@ class ControlServer:
             log.error("method %s: database unavailable: %s (%s; logged once per reason)",
                       name, reason, type(exc).__name__)
         return Unavailable(f"database unavailable: {reason}")
-
-
-class _KernelTimeouts:
-    """Receive and send timeouts kept in the kernel (SO_RCVTIMEO, SO_SNDTIMEO).
-
-    The socket stays in blocking mode, so a request costs one ``recv`` and one
-    ``send``: Python's own timeouts would add a ``poll`` before each and two
-    ``fcntl`` calls per ``settimeout``, half the system calls of a round trip.
-    A timed-out call raises BlockingIOError (EAGAIN). Each option is set only
-    when its value changes.
-    """
-
-    def __init__(self, sock: socket.socket) -> None:
-        sock.settimeout(None)
-        self._sock = sock
-        self._receive: float | None = None
-
-    def receive(self, seconds: float) -> None:
-        if seconds != self._receive:
-            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(seconds))
-            self._receive = seconds
-
-    def send(self, seconds: float) -> None:
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(seconds))
-
-
-def _timeval(seconds: float) -> bytes:
-    whole = int(seconds)
-    micros = int((seconds - whole) * 1_000_000)
-    if whole == 0 and micros == 0:
-        micros = 1  # zero would mean "no timeout"
-    return struct.pack("ll", whole, micros)
-
-
-def _send_all(sock: socket.socket, data: bytes, timeout_s: float) -> None:
-    """``sendall`` bounded by ``timeout_s`` overall, on a socket with SO_SNDTIMEO set.
-
-    One ``send`` in the common case; a client that reads too slowly to take the
-    response within the timeout gets TimeoutError.
-    """
-    started = time.monotonic()
-    sent = sock.send(data)
-    if sent == len(data):
-        return
-    view = memoryview(data)[sent:]
-    try:
-        while view:
-            remaining = timeout_s - (time.monotonic() - started)
-            if remaining <= 0:
-                raise TimeoutError("response not taken in time")
-            # Each send may block for the socket's timeout: cut it to what is left.
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(remaining))
-            view = view[sock.send(view):]
-    finally:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(timeout_s))
-
-
-def _shutdown(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass

@@ -5,19 +5,11 @@ transaction as the write), publishes what changed on the event bus after the
 commit, runs a step's ``on_enter`` actions when a task moves, and starts the
 interactive Kanban launch.
 
-Events (synchronous, in the caller's thread, after the commit):
-
-* ``task.created`` ``{"task": TASK, "changes": [every field name]}``
-* ``task.updated`` ``{"task": TASK, "previous": TASK, "changes": [...]}``;
-  ``changes`` names the fields whose value changed, ``runner`` when the
-  effective runner changed, and always ``step_id`` on a move
-* ``workspace.created`` / ``workspace.updated`` ``{"workspace", "changes"?}``,
-  ``agent.created`` / ``agent.updated`` ``{"agent", "changes"?}``,
-  ``workflow.created`` ``{"workflow"}``, ``task.launched`` /
-  ``task.launch_finished`` ``{"task_id", "agent_id", "session_id", ...}``
-
-One instance serves the daemon; method modules reach it with
-:func:`get_service` so the Office side and the control methods share it.
+Events go out after the commit, in the caller's thread: ``task.created``,
+``task.updated`` (``changes`` names the changed fields, ``runner`` when the
+effective runner changed, always ``step_id`` on a move), ``workspace.*``,
+``agent.*``, ``workflow.created``, ``task.launched``, ``task.launch_finished``
+(docs/architecture.md lists their payloads). One instance serves the daemon.
 """
 
 from __future__ import annotations

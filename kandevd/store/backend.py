@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import importlib.util
 
-from kandevd.config import Config, redact_url
+from kandevd.config import Config
+from kandevd.urls import redact_url
 
 POSTGRES_EXTRA = "pip install 'kandevd[postgres]'"
 

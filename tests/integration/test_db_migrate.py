@@ -27,13 +27,13 @@ from click.testing import CliRunner
 
 from kandevd.app.homelock import HomeLock, read_pid
 from kandevd.cli import cli
-from kandevd.config import redact_url
 from kandevd.model import repository
 from kandevd.store import copy
 from kandevd.store.base import BaseStore
 from kandevd.store.open import open_store
 from kandevd.store.runs import RunRepository
 from kandevd.timeutil import utc_now
+from kandevd.urls import redact_url
 from tests.conftest import FAST_CONFIG
 from tests.harness import DaemonProcess, run_cli
 

@@ -320,7 +320,7 @@ def test_config_changes_names_sections_and_profiles_but_not_the_log_level() -> N
 
 
 def test_the_store_url_takes_postgresql_urls_and_never_shows_a_password() -> None:
-    from kandevd.config import redact_url
+    from kandevd.urls import redact_url
 
     secret = "postgresql://kan:s3cret@db.example:5432/kandevd"
     assert build_config({"store": {"url": secret}}, environ={}).store.url == secret

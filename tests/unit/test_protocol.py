@@ -43,7 +43,8 @@ from kandevd.control.protocol import (
     success,
 )
 from kandevd.control.registry import Registry, object_schema, paging_properties
-from kandevd.control.server import ControlServer, SocketInUse, socket_is_live
+from kandevd.control.server import ControlServer
+from kandevd.control.sockets import SocketInUse, socket_is_live
 
 TIMEOUT = 10.0
 

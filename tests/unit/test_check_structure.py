@@ -1,0 +1,107 @@
+"""scripts/check_structure on a small package tree written here."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from importlib.machinery import SourceFileLoader
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "check_structure"
+
+
+@pytest.fixture(scope="module")
+def cs() -> ModuleType:
+    loader = SourceFileLoader("check_structure", str(SCRIPT))
+    spec = importlib.util.spec_from_loader("check_structure", loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["check_structure"] = module  # dataclasses look the module up
+    try:
+        loader.exec_module(module)
+    finally:
+        del sys.modules["check_structure"]
+    return module
+
+
+FILES = {
+    "kandevd/__init__.py": '"""root"""\n',
+    "kandevd/leaf.py": "import kandevd.room.a\n",  # upward: floor 0 -> floor 3
+    "kandevd/room/__init__.py": "",
+    # a circle: a imports b at module level, b imports a inside a function
+    "kandevd/room/a.py": "from kandevd.room import b\n",
+    "kandevd/room/b.py": "def late():\n    from . import a\n    return a\n",
+    # under TYPE_CHECKING only: neither an upward import nor a circle
+    "kandevd/room/c.py": (
+        "from typing import TYPE_CHECKING\n\n"
+        "if TYPE_CHECKING:\n    from kandevd.top import Top\n"
+        "else:\n    from kandevd import leaf\n"
+    ),
+    "kandevd/top.py": "from kandevd.room.c import x\n",
+    "kandevd/big.py": "x = 1\n" * 12,
+    "kandevd/stray.py": "",
+}
+LAYERS = {"kandevd": 0, "kandevd.leaf": 0, "kandevd.big": 0, "kandevd.room": 3, "kandevd.top": 5}
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    for name, text in FILES.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return tmp_path
+
+
+def test_each_rule_is_found(cs: ModuleType, tree: Path) -> None:
+    modules = cs.find_modules(tree)
+    assert set(modules) == {
+        "kandevd", "kandevd.leaf", "kandevd.room", "kandevd.room.a", "kandevd.room.b",
+        "kandevd.room.c", "kandevd.top", "kandevd.big", "kandevd.stray",
+    }  # fmt: skip
+    edges = cs.import_edges(tree, modules)
+    pairs = {(e.src, e.dst) for e in edges}
+    late = [e for e in edges if e.src == "kandevd.room.b"]
+    assert [(e.dst, e.line, e.deferred) for e in late] == [("kandevd.room.a", 2, True)]
+    assert ("kandevd.room.c", "kandevd.top") not in pairs  # TYPE_CHECKING is ignored
+    assert ("kandevd.room.c", "kandevd.leaf") in pairs  # ...its else branch is not
+
+    assert cs.strongly_connected(modules, edges) == [["kandevd.room.a", "kandevd.room.b"]]
+
+    up = cs.upward(edges, LAYERS)
+    assert [(e.src, e.dst, e.where(), low, high) for e, low, high in up] == [
+        ("kandevd.leaf", "kandevd.room.a", "kandevd/leaf.py:1", 0, 3)
+    ]
+    assert cs.unplaced(modules, LAYERS) == ["kandevd.stray"]
+
+    banned = cs.forbidden(edges, [("kandevd", "kandevd.room", ("kandevd.top",))])
+    assert [(e.src, e.dst) for e, _, _ in banned] == [
+        ("kandevd.leaf", "kandevd.room.a")
+    ]  # not room's own modules, not the exempt top
+
+    sizes = {"kandevd/big.py": cs.count_lines(modules["kandevd.big"])}
+    assert cs.oversized(sizes, 10) == [("kandevd/big.py", 12)]
+
+
+def test_report(cs: ModuleType, tree: Path) -> None:
+    lines, problems = cs.check(tree, 10, show_sizes=True, layers=LAYERS, pairs=[])
+    text = "\n".join(lines)
+    assert "kandevd/big.py:1: 12 lines (> 10)" in text
+    assert "circle 1 (2 modules): kandevd.room.a, kandevd.room.b" in text
+    assert "kandevd/room/b.py:2: kandevd.room.b -> kandevd.room.a: from . import a" in text
+    assert "kandevd/leaf.py:1: kandevd.leaf -> kandevd.room.a" in text
+    assert "warning: kandevd.stray is unplaced" in text
+    assert problems == 3
+    assert lines[-1] == "structure: 3 problem(s)"
+
+    strict, problems = cs.check(tree, 100, strict=True, layers=LAYERS, pairs=[])
+    assert problems == 3  # no size problem; the unplaced module counts
+    assert strict[-1] == "structure: 3 problem(s)"
+
+    (tree / "kandevd/leaf.py").write_text("")
+    (tree / "kandevd/room/b.py").write_text("")
+    lines, problems = cs.check(tree, 100, layers=LAYERS, pairs=[])
+    assert (problems, lines[-1]) == (0, "structure: ok")

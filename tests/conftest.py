@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from hypothesis import settings
 
-from tests.harness import DaemonProcess
-from tests.stores import (  # noqa: F401 (fixtures)
+from tests.support.daemon import FAST_CONFIG, DaemonProcess
+from tests.support.stores import (  # noqa: F401 (fixtures)
     backend,
     empty_pg_url,
     pg_base,
@@ -25,12 +25,6 @@ from tests.stores import (  # noqa: F401 (fixtures)
 settings.register_profile("ci", derandomize=True, database=None)
 settings.load_profile(os.environ.get("KANDEVD_HYPOTHESIS", "default"))
 
-# Small, fast defaults for integration tests; a test overrides what it exercises.
-FAST_CONFIG: dict[str, Any] = {
-    "queue": {"safety_interval_s": 5},
-    "runtime": {"max_concurrent": 4, "stop_grace_s": 5},
-    "office": {"interval_s": 30},
-}
 
 
 @pytest.fixture

@@ -1,0 +1,105 @@
+"""A daemon killed alone (``kill -9`` of its pid, not its agents) restarts without
+executing a run twice at once. With ``runtime.adopt_on_restart: false`` it stops
+the agents its predecessor left, then re-queues their runs (adoption, the
+default, is covered in test_failure_model.py).
+
+The echo agent appends a ``touch`` line only when an execution completes, so
+the file tells how many executions of the run ran to their end.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.support.daemon import FAST_CONFIG, DaemonProcess
+
+pytestmark = pytest.mark.integration
+
+Factory = Callable[..., DaemonProcess]
+STOPPED_LINE = "stopped 1 agent process(es) left by a previous instance"
+REQUEUED_LINE = "re-queued 1 run(s) claimed by a previous daemon instance"
+
+
+def _state(pid: int) -> str:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2:].split()[0]
+
+
+def _agent_child(shim: int) -> bool:
+    """True once the shim's child runs the echo agent and sleeps in it.
+
+    Not merely exec'd: the agent catches SIGTERM and is inside its sleep
+    (``clock_nanosleep``, system call 230 on x86-64, 115 on arm64), so the
+    freeze below always catches it where the test means, however long its
+    start-up takes on a loaded machine.
+    """
+    try:
+        children = Path(f"/proc/{shim}/task/{shim}/children").read_text().split()
+        for child in children:
+            if b"kandevd.agents.echo" not in Path(f"/proc/{child}/cmdline").read_bytes():
+                continue
+            caught = next((int(line.split()[1], 16) for line in
+                           Path(f"/proc/{child}/status").read_text().splitlines()
+                           if line.startswith("SigCgt:")), 0)
+            if not caught & (1 << (signal.SIGTERM - 1)):
+                return False
+            call = Path(f"/proc/{child}/syscall").read_text().split()
+            return bool(call) and call[0] in ("230", "115")
+        return False
+    except OSError:
+        return False
+
+
+def test_restart_stops_the_agents_of_a_killed_daemon_before_requeueing(
+        daemon_factory: Factory, tmp_path: Path) -> None:
+    touch = tmp_path / "touch.log"
+    daemon = daemon_factory({**FAST_CONFIG, "runtime": {**FAST_CONFIG["runtime"],
+                                                        "adopt_on_restart": False}})
+    daemon.call("workspaces.create", {"id": "w1", "name": "w1"})
+    daemon.call("agents.create", {"id": "a1", "workspace_id": "w1", "name": "a1"})
+    run = daemon.call("runs.enqueue", {"workspace_id": "w1", "agent_id": "a1",
+                                       "reason": "manual", "coalesce": False,
+                                       "payload": {"sleep_s": 2, "touch": str(touch)}})["run"]
+
+    [old_agent] = daemon.wait_until(daemon.agent_pids, what="the agent's shim")
+    # The agent itself runs as the shim's child: wait until it has exec'd, so the
+    # freeze below catches the agent and not only its shim.
+    daemon.wait_until(lambda: _agent_child(old_agent), what="the agent under its shim")
+    # Freeze the first execution mid-sleep: whatever the restart takes, it cannot
+    # finish on its own, and only the restart can end it (SIGTERM needs a SIGCONT).
+    os.killpg(old_agent, signal.SIGSTOP)  # the shim and its agent
+    pidfd = os.pidfd_open(old_agent)  # readable once that very process has exited
+    try:
+        assert daemon.kill_daemon_only() == -signal.SIGKILL
+        assert daemon.agent_pids() == [old_agent]  # the agent outlived its daemon
+        assert _state(old_agent) == "T"
+        assert not touch.exists()
+        with daemon.db() as conn:
+            row = conn.execute("SELECT status FROM runs WHERE id = ?", (run["id"],)).fetchone()
+        assert row["status"] == "claimed"
+
+        daemon.start()
+        stopped_at = daemon.lines.index(daemon.wait_for_line(STOPPED_LINE))
+        # Gone by the time the line is logged, and before its run went back to the queue.
+        assert select.select([pidfd], [], [], 0)[0] == [pidfd]
+        assert daemon.lines.index(daemon.wait_for_line(REQUEUED_LINE)) > stopped_at
+        assert f"stopping agent process {old_agent} (run {run['id']})" in daemon.log_text
+    finally:
+        os.close(pidfd)
+
+    def finished() -> bool:
+        with daemon.db() as conn:
+            row = conn.execute("SELECT status FROM runs WHERE id = ?", (run["id"],)).fetchone()
+        return row["status"] == "finished"
+
+    daemon.wait_until(finished, what="the re-queued run to finish")
+    lines = touch.read_text().splitlines()
+    assert len(lines) == 1, lines  # the stopped first execution never completed
+    assert lines[0].split()[0] == run["id"]
+    assert old_agent not in daemon.agent_pids()

@@ -1,0 +1,359 @@
+"""CronLoop.tick with an injected clock, real files and a real AgentRuntime.
+
+Sessions run in-process (InProcessRunner) so the fire decision, overlap,
+pause and the turn sequence are tested without child processes.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kandevd.config import build_config
+from kandevd.paths import HomeLayout
+from kandevd.runtime import AgentRuntime, ExecutionSpec, InProcessRunner
+from kandevd.schedules.build import build_registry
+from kandevd.schedules.history import SHUTDOWN_ERROR
+from kandevd.schedules.loop import CronLoop, Decision, decide_fire
+from kandevd.schedules.runner import SessionRunner
+from kandevd.schedules.settings import Switches
+from kandevd.timeutil import parse_rfc3339
+from tests.support.workflows import history, schedule, write_workflow
+
+T0 = datetime(2026, 12, 3, 10, 0, 30, tzinfo=UTC)
+
+
+@dataclass
+class Agent:
+    """An in-process agent: records each stdin; a message containing FAIL fails;
+    ``gate`` (when set) makes every turn wait for it."""
+
+    seen: list[dict[str, Any]] = field(default_factory=list)
+    gate: threading.Event | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __call__(self, spec: ExecutionSpec) -> tuple[int, str | None, float | None]:
+        with self.lock:
+            self.seen.append(dict(spec.stdin))
+        if self.gate is not None:
+            self.gate.wait(30)
+        return (1 if "FAIL" in spec.stdin.get("message", "") else 0), "ok", 2
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> HomeLayout:
+    return HomeLayout(tmp_path)
+
+
+@pytest.fixture
+def build(home: HomeLayout) -> Iterator[Callable[..., tuple[CronLoop, Agent]]]:
+    made: list[tuple[CronLoop, AgentRuntime]] = []
+
+    def make(agent: Agent | None = None, *, env: dict[str, str] | None = None,
+             max_concurrent: int = 4) -> tuple[CronLoop, Agent]:
+        agent = agent or Agent()
+        config = build_config({"runtime": {"max_concurrent": max_concurrent}},
+                              environ=env or {})
+        runtime = AgentRuntime(max_concurrent, 1, runner=InProcessRunner(agent))
+        registry = build_registry(home.workspace,
+                                  Switches.from_config(config.scheduler, env or {}), 90)
+        registry.load_at_start(T0)
+
+        def runner(loop: CronLoop) -> SessionRunner:
+            return SessionRunner(registry, config=config, layout=home, runtime=runtime,
+                                 spawn=loop.fanout.spawn,
+                                 fire_buffered=loop.fire_buffered)
+        loop = CronLoop(registry, runner_factory=runner, stop_grace_s=0)
+        made.append((loop, runtime))
+        return loop, agent
+
+    yield make
+    for loop, runtime in made:
+        loop.runner.close(0)
+        loop.fanout.join()
+        runtime.stop()
+
+
+def folder_of(home: HomeLayout, name: str = "w") -> Path:
+    return home.workspace / "Workflow" / name
+
+
+# -- the decision ----------------------------------------------------------------------
+
+@given(st.booleans(), st.booleans(), st.booleans(), st.booleans(), st.booleans(),
+       st.sampled_from(["skip", "buffer_one"]))
+def test_decide_fire_policy(enabled: bool, allowed: bool, paused: bool, running: bool,
+                            buffered: bool, policy: str) -> None:
+    decision = decide_fire(execution_enabled=enabled, workflow_allowed=allowed, paused=paused,
+                           running=running, buffered=buffered, overlap_policy=policy)
+    if not (enabled and allowed):
+        assert decision is Decision.SKIP_DISABLED
+    elif paused:
+        assert decision is Decision.SKIP_PAUSED
+    elif not running:
+        assert decision is Decision.RUN
+    elif policy == "buffer_one" and not buffered:
+        assert decision is Decision.BUFFER
+    else:
+        assert decision is Decision.SKIP_OVERLAP
+
+
+# -- ticks -----------------------------------------------------------------------------
+
+def test_nothing_fires_before_the_time_and_the_wait_points_at_it(build, home) -> None:
+    write_workflow(home.workspace, "w", [schedule("s", "*/5 * * * *")])
+    loop, agent = build()
+    assert loop.tick(T0) == 60  # capped, so a wall-clock change is noticed
+    assert loop.tick(datetime(2026, 12, 3, 10, 4, 45, tzinfo=UTC)) == 15
+    assert loop.fires == 0 and agent.seen == []
+
+
+def test_a_due_fire_runs_one_cron_session_and_a_late_tick_replays_nothing(build, home) -> None:
+    write_workflow(home.workspace, "w", [schedule("s", "*/5 * * * *")])
+    loop, _agent = build()
+    loop.tick(T0 + timedelta(hours=1))  # twelve fire times passed: one fire
+    loop.fanout.join()
+    assert loop.fires == 1
+    [entry] = history(folder_of(home))
+    assert entry["trigger_source"] == "cron" and entry["status"] == "success"
+    job = loop.registry.resolve("s")
+    assert job.state.next_fire == datetime(2026, 12, 3, 11, 5, tzinfo=UTC)
+    assert job.state.run_count == 1 and job.state.last_status == "success"
+
+
+def test_paused_and_disabled_fires_are_counted_not_run(build, home) -> None:
+    write_workflow(home.workspace, "w", [schedule("s", "* * * * *")])
+    loop, agent = build()
+    loop.registry.pause.put(True, "ops", T0)
+    loop.tick(T0 + timedelta(minutes=1))
+    assert loop.registry.resolve("s").state.skipped_paused == 1
+    off, _ = build(env={"SCHEDULER_ENABLED": "false"})
+    off.tick(T0 + timedelta(minutes=1))
+    assert off.registry.resolve("s").state.skipped_disabled == 1
+    blocked, _ = build(env={"SCHEDULER_BLOCKED_WORKFLOWS": "W"})
+    blocked.tick(T0 + timedelta(minutes=1))
+    job = blocked.registry.resolve("s")
+    assert job.state.skipped_disabled == 1
+    assert blocked.registry.ineligible_reason(job, paused=False) == \
+        "workflow blocked by the block list (W)"
+    assert agent.seen == [] and history(folder_of(home)) == []
+
+
+@pytest.mark.parametrize(("policy", "sessions", "skipped"), [("skip", 1, 2),
+                                                             ("buffer_one", 2, 1)])
+def test_overlap_policies(build, home, policy: str, sessions: int, skipped: int) -> None:
+    write_workflow(home.workspace, "w", [schedule("s", "* * * * *", overlap_policy=policy)])
+    gate = threading.Event()
+    loop, _agent = build(Agent(gate=gate))
+    for minute in (1, 2, 3):
+        loop.tick(T0 + timedelta(minutes=minute))
+    job = loop.registry.resolve("s")
+    assert job.state.skipped_overlap == skipped
+    gate.set()
+    loop.fanout.join()
+    entries = history(folder_of(home))
+    assert len(entries) == sessions
+    assert all(e["status"] == "success" and e["trigger_source"] == "cron" for e in entries)
+
+
+# -- the session -----------------------------------------------------------------------
+
+def run_manual(loop: CronLoop, job_id: str = "s") -> None:
+    loop.runner.start(loop.registry.resolve(job_id), "manual")
+    loop.fanout.join()
+
+
+def test_turn_sequence_preflight_messages_reports_and_pulse(build, home) -> None:
+    folder = write_workflow(home.workspace, "w", [schedule(
+        "s", group_ids=["g1", "g2", "off"], messages=["one", "two"], pulse=True,
+        trigger_payload={"k": 1})], groups={"g1": True, "g2": True, "off": False},
+        pending_upgrades=["x"])
+    (folder / "decisions.json").write_text(json.dumps([
+        {"id": 1, "question": "q", "answer": "a", "status": "answered"},
+        {"id": 2, "question": "q2", "answer": None, "status": "open"}]))
+    loop, agent = build()
+    run_manual(loop)
+    kinds = [(s["turn"]["kind"], s["message"][:20], s["workshop_mode"],
+              s["execution_options"]["selected_run_folder"]) for s in agent.seen]
+    assert kinds == [
+        ("preflight", "Apply the answered d", "workshop", "iteration-0"),
+        ("message", "one", "run", "iteration-0"),
+        ("message", "two", "run", "iteration-0"),
+        ("report", "Generate the final r", "run", "iteration-0/g1"),
+        ("report", "Generate the final r", "run", "iteration-0/g2"),
+        ("pulse", "Pulse: scheduled run", "workshop", "iteration-0"),
+    ]
+    first = agent.seen[0]
+    assert first["decisions"] == [{"id": 1, "question": "q", "answer": "a",
+                                   "status": "answered"}]
+    assert first["execution_options"]["contract_upgrades_pending"] is True
+    assert first["execution_options"]["enabled_group_ids"] == ["g1", "g2"]
+    assert first["payload"] == {"k": 1} and first["triggered_by"] == "manual"
+    assert (first["agent_mode"], first["phase_id"]) == ("workflow_phase", "workflow-builder")
+    [entry] = history(folder)
+    assert entry["status"] == "success" and entry["cost_cents"] == 12
+    assert [t["kind"] for t in entry["turns"]] == ["preflight", "message", "message",
+                                                   "report", "report", "pulse"]
+    assert agent.seen[-1]["message"].find(entry["id"]) > 0
+    decisions = json.loads((folder / "decisions.json").read_text())
+    assert decisions[0]["status"] == "applied"
+    assert decisions[0]["applied_session_id"] == entry["session_id"]
+    assert decisions[1]["status"] == "open"
+    assert (folder / "runs" / "iteration-0" / "g2").is_dir()
+
+
+def test_a_failing_message_ends_the_session_and_sends_nothing_more(build, home) -> None:
+    folder = write_workflow(home.workspace, "w", [schedule(
+        "s", messages=["one", "FAIL two", "three"], pulse=True)])
+    loop, agent = build()
+    run_manual(loop)
+    assert [s["message"] for s in agent.seen][:2] == ["one", "FAIL two"]
+    assert agent.seen[2]["turn"]["kind"] == "pulse" and len(agent.seen) == 3
+    [entry] = history(folder)
+    assert entry["status"] == "error"
+    assert entry["error"] == "message turn 1 failed: exit code 1"
+    assert loop.registry.resolve("s").state.consecutive_failures == 1
+
+
+def test_no_report_when_a_message_runs_the_report_itself(build, home) -> None:
+    write_workflow(home.workspace, "w", [schedule("s", messages=["do run_full_report now"])])
+    loop, agent = build()
+    run_manual(loop)
+    assert [s["turn"]["kind"] for s in agent.seen] == ["message"]
+
+
+def test_default_message_and_workshop_mode_without_report(build, home) -> None:
+    write_workflow(home.workspace, "w", [schedule("s", workshop_mode="workshop")])
+    loop, agent = build()
+    run_manual(loop)
+    assert [(s["turn"]["kind"], s["message"]) for s in agent.seen] == [
+        ("message", "Run the full workflow using run_full_workflow tool.")]
+
+
+def test_closing_records_the_session_in_flight_as_stopped(build, home) -> None:
+    folder = write_workflow(home.workspace, "w", [schedule("s", messages=["a", "b"])])
+    gate = threading.Event()
+    loop, agent = build(Agent(gate=gate))
+    loop.runner.start(loop.registry.resolve("s"), "manual")
+    while not agent.seen:
+        gate.wait(0.01)
+    loop.runner.close(0)
+    gate.set()  # an in-process turn cannot be interrupted: it ends, no further turn starts
+    loop.fanout.join()
+    [entry] = history(folder)
+    assert entry["status"] == "stopped" and entry["error"] == SHUTDOWN_ERROR
+    assert len(agent.seen) == 1
+
+
+def test_a_buffered_fire_is_decided_again_when_it_may_start(build, home) -> None:
+    write_workflow(home.workspace, "w", [schedule("s", "* * * * *",
+                                                  overlap_policy="buffer_one")])
+    gate = threading.Event()
+    loop, agent = build(Agent(gate=gate))
+    loop.tick(T0 + timedelta(minutes=1))
+    loop.tick(T0 + timedelta(minutes=2))  # buffered behind the running session
+    assert loop.runner.is_buffered("workflow:w:s")
+    loop.registry.pause.put(True, "ops", T0)  # paused while it waits
+    gate.set()
+    loop.fanout.join()
+    assert len(history(folder_of(home))) == 1
+    assert len({s["session_id"] for s in agent.seen}) == 1
+    assert loop.registry.resolve("s").state.skipped_paused == 1
+
+
+def test_a_session_that_stops_by_request_says_so(build, home) -> None:
+    write_workflow(home.workspace, "w", [schedule("s", messages=["a", "b"])])
+    gate = threading.Event()
+    loop, agent = build(Agent(gate=gate))
+    loop.runner.start(loop.registry.resolve("s"), "manual")
+    while not agent.seen:
+        gate.wait(0.01)
+    loop.runner.stop("workflow:w:s")
+    gate.set()
+    loop.fanout.join()
+    [entry] = history(folder_of(home))
+    assert entry["status"] == "stopped" and entry["error"] == "stopped: scheduler.jobs.stop"
+
+
+def write_product(root: Path, schedules: list[dict[str, Any]]) -> None:
+    folder = root / "products" / "helper"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "product.yaml").write_text(json.dumps({"profile": {
+        "runtime": {"conversation": {"mode": "singleton"}}, "schedules": schedules}}))
+
+
+def test_a_cadence_product_schedule_fires_under_an_injected_clock(build, home) -> None:
+    write_product(home.workspace, [{"id": "every2h", "cadence_hours": 2,
+                                    "messages": ["hello"]}])
+    loop, agent = build()
+    [job] = loop.registry.jobs(source="products")
+    loop.tick(T0)  # first sight: not due, the first slot is written down
+    assert agent.seen == [] and job.state.next_fire == T0 + timedelta(hours=2)
+    state_file = home.workspace / "_users" / "local" / "chat_history" / \
+        "product-schedules.json"
+    assert json.loads(state_file.read_text())["schedules"]["helper:every2h"]["next_run_at"]
+    loop.tick(T0 + timedelta(hours=1))
+    assert agent.seen == []
+    loop.tick(T0 + timedelta(hours=2, seconds=1))
+    loop.fanout.join()
+    assert [s["message"] for s in agent.seen] == ["hello"]
+    assert agent.seen[0]["triggered_by"] == "cron" and agent.seen[0]["user_id"] == "local"
+    assert job.state.run_count == 1 and job.state.last_status == "success"
+    loop.tick(T0 + timedelta(hours=2, seconds=2))  # the occurrence is spent: no second run
+    loop.fanout.join()
+    assert len(agent.seen) == 1
+    # the next slot is two hours after the run began (sessions keep real time)
+    assert job.state.next_fire == parse_rfc3339(job.state.last_run_at) + timedelta(hours=2)
+
+
+def test_a_reload_picks_up_a_changed_product_and_user_directory(build, home) -> None:
+    write_product(home.workspace, [{"id": "a", "cadence_hours": 1, "messages": ["m"]}])
+    loop, _agent = build()
+    assert [j.user_id for j in loop.registry.jobs(source="products")] == ["local"]
+    write_product(home.workspace, [{"id": "a", "cadence_hours": 1, "messages": ["m"]},
+                                   {"id": "b", "cron_expression": "0 8 * * *",
+                                    "messages": ["m"]}])
+    (home.workspace / "users.yaml").write_text("- {id: ann, enabled: true, products: '*'}\n")
+    result = loop.registry.rescan(T0)
+    assert result["product_jobs"] == 2
+    assert [(j.id, j.user_id) for j in loop.registry.jobs(source="products")] == [
+        ("product:helper:a", "ann"), ("product:helper:b", "ann")]
+
+
+def test_a_cron_product_occurrence_missed_while_down_is_not_replayed(build, home) -> None:
+    write_product(home.workspace, [{"id": "daily", "cron_expression": "0 8 * * *",
+                                    "messages": ["m"]}])
+    state = home.workspace / "_users" / "local" / "chat_history" / "product-schedules.json"
+    state.parent.mkdir(parents=True)
+    state.write_text(json.dumps({"schedules": {"helper:daily": {
+        "next_run_at": "2026-12-03T08:00:00.000000Z"}}}))  # before T0: passed while down
+    loop, agent = build()
+    loop.tick(T0)
+    loop.fanout.join()
+    [job] = loop.registry.jobs(source="products")
+    assert agent.seen == []
+    assert job.state.next_fire == datetime(2026, 12, 4, 8, tzinfo=UTC)
+
+
+def test_an_impossible_stored_time_never_stalls_the_tick(build, home) -> None:
+    write_product(home.workspace, [{"id": "c", "cadence_hours": 1, "preferred_hour": 3,
+                                    "messages": ["m"]}])
+    write_workflow(home.workspace, "w", [schedule("s", "* * * * *")])
+    state = home.workspace / "_users" / "local" / "chat_history" / "product-schedules.json"
+    state.parent.mkdir(parents=True)
+    state.write_text(json.dumps({"schedules": {"helper:c": {
+        "last_run_at": "9999-12-31T22:00:00Z", "last_status": "error",
+        "consecutive_failures": 10}}}))
+    loop, _agent = build()
+    loop.tick(T0 + timedelta(minutes=1))  # raises nothing; the workflow still fires
+    loop.fanout.join()
+    assert loop.registry.resolve("s").state.run_count == 1

@@ -1,0 +1,214 @@
+"""Workflow manifests: validation names workflow, schedule and field; writes keep the rest."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kandevd.schedules.workflows import manifest
+from kandevd.schedules.workflows.manifest import ManifestError, ManifestUnusable
+from tests.support.workflows import schedule, write_workflow
+
+
+def problems_of(root: Path) -> list[str]:
+    return [str(p) for p in manifest.scan(root)[1]]
+
+
+def test_a_valid_workflow_loads_normalized(tmp_path: Path) -> None:
+    write_workflow(tmp_path, "reports", [schedule(mode="workflow", workshop_mode="runner",
+                                                  timezone="Europe/Paris")],
+                   id="rep", label="Reports", agent_profile="fast", pending_upgrades=[1])
+    workflows, problems = manifest.scan(tmp_path)
+    assert problems == []
+    [workflow] = workflows
+    assert (workflow.name, workflow.manifest_id, workflow.label) == ("reports", "rep", "Reports")
+    assert workflow.agent_profile == "fast" and workflow.pending_upgrades
+    [sched] = workflow.schedules
+    assert (sched.mode, sched.workshop_mode, sched.timezone) == ("workshop", "run",
+                                                                 "Europe/Paris")
+    assert sched.overlap_policy == "skip" and sched.enabled and sched.messages == ()
+    assert workflow.aliases == {"reports", "rep"}
+
+
+@pytest.mark.parametrize(("bad", "expected"), [
+    ({"cron_expression": "0 9 * * *", "group_ids": ["g1"]}, "schedules[0]: <root>: 'id' is"),
+    (schedule(cron="0 9 * *"), "schedule 'daily': cron_expression: '0 9 * *' is not a valid"
+                               " 5-field cron expression"),
+    (schedule(cron="0 25 * * *"), "schedule 'daily': cron_expression:"),
+    (schedule(timezone="Mars/Olympus"), "schedule 'daily': timezone: unknown time zone "
+                                        "'Mars/Olympus'"),
+    (schedule(group_ids=[]), "schedule 'daily': group_ids: at least one group is required "
+                             "(available: g1)"),
+    (schedule(group_ids=["g1", "nope"]), "schedule 'daily': group_ids: unknown group(s) "
+                                         "'nope' (available: g1)"),
+    (schedule(overlap_policy="queue_all"), "schedule 'daily': overlap_policy:"),
+    (schedule(enabled="yes"), "schedule 'daily': enabled: 'yes' is not of type 'boolean'"),
+])
+def test_bad_schedules_are_rejected_naming_file_schedule_and_field(
+        tmp_path: Path, bad: dict, expected: str) -> None:
+    folder = write_workflow(tmp_path, "reports", [bad])
+    found = problems_of(tmp_path)
+    assert len(found) == 1
+    assert found[0].startswith(f"{folder / 'workflow.json'}: ")
+    assert expected in found[0]
+
+
+def test_a_duplicate_schedule_id_is_rejected(tmp_path: Path) -> None:
+    write_workflow(tmp_path, "w", [schedule("a"), schedule("a")])
+    [problem] = problems_of(tmp_path)
+    assert "schedule 'a': id: used twice in this workflow" in problem
+
+
+def test_one_bad_schedule_keeps_the_whole_workflow_out_but_others_load(tmp_path: Path) -> None:
+    write_workflow(tmp_path, "bad", [schedule("ok"), schedule("tz", timezone="No/Where")])
+    write_workflow(tmp_path, "good", [schedule("ok")])
+    (tmp_path / "Workflow" / "broken").mkdir()
+    (tmp_path / "Workflow" / "broken" / "workflow.json").write_text("{ nope")
+    workflows, problems = manifest.scan(tmp_path)
+    assert [w.name for w in workflows] == ["good"]
+    assert len(problems) == 2
+    assert any("broken/workflow.json: not valid JSON" in str(p) for p in problems)
+
+
+def test_a_folder_with_an_unsafe_name_is_reported(tmp_path: Path) -> None:
+    write_workflow(tmp_path, "has space", [schedule()])
+    [problem] = problems_of(tmp_path)
+    assert "workflow name 'has space' is not allowed" in problem
+
+
+@given(st.text(min_size=1, max_size=20))
+def test_workflow_names_never_escape_the_workflow_root(name: str) -> None:
+    try:
+        manifest.check_workflow_name(name)
+    except ManifestError:
+        return
+    assert "/" not in name and "\\" not in name and "\0" not in name
+    assert name not in {".", ".."}
+    root = Path("/r")
+    assert (root / "Workflow" / name).resolve().parent == root / "Workflow"
+
+
+@pytest.mark.parametrize("name", ["..", ".", "../x", "a/b", "", "x" * 129])
+def test_path_like_names_are_refused(name: str) -> None:
+    with pytest.raises(ManifestError, match="is not allowed"):
+        manifest.check_workflow_name(name)
+
+
+@given(st.sets(st.sampled_from(["a", "b", "c", "d"]), min_size=1),
+       st.lists(st.sampled_from(["a", "b", "c", "d", "e"]), min_size=1, max_size=4,
+                unique=True))
+def test_group_ids_load_exactly_when_every_group_exists(defined: set[str],
+                                                        chosen: list[str]) -> None:
+    groups = dict.fromkeys(defined, True)
+    raw = schedule(group_ids=chosen)
+    if set(chosen) <= defined:
+        assert manifest.parse_schedule(raw, groups).group_ids == tuple(chosen)
+    else:
+        with pytest.raises(ManifestError) as info:
+            manifest.parse_schedule(raw, groups)
+        assert f"available: {', '.join(sorted(defined))}" in str(info.value)
+
+
+def test_edit_schedules_changes_only_the_schedules(tmp_path: Path) -> None:
+    folder = write_workflow(tmp_path, "w", [schedule("a", x_custom=1)], owner="team",
+                            capabilities={"tools": ["x"]}, pending_upgrades=["v2"])
+    workflow = manifest.edit_schedules(folder, lambda s: [*s, schedule("b")])
+    assert [s.id for s in workflow.schedules] == ["a", "b"]
+    document = json.loads((folder / "workflow.json").read_text())
+    assert document["owner"] == "team" and document["capabilities"] == {"tools": ["x"]}
+    assert document["pending_upgrades"] == ["v2"]
+    assert document["schedules"][0]["x_custom"] == 1
+
+
+def test_an_invalid_edit_writes_nothing(tmp_path: Path) -> None:
+    folder = write_workflow(tmp_path, "w", [schedule("a")])
+    before = (folder / "workflow.json").read_bytes()
+    with pytest.raises(ManifestError, match="timezone: unknown time zone"):
+        manifest.edit_schedules(folder, lambda s: [*s, schedule("b", timezone="Nope/Nope")])
+    assert (folder / "workflow.json").read_bytes() == before
+
+
+def test_a_manifest_that_does_not_parse_is_never_rewritten(tmp_path: Path) -> None:
+    folder = tmp_path / "Workflow" / "w"
+    folder.mkdir(parents=True)
+    (folder / "workflow.json").write_text("{half")
+    with pytest.raises(ManifestUnusable, match="never rewrites it"):
+        manifest.edit_schedules(folder, lambda s: [*s, schedule("b")])
+    assert (folder / "workflow.json").read_text() == "{half"
+    assert sorted(p.name for p in folder.iterdir()) == ["workflow.json", "workflow.json.lock"]
+
+
+def test_the_demo_workflows_load_without_a_problem() -> None:
+    demo = Path(__file__).resolve().parents[3] / "kandevd" / "examples" / "demo" / "workspace"
+    workflows, problems = manifest.scan(demo)
+    assert problems == [] and workflows
+    assert any(s.cron_expression == "* * * * *" for w in workflows for s in w.schedules)
+
+
+def test_a_lone_surrogate_escape_is_a_problem_not_a_schedule(tmp_path: Path) -> None:
+    folder = write_workflow(tmp_path, "w", [])
+    (folder / "workflow.json").write_text(
+        '{"schedules": [{"id": "s\\ud800", "cron_expression": "* * * * *", '
+        '"group_ids": ["g1"]}]}')
+    [problem] = problems_of(tmp_path)
+    assert "lone surrogate \\ud800" in problem
+
+
+@pytest.mark.parametrize("manifest_extra", [{"id": 42}, {"agent_profile": "../x"},
+                                            {"schedules": None}, {"schedules": {"a": 1}},
+                                            {"schedules": "abc"}])
+def test_an_edit_never_rewrites_a_manifest_that_is_wrong_apart_from_its_schedules(
+        tmp_path: Path, manifest_extra: dict) -> None:
+    folder = write_workflow(tmp_path, "w", [])
+    document = {"schedules": [], **manifest_extra}
+    (folder / "workflow.json").write_text(json.dumps(document))
+    before = (folder / "workflow.json").read_bytes()
+    with pytest.raises(ManifestUnusable, match="fix the file first"):
+        manifest.edit_schedules(folder, lambda s: [*s, schedule("n")])
+    assert (folder / "workflow.json").read_bytes() == before
+
+
+def test_a_broken_variables_file_is_the_one_problem_reported(tmp_path: Path) -> None:
+    folder = write_workflow(tmp_path, "w", [schedule()])
+    (folder / "variables" / "variables.json").write_text("{nope")
+    [problem] = problems_of(tmp_path)
+    assert problem.startswith(str(folder / "variables" / "variables.json"))
+
+
+def test_edits_go_through_a_symlink_and_keep_the_file_mode(tmp_path: Path) -> None:
+    folder = write_workflow(tmp_path, "w", [schedule("a")])
+    real = tmp_path / "elsewhere.json"
+    (folder / "workflow.json").rename(real)
+    real.chmod(0o644)
+    (folder / "workflow.json").symlink_to(real)
+    manifest.edit_schedules(folder, lambda s: [*s, schedule("b")])
+    assert (folder / "workflow.json").is_symlink()
+    assert [s["id"] for s in json.loads(real.read_text())["schedules"]] == ["a", "b"]
+    assert real.stat().st_mode & 0o777 == 0o644
+
+
+def test_special_files_and_an_unreadable_root_are_problems_not_hangs(tmp_path: Path) -> None:
+    folder = write_workflow(tmp_path, "fifo", [])
+    (folder / "workflow.json").unlink()
+    os.mkfifo(folder / "workflow.json")
+    [problem] = problems_of(tmp_path)
+    assert "not a regular file" in problem
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "Workflow").write_text("a file where a folder belongs")
+    workflows, problems = manifest.scan(other)
+    assert workflows == [] and "cannot read" in str(problems[0])
+
+
+def test_state_files_of_the_wrong_shape_are_reported_untouched(tmp_path: Path) -> None:
+    folder = write_workflow(tmp_path, "w", [schedule()])
+    (folder / "schedule-runs.json").write_text('{"not": "a list"}')
+    (folder / "decisions.json").write_text("[broken")
+    problems = [str(p) for p in manifest.state_file_problems(tmp_path)]
+    assert len(problems) == 2
+    assert (folder / "decisions.json").read_text() == "[broken"

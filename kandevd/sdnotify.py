@@ -7,7 +7,7 @@ systemd, or ``Type=simple``) every call is a no-op. Nothing here ever raises:
 a notification that cannot be sent (the manager went away, a full buffer) is
 dropped, it must never disturb the daemon.
 
-What the daemon sends (CONTRACT.md section 1)::
+What the daemon sends (docs/operations.md, systemd)::
 
     READY=1 + STATUS=...   once the control socket listens
     STATUS=...             now and then (each safety pass of the queue loop)

@@ -1,6 +1,6 @@
 """The built-in demo agent: ``python -m kandevd.agents.echo``.
 
-It speaks the agent process protocol (CONTRACT.md section 5) and does no real
+It speaks the agent process protocol (docs/agents.md) and does no real
 work, so a fresh install, the demo home and the tests can drive every path of
 the daemon (success, failure, retry, timeout, cancel) without an AI model.
 

@@ -2,7 +2,7 @@
 
 Exit codes follow sysexits where the contract says so: 0 ok, 1 error answer
 (or forced stop), 69 no daemon, 73 home cannot be created or written, 75 home
-locked, 78 bad config (serve; validate answers 1, as CONTRACT.md section 1 says).
+locked, 78 bad config (serve; validate answers 1,, see docs/operations.md).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ DEFAULT_REASON = "queue_run"
 DEFAULT_TARGET = "runner"
 AGENT_TARGET_PREFIX = "agent:"
 
-#: The JSON Schema of one ``on_enter`` action (CONTRACT.md section 3).
+#: The JSON Schema of one ``on_enter`` action (docs/protocol.md, workflows.create).
 ACTION_SCHEMA: dict[str, Any] = {
     "type": "object",
     "properties": {

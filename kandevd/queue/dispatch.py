@@ -137,7 +137,7 @@ class Dispatcher:
         return claims
 
     def _spec(self, claim: Claim, *, session_id: str | None = None) -> ExecutionSpec:
-        """The execution of a claimed run (CONTRACT.md section 5)."""
+        """The execution of a claimed run (docs/agents.md)."""
         run = claim.run
         run_id = run.id
         profile = self.config.profile(claim.profile)

@@ -1,7 +1,7 @@
 """How an agent profile becomes an execution: one place for every source.
 
 Queued runs, Kanban launches (and later scheduled turns) all execute an agent
-the same way (CONTRACT.md section 5): the profile's argv (the built-in echo
+the same way (docs/agents.md): the profile's argv (the built-in echo
 agent when it has none), its timeout and extra environment, a working folder
 ``<home>/runs/<key>/`` and a log ``<home>/logs/runs/<key>.log``.
 """

@@ -1,55 +1,14 @@
 """Standard 5-field cron expressions, and their fire times in an IANA time zone.
 
-The one place kandevd reads a cron expression. Matching wall-clock times are
-found by APScheduler's ``CronTrigger``; this module validates the expression
-and translates it, because ``CronTrigger.from_crontab`` is not standard cron:
-it numbers the days of the week from 0 = Monday, so ``0 9 * * 0`` would fire
-on Mondays and ``7`` (Sunday) would be rejected.
-
-Accepted syntax (Vixie cron, what users write and what the contract means)::
-
-    minute  hour  day-of-month  month        day-of-week
-    0-59    0-23  1-31          1-12 jan-dec 0-7 sun-sat (0 and 7 are Sunday)
-
-Each field is a comma list of ``*``, ``N``, ``N-M``, ``*/S``, ``N-M/S`` or
-``N/S`` (= ``N-<max>/S``); names are case-insensitive and allowed wherever a
-number is (``sun`` is 0, or 7 when it ends a range: ``mon-sun``). Ranges do
-not wrap (``fri-mon`` is an error: write ``fri-sun,mon`` or ``0,1,5,6``).
-Every field is expanded to its set of values and handed to APScheduler as an
-explicit list (the day of week as ``mon..sun`` names), so no APScheduler-only
-syntax (``last``, ``1st mon``, ...) leaks through.
-
-Day-of-month and day-of-week follow standard cron, not APScheduler's "both
-must match": when both are restricted a day matches if *either* does
-(``0 0 1 * mon`` = the 1st of each month and every Monday), implemented as an
-APScheduler ``OrTrigger`` of two ``CronTrigger`` s. As in Vixie cron, a field
-counts as unrestricted when it starts with ``*`` (so ``*/2`` in one of them
-means "both must match"); when either is unrestricted the other alone decides.
-
-Time zones are IANA names, and the fields match the zone's wall clock. Across
-daylight-saving changes a wall time fires at the first instant the clock
-reaches it:
-
-* a wall time that a fall-back repeats fires once, at its first instant:
-  ``30 2 * * *`` in Europe/Berlin fires at 02:30 CEST on the last Sunday of
-  October, not again at 02:30 CET;
-* a wall time that a spring-forward skips fires once, at the instant the clock
-  jumps: ``30 2 * * *`` in Europe/Berlin fires at 03:00 CEST on the last
-  Sunday of March. Every skipped wall time that matches collapses into that
-  one fire, as does one due at the jump itself: ``*/15 2 * * *`` fires once
-  that day, at 03:00 CEST, and so does ``0 2,3 * * *``.
-
-This is Vixie cron's rule for its fixed-time jobs, applied to every
-expression: unlike Vixie, an expression with ``*`` in its minute or hour field
-does not fire again during a repeated hour (``*/10 * * * *`` is silent for
-the hour of a fall-back's second pass) and does fire at the jump for a
-skipped one (``*/15 2 * * *`` above).
-
-How: the ``CronTrigger`` s are built in UTC, a zone without DST, and used only
-to search the wall clock (a naive wall time read as UTC); each wall time found
-is mapped to its instant in the schedule's zone by the rule above, and a
-match whose instant lies before the one asked about (the second pass of a
-fall-back) is passed over. No APScheduler internals are involved.
+The one place kandevd reads a cron expression (Vixie cron syntax: numbers,
+names, ``*``, ranges, steps, lists; day-of-month and day-of-week match when
+either does, as in standard cron). APScheduler's ``CronTrigger`` finds the
+matching wall times, but ``CronTrigger.from_crontab`` is not standard cron (it
+numbers weekdays from Monday), so every field is expanded here and handed over
+as an explicit list. The triggers run in UTC and only search the wall clock;
+each wall time found is mapped to its instant in the schedule's zone by the
+DST rule of docs/scheduling.md: a wall time a fall-back repeats fires once, at
+its first instant; one a spring-forward skips fires once, when the clock jumps.
 """
 
 from __future__ import annotations

@@ -1,60 +1,14 @@
 """Product schedules: their definition, validation, and when one is due.
 
-A product declares recurring jobs in ``products/<dir>/product.yaml`` under
-``profile.schedules``. Each schedule has exactly one timing form:
-
-* ``cron_expression`` (with ``timezone``, default UTC): a standard 5-field cron
-  expression read by :mod:`kandevd.cron`, with its DST rule;
-* ``cadence_hours``: every so many hours after the last run, optionally moved
-  forward to the next ``preferred_hour:00`` of the ``timezone``'s wall clock.
-
-and may add a quiet rule: ``quiet_minutes`` (a due occurrence waits while the
-user was active within the last ``quiet_minutes``) and ``max_deferral_hours``
-(how long past its due time the quiet rule may hold an occurrence back;
-:data:`DEFAULT_MAX_DEFERRAL_HOURS` = 24 h when not given).
-
-This module is pure: no I/O and no clock of its own. Every datetime it takes
-must be aware; every one it returns is aware UTC.
-
-:func:`decide` answers "is this schedule due at ``now``, and if not, when to ask
-again". The caller's contract:
-
-* it persists ``next_run_at = decision.next_at`` when ``state.next_run_at`` was
-  None and the decision is not due (the pending occurrence, so a first cadence
-  slot or a retry does not move on with every restart);
-* when a run starts it records ``last_run_at`` (and, when it ends,
-  ``last_status`` and ``consecutive_failures``: +1 on ``error``, 0 on
-  ``success``) and clears ``next_run_at``; the next :func:`decide` then computes
-  the following occurrence, strictly after that run started. So an occurrence
-  fires at most once.
-
-Rules of :func:`decide` (``P`` = the pending due time):
-
-1. ``state.next_run_at`` is None: compute ``P`` and answer not due, ``next_at=P``:
-
-   * never run: cron, the first occurrence strictly after ``now``
-     (``first_occurrence``); cadence, ``now + cadence_hours`` moved to the
-     preferred hour (``first_slot``). A never-seen schedule is never due.
-   * after a run, the regular slot ``R``: cron, the first occurrence strictly
-     after ``last_run_at``; cadence, ``last_run_at + cadence_hours`` moved to the
-     preferred hour. After an ``error`` (``k = consecutive_failures``, at least
-     1) a retry comes at ``last_run_at + min(30 min * 2**(k-1), 6 h)``, but never
-     later than ``R`` (``retry_backoff``; ``regular_slot`` when ``R`` is
-     earlier). Otherwise ``P = R`` (``regular_slot``).
-   * ``P <= now``: a missed cron occurrence is not replayed; ``P`` becomes the
-     first occurrence strictly after ``now`` (``missed_not_replayed``). An
-     overdue cadence slot or retry is due now: ``due=True, next_at=now``
-     (``overdue``).
-
-2. ``state.next_run_at`` is ``P``: before ``P``, not due (``waiting``). From
-   ``P`` on it is due (``due``) unless the quiet rule holds it back: the user
-   was active less than ``quiet_minutes`` ago (activity stamped in the future
-   counts as now) and ``now < P + max_deferral_hours``; then not due with
-   ``next_at = min(last_active_at + quiet_minutes, P + max_deferral_hours)``
-   (``quiet``). Once the cap is reached it is due although the user is active
-   (``deferral_cap``).
-
-``next_at`` is always later than ``now`` when not due, and the due time when due.
+A schedule has one timing form, ``cron_expression`` (in ``timezone``) or
+``cadence_hours`` (moved to the next ``preferred_hour``), and may add the quiet
+rule (``quiet_minutes``, ``max_deferral_hours``). :func:`decide` answers "is it
+due at ``now``, and if not, when to ask again", from what the caller keeps
+(:class:`ScheduleState`): the rules, with their reason names (``first_slot``,
+``regular_slot``, ``retry_backoff``, ``missed_not_replayed``, ``overdue``,
+``waiting``, ``quiet``, ``due``, ``deferral_cap``), are in docs/scheduling.md,
+"When a product schedule is due". Pure: no I/O and no clock of its own; every
+datetime it takes must be aware, every one it returns is aware UTC.
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ Rules (the habits of huey and APScheduler, without their gaps):
   out (a tick or a handler asking its own loop to stop), raises
   :class:`LoopSelfJoinError` instead of deadlocking.
 * A parent :class:`StopSignal` (the daemon's) takes the same path as
-  ``stop()``: the loop finishes its tick and exits; a later ``stop()`` joins.
+  ``stop()``: the loop finishes its tick, exits and ends in STOPPED without
+  anyone calling ``stop()``; a later ``stop()`` only joins the thread.
   Once the parent is set, ``start()`` refuses (the daemon is going down).
 * ``wake()`` interrupts the wait so the next tick runs now. A wake during a
   tick (even from the tick itself) makes the next tick follow at once, so a
@@ -323,6 +324,12 @@ class Loop(abc.ABC):
             finally:
                 self.fanout.join()
                 self.on_stopped()
+                # Ended by its parent's stop signal: ``stopped``, as stop() ends it, without
+                # waiting for anyone to call stop() (which then only joins this thread).
+                with self._lock:
+                    if (self._parent is not None and self._parent.is_set()
+                            and self._thread is threading.current_thread()):
+                        self._state = LoopState.STOPPED
 
     def on_stopping(self) -> None:  # noqa: B027 - an optional hook, empty by design
         """Hook run in the loop thread after its last tick, before the fan-out is joined:

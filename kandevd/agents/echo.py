@@ -9,6 +9,7 @@ top of it, from ``execution_options`` (how workflow turns carry them):
 
 =================  ========================================================
 ``sleep_s``        sleep that long (SIGTERM interrupts it: exit 143)
+``wait_for``       a path: wait until it exists (a run as long as a test needs)
 ``fail``           true: exit 1 with a message on stderr
 ``exit_code``      exit with this code (0..255)
 ``fail_once_marker``  a path: when it does not exist, create it and exit 1;
@@ -16,13 +17,15 @@ top of it, from ``execution_options`` (how workflow turns carry them):
 ``ignore_sigterm`` true: ignore SIGTERM (proves the SIGKILL escalation)
 ``cost_cents``     the cost to report (default 0)
 ``summary``        the summary to report (default ``echoed <kind>``)
+``evaluation``     an object to report as the execution's evaluation
 ``touch``          a path: after a successful run append one line
                    ``<run_id or session_id> <start> <end>`` (RFC 3339)
 =================  ========================================================
 
 Output: ``echo: <kind> <id>``, a line with the ``KANDEVD_*`` environment, and
-as the last line ``{"summary": ..., "cost_cents": ...}``. Bad stdin (not JSON,
-not an object, an option of the wrong type) is reported on stderr, exit 2.
+as the last line ``{"summary": ..., "cost_cents": ...}`` (with ``evaluation``
+when given). Bad stdin (not JSON, not an object, an option of the wrong type)
+is reported on stderr, exit 2.
 """
 
 from __future__ import annotations
@@ -56,6 +59,8 @@ _OPTION_TYPES: dict[str, tuple[str, Any]] = {
     "cost_cents": ("a number", lambda v: _is_number(v)),
     "summary": ("a string", lambda v: isinstance(v, str)),
     "touch": ("a non-empty string path", lambda v: isinstance(v, str) and v != ""),
+    "wait_for": ("a non-empty string path", lambda v: isinstance(v, str) and v != ""),
+    "evaluation": ("an object", lambda v: isinstance(v, dict)),
 }
 
 
@@ -130,6 +135,10 @@ def run(request: dict[str, Any]) -> int:
     sleep_s = options.get("sleep_s")
     if sleep_s:
         time.sleep(float(sleep_s))
+    wait_for = options.get("wait_for")
+    if wait_for:
+        while not Path(wait_for).exists():
+            time.sleep(0.05)
 
     marker = options.get("fail_once_marker")
     if marker and _first_time(Path(marker)):
@@ -148,10 +157,13 @@ def run(request: dict[str, Any]) -> int:
         _append_line(Path(touch), f"{ident} {rfc3339(started)} {rfc3339(utc_now())}\n")
     summary = options.get("summary")
     cost = options.get("cost_cents")
-    print(json.dumps({
+    report: dict[str, Any] = {
         "summary": summary if summary is not None else f"echoed {kind}",
         "cost_cents": cost if cost is not None else 0,
-    }), flush=True)
+    }
+    if options.get("evaluation") is not None:
+        report["evaluation"] = options["evaluation"]
+    print(json.dumps(report), flush=True)
     return 0
 
 

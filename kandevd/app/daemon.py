@@ -265,6 +265,10 @@ class Daemon:
                         "within %gs",
                         self.config.cluster.dead_after_s)
             return
+        try:
+            parts.queue.release_interrupted()
+        except sqlite3.Error as exc:  # the others rescue them, an attempt counted
+            log.warning("cluster: could not re-queue the interrupted runs: %s", exc)
         cluster.leave()
 
     def _start_metrics_http(self, parts: Parts) -> None:

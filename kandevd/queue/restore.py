@@ -15,6 +15,7 @@ import logging
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from kandevd.config import Config
 from kandevd.paths import HomeLayout
@@ -29,6 +30,7 @@ from kandevd.runtime.records import (
     read_record,
     record_alive,
 )
+from kandevd.runtime.stopping import FORCED_REASON
 from kandevd.store.runs import RunRepository
 
 log = logging.getLogger("kandevd.queue")
@@ -172,7 +174,8 @@ class Restorer:
         # recorded rather than run again. (Any other status may be the sweep's own
         # SIGTERM: such a run is re-queued like the rest, one attempt counted.)
         self.restore_after_restart(adopt=False, only_success=True)
-        recovered = self.repo.requeue_foreign_claims(self.clock(), keep=self.live.run_ids())
+        recovered = self.repo.requeue_foreign_claims(self.clock(), keep=self.live.run_ids(),
+                                                     uncounted=self._gracefully_interrupted())
         pruned = attempts.prune(self.live.attempts_folder, self.repo.claimed_tokens())
         if pruned:
             log.info("removed %d attempt folder(s) of earlier attempts", pruned)
@@ -183,6 +186,37 @@ class Restorer:
         self._log_rescued({k: v for k, v in recovered.items() if v == "failed"},
                           "claimed by a previous daemon instance")
         return recovered
+
+    def _gracefully_interrupted(self) -> set[str]:
+        """Claims of earlier instances whose outcome file says a graceful stop interrupted them.
+
+        Such an execution does not count toward ``queue.max_attempts``; one whose
+        daemon crashed (no outcome written) or was forced to exit still does.
+        """
+        return {run_id for run_id, _token in self._interrupted(self.repo.foreign_claims())}
+
+    def _interrupted(self, claims: list[Any]) -> list[tuple[str, str]]:
+        found = []
+        for row in claims:
+            token = row["claim_token"]
+            if not token:
+                continue
+            directory = attempts.existing_attempt_dir(self.live.attempts_folder, row["id"], token)
+            result = attempts.read_outcome(directory, row["id"]) if directory.is_dir() else None
+            if (result is not None and result.outcome == INTERRUPTED
+                    and FORCED_REASON not in (result.error or "")):
+                found.append((row["id"], token))
+        return found
+
+    def release_interrupted(self) -> list[str]:
+        """Leaving a cluster after a graceful stop: this instance's interrupted runs go back
+        to the queue now, their attempts given back, for the other daemons to take up
+        (they would otherwise rescue them with an attempt counted)."""
+        released = self.repo.release_interrupted(self.clock(),
+                                                 self._interrupted(self.repo.own_claims()))
+        if released:
+            log.info("re-queued %d run(s) this graceful stop interrupted", len(released))
+        return released
 
     def settle_with_peers(self, rescue: bool = True) -> None:
         """A cluster heartbeat: rescue dead daemons' claims, stop executions lost here.

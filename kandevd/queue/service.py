@@ -183,6 +183,9 @@ class RunQueue:
     def recover_after_restart(self) -> dict[str, str]:
         return self.restorer.recover_after_restart()
 
+    def release_interrupted(self) -> list[str]:
+        return self.restorer.release_interrupted()
+
     def settle_with_peers(self, rescue: bool = True) -> None:
         self.restorer.settle_with_peers(rescue)
 

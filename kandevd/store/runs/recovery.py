@@ -98,15 +98,48 @@ class Recovery(RunRepositoryBase):
             "UPDATE runs SET claimed_by = ? WHERE id = ? AND status = 'claimed'"
             " AND claim_token = ?", (self.boot_id, run_id, token)) > 0
 
+    def requeue_interrupted(self, conn: Any, run_id: str, token: str | None, now: datetime,
+                            why: str) -> str | None:
+        """An execution a graceful stop cut short: back to the queue, its attempt uncounted.
+
+        A shutdown never terminally fails a run: the claim counted an attempt,
+        which is given back, so restarts alone never lead to the dead letter.
+        (A crash is not this: with no outcome on disk, :meth:`rescue` counts it.)
+        """
+        requeued = conn.execute(REQUEUE + ", error_message = :why,"
+                                " attempt = CASE WHEN attempt > 0 THEN attempt - 1 ELSE 0 END"
+                                " WHERE id = :id AND status = 'claimed' AND claim_token IS :token",
+                                {"now": rfc3339(now), "why": why, "id": run_id,
+                                 "token": token}).rowcount
+        return "queued" if requeued else None
+
+    def own_claims(self) -> list[Any]:
+        """This instance's claims: ``id`` and ``claim_token``."""
+        return self.store.query("SELECT id, claim_token FROM runs WHERE status = 'claimed'"
+                                " AND claimed_by = ? ORDER BY seq", (self.boot_id,))
+
+    def release_interrupted(self, now: datetime, claims: Collection[tuple[str, str]]
+                            ) -> list[str]:
+        """Re-queue these ``(run_id, token)`` claims a graceful stop interrupted, uncounted."""
+        released = []
+        with self.store.transaction() as conn:
+            for run_id, token in claims:
+                if self.requeue_interrupted(conn, run_id, token, now,
+                                            "interrupted: the daemon stopped gracefully"
+                                            " during the execution"):
+                    released.append(run_id)
+        return released
+
     def requeue_foreign_claims(self, now: datetime,
                                why: str = "interrupted: the daemon stopped during the execution",
-                               *, keep: Collection[str] = (), dead_peers: bool = False
-                               ) -> dict[str, str]:
+                               *, keep: Collection[str] = (), dead_peers: bool = False,
+                               uncounted: Collection[str] = ()) -> dict[str, str]:
         """At start-up: claims of earlier instances with no known outcome are rescued.
 
-        ``keep``: runs whose outcome is known here but not written yet. Returns
-        ``{run_id: new status}`` (``queued``, or ``failed`` once the run has
-        used its attempts).
+        ``keep``: runs whose outcome is known here but not written yet.
+        ``uncounted``: runs a graceful stop interrupted (their attempt is given
+        back, see :meth:`requeue_interrupted`). Returns ``{run_id: new status}``
+        (``queued``, or ``failed`` once the run has used its attempts).
         """
         done: dict[str, str] = {}
         with self.store.transaction() as conn:
@@ -119,7 +152,12 @@ class Recovery(RunRepositoryBase):
             for r in rows:
                 if r["id"] in keep:
                     continue
-                status = self.rescue(conn, r["id"], r["claim_token"], now, why)
+                if r["id"] in uncounted:
+                    status = self.requeue_interrupted(
+                        conn, r["id"], r["claim_token"], now,
+                        "interrupted: the daemon stopped gracefully during the execution")
+                else:
+                    status = self.rescue(conn, r["id"], r["claim_token"], now, why)
                 if status is not None:
                     done[r["id"]] = status
         return done

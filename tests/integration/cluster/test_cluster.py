@@ -150,6 +150,27 @@ def test_a_killed_daemons_claims_finish_on_the_other(
     assert survivor.stop() == 0
 
 
+def test_a_gracefully_stopped_daemons_interrupted_run_goes_on_elsewhere_uncounted(
+        daemon_factory: Callable[..., DaemonProcess], tmp_path: Path, pg_url: str) -> None:
+    """A shutdown never uses up an attempt, in a cluster too: the stopping daemon gives
+    its interrupted run back to the queue, and another daemon takes it up at once."""
+    probe_file = tmp_path / "probe.jsonl"
+    config = cluster_config(pg_url, probe_file, runtime={"stop_grace_s": 0.1})
+    leaving = daemon_factory(config, home=tmp_path / "leaving")
+    ws, [agent] = seed(leaving, 1)
+    run = leaving.call("runs.enqueue", {"workspace_id": ws, "agent_id": agent,
+                                        "reason": "long", "payload": {"sleep_s": 30}})["run"]
+    wait_for(lambda: leaving.call("runs.get", {"id": run["id"]})["status"] == "claimed",
+             10, "the run claimed by the daemon about to stop")
+    staying = daemon_factory(config, home=tmp_path / "staying")
+    assert leaving.stop() == 0
+    assert "re-queued 1 run(s) this graceful stop interrupted" in leaving.log_text
+    again = wait_for(lambda: (r := staying.call("runs.get", {"id": run["id"]}))["status"]
+                     == "claimed" and r, 10, "the run claimed by the other daemon")
+    assert again["attempt"] == 1
+    assert staying.stop() == 0
+
+
 def test_a_run_queued_on_one_daemon_wakes_an_idle_one_at_once(
         daemon_factory: Callable[..., DaemonProcess], tmp_path: Path, pg_url: str) -> None:
     """The queuing daemon has no free slot; the other, idle, is woken by NOTIFY."""

@@ -383,3 +383,43 @@ def test_a_signal_to_the_whole_group_on_stop_uses_no_retry(
     second.call("runs.get", {"id": run["id"]})
     requeued = wait_status(second, run["id"], "queued", "claimed")
     assert requeued["retry_count"] == 0
+
+
+def test_ten_graceful_restarts_during_one_run_use_none_of_its_attempts(
+        daemon_factory: Factory, tmp_path: Path) -> None:
+    """A shutdown never terminally fails a run: each graceful stop interrupts the agent,
+    the next start takes the run up again with its attempt given back, and the run
+    finishes once, far past ``max_attempts`` restarts."""
+    touch, release = tmp_path / "executed", tmp_path / "release"
+    home = tmp_path / "home"
+    cfg = config(queue={"max_attempts": 2}, runtime={"stop_grace_s": 0.1})
+    daemon = daemon_factory(cfg, home=home)
+    setup_agent(daemon)
+    run = enqueue(daemon, touch=str(touch), wait_for=str(release))
+    for _ in range(10):
+        daemon.wait_until(daemon.agent_pids, what="the agent to be running")
+        assert daemon.stop(signal.SIGTERM) == 0
+        daemon = daemon_factory(cfg, home=home)
+        assert daemon.call("runs.get", {"id": run["id"]})["status"] in ("queued", "claimed")
+    daemon.wait_until(daemon.agent_pids, what="the agent to be running")
+    release.touch()
+    finished = wait_status(daemon, run["id"], "finished")
+    assert (finished["attempt"], finished["retry_count"]) == (1, 0)
+    assert executions(touch) == [run["id"]]
+
+
+def test_a_crash_during_a_run_still_counts_an_attempt(
+        daemon_factory: Factory, tmp_path: Path) -> None:
+    """What a graceful stop gives back, a crash does not: a run whose daemon died
+    (its agent with it) ends in the dead letter once its attempts are used."""
+    home = tmp_path / "home"
+    cfg = config(queue={"max_attempts": 2}, runtime={"adopt_on_restart": False})
+    daemon = daemon_factory(cfg, home=home)
+    setup_agent(daemon)
+    run = enqueue(daemon, wait_for=str(tmp_path / "never"))
+    for _ in range(2):
+        daemon.wait_until(daemon.agent_pids, what="the agent to be running")
+        daemon.kill9()
+        daemon = daemon_factory(cfg, home=home)
+    failed = wait_status(daemon, run["id"], "failed")
+    assert failed["error_message"].startswith("gave up after 2 attempts")

@@ -24,6 +24,7 @@ from typing import Any
 import jsonschema
 
 from kandevd import yamlsafe
+from kandevd.schemacheck import format_validation_error
 from kandevd.urls import POSTGRES_SCHEMES, redact_url
 
 DEFAULTS: dict[str, Any] = {
@@ -240,37 +241,6 @@ FiniteValidator = jsonschema.validators.extend(
 @cache
 def _validator() -> Any:
     return FiniteValidator(_schema())
-
-
-MAX_MESSAGE = 300
-
-
-def format_validation_error(error: jsonschema.ValidationError, prefix: str = "",
-                            noun: str = "key") -> str:
-    """``a.b.c: message`` for a jsonschema error; the root is named ``<root>``.
-
-    An unknown key is reported at its own path (``queue.bogus: unknown key``),
-    not at its parent's, so the message always names the offending key.
-    """
-    parts = [prefix] if prefix else []
-    parts.extend(str(p) for p in error.absolute_path)
-    if error.validator == "additionalProperties" and isinstance(error.instance, dict) \
-            and error.validator_value is False:
-        known = set(error.schema.get("properties", {}))
-        unknown = sorted(str(k) for k in error.instance if k not in known)
-        if unknown:
-            where = ".".join([*parts, unknown[0]])
-            allowed = ", ".join(sorted(known)) or "none"
-            more = f" (also unknown: {', '.join(unknown[1:])})" if unknown[1:] else ""
-            return f"{where}: unknown {noun}; allowed here: {allowed}{more}"
-    where = ".".join(parts) or "<root>"
-    if error.validator == "maxItems" and isinstance(error.instance, list):
-        # jsonschema would quote the whole (long) list and never say what is wrong.
-        return f"{where}: {len(error.instance)} items; at most {error.validator_value} allowed"
-    message = yamlsafe.one_line(error.message)
-    if len(message) > MAX_MESSAGE:  # the message quotes the value, which may be a big list
-        message = message[:MAX_MESSAGE] + "..."
-    return f"{where}: {message}"
 
 
 def _deep_merge(base: dict[str, Any], overlay: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,25 +1,31 @@
 """Standard 5-field cron expressions, and their fire times in an IANA time zone.
 
 The one place kandevd reads a cron expression (Vixie cron syntax: numbers,
-names, ``*``, ranges, steps, lists; day-of-month and day-of-week match when
-either does, as in standard cron). APScheduler's ``CronTrigger`` finds the
-matching wall times, but ``CronTrigger.from_crontab`` is not standard cron (it
-numbers weekdays from Monday), so every field is expanded here and handed over
-as an explicit list. The triggers run in UTC and only search the wall clock;
-each wall time found is mapped to its instant in the schedule's zone by the
-DST rule of docs/scheduling.md: a wall time a fall-back repeats fires once, at
-its first instant; one a spring-forward skips fires once, when the clock jumps.
+names, ``*``, ranges, steps, lists, the macros ``@daily`` and friends;
+day-of-month and day-of-week match when either does, as in standard cron).
+APScheduler's ``CronTrigger`` finds the matching wall times, but
+``CronTrigger.from_crontab`` is not standard cron (it numbers weekdays from
+Monday), so every field is expanded here and handed over as an explicit list.
+The triggers run in UTC and only search the wall clock; each wall time found
+is mapped to its instant in the schedule's zone by the DST rule of
+docs/scheduling.md: a wall time a fall-back repeats fires once, at its first
+instant; one a spring-forward skips fires once, when the clock jumps.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+from functools import cache
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError, available_timezones
 
 from apscheduler.triggers.combining import OrTrigger
 from apscheduler.triggers.cron import CronTrigger
+
+from kandevd.suggest import did_you_mean
+from kandevd.timeutil import rfc3339
 
 _ONE_MICROSECOND = timedelta(microseconds=1)
 _MONTHS = ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec")
@@ -123,23 +129,61 @@ _FIELDS = (
 )
 
 
+#: The standard macros (Vixie cron); ``@reboot`` is refused (see :func:`parse_cron`).
+MACROS = {
+    "@yearly": "0 0 1 1 *", "@annually": "0 0 1 1 *", "@monthly": "0 0 1 * *",
+    "@weekly": "0 0 * * 0", "@daily": "0 0 * * *", "@midnight": "0 0 * * *",
+    "@hourly": "0 * * * *",
+}
+
+
+@cache
+def _zone_names() -> dict[str, str]:
+    """Every IANA zone name worth suggesting, by its lower-case spelling."""
+    return {name.lower(): name for name in available_timezones()
+            if name not in ("localtime", "posixrules", "Factory")
+            and not name.startswith(("posix/", "right/"))}
+
+
 def parse_timezone(name: str) -> ZoneInfo:
     """The IANA zone ``name``; CronError (field ``timezone``) when there is no such zone."""
     try:
         return ZoneInfo(name)
     except (ZoneInfoNotFoundError, ValueError, OSError):
-        raise CronError(f"timezone: unknown time zone {name!r} (use an IANA name such as "
-                        "'UTC' or 'Europe/Paris')") from None
+        hint = did_you_mean(name, _zone_names().values()) if isinstance(name, str) else ""
+        hint = hint or " (use an IANA name such as 'UTC' or 'Europe/Paris')"
+        raise CronError(f"timezone: unknown time zone {name!r}{hint}") from None
 
 
 def parse_cron(expr: str, timezone: str = "UTC") -> CronSchedule:
-    """The schedule of the standard 5-field cron ``expr`` in ``timezone``.
+    """The schedule of the standard 5-field cron ``expr`` (or a macro such as ``@daily``)
+    in ``timezone``.
 
     Raises CronError naming the field (``timezone: ...`` or ``cron_expression: ...``)
     when the zone is unknown, the expression malformed, or it can never fire.
     """
     zone = parse_timezone(timezone)
-    fields = expr.split()
+    expr_fields = _expand_macro(expr)
+    trigger = _parse_fields(expr, expr_fields)
+    return CronSchedule(expr, zone, trigger)
+
+
+def _expand_macro(expr: str) -> str:
+    word = expr.strip()
+    if not word.startswith("@"):
+        return expr
+    if word.lower() == "@reboot":
+        raise CronError("cron_expression: '@reboot' is not supported: a schedule fires at "
+                        "times, and a daemon start is not one (trigger the job after a start "
+                        "instead, or use a time such as @daily)")
+    if word.lower() in MACROS:
+        return MACROS[word.lower()]
+    raise CronError(f"cron_expression: {word!r} is not a known macro (the macros are "
+                    f"{', '.join(MACROS)}){did_you_mean(word, MACROS)}")
+
+
+def _parse_fields(expr: str, text: str) -> CronTrigger | OrTrigger:
+    fields = text.split()
     if len(fields) != len(_FIELDS):
         raise _invalid(expr, f"Wrong number of fields; got {len(fields)}, expected 5")
     try:
@@ -161,7 +205,7 @@ def parse_cron(expr: str, timezone: str = "UTC") -> CronSchedule:
         raise CronError(f"cron_expression: {expr!r} never fires")
     else:
         wall_clock = CronTrigger(**common, **by_day, **by_weekday)
-    return CronSchedule(expr, zone, wall_clock)
+    return wall_clock
 
 
 def next_fire_times(trigger: CronSchedule, after: datetime, count: int) -> list[datetime]:
@@ -176,6 +220,12 @@ def next_fire_times(trigger: CronSchedule, after: datetime, count: int) -> list[
         moment = found.astimezone(UTC)
         times.append(moment)
     return times
+
+
+def describe_times(times: Iterable[datetime], zone: ZoneInfo) -> list[dict[str, str]]:
+    """``[{utc, local}]``: each instant in RFC 3339 UTC and as the wall time of ``zone``."""
+    return [{"utc": rfc3339(moment), "local": moment.astimezone(zone).isoformat()}
+            for moment in times]
 
 
 # -- parsing ------------------------------------------------------------------------

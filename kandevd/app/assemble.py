@@ -150,7 +150,7 @@ def _assemble(config: Config, layout: HomeLayout, store: BaseStore, *, boot_id: 
     loops["cron"] = cron
     status = StatusReporter(config, layout, store, runtime, queue, loops, cron, cluster,
                             boot_id=boot_id, started_at=started_at, state=state)
-    metrics.collect(status.status, lambda: cron.registry.jobs(source="workflows"))
+    metrics.collect(status.status, cron.job_statuses)
     services = Services(config=config, layout=layout, store=store, bus=bus, runtime=runtime,
                         queue=queue,
                         model=WorkspaceService(store, bus, queue, runtime, config, layout),

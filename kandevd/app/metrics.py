@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kandevd.app.cron_metrics import job_families
 from kandevd.office.loop import COUNTERS as OFFICE_COUNTERS
 from kandevd.timeutil import parse_rfc3339, utc_now
 
@@ -30,7 +31,9 @@ WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.
 
 
 class _StatusCollector(Collector):
-    """Turns one ``daemon.status()`` (plus the cron jobs' counters) into metric families."""
+    """Turns one ``daemon.status()`` (plus the cron jobs' counters) into metric families.
+
+    ``cron_jobs()``: ``(job, JobStatus)`` pairs of every scheduled job."""
 
     def __init__(self, status: Callable[[], dict[str, Any]],
                  cron_jobs: Callable[[], list[Any]]) -> None:
@@ -102,7 +105,7 @@ class _StatusCollector(Collector):
         if cron:
             yield CounterMetricFamily("kandevd_cron_fires", "Cron fires since start",
                                       value=cron.get("fires", 0))
-            yield from self._cron()
+            yield from job_families(self._cron_jobs())
 
     @staticmethod
     def _runs(runs: dict[str, Any]) -> Iterator[Metric]:
@@ -124,38 +127,6 @@ class _StatusCollector(Collector):
         yield CounterMetricFamily("kandevd_adopted_agents",
                                   "Agents adopted from an earlier instance since start",
                                   value=runs.get("adopted", 0))
-
-    def _cron(self) -> Iterator[Metric]:
-        runs = CounterMetricFamily("kandevd_cron_job_runs",
-                                   "Sessions finished per cron job (history included)",
-                                   labels=["job"])
-        skips = CounterMetricFamily("kandevd_cron_job_skips", "Cron fires skipped per job",
-                                    labels=["job", "reason"])
-        failures = GaugeMetricFamily("kandevd_cron_job_consecutive_failures",
-                                     "Sessions in a row that ended in error, per cron job",
-                                     labels=["job"])
-        last_success = GaugeMetricFamily(
-            "kandevd_cron_job_last_success_timestamp_seconds",
-            "When the job's last successful session ended (Unix time)", labels=["job"])
-        next_fire = GaugeMetricFamily("kandevd_cron_job_next_fire_timestamp_seconds",
-                                      "The job's next fire time (Unix time)", labels=["job"])
-        for job in self._cron_jobs():
-            state = job.state
-            runs.add_metric([job.key], state.run_count)
-            for reason in ("overlap", "paused", "disabled"):
-                skips.add_metric([job.key, reason], getattr(state, f"skipped_{reason}"))
-            failures.add_metric([job.key], getattr(state, "consecutive_failures", 0))
-            success = getattr(state, "last_success_at", None)
-            if success:
-                last_success.add_metric([job.key], parse_rfc3339(success).timestamp())
-            upcoming = getattr(state, "next_fire", None)
-            if upcoming is not None:
-                next_fire.add_metric([job.key], upcoming.timestamp())
-        yield runs
-        yield skips
-        yield failures
-        yield last_success
-        yield next_fire
 
 
 class DaemonMetrics:

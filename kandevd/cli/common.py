@@ -32,6 +32,13 @@ def client_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return home_option(func)
 
 
+def user_option(func: Callable[..., Any]) -> Callable[..., Any]:
+    """``--user USER``: a product job exists once per user of the directory."""
+    return click.option("--user", "user_id", metavar="USER", default=None,
+                        help="The user of a product job (one exists per user who has the "
+                             "product).")(func)
+
+
 def _socket(home: str | None, socket_path: str | None) -> Path:
     return Path(socket_path) if socket_path else HomeLayout(resolve_home(home)).socket
 

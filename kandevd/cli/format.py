@@ -7,8 +7,10 @@ all print the same way.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime, tzinfo
+from pathlib import Path
 from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -103,3 +105,19 @@ def duration(ms: int | float | None) -> str:
 def json_option(func: Callable[..., Any]) -> Callable[..., Any]:
     return click.option("--json", "as_json", is_flag=True,
                         help="Print the raw JSON result.")(func)
+
+
+def print_file_from(path: Path, offset: int) -> int:
+    """Print ``path`` from byte ``offset``; the new offset (a missing file prints nothing).
+
+    How ``runs logs`` and ``jobs logs`` show a log, and follow it as it grows."""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(offset)
+            data = handle.read()
+    except OSError:
+        return offset
+    if data:
+        sys.stdout.write(data.decode("utf-8", errors="replace"))
+        sys.stdout.flush()
+    return offset + len(data)

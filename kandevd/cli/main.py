@@ -23,7 +23,7 @@ from kandevd.cli.methods import methods
 from kandevd.cli.metrics import metrics
 from kandevd.cli.model import MODEL_GROUPS
 from kandevd.cli.runs import runs
-from kandevd.cli.scheduler import scheduler
+from kandevd.cli.scheduler import scheduler, scheduler_lines
 from kandevd.cli.validate import validate
 from kandevd.cli.wait import wait
 from kandevd.config import ConfigError, load_config
@@ -126,6 +126,8 @@ def status(home: str | None, socket_path: str | None, as_json: bool) -> None:
     store = result.get("store") or {}
     if store.get("status") == "degraded":
         click.echo(f"store    DEGRADED: {store.get('reason')}")
+    if result.get("scheduler") is not None:
+        scheduler_lines(result["scheduler"])
     cluster = result.get("cluster")
     if cluster is not None:
         members = cluster.get("daemons") or []

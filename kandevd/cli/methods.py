@@ -12,7 +12,7 @@ import sys
 import click
 
 from kandevd import exits
-from kandevd.cli.common import echo_json
+from kandevd.cli.common import echo_json, home_option
 from kandevd.cli.format import json_option
 from kandevd.control.openrpc import discover
 from kandevd.control.reference import build_registry, param_lines, param_summary
@@ -21,8 +21,11 @@ from kandevd.control.reference import build_registry, param_lines, param_summary
 @click.command("methods")
 @click.argument("name", required=False)
 @json_option
-def methods(name: str | None, as_json: bool) -> None:
-    """List every control method, or show one method's params.
+@home_option
+def methods(name: str | None, as_json: bool, home: str | None) -> None:
+    """List every control method, or show one method's params (no daemon needed).
+
+    --home is accepted as every command accepts it, and changes nothing.
 
     Without NAME: one line per method with its params (`?` marks optional ones).
     With NAME: its summary, result and each param's type, range and default.

@@ -11,9 +11,9 @@ from typing import Any
 
 import click
 
-from kandevd import jsonstrict
-from kandevd.cli.common import client_options, connect, echo_json, invoke
-from kandevd.cli.format import json_option, table
+from kandevd import exits, jsonstrict
+from kandevd.cli.common import client_options, connect, echo_json, error_line, invoke
+from kandevd.cli.format import json_option, print_file_from, table
 from kandevd.control.client import RpcCallError
 from kandevd.control.protocol import MAX_DEPTH, MAX_LINE_BYTES, depth_exceeds
 from kandevd.paths import HomeLayout, resolve_home
@@ -333,33 +333,33 @@ def retry(run_id: str, as_json: bool, home: str | None, socket_path: str | None)
                    "cancelled.")
 @client_options
 def logs(run_id: str, follow: bool, home: str | None, socket_path: str | None) -> None:
-    """Print a run's log, each attempt framed by separator lines."""
-    run = invoke(home, socket_path, "runs.get", {"id": run_id})
+    """Print a run's log, each attempt framed by separator lines.
+
+    A scheduled run (a session of a job) is not a queued run: `kandevd jobs logs
+    JOB [ENTRY_ID]` prints its turns (a session id works as ENTRY_ID).
+    """
+    with connect(home, socket_path) as client:
+        try:
+            run = client.call("runs.get", {"id": run_id})
+        except RpcCallError as exc:
+            if exc.kind == "not_found":
+                click.echo(f"kandevd: no run {run_id!r} (not_found). A scheduled job's "
+                           "session is shown by `kandevd jobs logs JOB [ENTRY_ID]`; its "
+                           "session id works as ENTRY_ID", err=True)
+            else:
+                click.echo(f"kandevd: {error_line(exc.error)}", err=True)
+            sys.exit(exits.ERROR)
     path = Path(run["log_path"]) if run.get("log_path") else \
         HomeLayout(resolve_home(home)).run_logs / f"{run_id}.log"
     offset = 0
     while True:
-        offset = _print_from(path, offset)
+        offset = print_file_from(path, offset)
         if not follow or run["status"] in ("finished", "failed", "cancelled"):
             if follow:
-                _print_from(path, offset)  # what the last attempt wrote as it ended
+                print_file_from(path, offset)  # what the last attempt wrote as it ended
             return
         time.sleep(FOLLOW_POLL_S)
         run = invoke(home, socket_path, "runs.get", {"id": run_id})
-
-
-def _print_from(path: Path, offset: int) -> int:
-    """Print ``path`` from byte ``offset``; the new offset (a missing file prints nothing)."""
-    try:
-        with open(path, "rb") as handle:
-            handle.seek(offset)
-            data = handle.read()
-    except FileNotFoundError:
-        return offset
-    if data:
-        sys.stdout.write(data.decode("utf-8", errors="replace"))
-        sys.stdout.flush()
-    return offset + len(data)
 
 
 @runs.command("explain")

@@ -36,10 +36,45 @@ def config_pairs(config: dict[str, Any]) -> list[tuple[str, Any]]:
     return pairs
 
 
+#: How a problem's ``kind`` is named when counted.
+PROBLEM_KINDS = {"workflow": "workflow", "product": "product", "users": "users.yaml",
+                 "state": "state file"}
+
+
 def print_problems(errors: list[dict[str, Any]]) -> None:
-    click.echo(f"{len(errors)} workflow problem(s)" + (":" if errors else ""))
+    """Problems counted by whose file they are in, then one line each."""
+    if not errors:
+        click.echo("0 problems")
+        return
+    counts: dict[str, int] = {}
+    for error in errors:
+        kind = PROBLEM_KINDS.get(str(error.get("kind")), "workflow")
+        counts[kind] = counts.get(kind, 0) + 1
+    click.echo(", ".join(f"{n} {kind} problem(s)" for kind, n in counts.items()) + ":")
     for error in errors:
         click.echo(f"  {one_line(error.get('path', ''))}: {one_line(error.get('message', ''))}")
+
+
+def scheduler_lines(state: dict[str, Any]) -> None:
+    """The scheduler lines of ``kandevd status``: pause, jobs by state, sessions, problems."""
+    if state.get("globally_paused"):
+        by = f" by {state['paused_by']}" if state.get("paused_by") else ""
+        since = f" since {state['paused_at']}" if state.get("paused_at") else ""
+        cron = f"PAUSED{by}{since}"
+    elif not state.get("execution_enabled", True):
+        cron = f"cron execution disabled ({state.get('disabled_reason') or 'no reason given'})"
+    else:
+        cron = "firing"
+    click.echo(f"scheduler {cron}")
+    states = state.get("states") or {}
+    shown = ", ".join(f"{n} {name}" for name, n in states.items()) or "none"
+    click.echo(f"jobs     {shown}")
+    running = state.get("running") or []
+    click.echo(f"sessions {len(running)} running" + (f": {', '.join(running)}" if running
+                                                       else ""))
+    errors = state.get("errors") or []
+    if errors:
+        click.echo(f"problems {len(errors)} (kandevd scheduler status lists them)")
 
 
 @scheduler.command("status")
@@ -59,8 +94,11 @@ def scheduler_status(as_json: bool, home: str | None, socket_path: str | None) -
     if state is None:
         fields([*pairs, ("cron loop", "not running in this daemon")])
         return
+    states = ", ".join(f"{n} {name}" for name, n in (state.get("states") or {}).items())
     fields([*pairs, ("root", state.get("root")), ("workflows", state.get("workflows")),
-            ("jobs", state.get("jobs")), ("running", state.get("running") or "none")])
+            ("jobs", state.get("jobs")), ("products", state.get("products")),
+            ("product jobs", state.get("product_jobs")), ("states", states or "none"),
+            ("running", state.get("running") or "none")])
     print_problems(state.get("errors") or [])
 
 
@@ -107,8 +145,9 @@ def scheduler_reload(as_json: bool, home: str | None, socket_path: str | None) -
         echo_json(result)
         return
     click.echo(f"reloaded: {result.get('workflows', 0)} workflow(s), "
-               f"{result.get('jobs', 0)} job(s)")
-    for key in ("added", "changed", "removed"):
+               f"{result.get('jobs', 0)} job(s), {result.get('products', 0)} product(s), "
+               f"{result.get('product_jobs', 0)} product job(s)")
+    for key in ("added", "changed", "removed", "invalid"):
         ids = result.get(key) or []
         click.echo(f"{key}: {', '.join(ids) if ids else 'none'}")
     print_problems(result.get("errors") or [])
@@ -133,12 +172,24 @@ def check_workflows(root: Path) -> bool:
         folders = 0
     problems += manifest.state_file_problems(root)
     products, product_problems = catalog.scan_products(root)
-    problems += product_problems + catalog.read_users(root)[1]
+    product_folders = catalog.product_folder_count(root)
+    user_problems = catalog.read_users(root)[1]
+    problems += product_problems + user_problems
     for problem in problems:
         click.echo(one_line(str(problem)), err=True)
     if problems:
-        click.echo(f"{len(problems)} problem(s) in {root}: "
-                   f"{folders - len(workflows)} of {folders} workflow(s) not loaded")
+        parts = []
+        if folders - len(workflows):
+            parts.append(f"{folders - len(workflows)} of {folders} workflow(s) not loaded")
+        if product_folders - len(products):
+            parts.append(f"{product_folders - len(products)} of {product_folders} product(s) "
+                         "not loaded")
+        if user_problems:
+            parts.append(f"{catalog.USERS_FILE} not usable (no product job runs)")
+        states = sum(1 for p in problems if p.kind == "state")
+        if states:
+            parts.append(f"{states} state file(s) the daemon would move aside")
+        click.echo(f"{len(problems)} problem(s) in {root}: {'; '.join(parts)}")
         return False
     schedules = sum(len(w.schedules) for w in workflows)
     product_schedules = sum(len(p.schedules) for p in products)

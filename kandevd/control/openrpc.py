@@ -139,7 +139,8 @@ RESULTS: dict[str, str] = {
     'scheduler.jobs.update':
         'JOB as updated',
     'scheduler.reload':
-        'what changed: workflows and jobs added, removed, changed, and the problems found',
+        ('what changed: the job ids added, changed, removed and invalid, the counts, and '
+         'every problem found'),
     'tasks.create':
         ('TASK {id, workspace_id, workflow_id, step_id, title, project_id, state, '
          'runner_agent_id, runner, created_at, updated_at}'),

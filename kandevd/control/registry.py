@@ -21,8 +21,8 @@ from typing import Any
 
 import jsonschema
 
-from kandevd.config import format_validation_error
 from kandevd.control.protocol import InvalidParams, MethodNotFound
+from kandevd.schemacheck import format_validation_error
 
 Handler = Callable[[dict[str, Any]], Any]
 

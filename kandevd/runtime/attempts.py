@@ -139,7 +139,7 @@ def write_outcome(directory: Path, result: ExecutionResult) -> bool:
         "outcome": result.outcome, "exit_code": result.exit_code, "summary": result.summary,
         "cost_cents": result.cost_cents, "error": result.error,
         "started_at": rfc3339(result.started_at), "ended_at": rfc3339(result.ended_at),
-        "log_path": str(result.log_path),
+        "log_path": str(result.log_path), "evaluation": result.evaluation,
     }
     try:
         ensure_dir(directory)
@@ -174,7 +174,9 @@ def read_outcome(directory: Path, key: str) -> ExecutionResult | None:
             summary=document.get("summary"),
             cost_cents=float(cost) if isinstance(cost, int | float) else None,
             error=document.get("error"), started_at=parse_rfc3339(document["started_at"]),
-            ended_at=parse_rfc3339(document["ended_at"]), log_path=Path(document["log_path"]))
+            ended_at=parse_rfc3339(document["ended_at"]), log_path=Path(document["log_path"]),
+            evaluation=evaluation if isinstance(evaluation := document.get("evaluation"), dict)
+            else None)
     except (KeyError, TypeError, ValueError) as exc:
         log.warning("outcome file %s is malformed (%s); ignored", path, exc)
         return None

@@ -94,7 +94,8 @@ class ExecutionSpec:
 
     @property
     def input_path(self) -> Path:
-        """``<log>.input.json``: the stdin object on disk, named by ``$KANDEVD_INPUT``."""
+        """``<log stem>.input.json`` beside the log (a turn's ``NN-<kind>.input.json``): the
+        stdin object on disk, named by ``$KANDEVD_INPUT``."""
         return self.log_path.with_name(self.log_path.stem + ".input.json")
 
 
@@ -115,6 +116,8 @@ class ExecutionResult:
     #: execution's record: the record folder already tells this outcome to a restart,
     #: so nobody needs to read both files back to learn that.
     journaled: bool = False
+    #: The agent's optional ``evaluation`` object (its last stdout line, contract 5).
+    evaluation: dict[str, Any] | None = None
 
     @property
     def succeeded(self) -> bool:

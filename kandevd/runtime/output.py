@@ -16,6 +16,7 @@ import logging
 import math
 import os
 from pathlib import Path
+from typing import Any, NamedTuple
 
 from kandevd.runtime import shim
 
@@ -26,30 +27,66 @@ _LOG_PREFIX = "[kandevd] "
 _COPY_CHUNK = 1024 * 1024
 
 
-def parse_summary_line(line: str | None) -> tuple[str | None, float | None]:
-    """``(summary, cost_cents)`` from the agent's last output line (contract 5)."""
+#: The largest ``evaluation`` object kept (as JSON); a larger one is dropped with a note.
+MAX_EVALUATION_BYTES = 64 * 1024
+
+
+class AgentReport(NamedTuple):
+    """What the agent's last stdout line reports (contract 5): all optional."""
+
+    summary: str | None = None
+    cost_cents: float | None = None
+    evaluation: dict[str, Any] | None = None
+
+
+NO_REPORT = AgentReport()
+
+
+def parse_report(line: str | None) -> AgentReport:
+    """The report in the agent's last output line; fields that are not well-typed are
+    left out (a negative or non-finite cost too: it would hide spend from budgets)."""
     if not line:
-        return None, None
+        return AgentReport()
     try:
         obj = json.loads(line)
     except ValueError:
-        return None, None
+        return AgentReport()
     if not isinstance(obj, dict):
-        return None, None
+        return AgentReport()
     summary = obj.get("summary")
     cost = obj.get("cost_cents")
-    summary_value = summary if isinstance(summary, str) else None
     cost_value: float | None = None
     if isinstance(cost, int | float) and not isinstance(cost, bool):
         cost_value = float(cost)
         if not math.isfinite(cost_value) or cost_value < 0:
-            cost_value = None  # a cost cannot be negative: it would hide spend from budgets
-    return summary_value, cost_value
+            cost_value = None
+    return AgentReport(summary if isinstance(summary, str) else None, cost_value,
+                       _evaluation(obj.get("evaluation")))
+
+
+def _evaluation(value: Any) -> dict[str, Any] | None:
+    if not isinstance(value, dict):
+        return None
+    try:
+        size = len(json.dumps(value, allow_nan=False).encode("utf-8"))
+    except ValueError:
+        return None
+    if size > MAX_EVALUATION_BYTES:
+        log.info("an agent's evaluation of %d bytes is over %d; not recorded", size,
+                 MAX_EVALUATION_BYTES)
+        return None
+    return value
+
+
+def parse_summary_line(line: str | None) -> tuple[str | None, float | None]:
+    """``(summary, cost_cents)`` from the agent's last output line (contract 5)."""
+    report = parse_report(line)
+    return report.summary, report.cost_cents
 
 
 def collect_stdout(stdout_path: Path, log_path: Path, state_path: Path | None = None,
-                   keep_as: Path | None = None) -> tuple[str | None, float | None]:
-    """``(summary, cost_cents)`` of an ended execution; its stdout file goes into the log.
+                   keep_as: Path | None = None) -> AgentReport:
+    """The agent's report of an ended execution; its stdout file goes into the log.
 
     The summary comes from the last non-empty line of ``stdout_path`` (the
     last MiB of it); then the file is appended to ``log_path`` and removed,
@@ -68,29 +105,29 @@ def collect_stdout(stdout_path: Path, log_path: Path, state_path: Path | None = 
         size = os.stat(stdout_path).st_size
     except OSError:  # merged already (or never written)
         if state is not None:
-            return state[0], state[1]
-        return None, None
+            return state[0]
+        return AgentReport()
     if state is not None:
-        summary, cost, merged_from = state
+        report, merged_from = state
     else:
-        summary, cost = parse_summary_line(shim.last_line(stdout_path))
+        report = parse_report(shim.last_line(stdout_path))
         merged_from = None
     if size:
         try:
-            _append_stdout(stdout_path, log_path, size, summary, cost, merged_from, state_path)
+            _append_stdout(stdout_path, log_path, size, report, merged_from, state_path)
         except OSError as exc:
             log.error("cannot append the agent's stdout %s to its log %s (%s); it is left "
                       "where it is", stdout_path, log_path, exc)
-            return summary, cost
+            return report
     if keep_as is not None:
         try:
             # Emptied first: a crash before the rename leaves an empty stdout file,
             # which a second call merges as nothing (the summary is in state_path).
             os.truncate(stdout_path, 0)
             os.rename(stdout_path, keep_as)
-            return summary, cost
+            return report
         except FileNotFoundError:
-            return summary, cost
+            return report
         except OSError as exc:
             log.debug("the agent's stdout file %s not kept as %s (%s); removed", stdout_path,
                       keep_as, exc)
@@ -100,12 +137,11 @@ def collect_stdout(stdout_path: Path, log_path: Path, state_path: Path | None = 
         pass
     except OSError as exc:
         log.warning("cannot remove the agent's stdout file %s (%s)", stdout_path, exc)
-    return summary, cost
+    return report
 
 
-def _append_stdout(stdout_path: Path, log_path: Path, size: int, summary: str | None,
-                   cost: float | None, merged_from: int | None,
-                   state_path: Path | None) -> None:
+def _append_stdout(stdout_path: Path, log_path: Path, size: int, report: AgentReport,
+                   merged_from: int | None, state_path: Path | None) -> None:
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
     try:
         log_size = os.fstat(fd).st_size
@@ -114,7 +150,8 @@ def _append_stdout(stdout_path: Path, log_path: Path, size: int, summary: str | 
                 return  # appended completely by an earlier run: only the unlink is left
             os.ftruncate(fd, merged_from)  # a partial copy: cut it off, append again
         elif state_path is not None:
-            document = {"summary": summary, "cost_cents": cost, "log_size": log_size}
+            document = {"summary": report.summary, "cost_cents": report.cost_cents,
+                        "evaluation": report.evaluation, "log_size": log_size}
             fd_state = os.open(state_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
                                0o600)
             with os.fdopen(fd_state, "w", encoding="utf-8") as handle:
@@ -128,8 +165,8 @@ def _append_stdout(stdout_path: Path, log_path: Path, size: int, summary: str | 
         os.close(fd)
 
 
-def _read_summary_state(path: Path) -> tuple[str | None, float | None, int] | None:
-    """``(summary, cost, log size before the merge)`` from ``summary.json``, or None."""
+def _read_summary_state(path: Path) -> tuple[AgentReport, int] | None:
+    """``(report, log size before the merge)`` from ``summary.json``, or None."""
     try:
         document = json.loads(Path(path).read_bytes())
         summary, cost, log_size = (document["summary"], document["cost_cents"],
@@ -142,8 +179,9 @@ def _read_summary_state(path: Path) -> tuple[str | None, float | None, int] | No
         return None
     if not isinstance(log_size, int) or isinstance(log_size, bool) or log_size < 0:
         return None
-    return summary, (float(cost) if cost is not None else None), log_size
-
+    report = AgentReport(summary, float(cost) if cost is not None else None,
+                         _evaluation(document.get("evaluation")))
+    return report, log_size
 
 
 class LogSink:

@@ -12,6 +12,7 @@ steps; nothing here raises for anything the child or the file system does.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -40,7 +41,7 @@ from kandevd.runtime.execution import (
     termination_error,
     termination_text,
 )
-from kandevd.runtime.output import LogSink, collect_stdout
+from kandevd.runtime.output import NO_REPORT, AgentReport, LogSink, collect_stdout
 from kandevd.runtime.records import ExecutionRecord, write_record
 from kandevd.runtime.termination import Waited, has_exited, open_pidfd, wait_for_shim
 from kandevd.timeutil import after, utc_now
@@ -86,12 +87,12 @@ class ProcessRunner:
         _reap_detached()
 
         def result(outcome: str, exit_code: int | None = None, error: str | None = None,
-                   summary: str | None = None, cost: float | None = None,
-                   journaled: bool = False) -> ExecutionResult:
+                   report: AgentReport = NO_REPORT, journaled: bool = False) -> ExecutionResult:
             return ExecutionResult(
-                key=spec.key, outcome=outcome, exit_code=exit_code, summary=summary,
-                cost_cents=cost, error=error, started_at=started_at, ended_at=utc_now(),
-                log_path=spec.log_path, journaled=journaled,
+                key=spec.key, outcome=outcome, exit_code=exit_code, summary=report.summary,
+                cost_cents=report.cost_cents, error=error, started_at=started_at,
+                ended_at=utc_now(), log_path=spec.log_path, journaled=journaled,
+                evaluation=report.evaluation,
             )
 
         try:
@@ -237,11 +238,11 @@ class ProcessRunner:
         exit_code = status if status is not None else shim.exit_code_from_status(shim_status)
 
         if spec.record_dir is not None:
-            summary, cost = collect_stdout(stdout_path, spec.log_path,
-                                           spec.record_dir / attempts.SUMMARY_FILE,
-                                           attempts.spent_stdout_path(spec.record_dir))
+            report = collect_stdout(stdout_path, spec.log_path,
+                                    spec.record_dir / attempts.SUMMARY_FILE,
+                                    attempts.spent_stdout_path(spec.record_dir))
         else:
-            summary, cost = collect_stdout(stdout_path, spec.log_path)
+            report = collect_stdout(stdout_path, spec.log_path)
         if waited.ended_by is not None:
             outcome, reason = waited.ended_by
             error: str | None = termination_error(outcome, reason, spec)
@@ -253,7 +254,7 @@ class ProcessRunner:
         # finished"); one line per run is enough at INFO when thousands run a minute.
         level = {SUCCEEDED: logging.DEBUG, FAILED: logging.INFO}.get(outcome, logging.WARNING)
         log.log(level, "execution %s ended: %s (exit %s)", spec.key, outcome, exit_code)
-        return result(outcome, exit_code=exit_code, error=error, summary=summary, cost=cost,
+        return result(outcome, exit_code=exit_code, error=error, report=report,
                       journaled=detachable and status is not None)
 
     def _write_record(self, spec: ExecutionSpec, pid: int, started_at: datetime,
@@ -290,11 +291,12 @@ class ProcessRunner:
         and shutdown requests on ``control`` act as for :meth:`run`.
         """
         def result(outcome: str, exit_code: int | None = None, error: str | None = None,
-                   summary: str | None = None, cost: float | None = None) -> ExecutionResult:
+                   report: AgentReport = NO_REPORT) -> ExecutionResult:
             return ExecutionResult(
-                key=spec.key, outcome=outcome, exit_code=exit_code, summary=summary,
-                cost_cents=cost, error=error, started_at=record.started_at,
+                key=spec.key, outcome=outcome, exit_code=exit_code, summary=report.summary,
+                cost_cents=report.cost_cents, error=error, started_at=record.started_at,
                 ended_at=max(utc_now(), record.started_at), log_path=record.log_path,
+                evaluation=report.evaluation,
             )
 
         pid = record.pid
@@ -343,19 +345,16 @@ class ProcessRunner:
             outcome, reason = waited.ended_by
             exit_code = status if status is not None else (
                 -signal.SIGKILL if waited.killed else None)
-            summary, cost = records.collect_output(record)
+            report = records.collect_output(record)
             log.warning("execution %s ended: %s (exit %s)", spec.key, outcome, exit_code)
-            return result(outcome, exit_code=exit_code, summary=summary, cost=cost,
+            return result(outcome, exit_code=exit_code, report=report,
                           error=termination_text(outcome, reason, record.timeout_s))
         if status is None:
             log.warning("execution %s: %s", spec.key, records.NO_EXIT_STATUS)
-            summary, cost = records.collect_output(record)  # its output belongs in the log
-            return result(ERROR, error=records.NO_EXIT_STATUS, summary=summary, cost=cost)
+            report = records.collect_output(record)  # its output belongs in the log
+            return result(ERROR, error=records.NO_EXIT_STATUS, report=report)
         ended = records.result_for_exit(record, status)
         log.info("execution %s ended: %s (exit %s)", spec.key, ended.outcome, status)
-        return ExecutionResult(
-            key=spec.key, outcome=ended.outcome, exit_code=ended.exit_code,
-            summary=ended.summary, cost_cents=ended.cost_cents, error=ended.error,
-            started_at=ended.started_at, ended_at=ended.ended_at, log_path=ended.log_path)
+        return dataclasses.replace(ended, key=spec.key)
 
     # -- waiting ----------------------------------------------------------------

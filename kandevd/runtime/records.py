@@ -37,7 +37,7 @@ from kandevd.runtime.execution import (
     ExecutionResult,
     describe_exit,
 )
-from kandevd.runtime.output import collect_stdout
+from kandevd.runtime.output import AgentReport, collect_stdout
 from kandevd.timeutil import parse_rfc3339, rfc3339
 
 log = logging.getLogger("kandevd.runtime.records")
@@ -261,7 +261,7 @@ def result_for_exit(record: ExecutionRecord, exit_code: int, record_dir: Path | 
     """
     directory = Path(record_dir) if record_dir is not None else record.record_dir
     log_file = Path(log_path) if log_path is not None else record.log_path
-    summary, cost = collect_output(record, directory, log_file)
+    report = collect_output(record, directory, log_file)
     try:
         ended_at = datetime.fromtimestamp(os.stat(directory / EXIT_FILE).st_mtime,
                                           record.started_at.tzinfo)
@@ -270,16 +270,18 @@ def result_for_exit(record: ExecutionRecord, exit_code: int, record_dir: Path | 
     ended_at = max(ended_at, record.started_at)
     outcome = SUCCEEDED if exit_code == 0 else FAILED
     return ExecutionResult(
-        key=record.key, outcome=outcome, exit_code=exit_code, summary=summary,
-        cost_cents=cost, error=None if exit_code == 0 else describe_exit(exit_code),
+        key=record.key, outcome=outcome, exit_code=exit_code, summary=report.summary,
+        cost_cents=report.cost_cents, error=None if exit_code == 0 else describe_exit(exit_code),
         started_at=record.started_at, ended_at=ended_at, log_path=log_file,
+        evaluation=report.evaluation,
     )
 
 
 
 def collect_output(record: ExecutionRecord, record_dir: Path | None = None,
-                   log_path: Path | None = None) -> tuple[str | None, float | None]:
-    """``(summary, cost_cents)`` of the ended execution of ``record``; stdout into the log.
+                   log_path: Path | None = None) -> AgentReport:
+    """The agent's report (summary, cost, evaluation) of the ended execution of
+    ``record``; its stdout goes into the log.
 
     The summary comes from the last line of the agent's stdout file, which is
     then appended to the log, emptied and moved out of the folder;

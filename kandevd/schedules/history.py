@@ -4,8 +4,13 @@ One entry per scheduled session (a cron fire or a manual trigger)::
 
     {id, schedule_id, run_folder, session_id, status, error, duration_ms, group_ids,
      started_at, completed_at, trigger_source: "cron"|"manual",
-     turns: [{kind, message, workshop_mode, status, duration_ms, log_path, cost_cents}],
-     cost_cents}
+     turns: [{index, kind, message, workshop_mode, status, started_at, duration_ms,
+              log_path, cost_cents, error, output?, evaluation?}],
+     cost_cents, first_message?}
+
+A turn's ``output`` and ``evaluation`` are what its agent reported (its summary
+line), so a run can be judged without its logs; a product run that resumed
+after a failed one says where with ``first_message``.
 
 ``status`` is ``running`` while the session runs, then ``success``, ``error`` or
 ``stopped``. Entries are written through :class:`kandevd.jsonfile.JsonFile`

@@ -20,6 +20,7 @@ from kandevd.timeutil import rfc3339
 
 if TYPE_CHECKING:
     from kandevd.schedules.source import JobSource, JobSpec
+    from kandevd.schedules.states import JobStatus
 
 
 class JobNotFound(LookupError):
@@ -58,6 +59,12 @@ class JobState:
     next_check: datetime | None = None
     #: The occurrence the last ``due()`` found (the fire's intended time).
     due_at: datetime | None = None
+    #: While the quiet rule holds a due occurrence back: when it fires at the latest.
+    held_until: datetime | None = None
+    #: Its file has a problem: the job is kept as it was last loaded, and does not fire.
+    invalid: str | None = None
+    #: A product job whose last run failed on a message: ``{index, message}`` to resume at.
+    resume: dict[str, Any] | None = None
 
     def record(self, entry: dict[str, Any]) -> None:
         """Fold a completed history entry into the state (the failure streak with it)."""
@@ -90,7 +97,16 @@ def seed_state(entries: list[dict[str, Any]]) -> JobState:
         if entry.get("status") != hist.ERROR:
             break
         state.consecutive_failures += 1
+    state.last_success_at = last_success(entries)
     return state
+
+
+def last_success(entries: list[dict[str, Any]]) -> str | None:
+    """When the newest successful entry (newest first) completed."""
+    for entry in entries:
+        if entry.get("status") == hist.SUCCESS:
+            return entry.get("completed_at") or entry.get("started_at")
+    return None
 
 
 @dataclass
@@ -117,13 +133,15 @@ class Job:
         return definition if self.state.enabled is None else self.state.enabled
 
 
-def job_dict(job: Job, *, running: bool, ineligible: str | None) -> dict[str, Any]:
-    """The contract's JOB: the definition, then the run-time state."""
+def job_dict(job: Job, status: JobStatus, *, running: bool, ineligible: str | None
+             ) -> dict[str, Any]:
+    """The contract's JOB: the definition, then the run-time state, then what the job's
+    source adds (a product job's ``held_until`` and ``last_activity_at``)."""
     state = job.state
     return {
         **job.spec.definition(), "enabled": job.enabled,
         "last_status": state.last_status, "last_run_at": state.last_run_at,
-        "next_run_at": rfc3339(state.next_fire) if state.next_fire else None,
+        "next_run_at": rfc3339(status.next_run_at) if status.next_run_at else None,
         "last_session_id": state.last_session_id, "last_error": state.last_error,
         "last_duration_ms": state.last_duration_ms, "run_count": state.run_count,
         "consecutive_failures": state.consecutive_failures, "running": running,
@@ -131,4 +149,6 @@ def job_dict(job: Job, *, running: bool, ineligible: str | None) -> dict[str, An
         "skipped_disabled": state.skipped_disabled,
         "missed_while_down": state.missed_while_down,
         "cron_eligible": ineligible is None, "cron_ineligible_reason": ineligible,
+        "state": status.state, "state_reason": status.reason,
+        **job.source.details(job),
     }

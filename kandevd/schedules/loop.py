@@ -23,11 +23,13 @@ import logging
 import threading
 from collections.abc import Callable
 from datetime import datetime
+from typing import Any
 
 from kandevd.lifecycle import Loop, StopSignal
-from kandevd.schedules.jobs import Job
+from kandevd.schedules.jobs import Job, job_dict
 from kandevd.schedules.registry import JobRegistry
 from kandevd.schedules.runner import AlreadyRunning, RunnerClosed, SessionRunner
+from kandevd.schedules.states import JobStatus, Surroundings, job_status
 from kandevd.timeutil import utc_now
 
 log = logging.getLogger("kandevd.scheduler")
@@ -92,6 +94,7 @@ class CronLoop(Loop):
             self._reload.clear()
             self.registry.rescan(now)
         due = self.registry.due(now)
+        self.registry.alive.touch(now)
         if due:
             paused = self.registry.pause.get()["globally_paused"]
             for job in due:
@@ -146,8 +149,9 @@ class CronLoop(Loop):
     def fire_buffered(self, job: Job) -> None:
         """The fire a ``buffer_one`` schedule kept, decided again now that it may start:
         a pause, a disabled schedule or a switch turned off since then still wins."""
-        if not job.enabled:
-            log.info("%s: buffered fire dropped: the schedule was disabled", job.key)
+        if not job.enabled or job.state.invalid is not None:
+            log.info("%s: buffered fire dropped: the schedule was %s", job.key,
+                     "disabled" if not job.enabled else "made invalid")
             return
         decision = self._decide(job, paused=self.registry.pause.get()["globally_paused"],
                                 running=False, buffered=False)
@@ -177,15 +181,44 @@ class CronLoop(Loop):
             why = self.registry.ineligible_reason(job, paused=False)
         log.info("%s: cron fire skipped: %s", job.key, why)
 
+    def surroundings(self) -> Surroundings:
+        """What a job's state depends on besides the job, read once for many jobs."""
+        return Surroundings(self.registry.switches, self.registry.pause.get(),
+                            self.runner.running_ids(), self.runner.buffered_ids())
+
+    def status_of(self, job: Job, around: Surroundings | None = None) -> JobStatus:
+        return job_status(job, around or self.surroundings())
+
+    def job_statuses(self) -> list[tuple[Job, JobStatus]]:
+        """Every job with its status (the metrics read them at each scrape)."""
+        around = self.surroundings()
+        return [(job, job_status(job, around)) for job in self.registry.jobs()]
+
+    def describe(self, job: Job, around: Surroundings | None = None) -> dict[str, Any]:
+        """The contract's JOB for ``job``, its ``state`` included."""
+        around = around or self.surroundings()
+        return job_dict(job, job_status(job, around), running=job.key in around.running,
+                        ineligible=self.registry.ineligible_reason(
+                            job, around.pause["globally_paused"]))
+
     def on_stopping(self) -> None:
         self.runner.close(self._stop_grace_s)
 
     def status(self) -> dict[str, object]:
-        """The ``scheduler`` member of ``daemon.status``."""
-        pause = self.registry.pause.get()
-        return {**self.registry.counts(), "running": sorted(self.runner.running_ids()),
+        """The ``scheduler`` member of ``daemon.status``: the pause (and by whom), the
+        switches, the jobs by state, the sessions in flight, the problems."""
+        around = self.surroundings()
+        pause = around.pause
+        states: dict[str, int] = {}
+        for job in self.registry.jobs():
+            state = job_status(job, around).state
+            states[state] = states.get(state, 0) + 1
+        return {**self.registry.counts(), "running": sorted(around.running),
                 "execution_enabled": self.registry.switches.execution_enabled,
+                "disabled_reason": self.registry.switches.disabled_reason,
                 "globally_paused": pause["globally_paused"],
+                "paused_by": pause.get("paused_by"), "paused_at": pause.get("paused_at"),
+                "states": dict(sorted(states.items())),
                 "root": str(self.registry.root), "errors": self.registry.problems()}
 
     def stats(self) -> dict[str, object]:

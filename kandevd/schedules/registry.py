@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kandevd.jsonfile import CorruptFile
+from kandevd.schedules.alive import AliveMark
 from kandevd.schedules.jobs import Job, JobNotFound
 from kandevd.schedules.settings import PauseState, Switches
 from kandevd.schedules.source import JobSource
@@ -37,6 +38,7 @@ class JobRegistry:
         self._lock = threading.RLock()
         self._corrupt_files: list[CorruptFile] = []
         self.pause = PauseState(root, on_corrupt=self.report_corrupt)
+        self.alive = AliveMark(root)
         self.sources = sources(self)
         self._jobs: dict[str, dict[str, Job]] = {name: {} for name in self.sources}
 
@@ -50,24 +52,43 @@ class JobRegistry:
 
     # -- loading --------------------------------------------------------------------
     def load_at_start(self, now: datetime) -> None:
-        """The first scan (histories a dead daemon left ``running`` are closed)."""
+        """The first scan (histories a dead daemon left ``running`` are closed; fires
+        missed since a daemon last ticked for this root are counted)."""
+        last_seen = self.alive.last_seen()
         for name, source in self.sources.items():
-            self._install(name, source.load(now, {}))
+            self._install(name, source.load(now, {}, last_seen=last_seen))
+        self.alive.touch(now)
         counts = self.counts()
         log.info("scheduler: %d workflow(s), %d job(s), %d product job(s) under %s",
                  counts.get("workflows", 0), counts.get("jobs", 0),
                  counts.get("product_jobs", 0), self.root)
 
     def rescan(self, now: datetime) -> dict[str, Any]:
-        """Reload every source; state carries over, changed timings get a new next fire."""
-        summary: dict[str, Any] = {}
+        """Reload every source; state carries over, changed timings get a new next fire.
+
+        Returns the counts, the job keys ``added``, ``changed`` (a new definition),
+        ``removed`` and ``invalid`` (kept from before, their file now has a problem),
+        and every problem as ``errors``.
+        """
+        changes: dict[str, list[str]] = {"added": [], "changed": [], "removed": [],
+                                         "invalid": []}
         for name, source in self.sources.items():
-            with self._lock:
-                old = dict(self._jobs[name])
-            jobs = source.load(None, old)
-            self._install(name, jobs)
-            summary.update(source.summary(old, self._jobs[name], now))
-        return {**summary, "errors": self.problems()}
+            old = self.of(name)
+            self._install(name, source.load(None, old))
+            new = self.of(name)
+            changes["added"] += sorted(set(new) - set(old))
+            changes["removed"] += sorted(set(old) - set(new))
+            changes["changed"] += sorted(key for key in set(new) & set(old)
+                                         if new[key].spec.schedule != old[key].spec.schedule)
+            changes["invalid"] += sorted(key for key, job in new.items()
+                                         if job.state.invalid is not None)
+        counts = self.counts()
+        problems = self.problems()
+        log.info("scheduler reloaded: %s (%d added, %d changed, %d removed, %d invalid), "
+                 "%d problem(s)", ", ".join(f"{n} {what}" for what, n in counts.items()),
+                 *(len(changes[k]) for k in ("added", "changed", "removed", "invalid")),
+                 len(problems))
+        return {**counts, **changes, "errors": problems}
 
     def replace(self, source: JobSource, jobs: list[Job]) -> None:
         """A source's jobs after it changed its own files."""
@@ -150,6 +171,8 @@ class JobRegistry:
     # -- eligibility ----------------------------------------------------------------
     def ineligible_reason(self, job: Job, paused: bool) -> str | None:
         """Why a cron fire of ``job`` would not run now (None: it would)."""
+        if job.state.invalid is not None:
+            return f"its file has a problem: {job.state.invalid}"
         if not job.enabled:
             return "schedule is disabled"
         if not self.switches.execution_enabled:

@@ -76,6 +76,10 @@ class SessionRunner:
         with self._lock:
             return frozenset(self._running)
 
+    def buffered_ids(self) -> frozenset[str]:
+        with self._lock:
+            return frozenset(self._buffered)
+
     def session_of(self, job_id: str) -> SessionPlan | None:
         with self._lock:
             flight = self._running.get(job_id)

@@ -201,6 +201,8 @@ class Session:
                                   "workshop_mode": turn.workshop_mode, "status": hist.RUNNING,
                                   "started_at": None, "duration_ms": None, "log_path": None,
                                   "cost_cents": 0, "error": None}
+        # Known before it starts, so ``jobs logs --follow`` can show a turn as it runs.
+        record["log_path"] = str(self.plan.program.log_path(self, index, turn.kind))
         self.entry["turns"].append(record)
         self._save()
         result = self._execute(turn, index, record)
@@ -209,6 +211,10 @@ class Session:
             record["duration_ms"] = int(result.duration_s * 1000)
             record["cost_cents"] = result.cost_cents or 0
             record["log_path"] = str(result.log_path)
+            # The agent's final word (its summary line): judged without opening the log.
+            record["output"] = result.summary
+            if result.evaluation is not None:
+                record["evaluation"] = result.evaluation
             if result.succeeded:
                 record["status"] = hist.SUCCESS
             elif result.outcome in ("stopped", "interrupted") and self.control.stop_requested:

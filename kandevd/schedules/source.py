@@ -47,14 +47,13 @@ class JobSource(Protocol):
     #: ``scheduler.jobs.update`` and ``delete`` may change its jobs' definitions.
     editable: bool
 
-    def load(self, now: datetime | None, old: dict[str, Job]) -> list[Job]:
-        """Every job of this kind, from the files; ``old`` jobs keep their state.
+    def load(self, now: datetime | None, old: dict[str, Job], *,
+             last_seen: datetime | None = None) -> list[Job]:
+        """Every job of this kind, from the files; ``old`` jobs keep their state, and
+        those whose file now has a problem are kept, ``state.invalid`` set.
 
-        ``now`` is given at start: the first load after the daemon was down."""
-
-    def summary(self, old: dict[str, Job], new: dict[str, Job], now: datetime
-                ) -> dict[str, Any]:
-        """What a reload changed (logged once, and answered by ``scheduler.reload``)."""
+        ``now`` is given at start: the first load after the daemon was down, which
+        ``last_seen`` (when a daemon last ticked for the root) tells since when."""
 
     def problems(self) -> list[dict[str, str]]:
         """What the last load could not use, as ``{path, message}``."""
@@ -96,3 +95,6 @@ class JobSource(Protocol):
 
     def change(self, job: Job, fields: dict[str, Any] | None, now: datetime) -> Job | None:
         """Change ``job``'s definition (None: delete it); the job as it is now."""
+
+    def details(self, job: Job) -> dict[str, Any]:
+        """JOB fields only this kind has (a product job's ``held_until``...)."""

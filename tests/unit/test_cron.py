@@ -540,13 +540,44 @@ def test_bad_fields_are_named(expr: str, message: str) -> None:
     assert str(caught.value) == f"cron_expression: {message}"
 
 
-@pytest.mark.parametrize("zone", ["Mars/Base", "Europe", "", "../etc/passwd", "/etc/localtime",
-                                  "europe/berlin", "x" * 300])
+@pytest.mark.parametrize("zone", ["Mars/Base", "", "../etc/passwd", "/etc/localtime",
+                                  "x" * 300])
 def test_unknown_time_zones_are_named(zone: str) -> None:
     with pytest.raises(CronError) as caught:
         parse_cron("* * * * *", zone)
     assert str(caught.value) == (f"timezone: unknown time zone {zone!r} (use an IANA name such "
                                  "as 'UTC' or 'Europe/Paris')")
+
+
+@pytest.mark.parametrize(("zone", "meant"), [
+    ("europe/berlin", "Europe/Berlin"), ("Europe/Pariss", "Europe/Paris"),
+    ("America/New_Yrok", "America/New_York"), ("utc", "UTC"),
+])
+def test_a_misspelt_time_zone_gets_a_suggestion(zone: str, meant: str) -> None:
+    with pytest.raises(CronError) as caught:
+        parse_cron("* * * * *", zone)
+    assert str(caught.value) == f"timezone: unknown time zone {zone!r}; did you mean {meant}?"
+
+
+@pytest.mark.parametrize(("macro", "same_as"), [
+    ("@yearly", "0 0 1 1 *"), ("@annually", "0 0 1 1 *"), ("@monthly", "0 0 1 * *"),
+    ("@weekly", "0 0 * * 0"), ("@daily", "0 0 * * *"), ("@midnight", "0 0 * * *"),
+    ("@hourly", "0 * * * *"), ("@DAILY", "0 0 * * *"),
+])
+def test_the_standard_macros_fire_as_their_expressions(macro: str, same_as: str) -> None:
+    start = datetime(2026, 3, 1, 12, 30, tzinfo=UTC)
+    assert next_fire_times(parse_cron(macro, "Europe/Paris"), start, 5) == \
+        next_fire_times(parse_cron(same_as, "Europe/Paris"), start, 5)
+    assert parse_cron(macro).expression == macro
+
+
+def test_reboot_and_unknown_macros_are_refused_with_a_reason() -> None:
+    with pytest.raises(CronError, match=r"^cron_expression: '@reboot' is not supported: a "
+                                        r"schedule fires at times"):
+        parse_cron("@reboot")
+    with pytest.raises(CronError, match=r"'@dayly' is not a known macro .*; did you mean "
+                                        r"@daily\?$"):
+        parse_cron("@dayly")
 
 
 def test_cron_error_is_a_value_error() -> None:

@@ -6,7 +6,6 @@ from typing import Any
 
 import jsonschema
 
-from kandevd.config import format_validation_error
 from kandevd.control.protocol import Conflict, InvalidParams, NotFound
 from kandevd.control.registry import Registry, object_schema, paging_properties
 from kandevd.control.services import Services
@@ -17,6 +16,7 @@ from kandevd.runs.model import (
     RunNotFound,
     RunReferenceError,
 )
+from kandevd.schemacheck import format_validation_error
 
 ID = {"type": "string", "minLength": 1, "maxLength": 200}
 

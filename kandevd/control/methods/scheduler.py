@@ -18,12 +18,12 @@ from kandevd.control.protocol import (
 )
 from kandevd.control.registry import Registry, object_schema, paging_properties
 from kandevd.control.services import Services
-from kandevd.cron import CronError, next_fire_times, parse_cron, parse_timezone
+from kandevd.cron import CronError, describe_times, next_fire_times, parse_cron, parse_timezone
 from kandevd.schedules import history as hist
-from kandevd.schedules import jobs as jobs_model
 from kandevd.schedules import runner as run
 from kandevd.schedules.jobs import AmbiguousJob, Job, JobNotFound, UserNeeded
 from kandevd.schedules.products.source import ProductSource
+from kandevd.schedules.states import STATES
 from kandevd.schedules.workflows.manifest import (
     ManifestError,
     ManifestUnusable,
@@ -86,13 +86,8 @@ def register(registry: Registry, services: Services) -> None:
                           "scheduler.jobs.disable)")
         return resolve(p["id"])
 
-    def paused() -> bool:
-        return jobs.pause.get()["globally_paused"]
-
-    def job_dict(job: Job, is_paused: bool | None = None) -> dict[str, Any]:
-        is_paused = paused() if is_paused is None else is_paused
-        return jobs_model.job_dict(job, running=runner.is_running(job.key),
-                                   ineligible=jobs.ineligible_reason(job, is_paused))
+    def job_dict(job: Job) -> dict[str, Any]:
+        return loop.describe(job)
 
     def changing(change: Callable[[], Job | None]) -> Job | None:
         """A change of a workflow's manifest, its errors in the API's words."""
@@ -126,8 +121,10 @@ def register(registry: Registry, services: Services) -> None:
                 chosen += [j for j in jobs.jobs(source=name, user_id=p.get("user_id")
                                                 if name == "products" else None)
                            if "enabled" not in p or j.enabled == p["enabled"]]
-        is_paused = paused()
-        return {"items": [job_dict(j, is_paused) for j in chosen[offset:offset + limit]],
+        around = loop.surroundings()
+        if "state" in p:
+            chosen = [j for j in chosen if loop.status_of(j, around).state == p["state"]]
+        return {"items": [loop.describe(j, around) for j in chosen[offset:offset + limit]],
                 "total": len(chosen), "limit": limit, "offset": offset}
 
     def get(p: dict[str, Any]) -> dict[str, Any]:
@@ -156,9 +153,7 @@ def register(registry: Registry, services: Services) -> None:
             except CronError as exc:
                 raise InvalidParams(f"params.schedule.{exc}") from None
             times = next_fire_times(trigger, after, p.get("count", 5))
-        zone = parse_timezone(zone_name)
-        return {"times": [{"utc": rfc3339(t), "local": t.astimezone(zone).isoformat()}
-                          for t in times],
+        return {"times": describe_times(times, parse_timezone(zone_name)),
                 "timezone": zone_name, "cron_expression": expression}
 
     # -- changing the manifest ------------------------------------------------------
@@ -205,13 +200,19 @@ def register(registry: Registry, services: Services) -> None:
             raise InvalidParams(f"params.user_id: {str(exc).replace('workflow name', 'user id')}"
                                 ) from None
         at = _time_param(p, "at") or utc_now()
-        products.record_activity(p["user_id"], p["profile"], at)
+        try:
+            products.record_activity(p["user_id"], p["profile"], at)
+        except JobNotFound as exc:
+            raise NotFound(str(exc)) from None
         loop.wake()
         return {"user_id": p["user_id"], "profile": p["profile"], "at": rfc3339(at)}
 
     # -- sessions -------------------------------------------------------------------
     def trigger(p: dict[str, Any]) -> dict[str, Any]:
         job = resolve(p["id"], p.get("user_id"))
+        if job.state.invalid is not None:
+            raise Conflict(f"{job.id} cannot run while its file has a problem: "
+                           f"{job.state.invalid}")
         try:
             plan = runner.start(job, "manual")
         except run.AlreadyRunning as exc:
@@ -243,14 +244,14 @@ def register(registry: Registry, services: Services) -> None:
          "paused_by": {"type": ["string", "null"], "maxLength": 200}}, ("globally_paused",)))
     registry.add("scheduler.jobs.list", list_, object_schema({
         "entity_type": {"enum": ["workflow", "product"]}, "enabled": {"type": "boolean"},
-        "user_id": USER, **paging_properties()}))
+        "state": {"enum": list(STATES)}, "user_id": USER, **paging_properties()}))
     registry.add("scheduler.jobs.get", get, JOB_REF)
     registry.add("scheduler.jobs.create", create, object_schema({
         "workflow": WORKFLOW_NAME,
         "schedule": {**schedule_object, "required": ["id", "cron_expression"]}},
         ("workflow", "schedule")))
     registry.add("scheduler.jobs.update", update, object_schema(
-        {"id": ID, "schedule": schedule_object}, ("id", "schedule")))
+        {"id": ID, "user_id": USER, "schedule": schedule_object}, ("id", "schedule")))
     registry.add("scheduler.jobs.delete", delete, JOB_REF)
     registry.add("scheduler.jobs.enable", enable, JOB_REF)
     registry.add("scheduler.jobs.disable", disable, JOB_REF)
@@ -259,7 +260,7 @@ def register(registry: Registry, services: Services) -> None:
     registry.add("scheduler.jobs.runs", runs, object_schema(
         {"id": ID, "user_id": USER, **paging_properties()}, ("id",)))
     registry.add("scheduler.jobs.next", next_, object_schema({
-        "id": ID,
+        "id": ID, "user_id": USER,
         "schedule": {"type": "object", "additionalProperties": False,
                      "required": ["cron_expression"],
                      "properties": {"cron_expression": SCHEDULE_FIELDS["cron_expression"],

@@ -4,12 +4,14 @@ A product (an agent with its own chat surface) declares recurring jobs under
 ``profile.schedules``; its profile id is ``profile.id``, else the folder name.
 A profile with schedules must talk in one conversation per user
 (``profile.runtime.conversation.mode: singleton``). ``users.yaml``, when present,
-is the user directory ``[{id, enabled, role?: admin|member, products: [..] | "*"}]``;
-when it is absent there is one local user, ``local``, who has every product.
+is the user directory ``[{id, enabled, role?: admin|member, products?: [..] | "*"}]``
+(without ``products`` a user has every product); when it is absent there is one
+local user, ``local``, who has every product.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from functools import cache
@@ -19,10 +21,10 @@ from typing import Any
 
 import jsonschema
 
-from kandevd.config import format_validation_error
 from kandevd.schedules.products import schedule as product_schedule
 from kandevd.schedules.products.schedule import ProductSchedule
 from kandevd.schedules.workflows.manifest import ManifestError, Problem, check_workflow_name
+from kandevd.schemacheck import validation_problems
 from kandevd.yamlsafe import YamlError
 from kandevd.yamlsafe import load_file as load_yaml
 
@@ -82,10 +84,9 @@ def load_product(folder: Path) -> tuple[Product | None, list[Problem]]:
         document = _json_safe(load_yaml(path))
     except (YamlError, ValueError) as exc:
         return None, [Problem(str(path), str(exc))]
-    errors = sorted(_validator().iter_errors(document), key=lambda e: list(e.absolute_path))
-    if errors:
-        return None, [Problem(str(path), format_validation_error(e, noun="field"))
-                      for e in errors]
+    found = validation_problems(_validator(), document, noun="field")
+    if found:
+        return None, [Problem(str(path), message) for message in found]
     profile = document.get("profile") or {}
     profile_id = profile.get("id") or folder.name
     problems = []
@@ -119,7 +120,21 @@ def load_product(folder: Path) -> tuple[Product | None, list[Problem]]:
     return Product(profile_id, folder, agent, tuple(schedules)), []
 
 
+def product_folder_count(root: Path) -> int:
+    """How many product folders the root has (0 when ``products/`` cannot be read)."""
+    try:
+        return sum(1 for p in (root / PRODUCTS_DIR).iterdir() if p.is_dir())
+    except OSError:
+        return 0
+
+
 def scan_products(root: Path) -> tuple[list[Product], list[Problem]]:
+    """Every product folder's product.yaml; the problems are labelled ``product``."""
+    products, problems = _scan_products(root)
+    return products, [dataclasses.replace(p, kind="product") for p in problems]
+
+
+def _scan_products(root: Path) -> tuple[list[Product], list[Problem]]:
     base = root / PRODUCTS_DIR
     try:
         folders = sorted((p for p in base.iterdir() if p.is_dir()), key=lambda p: p.name)
@@ -146,7 +161,13 @@ def scan_products(root: Path) -> tuple[list[Product], list[Problem]]:
 
 
 def read_users(root: Path) -> tuple[list[User] | None, list[Problem]]:
-    """The user directory; ``[LOCAL]`` when there is none, None when it is unusable."""
+    """The user directory; ``[LOCAL]`` when there is none, None when it is unusable
+    (every problem at once, labelled ``users``)."""
+    users, problems = _read_users(root)
+    return users, [dataclasses.replace(p, kind="users") for p in problems]
+
+
+def _read_users(root: Path) -> tuple[list[User] | None, list[Problem]]:
     path = root / USERS_FILE
     if not path.exists():
         return [LOCAL], []
@@ -160,33 +181,40 @@ def read_users(root: Path) -> tuple[list[User] | None, list[Problem]]:
     problems: list[str] = []
     seen: set[str] = set()
     for index, raw in enumerate(document):
-        where = f"[{index}]"
-        if not isinstance(raw, dict) or not isinstance(raw.get("id"), str):
-            problems.append(f"{where}: a user is an object with a string id")
+        user, found = _user(raw, f"[{index}]")
+        problems += found
+        if user is None:
             continue
-        try:
-            check_workflow_name(raw["id"])
-        except ManifestError as exc:
-            problems.append(f"{where}.id: {str(exc).replace('workflow name', 'user id')}")
+        if user.id in seen:
+            problems.append(f"[{index}].id: {user.id!r} is listed twice")
             continue
-        products = raw.get("products", [])
-        if not (products == "*" or (isinstance(products, list)
-                                    and all(isinstance(p, str) for p in products))):
-            problems.append(f"{where}.products: a list of profile ids or \"*\"")
-            continue
-        role = raw.get("role", "member")
-        if role not in ("admin", "member"):
-            problems.append(f"{where}.role: {role!r} is not one of admin, member")
-            continue
-        if not isinstance(raw.get("enabled", True), bool):
-            problems.append(f"{where}.enabled: must be true or false")
-            continue
-        if raw["id"] in seen:
-            problems.append(f"{where}.id: {raw['id']!r} is listed twice")
-            continue
-        seen.add(raw["id"])
-        users.append(User(raw["id"], raw.get("enabled", True), role,
-                          products if products == "*" else tuple(products)))
+        seen.add(user.id)
+        users.append(user)
     if problems:
         return None, [Problem(str(path), p) for p in problems]
     return users, []
+
+
+def _user(raw: Any, where: str) -> tuple[User | None, list[str]]:
+    """One directory entry and every problem it has. A member without ``products`` is
+    unrestricted (every product), as an admin is; ``products: []`` means none."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("id"), str):
+        return None, [f"{where}: a user is an object with a string id"]
+    problems = []
+    try:
+        check_workflow_name(raw["id"])
+    except ManifestError as exc:
+        problems.append(f"{where}.id: {str(exc).replace('workflow name', 'user id')}")
+    products = raw.get("products", "*")
+    if not (products == "*" or (isinstance(products, list)
+                                and all(isinstance(p, str) for p in products))):
+        problems.append(f"{where}.products: a list of profile ids or \"*\"")
+    role = raw.get("role", "member")
+    if role not in ("admin", "member"):
+        problems.append(f"{where}.role: {role!r} is not one of admin, member")
+    if not isinstance(raw.get("enabled", True), bool):
+        problems.append(f"{where}.enabled: must be true or false")
+    if problems:
+        return None, problems
+    return User(raw["id"], raw.get("enabled", True), role,
+                products if products == "*" else tuple(products)), []

@@ -24,8 +24,8 @@ from typing import Any
 
 import jsonschema
 
-from kandevd.config import format_validation_error
 from kandevd.cron import CronError, CronSchedule, parse_cron, parse_timezone
+from kandevd.schemacheck import validation_problems
 
 SUCCESS = "success"
 ERROR = "error"
@@ -132,20 +132,10 @@ def _trigger(cron_expression: str, timezone: str) -> CronSchedule:
     return parse_cron(cron_expression, timezone)
 
 
-def _schema_message(error: jsonschema.ValidationError) -> str:
-    if error.validator == "required" and isinstance(error.instance, Mapping):
-        for name in error.validator_value:
-            if name not in error.instance and error.message.startswith(repr(name)):
-                where = ".".join([*(str(p) for p in error.absolute_path), name])
-                return f"{where}: required field missing"
-    return format_validation_error(error, noun="field")
-
-
 def validate(raw: Any) -> list[str]:
     """Every problem of one schedule definition at once, each ``field: message``;
     empty when :func:`parse` accepts it."""
-    errors = sorted(_validator().iter_errors(raw), key=lambda e: list(map(str, e.absolute_path)))
-    problems = [_schema_message(e) for e in errors]
+    problems = validation_problems(_validator(), raw, noun="field")
     if not isinstance(raw, Mapping):
         return problems
     for name in _OPTIONAL_NUMBERS:

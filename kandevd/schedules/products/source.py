@@ -16,18 +16,17 @@ import logging
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kandevd.cron import next_fire_times
 from kandevd.jsonfile import CorruptFile
 from kandevd.schedules import history as hist
-from kandevd.schedules.jobs import Job, JobNotFound, JobState, UserNeeded
-from kandevd.schedules.products import catalog
+from kandevd.schedules.jobs import Job, JobNotFound, UserNeeded, last_success
+from kandevd.schedules.products import catalog, timing
 from kandevd.schedules.products.catalog import Product, User
-from kandevd.schedules.products.program import ProductProgram
-from kandevd.schedules.products.schedule import ProductSchedule, ScheduleState, decide
+from kandevd.schedules.products.program import ProductProgram, failed_message, resume_index
+from kandevd.schedules.products.schedule import ProductSchedule
 from kandevd.schedules.products.state import (
     UserState,
     conversation_session,
@@ -39,7 +38,7 @@ from kandevd.schedules.products.state import (
 from kandevd.schedules.session import SessionPlan
 from kandevd.schedules.settings import Switches
 from kandevd.schedules.workflows.manifest import Problem
-from kandevd.timeutil import rfc3339
+from kandevd.timeutil import rfc3339, utc_now
 
 if TYPE_CHECKING:
     from kandevd.schedules.registry import JobRegistry
@@ -92,12 +91,6 @@ class ProductSpec:
         return switches.user_verdict(self.user.id)
 
 
-def _for_decide(state: JobState) -> ScheduleState:
-    return ScheduleState(next_run_at=state.next_fire, last_run_at=stored_time(state.last_run_at),
-                         last_status=state.last_status,
-                         consecutive_failures=state.consecutive_failures)
-
-
 class ProductSource:
     """Every product job of the root."""
 
@@ -116,18 +109,23 @@ class ProductSource:
         self._directory = False
         self._activity: dict[tuple[str, str], datetime] = {}
         self._products = 0
+        self._profiles: set[str] = set()
+        self._users: set[str] = set()
         self._problems: list[Problem] = []
 
     # -- loading --------------------------------------------------------------------
-    def load(self, now: datetime | None, old: dict[str, Job]) -> list[Job]:
+    def load(self, now: datetime | None, old: dict[str, Job], *,
+             last_seen: datetime | None = None) -> list[Job]:
         """(Re)read product.yaml files, users.yaml and the users' state files.
 
-        ``now`` is given at start: a cron occurrence that passed while the daemon was
-        down is not replayed (as for workflow schedules); the next one counts.
+        ``now`` is given at start: a pending cron occurrence whose time fell while no
+        daemon ran (after ``last_seen``) is not replayed, as for workflow schedules;
+        one a running daemon had already seen (held by the quiet rule) is kept. The
+        jobs of a product whose file, or of a directory that, has a problem are kept
+        from before, ``invalid``.
         """
         products, problems = catalog.scan_products(self.root)
         users, user_problems = catalog.read_users(self.root)
-        problems += user_problems
         jobs: list[Job] = []
         activity: dict[tuple[str, str], datetime] = {}
         for user in users or []:
@@ -143,55 +141,95 @@ class ProductSource:
             for product in mine:
                 for schedule in product.schedules:
                     jobs.append(self._job(old, ProductSpec(product, schedule, user),
-                                          stored["schedules"], now))
+                                          stored["schedules"], now, last_seen))
+        loaded = {job.key for job in jobs}
+        jobs += self._kept_invalid(old, loaded, problems, user_problems)
         with self._lock:
             self._directory = (self.root / catalog.USERS_FILE).exists()
             self._activity = activity
             self._products = len(products)
-            self._problems = problems
-        for problem in problems:
+            self._profiles = {product.profile_id for product in products}
+            self._users = {user.id for user in users or []}
+            self._problems = problems + user_problems
+        for problem in problems + user_problems:
             log.error("product schedules not loaded: %s", problem)
         return jobs
 
     def _job(self, old: dict[str, Job], spec: ProductSpec, stored: dict[str, Any],
-             now: datetime | None) -> Job:
+             now: datetime | None, last_seen: datetime | None) -> Job:
         job = Job(spec.id, spec, self)
         previous = old.get(spec.key)
         if previous is not None:
             job.state = previous.state
+            job.state.invalid = None
             if previous.spec.schedule != spec.schedule:  # new timing: decide afresh
                 job.state.next_fire = None
                 job.state.next_check = None
+                job.state.held_until = None
             return job
         job.state = state_from_file(stored.get(spec.state_key))
+        job.state.last_success_at = last_success(
+            [e for e in self.history(job).entries()
+             if isinstance(e, dict) and e.get("schedule_id") == spec.schedule.id])
         missed = job.state.next_fire
         if now is not None and spec.schedule.cron_expression is not None \
-                and missed is not None and missed <= now:
+                and missed is not None and missed <= now \
+                and (last_seen is None or missed > last_seen):
             log.info("%s: occurrence of %s missed while the daemon was down; not "
                      "replayed", job.key, rfc3339(missed))
             job.state.next_fire = None
+            job.state.missed_while_down += 1
         return job
 
-    def summary(self, old: dict[str, Job], new: dict[str, Job], now: datetime
-                ) -> dict[str, Any]:
-        return {"products": self._products, "product_jobs": len(new)}
+    def _kept_invalid(self, old: dict[str, Job], loaded: set[str], problems: list[Problem],
+                      user_problems: list[Problem]) -> list[Job]:
+        """Earlier jobs whose product.yaml (or the directory) now has a problem."""
+        kept = []
+        for key, job in old.items():
+            if key in loaded:
+                continue
+            path = job.spec.product.folder / catalog.PRODUCT_FILE
+            found = [p.message for p in problems if Path(p.path) == path] or \
+                [f"{catalog.USERS_FILE}: {p.message}" for p in user_problems]
+            if not found:
+                continue  # removed from the product, or the user lost it: gone
+            job.state.invalid = "; ".join(found)
+            job.state.next_fire = None
+            job.state.held_until = None
+            kept.append(job)
+        return kept
+
+    def details(self, job: Job) -> dict[str, Any]:
+        with self._lock:
+            active = self._activity.get((job.spec.user.id, job.spec.product.profile_id))
+        held = job.state.held_until
+        return {"held_until": rfc3339(held) if held else None,
+                "last_activity_at": rfc3339(active) if active else None}
 
     def problems(self) -> list[dict[str, str]]:
         with self._lock:
             return [problem.as_dict() for problem in self._problems]
 
     def counts(self, jobs: dict[str, Job]) -> dict[str, int]:
-        return {"product_jobs": len(jobs)}
+        with self._lock:
+            return {"products": self._products, "product_jobs": len(jobs)}
 
     def find(self, jobs: dict[str, Job], job_id: str, user_id: str | None) -> Job:
         """The job ``job_id`` of ``user_id`` (of the one local user without a directory)."""
         given = user_id
+        users = sorted(job.spec.user.id for job in jobs.values() if job.id == job_id)
         if user_id is None:
             if self._directory:
-                raise UserNeeded(f"job {job_id!r} exists once per user: give user_id")
+                if not users:
+                    raise JobNotFound(f"no job {job_id!r} (no user has it)")
+                raise UserNeeded(f"job {job_id!r} exists once per user: give user_id "
+                                 f"(users with this job: {', '.join(users)})")
             user_id = catalog.LOCAL_USER
         job = jobs.get(f"{job_id}@{user_id}")
         if job is None:
+            if given and users:
+                raise JobNotFound(f"no job {job_id!r} for user {given!r} (users with this "
+                                  f"job: {', '.join(users)})")
             who = f" for user {given!r}" if given else ""
             raise JobNotFound(f"no job {job_id!r}{who}")
         return job
@@ -208,66 +246,34 @@ class ProductSource:
         with self._lock:
             for job in jobs:
                 state = job.state
-                if not job.enabled or (state.next_check is not None and state.next_check > now):
+                if not job.enabled or state.invalid is not None or \
+                        (state.next_check is not None and state.next_check > now):
                     continue
-                try:
-                    decision = decide(job.spec.schedule, _for_decide(state), now,
-                                      self._activity.get((job.spec.user.id,
-                                                          job.spec.product.profile_id)))
-                except (ValueError, OverflowError) as exc:  # one job never stalls the tick
-                    log.error("%s: cannot decide when it is due (%s); asked again in an hour",
-                              job.key, exc)
-                    state.next_check = now + timedelta(hours=1)
+                active = self._last_active(job)
+                decision = timing.decision_for(job, now, active)
+                if decision is None:
                     continue
-                if decision.due:
-                    # A product occurrence is known by its minute: ``decide`` says "due now".
-                    state.due_at = now.replace(second=0, microsecond=0)
-                    fired.append(job)
-                    continue
-                state.next_check = decision.next_at
-                if state.next_fire is None and decision.reason != "quiet":
-                    state.next_fire = decision.next_at
+                if timing.apply(job, decision, now, active):
                     to_save.append(job)
+                if decision.due:
+                    fired.append(job)
         self.save(to_save)
         return sorted(fired, key=lambda j: j.key)
 
+    def _last_active(self, job: Job) -> datetime | None:
+        return self._activity.get((job.spec.user.id, job.spec.product.profile_id))
+
     def next_wake(self, jobs: list[Job], now: datetime) -> datetime | None:
-        """When :meth:`due` has something to do next (``now`` when a job is unchecked)."""
-        times = []
-        for job in jobs:
-            if not job.enabled:
-                continue
-            if job.state.next_check is None:
-                return now
-            times.append(job.state.next_check)
-        return min(times) if times else None
+        return timing.next_wake(jobs, now)
 
     def next_times(self, job: Job, after: datetime, count: int) -> list[datetime]:
-        """The next slots: the cron times, or a cadence's as if each ran on time."""
-        schedule = job.spec.schedule
-        if schedule.trigger is not None:
-            return next_fire_times(schedule.trigger, after, count)
-        state = _for_decide(job.state)
-        times: list[datetime] = []
-        moment = after
-        for _ in range(4 * count + 8):  # bounded, whatever the cadence
-            if len(times) >= count:
-                break
-            try:
-                decision = decide(schedule, state, moment)
-            except (ValueError, OverflowError):
-                break
-            if decision.next_at > after or (decision.due and decision.next_at >= after):
-                times.append(decision.next_at)
-            state = ScheduleState(last_run_at=max(decision.next_at, moment),
-                                  last_status="success")
-            moment = max(decision.next_at, moment)
-        return times
+        return timing.next_times(job, after, count)
 
     # -- sessions -------------------------------------------------------------------
     def plan(self, job: Job, trigger_source: str) -> tuple[SessionPlan, hist.History]:
         spec = job.spec
-        program = ProductProgram(self.root, spec.product, spec.schedule, spec.user.id)
+        program = ProductProgram(self.root, spec.product, spec.schedule, spec.user.id,
+                                 first_message=resume_index(spec.schedule, job.state.resume))
         session_id = conversation_session(self.root, spec.user.id, spec.product.profile_id,
                                           on_corrupt=self._on_corrupt)
         return SessionPlan(job.key, program, trigger_source, session_id=session_id), \
@@ -283,25 +289,29 @@ class ProductSource:
         with self._lock:
             job.state.last_run_at = rfc3339(now)
             job.state.next_fire = None
+            job.state.held_until = None
             job.state.next_check = datetime.max.replace(tzinfo=now.tzinfo)  # until recorded
         self.save([job])
 
     def finished(self, job: Job, entry: dict[str, Any]) -> None:
-        """Fold a finished run into the job's bookkeeping and the user's state file."""
+        """Fold a finished run into the job's bookkeeping and the user's state file; the
+        following occurrence is decided at once (``next_run_at`` is right at the end)."""
         with self._lock:
             job.state.record(entry)
+            job.state.resume = failed_message(entry, job.spec.schedule)
             job.state.next_fire = None
-            job.state.next_check = None  # decide computes the following occurrence
+            job.state.next_check = None
+            now = utc_now()
+            decision = timing.decision_for(job, now, self._last_active(job))
+            if decision is not None and not decision.due:
+                timing.apply(job, decision, now, self._last_active(job))
         self.save([job])
 
     def skipped(self, job: Job, now: datetime) -> None:
         """A due occurrence that did not run is not kept for later; the following one is
         computed as if a run started now."""
         with self._lock:
-            decision = decide(job.spec.schedule, ScheduleState(
-                last_run_at=now, last_status=hist.SUCCESS), now)
-            job.state.next_fire = decision.next_at if not decision.due else None
-            job.state.next_check = job.state.next_fire
+            timing.after_skip(job, now)
         self.save([job])
 
     # -- a user's override and activity ---------------------------------------------
@@ -310,6 +320,7 @@ class ProductSource:
         with self._lock:
             job.state.enabled = enabled
             job.state.next_check = None
+            job.state.held_until = None
             passed = job.state.next_fire
             if enabled and passed is not None and passed <= now:
                 job.state.next_fire = None  # what passed while off is not kept for later
@@ -320,7 +331,14 @@ class ProductSource:
         raise ReadOnlyJob(f"{job.id} is declared by its product's product.yaml")
 
     def record_activity(self, user_id: str, profile_id: str, at: datetime) -> None:
+        """A user's last activity with a product (the quiet rule); JobNotFound for a
+        product or a user the root does not have (nothing is stored then)."""
         with self._lock:
+            if profile_id not in self._profiles:
+                known = ", ".join(sorted(self._profiles)) or "none"
+                raise JobNotFound(f"no product {profile_id!r} (products: {known})")
+            if user_id not in self._users:
+                raise JobNotFound(f"no user {user_id!r} in {catalog.USERS_FILE}")
             self._activity[(user_id, profile_id)] = at
             for job in self.registry.of("products").values():
                 if job.spec.user.id == user_id and job.spec.product.profile_id == profile_id:

@@ -5,7 +5,7 @@
     _users/<id>/chat_history/product-schedules.json
         {"schedules": {"<profile>:<schedule>": {enabled?, last_run_at, last_status,
                        last_error, last_session_id, run_count, consecutive_failures,
-                       next_run_at}},
+                       next_run_at, resume_at_message?: {index, message}}},
          "activity": {"<profile>": "<last activity, RFC 3339>"}}
     _users/<id>/Chats/<profile>/schedule-runs.json     history, newest 200 entries
     _users/<id>/Chats/<profile>/conversation.json      {session_id, created_at}
@@ -139,6 +139,8 @@ def state_from_file(stored: Any) -> JobState:
         if isinstance(stored.get(name), int) and not isinstance(stored.get(name), bool):
             setattr(state, name, max(0, stored[name]))
     state.next_fire = stored_time(stored.get("next_run_at"))
+    if isinstance(stored.get("resume_at_message"), dict):
+        state.resume = stored["resume_at_message"]
     return state
 
 
@@ -151,5 +153,7 @@ def state_to_file(state: JobState) -> dict[str, Any]:
     }
     if state.enabled is not None:
         stored["enabled"] = state.enabled
+    if state.resume is not None:
+        stored["resume_at_message"] = state.resume
     return stored
 

@@ -13,6 +13,7 @@ over a file that does not parse.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Callable, Iterable, Mapping
@@ -24,9 +25,10 @@ from typing import Any
 
 import jsonschema
 
-from kandevd.config import format_validation_error
 from kandevd.cron import CronError, CronSchedule, parse_cron, parse_timezone
 from kandevd.jsonfile import JsonFile, JsonFileError
+from kandevd.schemacheck import validation_problems
+from kandevd.suggest import did_you_mean
 
 WORKFLOW_DIR = "Workflow"
 MANIFEST = "workflow.json"
@@ -48,12 +50,14 @@ class Problem:
 
     path: str
     message: str
+    #: Whose file: ``workflow``, ``product``, ``users`` (users.yaml) or ``state``.
+    kind: str = "workflow"
 
     def __str__(self) -> str:
         return f"{self.path}: {self.message}"
 
     def as_dict(self) -> dict[str, str]:
-        return {"path": self.path, "message": self.message}
+        return {"path": self.path, "message": self.message, "kind": self.kind}
 
 
 class ManifestError(ValueError):
@@ -128,8 +132,7 @@ def _trigger(cron_expression: str, timezone: str) -> CronSchedule:
 
 
 def _schema_problems(name: str, document: Any, prefix: str = "") -> list[str]:
-    errors = sorted(_validator(name).iter_errors(document), key=lambda e: list(e.absolute_path))
-    return [format_validation_error(e, prefix=prefix, noun="field") for e in errors]
+    return validation_problems(_validator(name), document, prefix, noun="field")
 
 
 # -- names ----------------------------------------------------------------------------
@@ -157,42 +160,27 @@ def manifest_file(folder: Path) -> JsonFile:
 
 # -- schedules ------------------------------------------------------------------------
 
-def parse_schedule(raw: Any, groups: Mapping[str, bool], *, index: int | None = None
+def parse_schedule(raw: Any, groups: Mapping[str, bool] | None, *, index: int | None = None
                    ) -> Schedule:
-    """Validate and normalize one schedule; ManifestError lists every problem at once."""
+    """Validate and normalize one schedule; ManifestError lists every problem at once.
+
+    ``groups`` None: the workflow's groups are unknown (variables.json has a
+    problem of its own), so ``group_ids`` is not checked against them.
+    """
     where = f"schedules[{index}]" if index is not None else "schedule"
     if isinstance(raw, Mapping) and isinstance(raw.get("id"), str) and raw.get("id"):
         where = f"schedule {raw['id']!r}"
     problems = _schema_problems("schedule", raw)
-    if problems:
-        raise ManifestError("; ".join(f"{where}: {p}" for p in problems))
-    problems = []
-    timezone = raw.get("timezone", "UTC")
-    try:
-        parse_timezone(timezone)
-    except CronError as exc:
-        problems.append(str(exc))
-    else:
-        try:
-            _trigger(raw["cron_expression"], timezone)
-        except CronError as exc:
-            problems.append(str(exc))
-    group_ids = raw.get("group_ids") or []
-    available = ", ".join(sorted(groups)) or "none: variables/variables.json defines no group"
-    if not group_ids:
-        problems.append(f"group_ids: at least one group is required (available: {available})")
-    else:
-        unknown = [g for g in group_ids if g not in groups]
-        if unknown:
-            problems.append(f"group_ids: unknown group(s) {', '.join(map(repr, unknown))} "
-                            f"(available: {available})")
-        if len(set(group_ids)) != len(group_ids):
-            problems.append("group_ids: a group is listed twice")
+    if isinstance(raw, Mapping):
+        problems += _timing_problems(raw)
+        if groups is not None:
+            problems += _group_problems(raw.get("group_ids"), groups)
     if problems:
         raise ManifestError("; ".join(f"{where}: {p}" for p in problems))
     return Schedule(
         id=raw["id"], cron_expression=" ".join(raw["cron_expression"].split()),
-        timezone=timezone, group_ids=tuple(group_ids), name=raw.get("name", ""),
+        timezone=raw.get("timezone", "UTC"), group_ids=tuple(raw["group_ids"]),
+        name=raw.get("name", ""),
         description=raw.get("description", ""), enabled=raw.get("enabled", True),
         trigger_payload=raw.get("trigger_payload", {}),
         mode=MODE_ALIASES.get(raw.get("mode", "workshop"), raw.get("mode", "workshop")),
@@ -201,6 +189,44 @@ def parse_schedule(raw: Any, groups: Mapping[str, bool], *, index: int | None = 
                                                 raw.get("workshop_mode", "run")),
         pulse=raw.get("pulse", False), overlap_policy=raw.get("overlap_policy", "skip"),
     )
+
+
+def _timing_problems(raw: Mapping[str, Any]) -> list[str]:
+    """The time zone and the cron expression, each checked when it is a string."""
+    timezone = raw.get("timezone", "UTC")
+    if not isinstance(timezone, str):
+        return []
+    try:
+        parse_timezone(timezone)
+    except CronError as exc:
+        return [str(exc)]
+    expression = raw.get("cron_expression")
+    if not isinstance(expression, str) or not expression:
+        return []
+    try:
+        _trigger(expression, timezone)
+    except CronError as exc:
+        return [str(exc)]
+    return []
+
+
+def _group_problems(group_ids: Any, groups: Mapping[str, bool]) -> list[str]:
+    if group_ids is not None and not (isinstance(group_ids, list)
+                                      and all(isinstance(g, str) for g in group_ids)):
+        return []  # the schema said what is wrong
+    group_ids = group_ids or []
+    available = ", ".join(sorted(groups)) or "none: variables/variables.json defines no group"
+    if not group_ids:
+        return [f"group_ids: at least one group is required (available: {available})"]
+    problems = []
+    unknown = [g for g in group_ids if g not in groups]
+    if unknown:
+        hints = "".join(did_you_mean(g, groups) for g in unknown[:1])
+        problems.append(f"group_ids: unknown group(s) {', '.join(map(repr, unknown))} "
+                        f"(available: {available}){hints}")
+    if len(set(group_ids)) != len(group_ids):
+        problems.append("group_ids: a group is listed twice")
+    return problems
 
 
 # -- variables ------------------------------------------------------------------------
@@ -257,13 +283,12 @@ def _workflow_from(folder: Path, document: dict[str, Any]
     """Validate the schedules of a well-formed manifest against the workflow's groups."""
     path = folder / MANIFEST
     groups, problems = read_groups(folder)
-    if problems:  # every group check would fail too: report the cause only
-        return None, problems
+    known_groups = None if problems else groups  # broken variables.json: its cause only
     schedules: list[Schedule] = []
     seen: set[str] = set()
     for index, raw in enumerate(document.get("schedules", [])):
         try:
-            schedule = parse_schedule(raw, groups, index=index)
+            schedule = parse_schedule(raw, known_groups, index=index)
         except ManifestError as exc:
             problems.append(Problem(str(path), str(exc)))
             continue
@@ -385,4 +410,4 @@ def state_file_problems(root: Path) -> list[Problem]:
         if not isinstance(value, kind):
             expected = "an array" if kind is list else "an object"
             problems.append(Problem(str(path), f"must be {expected}"))
-    return problems
+    return [dataclasses.replace(p, kind="state") for p in problems]

@@ -102,44 +102,53 @@ class WorkflowSource:
     def history(self, job: Job) -> hist.History:
         return self.history_of(job.spec.workflow)
 
-    def load(self, now: datetime | None, old: dict[str, Job]) -> list[Job]:
+    def load(self, now: datetime | None, old: dict[str, Job], *,
+             last_seen: datetime | None = None) -> list[Job]:
+        """Every workflow's jobs; ``old`` ones keep their state, new ones are seeded from
+        the history, and the jobs of a workflow whose files have a problem are kept as
+        they were, ``invalid``, until it is fixed.
+
+        ``now`` is given at start (``last_seen``: when a daemon last ticked for this
+        root): fires missed since are counted, what a dead daemon left running closed.
+        """
         workflows, problems = manifest.scan(self.root)
         moment = now if now is not None else utc_now()
         jobs: list[Job] = []
         for workflow in workflows:
-            grouped: dict[str, list[dict[str, Any]]] = {}
-            if now is not None:  # the first load: what a dead daemon left is closed
-                history = self.history_of(workflow)
-                entries, fixed = history.repair_after_restart(now)
-                if fixed:
-                    log.warning("%s: %d run(s) left running by a previous daemon marked "
-                                "'error' (%s)", history.file.path, fixed, hist.RESTART_ERROR)
-                grouped = hist.latest_by_schedule(entries)
+            grouped = self._histories(workflow, now, old)
             for schedule in workflow.schedules:
-                job = self._job(old, workflow, schedule, moment)
+                spec = WorkflowSpec(workflow, schedule)
+                if spec.key in old:
+                    jobs.append(self._job(old, workflow, schedule, moment))
+                    continue
+                job = Job(spec.key, spec, self)
+                entries = grouped.get(schedule.id, [])
+                job.state = seed_state(entries)
+                job.state.next_fire = next_fire(schedule, moment)
                 if now is not None:
-                    entries = grouped.get(schedule.id, [])
-                    job.state = seed_state(entries)
-                    job.state.next_fire = next_fire(schedule, now)
-                    self._count_missed(job, entries, now)
+                    self._count_missed(job, entries, now, last_seen)
                 jobs.append(job)
+        loaded = {job.key for job in jobs}
+        jobs += _kept_invalid(old, loaded, problems, manifest.workflow_root(self.root))
         self._workflows = {w.name: w for w in workflows}
         self._problems = problems
         for problem in problems:
             log.error("workflow not loaded: %s", problem)
         return jobs
 
-    def summary(self, old: dict[str, Job], new: dict[str, Job], now: datetime
-                ) -> dict[str, Any]:
-        added = sorted(set(new) - set(old))
-        removed = sorted(set(old) - set(new))
-        changed = sorted(j for j in set(new) & set(old)
-                         if new[j].spec.schedule != old[j].spec.schedule)
-        log.info("scheduler reloaded: %d workflow(s), %d job(s) (%d added, %d changed, "
-                 "%d removed), %d problem(s)", len(self._workflows), len(new), len(added),
-                 len(changed), len(removed), len(self._problems))
-        return {"workflows": len(self._workflows), "jobs": len(new), "added": added,
-                "changed": changed, "removed": removed}
+    def _histories(self, workflow: Workflow, now: datetime | None, old: dict[str, Job]
+                   ) -> dict[str, list[dict[str, Any]]]:
+        """The workflow's history by schedule, when a job needs seeding from it."""
+        if now is None and all(WorkflowSpec(workflow, s).key in old for s in workflow.schedules):
+            return {}
+        history = self.history_of(workflow)
+        if now is None:
+            return hist.latest_by_schedule(history.entries())
+        entries, fixed = history.repair_after_restart(now)  # what a dead daemon left
+        if fixed:
+            log.warning("%s: %d run(s) left running by a previous daemon marked 'error' (%s)",
+                        history.file.path, fixed, hist.RESTART_ERROR)
+        return hist.latest_by_schedule(entries)
 
     def _job(self, old: dict[str, Job], workflow: Workflow, schedule: Schedule,
              now: datetime) -> Job:
@@ -152,6 +161,7 @@ class WorkflowSource:
         # The state object itself carries over (not a copy), so a session that ends
         # during the reload records into the job either way.
         job.state = previous.state
+        job.state.invalid = None
         timing = (schedule.cron_expression, schedule.timezone, schedule.enabled)
         before = previous.spec.schedule
         if timing != (before.cron_expression, before.timezone, before.enabled) \
@@ -159,23 +169,32 @@ class WorkflowSource:
             job.state.next_fire = next_fire(schedule, now)
         return job
 
-    def _count_missed(self, job: Job, entries: list[dict[str, Any]], now: datetime) -> None:
+    def _count_missed(self, job: Job, entries: list[dict[str, Any]], now: datetime,
+                      last_seen: datetime | None) -> None:
+        """Fires whose time fell while no daemon ran: after ``last_seen`` (else after the
+        newest run, when no daemon left its mark)."""
         schedule = job.spec.schedule
-        if not entries or not schedule.enabled:
+        if not schedule.enabled:
             return
-        newest = hist.entry_time({"started_at": entries[0].get("started_at")})
-        if newest is None or newest >= now:
+        since = last_seen
+        if since is None and entries:
+            since = hist.entry_time({"started_at": entries[0].get("started_at")})
+        if since is None or since >= now:
             return
-        missed = count_missed(schedule, newest, now)
+        missed = count_missed(schedule, since, now)
         job.state.missed_while_down = missed
         if missed:
             more = "+" if missed >= MISSED_CAP else ""
             log.info("%s: %d%s fire(s) missed while the daemon was down since %s; not "
-                     "replayed, next fire %s", job.id, missed, more, rfc3339(newest),
+                     "replayed, next fire %s", job.id, missed, more, rfc3339(since),
                      rfc3339(job.state.next_fire) if job.state.next_fire else "none")
 
     def problems(self) -> list[dict[str, str]]:
         return [problem.as_dict() for problem in self._problems]
+
+    def details(self, job: Job) -> dict[str, Any]:
+        """A workflow job has no fields beyond the common JOB."""
+        return {}
 
     def counts(self, jobs: dict[str, Job]) -> dict[str, int]:
         return {"workflows": len(self._workflows), "jobs": len(jobs)}
@@ -287,6 +306,29 @@ class WorkflowSource:
             jobs += [self._job(old, workflow, schedule, now) for schedule in workflow.schedules]
         self.registry.replace(self, jobs)
         return written
+
+
+def _kept_invalid(old: dict[str, Job], loaded: set[str], problems: list[Problem],
+                  base: Path) -> list[Job]:
+    """The earlier jobs of folders under ``base`` that now have a problem: kept as they
+    were, marked ``invalid`` with the problem, and not fired (no next fire)."""
+    broken: dict[str, list[str]] = {}
+    for problem in problems:
+        try:
+            folder, *inside = Path(problem.path).relative_to(base).parts
+        except ValueError:
+            continue
+        where = "/".join(inside) or folder
+        broken.setdefault(folder, []).append(f"{where}: {problem.message}")
+    kept = []
+    for key, job in old.items():
+        messages = broken.get(job.spec.workflow.folder.name)
+        if key in loaded or messages is None:
+            continue
+        job.state.invalid = "; ".join(messages)
+        job.state.next_fire = None
+        kept.append(job)
+    return kept
 
 
 class ScheduleGone(LookupError):

@@ -2,7 +2,9 @@
 
 Appends ``{"stdin": ..., "cwd": ..., "env": {...}, "start": t, "end": t}`` to the
 file named by ``$RECORD_FILE`` when it exits. The message decides the rest:
-``FAIL`` in it exits 1, ``SLEEP`` sleeps until SIGTERM (at most 60 s).
+``FAILONCE`` in it exits 1 the first time only, any other ``FAIL`` exits 1,
+``SLEEP`` sleeps until SIGTERM (at most 60 s), ``EVAL`` adds an ``evaluation``
+to the summary line.
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ def main() -> int:
     request = json.loads(sys.stdin.read())
     message = request.get("message", "")
     code = 1 if "FAIL" in message else 0
+    if "FAILONCE" in message:
+        marker = os.environ["RECORD_FILE"] + ".failed-once"
+        code = 0 if os.path.exists(marker) else 1
+        open(marker, "a").close()
     terminated = False
 
     def on_term(_signum: int, _frame: object) -> None:
@@ -35,7 +41,10 @@ def main() -> int:
               "env": {k: v for k, v in os.environ.items() if k.startswith("KANDEVD_")}}
     with open(os.environ["RECORD_FILE"], "a", encoding="utf-8") as handle:
         handle.write(json.dumps(record) + "\n")
-    print(json.dumps({"summary": f"did {message[:20]}", "cost_cents": 3}))
+    report = {"summary": f"did {message[:20]}", "cost_cents": 3}
+    if "EVAL" in message:
+        report["evaluation"] = {"score": 0.9, "verdict": "good"}
+    print(json.dumps(report))
     return 143 if terminated else code
 
 

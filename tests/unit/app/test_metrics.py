@@ -12,9 +12,12 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kandevd.app import cron_metrics
 from kandevd.app.metrics import DaemonMetrics, MetricsHTTPServer
 from kandevd.app.status import health
 from kandevd.config import ConfigError, build_config
+from kandevd.schedules.jobs import JobState
+from kandevd.schedules.states import JobStatus
 from kandevd.timeutil import rfc3339, utc_now
 
 
@@ -39,10 +42,40 @@ def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-def job(key: str, runs: int, overlap: int) -> SimpleNamespace:
-    state = SimpleNamespace(run_count=runs, skipped_overlap=overlap, skipped_paused=0,
-                            skipped_disabled=0)
-    return SimpleNamespace(key=key, state=state)
+def job(key: str, runs: int, overlap: int) -> tuple[SimpleNamespace, JobStatus]:
+    state = JobState(run_count=runs, skipped_overlap=overlap)
+    spec = SimpleNamespace(entity_type="workflow")
+    return SimpleNamespace(key=key, state=state, spec=spec), JobStatus("scheduled", "", None)
+
+
+def product_job(schedule: str, user: str, runs: int, failures: int = 0
+                ) -> tuple[SimpleNamespace, JobStatus]:
+    state = JobState(run_count=runs, consecutive_failures=failures)
+    spec = SimpleNamespace(entity_type="product",
+                           product=SimpleNamespace(profile_id="helper"))
+    job_id = f"product:helper:{schedule}"
+    return (SimpleNamespace(key=f"{job_id}@{user}", id=job_id, user_id=user, state=state,
+                            spec=spec), JobStatus("held", "", None))
+
+
+def test_product_jobs_get_the_same_series_with_a_cap_on_users(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cron_metrics, "MAX_PRODUCT_SERIES", 2)
+    jobs = [product_job("checkin", user, runs=n, failures=n)
+            for n, user in enumerate(["ann", "bob", "cy", "dee"], start=1)]
+    metrics = DaemonMetrics(fake_status, lambda: [job("workflow:w:s", 1, 0), *jobs])
+    got = samples(metrics.exposition())
+    labels = (("job", "product:helper:checkin"), ("product", "helper"))
+    assert got[("kandevd_product_job_runs_total", (*labels, ("user", "ann")))] == 1
+    assert got[("kandevd_product_job_runs_total", (*labels, ("user", "bob")))] == 2
+    # beyond the cap: summed under one label, the streak as its maximum
+    assert got[("kandevd_product_job_runs_total", (*labels, ("user", "_other")))] == 3 + 4
+    assert got[("kandevd_product_job_consecutive_failures",
+                (*labels, ("user", "_other")))] == 4
+    assert not any(key[0].startswith("kandevd_product") and ("user", "cy") in key[1]
+                   for key in got)
+    assert got[("kandevd_cron_jobs", (("state", "held"),))] == 4
+    assert got[("kandevd_cron_jobs", (("state", "scheduled"),))] == 1
 
 
 def test_exposition_parses_and_reads_status() -> None:
@@ -177,7 +210,9 @@ def test_cron_job_series_carry_failures_last_success_and_next_fire() -> None:
                   "completed_at": "2026-12-01T10:00:05.000000Z"})
     state.record({"status": "error", "started_at": "2026-12-01T11:00:00.000000Z"})
     state.next_fire = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
-    job = SimpleNamespace(key="workflow:w:s", state=state)
+    job = (SimpleNamespace(key="workflow:w:s", state=state,
+                           spec=SimpleNamespace(entity_type="workflow")),
+           JobStatus("scheduled", "", state.next_fire))
     status = {"state": "running", "runtime": {"active": 0, "max_concurrent": 4},
               "stats": {"cron": {"fires": 2},
                         "queue": {"ticks": 1, "claimed": 0, "outcomes": 0,

@@ -40,7 +40,12 @@ from kandevd.runtime import (
     RuntimeStopped,
 )
 from kandevd.runtime import process as process_module
-from kandevd.runtime.output import parse_summary_line
+from kandevd.runtime.output import (
+    MAX_EVALUATION_BYTES,
+    AgentReport,
+    parse_report,
+    parse_summary_line,
+)
 from kandevd.runtime.records import read_record, record_alive
 from tests.support.runtime import CHILD_ENV, WAIT_S, Recorder
 
@@ -532,6 +537,14 @@ def test_parse_summary_line():
     assert parse_summary_line("[1, 2]") == (None, None)
     assert parse_summary_line("not json") == (None, None)
     assert parse_summary_line(None) == (None, None)
+
+
+def test_the_report_carries_an_optional_evaluation_object() -> None:
+    assert parse_report('{"summary": "s", "cost_cents": 1, "evaluation": {"score": 0.9}}') \
+        == AgentReport("s", 1.0, {"score": 0.9})
+    assert parse_report('{"summary": "s", "evaluation": "good"}') == AgentReport("s")
+    big = json.dumps({"evaluation": {"notes": "x" * (MAX_EVALUATION_BYTES + 1)}})
+    assert parse_report(big).evaluation is None
 
 
 def test_spec_rejects_shell_strings_and_unknown_kinds(tmp_path: Path):

@@ -35,7 +35,7 @@ from kandevd.runtime import (
     shim,
 )
 from kandevd.runtime.attempts import spent_stdout_path
-from kandevd.runtime.output import collect_stdout
+from kandevd.runtime.output import AgentReport, collect_stdout
 from kandevd.runtime.records import (
     NO_EXIT_STATUS,
     outcome_from_record,
@@ -451,7 +451,7 @@ def test_a_merged_stdout_is_kept_empty_beside_its_folder_not_freed(tmp_path: Pat
     assert spent == tmp_path / "attempts" / "run_a.t1.stdout"
     for _again in range(2):
         assert collect_stdout(folder / "stdout", log_path, folder / "summary.json",
-                              spent) == ("s", 2.0)
+                              spent) == AgentReport("s", 2.0)
         assert log_path.read_text() == 'stderr\n{"summary": "s", "cost_cents": 2}\n'
         assert not (folder / "stdout").exists()
         assert os.stat(spent).st_ino == inode and spent.read_text() == ""

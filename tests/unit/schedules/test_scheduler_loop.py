@@ -59,14 +59,14 @@ def build(home: HomeLayout) -> Iterator[Callable[..., tuple[CronLoop, Agent]]]:
     made: list[tuple[CronLoop, AgentRuntime]] = []
 
     def make(agent: Agent | None = None, *, env: dict[str, str] | None = None,
-             max_concurrent: int = 4) -> tuple[CronLoop, Agent]:
+             max_concurrent: int = 4, at: datetime = T0) -> tuple[CronLoop, Agent]:
         agent = agent or Agent()
         config = build_config({"runtime": {"max_concurrent": max_concurrent}},
                               environ=env or {})
         runtime = AgentRuntime(max_concurrent, 1, runner=InProcessRunner(agent))
         registry = build_registry(home.workspace,
                                   Switches.from_config(config.scheduler, env or {}), 90)
-        registry.load_at_start(T0)
+        registry.load_at_start(at)
 
         def runner(loop: CronLoop) -> SessionRunner:
             return SessionRunner(registry, config=config, layout=home, runtime=runtime,
@@ -357,3 +357,78 @@ def test_an_impossible_stored_time_never_stalls_the_tick(build, home) -> None:
     loop.tick(T0 + timedelta(minutes=1))  # raises nothing; the workflow still fires
     loop.fanout.join()
     assert loop.registry.resolve("s").state.run_count == 1
+
+
+def test_a_quiet_rule_hold_is_shown_logged_and_survives_a_restart(build, home, caplog) -> None:
+    write_product(home.workspace, [{"id": "daily", "cron_expression": "0 11 * * *",
+                                    "quiet_minutes": 60, "messages": ["m"]}])
+    caplog.set_level("INFO", logger="kandevd.scheduler.products")
+    loop, agent = build()
+    loop.tick(T0)  # the pending occurrence: 11:00
+    loop.registry.sources["products"].record_activity(
+        "local", "helper", datetime(2026, 12, 3, 10, 30, tzinfo=UTC))
+    at_eleven = datetime(2026, 12, 3, 11, 0, 30, tzinfo=UTC)
+    loop.tick(at_eleven)
+    [job] = loop.registry.jobs(source="products")
+    held_until = datetime(2026, 12, 3, 11, 30, tzinfo=UTC)
+    assert agent.seen == [] and job.state.held_until == held_until
+    described = loop.describe(job)
+    assert (described["state"], described["held_until"], described["next_run_at"]) == (
+        "held", "2026-12-03T11:30:00.000000Z", "2026-12-03T11:30:00.000000Z")
+    assert described["last_activity_at"] == "2026-12-03T10:30:00.000000Z"
+    started = [r.message for r in caplog.records if "held by the quiet rule" in r.message]
+    assert len(started) == 1 and "fires at 2026-12-03T11:30:00" in started[0]
+    loop.tick(at_eleven + timedelta(minutes=1))  # still held: no second line
+    assert sum("held by the quiet rule" in r.message for r in caplog.records) == 1
+
+    # a restart: the daemon saw the occurrence come due, so it is not "missed"
+    loop, agent = build(at=at_eleven + timedelta(minutes=5))
+    [job] = loop.registry.jobs(source="products")
+    assert job.state.missed_while_down == 0
+    assert job.state.next_fire == datetime(2026, 12, 3, 11, tzinfo=UTC)
+    loop.tick(at_eleven + timedelta(minutes=5))
+    assert loop.describe(job)["state"] == "held" and job.state.held_until == held_until
+    loop.tick(held_until + timedelta(seconds=1))
+    loop.fanout.join()
+    assert [s["message"] for s in agent.seen] == ["m"]
+    assert any("hold ended (the quiet period is over)" in r.message for r in caplog.records)
+    assert job.state.held_until is None and loop.describe(job)["state"] == "scheduled"
+
+
+def test_an_occurrence_that_fell_while_down_is_counted_missed_once(build, home) -> None:
+    write_product(home.workspace, [{"id": "daily", "cron_expression": "0 11 * * *",
+                                    "messages": ["m"]}])
+    loop, agent = build()
+    loop.tick(T0)  # the daemon last watched at 10:00:30; 11:00 falls while it is down
+    loop, agent = build(at=T0 + timedelta(hours=3))
+    [job] = loop.registry.jobs(source="products")
+    loop.tick(T0 + timedelta(hours=3))
+    loop.fanout.join()
+    assert agent.seen == [] and job.state.missed_while_down == 1
+    assert job.state.next_fire == datetime(2026, 12, 4, 11, tzinfo=UTC)
+
+
+def test_a_retry_resumes_at_the_message_that_failed(build, home) -> None:
+    write_product(home.workspace, [{"id": "c", "cadence_hours": 1,
+                                    "messages": ["one", "FAIL two", "three"]}])
+    agent = Agent()
+    loop, _ = build(agent)
+    [job] = loop.registry.jobs(source="products")
+    loop.runner.start(job, "manual")
+    loop.fanout.join()
+    assert [s["message"] for s in agent.seen] == ["one", "FAIL two"]
+    assert job.state.resume == {"index": 1, "message": "FAIL two"}
+    # the next run (a rebuilt daemon: the resume point is in the user's state file)
+    loop, _ = build(agent)
+    [job] = loop.registry.jobs(source="products")
+    loop.runner.start(job, "manual")
+    loop.fanout.join()
+    assert [s["message"] for s in agent.seen[2:]] == ["FAIL two"]
+    [newest, _first] = loop.registry.sources["products"].history(job).entries()[:2]
+    assert newest["first_message"] == 1
+
+
+def test_each_tick_marks_the_root_as_watched(build, home) -> None:
+    loop, _agent = build()
+    loop.tick(T0 + timedelta(minutes=7))
+    assert loop.registry.alive.last_seen() == T0 + timedelta(minutes=7)

@@ -36,7 +36,8 @@ def test_a_valid_workflow_loads_normalized(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("bad", "expected"), [
-    ({"cron_expression": "0 9 * * *", "group_ids": ["g1"]}, "schedules[0]: <root>: 'id' is"),
+    ({"cron_expression": "0 9 * * *", "group_ids": ["g1"]},
+     "schedules[0]: id: required field missing"),
     (schedule(cron="0 9 * *"), "schedule 'daily': cron_expression: '0 9 * *' is not a valid"
                                " 5-field cron expression"),
     (schedule(cron="0 25 * * *"), "schedule 'daily': cron_expression:"),
@@ -115,14 +116,31 @@ def test_group_ids_load_exactly_when_every_group_exists(defined: set[str],
 
 
 def test_edit_schedules_changes_only_the_schedules(tmp_path: Path) -> None:
-    folder = write_workflow(tmp_path, "w", [schedule("a", x_custom=1)], owner="team",
+    folder = write_workflow(tmp_path, "w", [schedule("a")], owner="team",
                             capabilities={"tools": ["x"]}, pending_upgrades=["v2"])
     workflow = manifest.edit_schedules(folder, lambda s: [*s, schedule("b")])
     assert [s.id for s in workflow.schedules] == ["a", "b"]
     document = json.loads((folder / "workflow.json").read_text())
     assert document["owner"] == "team" and document["capabilities"] == {"tools": ["x"]}
     assert document["pending_upgrades"] == ["v2"]
-    assert document["schedules"][0]["x_custom"] == 1
+
+
+def test_a_misspelt_schedule_field_is_a_problem_with_its_suggestion(tmp_path: Path) -> None:
+    """Manifest keys outside ``schedules`` are the workflow's own; a schedule's are
+    kandevd's, so a typo there would silently run with the default (UTC)."""
+    folder = write_workflow(tmp_path, "w", [schedule("a", timzone="Europe/Paris", colour=1),
+                                            {"cron_expression": "@daily", "group_ids": ["g1"]},
+                                            schedule("c", timezone="Europe/Pariss")],
+                            owner="team")
+    workflow, problems = manifest.load_workflow(folder)
+    assert workflow is None
+    assert [p.message for p in problems] == [
+        "schedule 'a': colour: unknown field; allowed here: " + ", ".join(sorted(
+            manifest.SCHEDULE_FIELDS))
+        + "; schedule 'a': timzone: unknown field; did you mean timezone?",
+        "schedules[1]: id: required field missing",
+        "schedule 'c': timezone: unknown time zone 'Europe/Pariss'; did you mean Europe/Paris?",
+    ]
 
 
 def test_an_invalid_edit_writes_nothing(tmp_path: Path) -> None:

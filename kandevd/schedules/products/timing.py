@@ -1,0 +1,126 @@
+"""When a product job fires: :func:`decide` applied to a job, the quiet rule's hold, the
+slots ahead.
+
+:func:`kandevd.schedules.products.schedule.decide` is pure; this module keeps
+what its answers mean for a job's state: the pending occurrence
+(``next_fire``), when to ask again (``next_check``), and a hold. A hold is an
+occurrence that came due while its user was active: the job is ``held`` until
+``held_until`` (the quiet period's end, at the latest the deferral cap), and
+one line is logged when a hold begins and one when it ends, so an operator can
+see why a job did not fire on time.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from datetime import datetime, timedelta
+
+from kandevd.cron import next_fire_times
+from kandevd.schedules.history import SUCCESS
+from kandevd.schedules.jobs import Job, JobState
+from kandevd.schedules.products.schedule import (
+    DEFERRAL_CAP,
+    QUIET,
+    Decision,
+    ScheduleState,
+    decide,
+)
+from kandevd.schedules.products.state import stored_time
+from kandevd.timeutil import rfc3339
+
+log = logging.getLogger("kandevd.scheduler.products")
+
+
+def for_decide(state: JobState) -> ScheduleState:
+    return ScheduleState(next_run_at=state.next_fire, last_run_at=stored_time(state.last_run_at),
+                         last_status=state.last_status,
+                         consecutive_failures=state.consecutive_failures)
+
+
+def decision_for(job: Job, now: datetime, last_active: datetime | None) -> Decision | None:
+    """``decide`` for ``job`` at ``now``; None (asked again in an hour) when it cannot."""
+    try:
+        return decide(job.spec.schedule, for_decide(job.state), now, last_active)
+    except (ValueError, OverflowError) as exc:  # one job never stalls the tick
+        log.error("%s: cannot decide when it is due (%s); asked again in an hour",
+                  job.key, exc)
+        job.state.next_check = now + timedelta(hours=1)
+        return None
+
+
+def apply(job: Job, decision: Decision, now: datetime, last_active: datetime | None) -> bool:
+    """Fold ``decision`` into the job's state; True when the pending slot is new (to save).
+
+    Due: the intended time is set and a hold ends (logged). Quiet: the hold begins
+    (logged) or goes on. Otherwise the next slot becomes the pending occurrence.
+    """
+    state = job.state
+    if decision.due:
+        if state.held_until is not None:
+            why = ("the deferral cap was reached" if decision.reason == DEFERRAL_CAP
+                   else "the quiet period is over")
+            log.info("%s: hold ended (%s); firing the occurrence of %s", job.key, why,
+                     rfc3339(decision.next_at))
+            state.held_until = None
+        # A product occurrence is known by its minute: ``decide`` says "due now".
+        state.due_at = now.replace(second=0, microsecond=0)
+        return False
+    state.next_check = decision.next_at
+    if decision.reason == QUIET:
+        if state.held_until is None:
+            active = rfc3339(last_active) if last_active else "recently"
+            log.info("%s: occurrence of %s held by the quiet rule (user %s active at %s); "
+                     "fires at %s unless the user is active again", job.key,
+                     rfc3339(state.next_fire) if state.next_fire else "now", job.user_id,
+                     active, rfc3339(decision.next_at))
+        state.held_until = decision.next_at
+        return False
+    if state.next_fire is None:
+        state.next_fire = decision.next_at
+        return True
+    return False
+
+
+def next_wake(jobs: Iterable[Job], now: datetime) -> datetime | None:
+    """When the next job must be asked again (``now`` when one is unchecked)."""
+    times = []
+    for job in jobs:
+        if not job.enabled or job.state.invalid is not None:
+            continue
+        if job.state.next_check is None:
+            return now
+        times.append(job.state.next_check)
+    return min(times) if times else None
+
+
+def next_times(job: Job, after: datetime, count: int) -> list[datetime]:
+    """The next slots: the cron times, or a cadence's as if each ran on time."""
+    schedule = job.spec.schedule
+    if schedule.trigger is not None:
+        return next_fire_times(schedule.trigger, after, count)
+    state = for_decide(job.state)
+    times: list[datetime] = []
+    moment = after
+    for _ in range(4 * count + 8):  # bounded, whatever the cadence
+        if len(times) >= count:
+            break
+        try:
+            decision = decide(schedule, state, moment)
+        except (ValueError, OverflowError):
+            break
+        if decision.next_at > after or (decision.due and decision.next_at >= after):
+            times.append(decision.next_at)
+        state = ScheduleState(last_run_at=max(decision.next_at, moment), last_status=SUCCESS)
+        moment = max(decision.next_at, moment)
+    return times
+
+
+def after_skip(job: Job, now: datetime) -> None:
+    """A due occurrence that did not run is not kept; the following one is computed as
+    if a run started now."""
+    decision = decide(job.spec.schedule, ScheduleState(last_run_at=now, last_status=SUCCESS),
+                      now)
+    job.state.next_fire = decision.next_at if not decision.due else None
+    job.state.next_check = job.state.next_fire
+    job.state.held_until = None

@@ -1,0 +1,105 @@
+"""One word for where a job stands, and when it will really fire.
+
+Every place that shows a job (the jobs API, ``kandevd jobs``, the metrics,
+the console) asks :func:`job_status`, so "why does it not fire?" has one
+answer everywhere. The states, most decisive first:
+
+``running``/``buffered``  a session runs (``buffered``: a cron fire waits for it)
+``invalid``  its file has a problem; the job is kept as last loaded and does not fire
+``ended``    past its end date
+``disabled`` the schedule (or the user's override) is off
+``blocked``  cron execution is switched off, or an allow/block list keeps it out
+``paused``   the scheduler is globally paused
+``held``     the quiet rule holds a due product occurrence back (until ``held_until``)
+``scheduled`` it fires at ``next_run_at``
+
+``next_run_at`` is None whenever the job would not fire (invalid, ended,
+disabled, blocked, paused), and ``held_until`` while it is held. Pure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from kandevd.schedules.jobs import Job
+from kandevd.schedules.settings import Switches
+from kandevd.timeutil import rfc3339
+
+SCHEDULED = "scheduled"
+RUNNING = "running"
+HELD = "held"
+BUFFERED = "buffered"
+DISABLED = "disabled"
+PAUSED = "paused"
+BLOCKED = "blocked"
+INVALID = "invalid"
+ENDED = "ended"
+STATES = (SCHEDULED, RUNNING, HELD, BUFFERED, DISABLED, PAUSED, BLOCKED, INVALID, ENDED)
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    state: str
+    reason: str
+    next_run_at: datetime | None
+
+
+@dataclass(frozen=True)
+class Surroundings:
+    """What decides a job's state besides the job: the daemon's switches and pause."""
+
+    switches: Switches
+    pause: dict[str, Any]
+    #: Job keys with a session in flight, and those with a cron fire waiting for one.
+    running: frozenset[str] = frozenset()
+    buffered: frozenset[str] = frozenset()
+
+
+def job_status(job: Job, around: Surroundings) -> JobStatus:
+    """Where ``job`` stands; see the module docstring for the order of the states."""
+    stopped = _why_not(job, around)
+    upcoming = None if stopped is not None else _upcoming(job)
+    if job.key in around.buffered:
+        return JobStatus(BUFFERED, "a cron fire waits for the running session to end "
+                         "(overlap_policy buffer_one)", upcoming)
+    if job.key in around.running:
+        since = f" since {job.state.last_run_at}" if job.state.last_run_at else ""
+        return JobStatus(RUNNING, f"a session is running{since}", upcoming)
+    if stopped is not None:
+        return JobStatus(*stopped, None)
+    held = job.state.held_until
+    if held is not None:
+        return JobStatus(HELD, f"held back by the quiet rule (the user was active "
+                         f"recently); fires at {rfc3339(held)} at the latest", held)
+    if upcoming is None:
+        return JobStatus(SCHEDULED, "no further fire time", None)
+    return JobStatus(SCHEDULED, f"fires at {rfc3339(upcoming)}", upcoming)
+
+
+def _why_not(job: Job, around: Surroundings) -> tuple[str, str] | None:
+    """The state and reason that keep ``job`` from firing at all, if any."""
+    if job.state.invalid is not None:
+        return INVALID, job.state.invalid
+    if not job.enabled:
+        if job.state.enabled is False:
+            return DISABLED, f"disabled for user {job.user_id}"
+        return DISABLED, "the schedule is disabled"
+    switches = around.switches
+    if not switches.execution_enabled:
+        return BLOCKED, switches.disabled_reason or "cron execution is switched off"
+    verdict = job.spec.verdict(switches)
+    if verdict is not None:
+        return BLOCKED, verdict
+    pause = around.pause
+    if pause.get("globally_paused"):
+        by = f" by {pause['paused_by']}" if pause.get("paused_by") else ""
+        since = f" since {pause['paused_at']}" if pause.get("paused_at") else ""
+        return PAUSED, f"the scheduler is globally paused{by}{since}"
+    return None
+
+
+def _upcoming(job: Job) -> datetime | None:
+    state = job.state
+    return state.held_until or state.next_fire

@@ -1,0 +1,42 @@
+"""Options every command shares: --home on every command, --user on every job command."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import click
+
+from kandevd.cli.main import cli
+
+
+def leaves(group: click.Group, path: tuple[str, ...] = ()
+           ) -> Iterator[tuple[tuple[str, ...], click.Command]]:
+    for name, command in group.commands.items():
+        if isinstance(command, click.Group):
+            yield from leaves(command, (*path, name))
+        else:
+            yield (*path, name), command
+
+
+def options(command: click.Command) -> set[str]:
+    return {opt for param in command.params if isinstance(param, click.Option)
+            for opt in param.opts}
+
+
+def test_every_command_takes_home() -> None:
+    commands = list(leaves(cli))
+    assert len(commands) > 30
+    missing = [" ".join(path) for path, command in commands if "--home" not in options(command)]
+    assert missing == []
+
+
+def test_every_jobs_command_that_names_a_job_takes_user() -> None:
+    jobs = cli.commands["jobs"]
+    assert isinstance(jobs, click.Group)
+    named = [(path, command) for path, command in leaves(jobs)
+             if any(p.name == "job_id" for p in command.params)]
+    assert {path[0] for path, _ in named} >= {
+        "get", "runs", "next", "logs", "trigger", "stop", "enable", "disable", "update",
+        "delete"}
+    assert [path for path, command in named if "--user" not in options(command)] == []
+    assert "--user" in options(jobs.commands["list"])

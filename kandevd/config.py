@@ -44,7 +44,8 @@ DEFAULTS: dict[str, Any] = {
     "metrics": {"listen": None},
     "log": {"level": None},
     "office": {"enabled": True, "interval_s": 30, "recovery_lookback_hours": 24},
-    "scheduler": {"enabled": True, "root": None, "history_retention_days": 90},
+    "scheduler": {"enabled": True, "root": None, "history_retention_days": 90,
+                  "notify": {"command": None, "webhook": None, "on": ["failure", "recovery"]}},
     "agents": {"default": {"command": None, "timeout_s": 3600, "env": {}}},
 }
 
@@ -178,6 +179,8 @@ class SchedulerConfig:
     history_retention_days: float
     disabled_via_env: bool = False
     configured_enabled: bool = True  # scheduler.enabled as the file says (env aside)
+    #: ``{command, webhook, on}``: every schedule's notifications unless it has its own.
+    notify: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -337,6 +340,7 @@ def build_config(
             history_retention_days=sched["history_retention_days"],
             disabled_via_env=disabled_via_env,
             configured_enabled=bool(sched["enabled"]),
+            notify=MappingProxyType(dict(sched["notify"])),
         ),
         agents=MappingProxyType(agents),
         source=source,

@@ -67,6 +67,7 @@ def loads(text: str) -> Any:
         if expanded_size(node, {}) > MAX_YAML_VALUES:
             raise YamlError(f"expands to more than {MAX_YAML_VALUES} values (through YAML "
                             "aliases): refused")
+        keys_as_written(node, set())
         return loader.construct_document(node)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
@@ -82,6 +83,31 @@ def loads(text: str) -> Any:
 def load_file(path: Path, what: str = "") -> Any:
     """Safe-load one YAML file; YamlError says where (with the line) and why."""
     return loads(read_text(path, what))
+
+
+_BOOL_TAG = "tag:yaml.org,2002:bool"
+_STR_TAG = "tag:yaml.org,2002:str"
+
+
+def keys_as_written(node: yaml.Node, seen: set[int]) -> None:
+    """Keep a mapping key such as ``on:`` a string: YAML 1.1 reads the words on, off,
+    yes, no as booleans, so ``notify: {on: [failure]}`` would have the key ``True``.
+    Only keys written as those words are kept as written (``true``/``false`` and every
+    value are read as YAML says)."""
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, yaml.MappingNode):
+            for key, value in current.value:
+                if isinstance(key, yaml.ScalarNode) and key.tag == _BOOL_TAG \
+                        and key.style is None and key.value.lower() not in ("true", "false"):
+                    key.tag = _STR_TAG
+                stack.append(value)
+        elif isinstance(current, yaml.SequenceNode):
+            stack.extend(current.value)
 
 
 def expanded_size(node: yaml.Node, seen: dict[int, int]) -> int:

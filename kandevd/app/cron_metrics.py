@@ -64,8 +64,18 @@ def _row(job: Any, status: Any) -> dict[str, Any]:
     success = state.last_success_at
     return {"runs": state.run_count, "failures": state.consecutive_failures,
             **{f"skipped_{r}": getattr(state, f"skipped_{r}") for r in SKIP_REASONS},
-            "last_success": parse_rfc3339(success).timestamp() if success else None,
+            "last_success": _timestamp(success),
             "next_fire": status.next_run_at.timestamp() if status.next_run_at else None}
+
+
+def _timestamp(text: str | None) -> float | None:
+    """Unix time of an RFC 3339 text; None when there is none or it does not parse."""
+    if not text:
+        return None
+    try:
+        return parse_rfc3339(text).timestamp()
+    except (ValueError, OverflowError, AttributeError):
+        return None
 
 
 def _merge(into: dict[str, Any], row: dict[str, Any]) -> None:

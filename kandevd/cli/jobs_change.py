@@ -1,5 +1,5 @@
 """``kandevd jobs`` commands that change a job: create, update, delete, enable, disable,
-trigger, stop (each over its ``scheduler.jobs.*`` method)."""
+trigger, stop, backfill (each over its ``scheduler.jobs.*`` method)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,8 @@ SCHEDULE_OPTIONS: list[Callable[[Callable[..., Any]], Callable[..., Any]]] = [
     click.option("--workshop-mode", type=click.Choice(["run", "workshop", "runner"]),
                  default=None, help="Workshop mode of the turns ('runner' means 'run')."),
     click.option("--pulse/--no-pulse", default=None, help="Send a pulse turn."),
-    click.option("--overlap", "overlap_policy", type=click.Choice(["skip", "buffer_one"]),
+    click.option("--overlap", "overlap_policy",
+                 type=click.Choice(["skip", "buffer_one", "replace"]),
                  default=None, help="What a fire does while the previous session runs."),
     click.option("--payload", "trigger_payload", default=None,
                  help="Trigger payload as a JSON object."),
@@ -200,7 +201,43 @@ def stop_job(job_id: str, user_id: str | None, as_json: bool, home: str | None,
     A job that is not running answers not_running (exit 1).
     """
     result = invoke(home, socket_path, "scheduler.jobs.stop", job_ref(job_id, user_id))
-    echo_json(result) if as_json else click.echo(result["session_id"])
+    if as_json:
+        echo_json(result)
+        return
+    if result.get("session_id"):
+        click.echo(result["session_id"])
+    if result.get("backfill"):
+        click.echo("backfill stopped", err=True)
 
 
-COMMANDS = (create_job, update_job, delete_job, enable_job, disable_job, trigger_job, stop_job)
+@click.command("backfill")
+@click.argument("job_id")
+@click.option("--from", "start", required=True, help="First moment (RFC 3339 with offset).")
+@click.option("--to", "end", required=True, help="Last moment (RFC 3339 with offset).")
+@click.option("--dry-run", is_flag=True, help="List the fire times; run nothing.")
+@user_option
+@json_option
+@client_options
+def backfill_job(job_id: str, start: str, end: str, dry_run: bool, user_id: str | None,
+                 as_json: bool, home: str | None, socket_path: str | None) -> None:
+    """Run a job once per fire time of a past range, one after another.
+
+    Each run is recorded with trigger_source backfill and the fire time it
+    stands for (intended_at); at most 1000 fire times. `kandevd jobs stop JOB`
+    stops a backfill.
+    """
+    result = invoke(home, socket_path, "scheduler.jobs.backfill",
+                    {**job_ref(job_id, user_id), "from": start, "to": end,
+                     "dry_run": dry_run})
+    if as_json:
+        echo_json(result)
+        return
+    for item in result["times"]:
+        click.echo(f"{item['utc']}  {item['local']}")
+    what = "started" if result["started"] else "dry run: nothing run" if dry_run \
+        else "nothing to run"
+    click.echo(f"{len(result['times'])} fire time(s); {what}")
+
+
+COMMANDS = (create_job, update_job, delete_job, enable_job, disable_job, trigger_job, stop_job,
+            backfill_job)

@@ -38,6 +38,7 @@ SUMMARIES: dict[str, str] = {
     "runs.retry": "Queue a failed or cancelled run again.",
     "scheduler.config.get": "The scheduler's settings (the global pause).",
     "scheduler.config.put": "Set or clear the global pause.",
+    "scheduler.jobs.backfill": "Run (or list) a job's fire times over a past range.",
     "scheduler.jobs.create": "Add a schedule to a workflow.",
     "scheduler.jobs.delete": "Remove a workflow schedule.",
     "scheduler.jobs.disable": "Disable a job.",
@@ -126,6 +127,8 @@ RESULTS: dict[str, str] = {
         'JOB, enabled',
     'scheduler.jobs.get':
         'JOB (see docs/scheduling.md, Jobs)',
+    'scheduler.jobs.backfill':
+        '{id, times: [{utc, local}], started}; conflict while a backfill of the job runs',
     'scheduler.jobs.list':
         '{items: [JOB], total, limit, offset}',
     'scheduler.jobs.next':
@@ -133,7 +136,7 @@ RESULTS: dict[str, str] = {
     'scheduler.jobs.runs':
         '{items: [history entry], total, limit, offset}, newest first',
     'scheduler.jobs.stop':
-        '{id, session_id, run_id, ...}; not_running when no session is in flight',
+        '{id, session_id, run_id, stopping, backfill}; not_running when nothing runs',
     'scheduler.jobs.trigger':
         '{id, session_id, run_id, ...}; already_running when a session is in flight',
     'scheduler.jobs.update':

@@ -51,7 +51,8 @@ def build_cron_loop(config: Config, layout: HomeLayout, runtime: Any, *,
 
     def runner(loop: CronLoop) -> SessionRunner:
         return SessionRunner(registry, config=config, layout=layout, runtime=runtime,
-                             spawn=loop.fanout.spawn, fire_buffered=loop.fire_buffered)
+                             spawn=loop.fanout.spawn, fire_buffered=loop.fire_buffered,
+                             wake=loop.wake)
 
     return CronLoop(registry, runner_factory=runner,
                     stop_grace_s=config.runtime.stop_grace_s, parent=parent,

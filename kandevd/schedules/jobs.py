@@ -65,6 +65,10 @@ class JobState:
     invalid: str | None = None
     #: A product job whose last run failed on a message: ``{index, message}`` to resume at.
     resume: dict[str, Any] | None = None
+    #: A fire that came due and waits for its jitter (``jitter_s``) until this moment.
+    delayed_until: datetime | None = None
+    #: Fires missed while no daemon ran, within ``catchup_window_s``: one run at start.
+    catchup: list[datetime] | None = None
 
     def record(self, entry: dict[str, Any]) -> None:
         """Fold a completed history entry into the state (the failure streak with it)."""
@@ -102,10 +106,13 @@ def seed_state(entries: list[dict[str, Any]]) -> JobState:
 
 
 def last_success(entries: list[dict[str, Any]]) -> str | None:
-    """When the newest successful entry (newest first) completed."""
+    """When the newest successful entry (newest first) with a readable date completed
+    (a hand-edited date that does not parse is passed over, never believed)."""
     for entry in entries:
         if entry.get("status") == hist.SUCCESS:
-            return entry.get("completed_at") or entry.get("started_at")
+            moment = hist.entry_time(entry)
+            if moment is not None:
+                return rfc3339(moment)
     return None
 
 

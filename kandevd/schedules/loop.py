@@ -26,6 +26,7 @@ from datetime import datetime
 from typing import Any
 
 from kandevd.lifecycle import Loop, StopSignal
+from kandevd.schedules.backfill import Backfills
 from kandevd.schedules.jobs import Job, job_dict
 from kandevd.schedules.registry import JobRegistry
 from kandevd.schedules.runner import AlreadyRunning, RunnerClosed, SessionRunner
@@ -41,6 +42,7 @@ MAX_WAIT_S = 60.0
 class Decision(enum.Enum):
     RUN = "run"
     BUFFER = "buffer"
+    REPLACE = "replace"
     SKIP_OVERLAP = "skip_overlap"
     SKIP_PAUSED = "skip_paused"
     SKIP_DISABLED = "skip_disabled"
@@ -54,7 +56,8 @@ def decide_fire(*, execution_enabled: bool, workflow_allowed: bool, paused: bool
     allow/block lists: skipped as disabled. Globally paused: skipped as paused.
     Otherwise it runs, unless the schedule's previous session still runs: then
     ``skip`` skips it, ``buffer_one`` keeps it for when that session ends (one at
-    most: a further fire while one waits is skipped).
+    most: a further fire while one waits is skipped), ``replace`` stops that
+    session and runs when it has ended (a further fire meanwhile is skipped).
     """
     if not execution_enabled or not workflow_allowed:
         return Decision.SKIP_DISABLED
@@ -62,8 +65,12 @@ def decide_fire(*, execution_enabled: bool, workflow_allowed: bool, paused: bool
         return Decision.SKIP_PAUSED
     if not running:
         return Decision.RUN
-    if overlap_policy == "buffer_one" and not buffered:
+    if buffered:
+        return Decision.SKIP_OVERLAP
+    if overlap_policy == "buffer_one":
         return Decision.BUFFER
+    if overlap_policy == "replace":
+        return Decision.REPLACE
     return Decision.SKIP_OVERLAP
 
 
@@ -76,6 +83,7 @@ class CronLoop(Loop):
                          logger=logging.getLogger("kandevd.scheduler"))
         self.registry = registry
         self.runner = runner_factory(self)
+        self.backfills = Backfills(self.runner, self.fanout.spawn)
         self._stop_grace_s = stop_grace_s
         self._reload = threading.Event()
         self.fires = 0
@@ -93,6 +101,7 @@ class CronLoop(Loop):
         if self._reload.is_set():
             self._reload.clear()
             self.registry.rescan(now)
+        deadline = self.runner.expire(now)
         due = self.registry.due(now)
         self.registry.alive.touch(now)
         if due:
@@ -100,10 +109,12 @@ class CronLoop(Loop):
             for job in due:
                 if self._ours(job.key, job.state.due_at or now):
                     self.fire(job, now, paused=paused)
-        wake = self.registry.next_wake(now)
-        if wake is None:
+                else:
+                    job.state.catchup = None  # another daemon's (or an earlier) fire
+        wakes = [t for t in (self.registry.next_wake(now), deadline) if t is not None]
+        if not wakes:
             return MAX_WAIT_S
-        return min(MAX_WAIT_S, (wake - now).total_seconds())
+        return min(MAX_WAIT_S, (min(wakes) - now).total_seconds())
 
     def _ours(self, key: str, intended: datetime) -> bool:
         """Does this daemon fire the occurrence of ``key`` at ``intended``? (The gate's say.)"""
@@ -121,11 +132,17 @@ class CronLoop(Loop):
 
         A skipped occurrence is spent (never kept for later)."""
         self.fires += 1
+        intended = job.state.due_at or now
+        catchup, job.state.catchup = job.state.catchup, None
         decision = self._decide(job, paused=paused, running=self.runner.is_running(job.key),
                                 buffered=self.runner.is_buffered(job.key))
         if decision is Decision.RUN:
             try:
-                self.runner.start(job, "cron")
+                if catchup:
+                    self.runner.start(job, "catchup", fire_times=catchup)
+                else:
+                    late = job.spec.schedule.options.jitter_s > 0
+                    self.runner.start(job, "cron", intended_at=intended if late else None)
                 return decision
             except AlreadyRunning:  # a manual trigger won the race
                 decision = Decision.SKIP_OVERLAP
@@ -137,9 +154,16 @@ class CronLoop(Loop):
             log.info("%s: cron fire buffered: it starts when the running session ends",
                      job.key)
             return decision
+        elif decision is Decision.REPLACE:
+            if self.runner.replace(job, intended):
+                log.info("%s: cron fire replaces the running session: it starts when that "
+                         "one has stopped", job.key)
+                return decision
+            decision = Decision.SKIP_OVERLAP
+            self._skip(job, decision, "a replacing fire already waits")
         elif decision is Decision.SKIP_OVERLAP:
             self._skip(job, decision, "the previous session is still running" + (
-                " and one fire already waits" if job.spec.overlap_policy == "buffer_one"
+                " and one fire already waits" if job.spec.overlap_policy != "skip"
                 else ""))
         else:
             self._skip(job, decision)
@@ -184,7 +208,8 @@ class CronLoop(Loop):
     def surroundings(self) -> Surroundings:
         """What a job's state depends on besides the job, read once for many jobs."""
         return Surroundings(self.registry.switches, self.registry.pause.get(),
-                            self.runner.running_ids(), self.runner.buffered_ids())
+                            self.runner.running_ids(), self.runner.buffered_ids(),
+                            now=self._clock())
 
     def status_of(self, job: Job, around: Surroundings | None = None) -> JobStatus:
         return job_status(job, around or self.surroundings())
@@ -202,6 +227,7 @@ class CronLoop(Loop):
                             job, around.pause["globally_paused"]))
 
     def on_stopping(self) -> None:
+        self.backfills.close()
         self.runner.close(self._stop_grace_s)
 
     def status(self) -> dict[str, object]:

@@ -145,8 +145,8 @@ class JobRegistry:
     def problems(self) -> list[dict[str, str]]:
         found = [problem for source in self.sources.values() for problem in source.problems()]
         with self._lock:
-            found += [{"path": c.path, "message": f"{c.error}; moved aside to {c.moved_to}"}
-                      for c in self._corrupt_files]
+            found += [{"path": c.path, "message": f"{c.error}; moved aside to {c.moved_to}",
+                       "kind": "state"} for c in self._corrupt_files]
         return found
 
     def counts(self) -> dict[str, int]:

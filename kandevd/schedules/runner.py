@@ -2,8 +2,11 @@
 
 It starts sessions (a cron fire from the loop, a manual trigger from the
 socket) in the cron loop's fan-out, so the loop's ``stop()`` joins them; it
-holds the one buffered fire of a ``buffer_one`` schedule and starts it when
-the running session ends; it stops a session on request or at shutdown.
+holds the one buffered fire of a ``buffer_one`` (or ``replace``) schedule and
+starts it when the running session ends; it stops a session on request, when
+it outlives its ``timeout_s``, or at shutdown. When a session ends it tells
+the job's source, pauses a job that failed ``pause_after_failures`` times in a
+row, and hands a notification to the :class:`~kandevd.schedules.notify.Notifier`.
 """
 
 from __future__ import annotations
@@ -12,15 +15,20 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any
 
 from kandevd.config import Config
 from kandevd.paths import HomeLayout
+from kandevd.schedules import history as hist
 from kandevd.schedules.history import SHUTDOWN_ERROR, History
 from kandevd.schedules.jobs import Job, JobNotFound
+from kandevd.schedules.notify import Notifier, notify_event
+from kandevd.schedules.options import NotifySpec
 from kandevd.schedules.registry import JobRegistry
 from kandevd.schedules.session import MANUAL_STOP_ERROR, Session, SessionControl, SessionPlan
-from kandevd.timeutil import utc_now
+from kandevd.schedules.states import paused_after_failures
+from kandevd.timeutil import rfc3339, utc_now
 
 log = logging.getLogger("kandevd.scheduler")
 
@@ -44,24 +52,34 @@ class RunnerClosed(Exception):
 class _InFlight:
     plan: SessionPlan
     control: SessionControl
+    #: When the session has run its ``timeout_s`` (None: no limit).
+    deadline: datetime | None = None
+    timeout_s: float | None = None
 
 
 class SessionRunner:
     def __init__(self, registry: JobRegistry, *, config: Config, layout: HomeLayout,
                  runtime: Any, spawn: Spawn,
-                 fire_buffered: Callable[[Job], None] | None = None) -> None:
+                 fire_buffered: Callable[[Job], None] | None = None,
+                 wake: Callable[[], None] | None = None) -> None:
         """``fire_buffered(job)`` decides a buffered fire once its session ended (the
-        cron loop's policy); it calls :meth:`start_buffered` when the fire still runs."""
+        cron loop's policy); it calls :meth:`start_buffered` when the fire still runs.
+        ``wake()`` has the loop look again (a new session's deadline)."""
         self._registry = registry
         self._config = config
         self._layout = layout
         self._runtime = runtime
         self._spawn = spawn
         self._fire_buffered = fire_buffered
+        self._wake = wake
         self._lock = threading.Lock()
+        #: Notified whenever a session ends (a backfill waits on it for its next run).
+        self._idle = threading.Condition(self._lock)
         self._running: dict[str, _InFlight] = {}
         self._buffered: set[str] = set()
         self._closed = False
+        self.notifier = Notifier(spawn)
+        self._default_notify = NotifySpec.from_raw(config.scheduler.notify)
 
     # -- queries --------------------------------------------------------------------
     def is_running(self, job_id: str) -> bool:
@@ -86,17 +104,25 @@ class SessionRunner:
             return flight.plan if flight else None
 
     # -- starting -------------------------------------------------------------------
-    def start(self, job: Job, trigger_source: str) -> SessionPlan:
-        """Start a session of ``job`` now; AlreadyRunning when one is in flight."""
+    def start(self, job: Job, trigger_source: str, *, intended_at: datetime | None = None,
+              fire_times: list[datetime] | None = None) -> SessionPlan:
+        """Start a session of ``job`` now; AlreadyRunning when one is in flight.
+
+        ``intended_at``: the fire time it stands for, when it starts later (a jittered
+        or a backfilled fire); ``fire_times``: the missed fires a catch-up run stands
+        for. Both are recorded on the entry."""
         plan, history = job.source.plan(job, trigger_source)
+        plan.intended_at, plan.fire_times = intended_at, fire_times
         control = SessionControl(self._runtime.wake_waiters)
+        timeout = job.spec.schedule.options.timeout_s
+        deadline = utc_now() + timedelta(seconds=timeout) if timeout else None
         with self._lock:
             if self._closed:
                 raise RunnerClosed()
             if job.key in self._running:
                 raise AlreadyRunning(f"job {job.key!r} is already running (session "
                                      f"{self._running[job.key].plan.session_id})")
-            self._running[job.key] = _InFlight(plan, control)
+            self._running[job.key] = _InFlight(plan, control, deadline, timeout)
         try:
             job.source.started(job, utc_now())
             self._spawn(f"session-{plan.entry_id[:8]}",
@@ -105,6 +131,8 @@ class SessionRunner:
             with self._lock:
                 self._running.pop(job.key, None)
             raise
+        if deadline is not None and self._wake is not None:
+            self._wake()  # the loop ticks at the deadline (expire)
         return plan
 
     def buffer(self, job_id: str) -> bool:
@@ -122,18 +150,23 @@ class SessionRunner:
                               runtime=self._runtime, history=history, control=control)
             entry = session.run()
         finally:
-            self._finish(plan, entry)
+            self._finish(plan, entry, history)
 
-    def _finish(self, plan: SessionPlan, entry: dict[str, Any] | None) -> None:
+    def _finish(self, plan: SessionPlan, entry: dict[str, Any] | None,
+                history: History) -> None:
         if entry is not None:
             try:  # (gone after a reload: only its history was written)
                 job = self._registry.by_key(plan.job_id)
             except JobNotFound:
                 pass
             else:
+                failures_before = job.state.consecutive_failures
                 job.source.finished(job, entry)
+                paused = self._pause_if_failing(job, entry)
+                self._notify(job, entry, failures_before, history, paused)
         with self._lock:
             self._running.pop(plan.job_id, None)
+            self._idle.notify_all()
             start_buffered = plan.job_id in self._buffered and not self._closed
             self._buffered.discard(plan.job_id)
         if start_buffered:
@@ -144,6 +177,83 @@ class SessionRunner:
                 return
             if self._fire_buffered is not None:
                 self._fire_buffered(job)  # decided again: a pause since then still counts
+
+    def wait_idle(self, job_id: str, stop: threading.Event) -> None:
+        """Block until ``job_id`` has no session in flight (or ``stop`` is set)."""
+        with self._idle:
+            while job_id in self._running and not stop.is_set() and not self._closed:
+                self._idle.wait()
+
+    def wake_idle(self) -> None:
+        with self._idle:
+            self._idle.notify_all()
+
+    def _pause_if_failing(self, job: Job, entry: dict[str, Any]) -> bool:
+        """Disable a job that has failed ``pause_after_failures`` times in a row, as
+        ``jobs disable`` does (``jobs enable`` lifts it); True when it did."""
+        limit = job.spec.schedule.options.pause_after_failures
+        if not limit or entry.get("status") != hist.ERROR or not job.enabled \
+                or job.state.consecutive_failures < limit:
+            return False
+        try:
+            job = job.source.set_enabled(job, False, utc_now())
+        except Exception as exc:  # a manifest that cannot be written: say so, go on
+            log.error("%s: could not pause after %d consecutive failures: %s", job.key,
+                      job.state.consecutive_failures, exc)
+            return False
+        log.warning("%s: %s", job.key, paused_after_failures(job))
+        return True
+
+    def _notify(self, job: Job, entry: dict[str, Any], failures_before: int,
+                history: History, paused: bool) -> None:
+        spec = job.spec.schedule.options.notify or self._default_notify
+        event = notify_event(str(entry.get("status")), failures_before, spec.on,
+                             paused=paused)
+        if event is None or not spec.has_target:
+            return
+        body = dict(entry)
+        if paused:
+            body["paused_reason"] = paused_after_failures(job)
+        entry_id = str(entry.get("id"))
+
+        def record(outcome: dict[str, Any]) -> None:
+            try:
+                history.update_entry(entry_id, {**entry, "notified": outcome})
+                entry["notified"] = outcome
+            except Exception as exc:  # the notification went out; only its record failed
+                log.warning("%s: notification outcome not recorded: %s", job.key, exc)
+
+        self.notifier.submit(job.key, spec, event, body, record)
+
+    def expire(self, now: datetime) -> datetime | None:
+        """Stop the sessions past their ``timeout_s`` (as ``jobs stop`` does, recorded
+        ``error: timed out after ...``); the next deadline, if any."""
+        with self._lock:
+            flights = list(self._running.values())
+        upcoming = []
+        for flight in flights:
+            if flight.deadline is None or flight.control.stop_requested:
+                continue
+            if flight.deadline <= now:
+                log.warning("%s: session %s timed out after %gs; stopping it",
+                            flight.plan.job_id, flight.plan.session_id, flight.timeout_s)
+                flight.control.request_stop(f"timed out after {flight.timeout_s:g}s",
+                                            status=hist.ERROR)
+            else:
+                upcoming.append(flight.deadline)
+        return min(upcoming) if upcoming else None
+
+    def replace(self, job: Job, intended: datetime) -> bool:
+        """``overlap_policy: replace``: stop the running session and keep this fire for
+        when it has ended; False when a fire already waits (it is skipped)."""
+        with self._lock:
+            flight = self._running.get(job.key)
+            if job.key in self._buffered:
+                return False
+            self._buffered.add(job.key)
+        if flight is not None:
+            flight.control.request_stop(f"stopped: replaced by the fire of {rfc3339(intended)}")
+        return True
 
     def start_buffered(self, job: Job) -> None:
         """Start the fire a ``buffer_one`` schedule kept, now that its session ended."""
@@ -167,10 +277,12 @@ class SessionRunner:
     def close(self, grace_s: float) -> None:
         """Shutdown: start nothing new; each session ends its current turn after
         ``grace_s`` and sends no further one (the caller then joins the threads)."""
+        self.notifier.close()
         with self._lock:
             self._closed = True
             self._buffered.clear()
             flights = list(self._running.values())
+            self._idle.notify_all()
         for flight in flights:
             flight.control.request_stop(SHUTDOWN_ERROR, grace_s=grace_s)
         if flights:

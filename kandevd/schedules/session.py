@@ -48,6 +48,8 @@ class SessionControl:
         self._cond = threading.Condition()
         self._wake_runtime = wake_runtime
         self.stop_error: str | None = None
+        #: How a stopped session is recorded: ``stopped``, or ``error`` for a timeout.
+        self.stop_status: str = hist.STOPPED
         self.shutdown_deadline: float | None = None
 
     @property
@@ -55,11 +57,13 @@ class SessionControl:
         with self._cond:
             return self.stop_error is not None
 
-    def request_stop(self, error: str, *, grace_s: float = 0.0) -> None:
+    def request_stop(self, error: str, *, grace_s: float = 0.0,
+                     status: str = hist.STOPPED) -> None:
         """Stop the session; the current turn gets ``grace_s`` to finish first."""
         with self._cond:
             if self.stop_error is None:
                 self.stop_error = error
+                self.stop_status = status
                 self.shutdown_deadline = time.monotonic() + grace_s
             self._cond.notify_all()
         self._wake_runtime()
@@ -123,9 +127,13 @@ class SessionPlan:
 
     job_id: str
     program: Program
-    trigger_source: str  # "cron" | "manual"
+    trigger_source: str  # "cron" | "manual" | "backfill" | "catchup"
     session_id: str = field(default_factory=lambda: str(uuid.uuid4()))
     entry_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    #: The fire time it stands for, when that is not its start (jitter, backfill).
+    intended_at: datetime | None = None
+    #: A catch-up run: the missed fire times it stands for.
+    fire_times: list[datetime] | None = None
 
 
 class Session:
@@ -154,6 +162,10 @@ class Session:
             "started_at": rfc3339(started), "completed_at": None,
             "trigger_source": plan.trigger_source, "turns": [], "cost_cents": 0,
         }
+        if plan.intended_at is not None:
+            self.entry["intended_at"] = rfc3339(plan.intended_at)
+        if plan.fire_times:
+            self.entry["fire_times"] = [rfc3339(t) for t in plan.fire_times]
         self._history.record_start(self.entry, started)
         log.info("session %s of %s started (%s)", plan.session_id, plan.job_id,
                  plan.trigger_source)
@@ -171,8 +183,9 @@ class Session:
         self.entry["completed_at"] = rfc3339(ended)
         self.entry["duration_ms"] = max(0, int((ended - started).total_seconds() * 1000))
         self._save()
-        log.info("session %s of %s ended: %s%s", plan.session_id, plan.job_id, status,
-                 f" ({error})" if error else "")
+        log.log(logging.WARNING if status == hist.ERROR else logging.INFO,
+                "session %s of %s ended: %s%s", plan.session_id, plan.job_id, status,
+                f" ({error})" if error else "")
         return self.entry
 
     def ended_by(self, turn: dict[str, Any]) -> tuple[str, str | None] | None:
@@ -180,13 +193,13 @@ class Session:
         if turn["status"] == hist.SUCCESS:
             return None
         if turn["status"] == hist.STOPPED:
-            return hist.STOPPED, self.control.stop_error or turn.get("error")
+            return self.control.stop_status, self.control.stop_error or turn.get("error")
         return hist.ERROR, f"{turn['kind']} turn {turn['index']} failed: {turn.get('error')}"
 
     def stopped(self) -> tuple[str, str | None] | None:
         """The session's end when a stop was asked for before the next turn."""
         if self.control.stop_requested:
-            return hist.STOPPED, self.control.stop_error
+            return self.control.stop_status, self.control.stop_error
         return None
 
     def _save(self) -> None:
@@ -244,6 +257,8 @@ class Session:
         stdin = {"kind": "turn", "session_id": plan.session_id, "run_id": plan.entry_id,
                  "message": turn.message, "triggered_by": plan.trigger_source,
                  "turn": {"index": index, "kind": turn.kind}, **turn.stdin}
+        if plan.intended_at is not None:
+            stdin["intended_at"] = rfc3339(plan.intended_at)
         spec = agent_execution(profile, self.layout, kind="turn", key=key, stdin=stdin,
                                session_id=plan.session_id, run_id=plan.entry_id, cwd=turn.cwd,
                                log_path=plan.program.log_path(self, index, turn.kind))
@@ -262,8 +277,9 @@ class Session:
             return None
 
         def stop_turn() -> None:
-            reason = "stopped by scheduler.jobs.stop" \
-                if self.control.stop_error == MANUAL_STOP_ERROR else "daemon shutting down"
+            error = self.control.stop_error or ""
+            reason = "stopped by scheduler.jobs.stop" if error == MANUAL_STOP_ERROR \
+                else "daemon shutting down" if error == hist.SHUTDOWN_ERROR else error
             self._runtime.stop_execution(key, reason)
 
         self.control.wait_turn(done, stop_turn)

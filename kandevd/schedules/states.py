@@ -6,7 +6,7 @@ answer everywhere. The states, most decisive first:
 
 ``running``/``buffered``  a session runs (``buffered``: a cron fire waits for it)
 ``invalid``  its file has a problem; the job is kept as last loaded and does not fire
-``ended``    past its end date
+``ended``    past its ``end_at`` (no fire is left in its window)
 ``disabled`` the schedule (or the user's override) is off
 ``blocked``  cron execution is switched off, or an allow/block list keeps it out
 ``paused``   the scheduler is globally paused
@@ -55,6 +55,8 @@ class Surroundings:
     #: Job keys with a session in flight, and those with a cron fire waiting for one.
     running: frozenset[str] = frozenset()
     buffered: frozenset[str] = frozenset()
+    #: The moment the states are read at (``ended`` needs it); None: never ended.
+    now: datetime | None = None
 
 
 def job_status(job: Job, around: Surroundings) -> JobStatus:
@@ -75,14 +77,38 @@ def job_status(job: Job, around: Surroundings) -> JobStatus:
                          f"recently); fires at {rfc3339(held)} at the latest", held)
     if upcoming is None:
         return JobStatus(SCHEDULED, "no further fire time", None)
+    start = job.spec.schedule.options.start_at
+    if start is not None and around.now is not None and around.now < start:
+        return JobStatus(SCHEDULED, f"begins at {rfc3339(start)} (start_at); first fire at "
+                         f"{rfc3339(upcoming)}", upcoming)
     return JobStatus(SCHEDULED, f"fires at {rfc3339(upcoming)}", upcoming)
+
+
+def paused_after_failures(job: Job) -> str | None:
+    """Why a job is off when ``pause_after_failures`` switched it off (None otherwise):
+    it is off and has failed at least that many times in a row. Derived from the
+    state (seeded from the history), so it reads the same after a restart."""
+    limit = job.spec.schedule.options.pause_after_failures
+    state = job.state
+    if not limit or job.enabled or state.consecutive_failures < limit:
+        return None
+    last = f"; last: {state.last_error}" if state.last_error else ""
+    return f"paused after {state.consecutive_failures} consecutive failures{last} " \
+        "(kandevd jobs enable resumes it)"
 
 
 def _why_not(job: Job, around: Surroundings) -> tuple[str, str] | None:
     """The state and reason that keep ``job`` from firing at all, if any."""
     if job.state.invalid is not None:
         return INVALID, job.state.invalid
+    options = job.spec.schedule.options
+    if around.now is not None and options.ended(around.now):
+        return ENDED, f"ended at {rfc3339(options.end_at)} (end_at)" \
+            if options.end_at else "ended"
     if not job.enabled:
+        paused = paused_after_failures(job)
+        if paused:
+            return DISABLED, paused
         if job.state.enabled is False:
             return DISABLED, f"disabled for user {job.user_id}"
         return DISABLED, "the schedule is disabled"

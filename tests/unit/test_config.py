@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
+from kandevd import yamlsafe
 from kandevd.config import (
     DEFAULTS,
     Config,
@@ -33,7 +33,8 @@ CONTRACT_DEFAULTS: dict[str, Any] = {
     "control": {"idle_timeout_s": 60},
     "metrics": {"listen": None},
     "office": {"enabled": True, "interval_s": 30, "recovery_lookback_hours": 24},
-    "scheduler": {"enabled": True, "root": None, "history_retention_days": 90},
+    "scheduler": {"enabled": True, "root": None, "history_retention_days": 90,
+                  "notify": {"command": None, "webhook": None, "on": ["failure", "recovery"]}},
     "agents": {"default": {"command": None, "timeout_s": 3600, "env": {}}},
 }
 #: Keys the daemon offers beyond the contract's list (every one optional).
@@ -79,7 +80,7 @@ def test_defaults_are_the_contracts() -> None:
 
 
 def test_the_shipped_annotated_config_matches_the_defaults() -> None:
-    document = yaml.safe_load((REPO / "kandevd" / "conf" / "kandevd.yaml").read_text())
+    document = yamlsafe.loads((REPO / "kandevd" / "conf" / "kandevd.yaml").read_text())
     assert document == ALL_DEFAULTS
     assert build_config(document, environ={}).queue == build_config(None, environ={}).queue
 

@@ -21,7 +21,9 @@ from kandevd.control.services import Services
 from kandevd.cron import CronError, describe_times, next_fire_times, parse_cron, parse_timezone
 from kandevd.schedules import history as hist
 from kandevd.schedules import runner as run
+from kandevd.schedules.backfill import BackfillRunning, RangeTooLarge, fire_times
 from kandevd.schedules.jobs import AmbiguousJob, Job, JobNotFound, UserNeeded
+from kandevd.schedules.options import option_properties
 from kandevd.schedules.products.source import ProductSource
 from kandevd.schedules.states import STATES
 from kandevd.schedules.workflows.manifest import (
@@ -53,7 +55,8 @@ SCHEDULE_FIELDS: dict[str, Any] = {
     "messages": {"type": "array", "items": {"type": "string", "minLength": 1}},
     "workshop_mode": {"enum": ["run", "workshop", "runner"]},
     "pulse": {"type": "boolean"},
-    "overlap_policy": {"enum": ["skip", "buffer_one"]},
+    "overlap_policy": {"enum": ["skip", "buffer_one", "replace"]},
+    **option_properties(),
 }
 WORKFLOW_NAME = {"type": "string", "minLength": 1, "maxLength": 200}
 USER = {"type": "string", "minLength": 1, "maxLength": 200}
@@ -224,12 +227,42 @@ def register(registry: Registry, services: Services) -> None:
 
     def stop(p: dict[str, Any]) -> dict[str, Any]:
         job = resolve(p["id"], p.get("user_id"))
+        backfill = loop.backfills.stop(job.key)
         try:
             plan = runner.stop(job.key)
         except run.NotRunning as exc:
+            if backfill:  # between two of its sessions
+                return {"id": job.id, "session_id": None, "run_id": None, "stopping": True,
+                        "backfill": True}
             raise NotRunning(str(exc)) from None
         return {"id": job.id, "session_id": plan.session_id, "run_id": plan.entry_id,
-                "stopping": True}
+                "stopping": True, "backfill": backfill}
+
+    def backfill(p: dict[str, Any]) -> dict[str, Any]:
+        job = resolve(p["id"], p.get("user_id"))
+        start, end = _time_param(p, "from"), _time_param(p, "to")
+        assert start is not None and end is not None
+        if end < start:
+            raise InvalidParams("params.to: must not be earlier than params.from")
+        dry_run = p.get("dry_run", False)
+        if not dry_run and end > utc_now():
+            raise InvalidParams("params.to: a backfill runs past fire times; this one is in "
+                                "the future (a dry run may look ahead)")
+        try:
+            times = fire_times(job, start, end)
+        except RangeTooLarge as exc:
+            raise InvalidParams(f"params: {exc}") from None
+        zone = parse_timezone(job.spec.schedule.timezone)
+        started = False
+        if times and not dry_run:
+            if job.state.invalid is not None:
+                raise Conflict(f"{job.id} is invalid: {job.state.invalid}")
+            try:
+                loop.backfills.start(job, times)
+            except BackfillRunning as exc:
+                raise Conflict(str(exc)) from None
+            started = True
+        return {"id": job.id, "times": describe_times(times, zone), "started": started}
 
     def reload(_p: dict[str, Any]) -> dict[str, Any]:
         result = jobs.rescan(utc_now())
@@ -257,6 +290,10 @@ def register(registry: Registry, services: Services) -> None:
     registry.add("scheduler.jobs.disable", disable, JOB_REF)
     registry.add("scheduler.jobs.trigger", trigger, JOB_REF)
     registry.add("scheduler.jobs.stop", stop, JOB_REF)
+    registry.add("scheduler.jobs.backfill", backfill, object_schema({
+        "id": ID, "user_id": USER, "from": {"type": "string", "minLength": 1, "maxLength": 64},
+        "to": {"type": "string", "minLength": 1, "maxLength": 64},
+        "dry_run": {"type": "boolean"}}, ("id", "from", "to")))
     registry.add("scheduler.jobs.runs", runs, object_schema(
         {"id": ID, "user_id": USER, **paging_properties()}, ("id",)))
     registry.add("scheduler.jobs.next", next_, object_schema({

@@ -57,9 +57,11 @@ def failed_message(entry: dict[str, Any], schedule: ProductSchedule) -> dict[str
     if not isinstance(first, int) or not turns or turns[-1].get("status") != hist.ERROR:
         return None
     index = first + len(turns) - 1
-    if index >= len(schedule.messages):
+    message = turns[-1].get("message")
+    if index >= len(schedule.messages) or not isinstance(message, str):
         return None
-    return {"index": index, "message": schedule.messages[index]}
+    # The text the run sent: a schedule changed since then no longer matches it.
+    return {"index": index, "message": message}
 
 
 class ProductProgram:

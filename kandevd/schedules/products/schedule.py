@@ -25,6 +25,14 @@ from typing import Any
 import jsonschema
 
 from kandevd.cron import CronError, CronSchedule, parse_cron, parse_timezone
+from kandevd.schedules.options import (
+    NO_OPTIONS,
+    OPTION_FIELDS,
+    ScheduleOptions,
+    option_problems,
+    parse_options,
+    with_options,
+)
 from kandevd.schemacheck import validation_problems
 
 SUCCESS = "success"
@@ -37,7 +45,7 @@ DEFAULT_MAX_DEFERRAL_HOURS = 24.0
 
 SCHEDULE_FIELDS = ("id", "name", "description", "enabled", "messages", "cron_expression",
                    "timezone", "cadence_hours", "preferred_hour", "quiet_minutes",
-                   "max_deferral_hours")
+                   "max_deferral_hours", *OPTION_FIELDS)
 _OPTIONAL_NUMBERS = ("cadence_hours", "preferred_hour", "quiet_minutes", "max_deferral_hours")
 
 TIMING_BOTH = "timing: give either cron_expression or cadence_hours, not both"
@@ -76,6 +84,7 @@ class ProductSchedule:
     preferred_hour: int | None = None
     quiet_minutes: float | None = None
     max_deferral_hours: float | None = None
+    options: ScheduleOptions = NO_OPTIONS
 
     @property
     def trigger(self) -> CronSchedule | None:
@@ -93,7 +102,7 @@ class ProductSchedule:
         for name in _OPTIONAL_NUMBERS:
             if getattr(self, name) is not None:
                 result[name] = getattr(self, name)
-        return result
+        return {**result, **self.options.as_dict()}
 
 
 @dataclass(frozen=True)
@@ -122,9 +131,9 @@ class Decision:
 def _validator() -> jsonschema.Draft202012Validator:
     text = resources.files("kandevd.schemas").joinpath("product.json").read_text("utf-8")
     schema = json.loads(text)
+    defs = {**schema["$defs"], "schedule": with_options(schema["$defs"]["schedule"])}
     return jsonschema.Draft202012Validator(
-        {"$schema": schema.get("$schema"), "$defs": schema["$defs"],
-         "$ref": "#/$defs/schedule"})
+        {"$schema": schema.get("$schema"), "$defs": defs, "$ref": "#/$defs/schedule"})
 
 
 @cache
@@ -151,6 +160,7 @@ def validate(raw: Any) -> list[str]:
         problems.append(PREFERRED_HOUR_WITHOUT_CADENCE)
     if "max_deferral_hours" in raw and "quiet_minutes" not in raw:
         problems.append(DEFERRAL_WITHOUT_QUIET)
+    problems += option_problems(raw)
     timezone = raw.get("timezone", "UTC")
     if isinstance(timezone, str):
         try:
@@ -184,6 +194,7 @@ def parse(raw: Any) -> ProductSchedule:
         preferred_hour=int(preferred) if preferred is not None else None,
         quiet_minutes=raw.get("quiet_minutes"),
         max_deferral_hours=raw.get("max_deferral_hours"),
+        options=parse_options(raw),
     )
 
 

@@ -148,8 +148,11 @@ class ProductSource:
             self._directory = (self.root / catalog.USERS_FILE).exists()
             self._activity = activity
             self._products = len(products)
-            self._profiles = {product.profile_id for product in products}
-            self._users = {user.id for user in users or []}
+            # A file that cannot be used keeps what was known, so activity reported
+            # meanwhile is still stored for the quiet rule.
+            self._profiles = {product.profile_id for product in products} | (
+                self._profiles if problems else set())
+            self._users = {user.id for user in users} if users is not None else self._users
             self._problems = problems + user_problems
         for problem in problems + user_problems:
             log.error("product schedules not loaded: %s", problem)
@@ -174,11 +177,17 @@ class ProductSource:
         missed = job.state.next_fire
         if now is not None and spec.schedule.cron_expression is not None \
                 and missed is not None and missed <= now \
-                and (last_seen is None or missed > last_seen):
+                and (last_seen is None or missed > min(last_seen, now)):
+            job.state.missed_while_down += 1
+            window = spec.schedule.options.catchup_window_s
+            if window and (now - missed).total_seconds() <= window:
+                log.info("%s: occurrence of %s missed while the daemon was down; within "
+                         "catchup_window_s: run once now", job.key, rfc3339(missed))
+                job.state.catchup = [missed]
+                return job
             log.info("%s: occurrence of %s missed while the daemon was down; not "
                      "replayed", job.key, rfc3339(missed))
             job.state.next_fire = None
-            job.state.missed_while_down += 1
         return job
 
     def _kept_invalid(self, old: dict[str, Job], loaded: set[str], problems: list[Problem],
@@ -249,13 +258,15 @@ class ProductSource:
                 if not job.enabled or state.invalid is not None or \
                         (state.next_check is not None and state.next_check > now):
                     continue
+                if not timing.in_window(job, now):
+                    continue
                 active = self._last_active(job)
                 decision = timing.decision_for(job, now, active)
                 if decision is None:
                     continue
                 if timing.apply(job, decision, now, active):
                     to_save.append(job)
-                if decision.due:
+                if decision.due and timing.after_jitter(job, now):
                     fired.append(job)
         self.save(to_save)
         return sorted(fired, key=lambda j: j.key)

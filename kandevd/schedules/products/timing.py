@@ -19,6 +19,7 @@ from datetime import datetime, timedelta
 from kandevd.cron import next_fire_times
 from kandevd.schedules.history import SUCCESS
 from kandevd.schedules.jobs import Job, JobState
+from kandevd.schedules.options import jitter_delay
 from kandevd.schedules.products.schedule import (
     DEFERRAL_CAP,
     QUIET,
@@ -80,6 +81,35 @@ def apply(job: Job, decision: Decision, now: datetime, last_active: datetime | N
         state.next_fire = decision.next_at
         return True
     return False
+
+
+def in_window(job: Job, now: datetime) -> bool:
+    """Is ``now`` inside the job's ``start_at``/``end_at``? Before it, the job is asked
+    again at ``start_at``; after it, never (its state is ``ended``)."""
+    options = job.spec.schedule.options
+    if options.ended(now):
+        job.state.next_check = datetime.max.replace(tzinfo=now.tzinfo)
+        return False
+    if options.start_at is not None and now < options.start_at:
+        job.state.next_check = options.start_at
+        return False
+    return True
+
+
+def after_jitter(job: Job, now: datetime) -> bool:
+    """A due occurrence waits its ``jitter_s`` delay first; True once it may fire."""
+    state = job.state
+    jitter = job.spec.schedule.options.jitter_s
+    if jitter <= 0:
+        return True
+    if state.delayed_until is None:
+        intended = state.next_fire or state.due_at or now
+        state.delayed_until = intended + jitter_delay(job.key, intended, jitter)
+    if state.delayed_until > now:
+        state.next_check = state.delayed_until
+        return False
+    state.delayed_until = None
+    return True
 
 
 def next_wake(jobs: Iterable[Job], now: datetime) -> datetime | None:

@@ -27,6 +27,14 @@ import jsonschema
 
 from kandevd.cron import CronError, CronSchedule, parse_cron, parse_timezone
 from kandevd.jsonfile import JsonFile, JsonFileError
+from kandevd.schedules.options import (
+    NO_OPTIONS,
+    OPTION_FIELDS,
+    ScheduleOptions,
+    option_problems,
+    parse_options,
+    with_options,
+)
 from kandevd.schemacheck import validation_problems
 from kandevd.suggest import did_you_mean
 
@@ -39,7 +47,7 @@ _NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 
 SCHEDULE_FIELDS = ("id", "name", "description", "cron_expression", "timezone", "enabled",
                    "trigger_payload", "group_ids", "mode", "messages", "workshop_mode", "pulse",
-                   "overlap_policy")
+                   "overlap_policy", *OPTION_FIELDS)
 MODE_ALIASES = {"workflow": "workshop"}
 WORKSHOP_MODE_ALIASES = {"runner": "run"}
 
@@ -85,6 +93,7 @@ class Schedule:
     workshop_mode: str = "run"
     pulse: bool = False
     overlap_policy: str = "skip"
+    options: ScheduleOptions = NO_OPTIONS
 
     @property
     def trigger(self) -> CronSchedule:
@@ -96,7 +105,8 @@ class Schedule:
                 "enabled": self.enabled, "group_ids": list(self.group_ids), "mode": self.mode,
                 "messages": list(self.messages), "workshop_mode": self.workshop_mode,
                 "trigger_payload": self.trigger_payload,  # read-only here: it is encoded
-                "overlap_policy": self.overlap_policy, "pulse": self.pulse}
+                "overlap_policy": self.overlap_policy, "pulse": self.pulse,
+                **self.options.as_dict()}
 
 
 @dataclass(frozen=True)
@@ -123,7 +133,9 @@ class Workflow:
 @cache
 def _validator(name: str) -> jsonschema.Draft202012Validator:
     text = resources.files("kandevd.schemas").joinpath(f"{name}.json").read_text("utf-8")
-    return jsonschema.Draft202012Validator(json.loads(text))
+    schema = json.loads(text)
+    return jsonschema.Draft202012Validator(with_options(schema) if name == "schedule"
+                                           else schema)
 
 
 @cache
@@ -172,7 +184,7 @@ def parse_schedule(raw: Any, groups: Mapping[str, bool] | None, *, index: int | 
         where = f"schedule {raw['id']!r}"
     problems = _schema_problems("schedule", raw)
     if isinstance(raw, Mapping):
-        problems += _timing_problems(raw)
+        problems += _timing_problems(raw) + option_problems(raw)
         if groups is not None:
             problems += _group_problems(raw.get("group_ids"), groups)
     if problems:
@@ -188,6 +200,7 @@ def parse_schedule(raw: Any, groups: Mapping[str, bool] | None, *, index: int | 
         workshop_mode=WORKSHOP_MODE_ALIASES.get(raw.get("workshop_mode", "run"),
                                                 raw.get("workshop_mode", "run")),
         pulse=raw.get("pulse", False), overlap_policy=raw.get("overlap_policy", "skip"),
+        options=parse_options(raw),
     )
 
 

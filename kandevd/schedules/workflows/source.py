@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +20,7 @@ from kandevd.cron import next_fire_times
 from kandevd.jsonfile import CorruptFile
 from kandevd.schedules import history as hist
 from kandevd.schedules.jobs import AmbiguousJob, Job, JobNotFound, seed_state
+from kandevd.schedules.options import jitter_delay, within_window
 from kandevd.schedules.session import SessionPlan
 from kandevd.schedules.settings import Switches
 from kandevd.schedules.workflows import manifest
@@ -40,17 +41,24 @@ def workflow_job_id(workflow: str, schedule_id: str) -> str:
     return f"{WORKFLOW_PREFIX}{workflow}:{schedule_id}"
 
 
-def count_missed(schedule: Schedule, since: datetime, until: datetime) -> int:
-    """Fire times of ``schedule`` in ``(since, until]``, capped at MISSED_CAP."""
+def missed_times(schedule: Schedule, since: datetime, until: datetime) -> list[datetime]:
+    """Fire times of ``schedule`` in ``(since, until]`` inside its window, at most
+    MISSED_CAP."""
     times = next_fire_times(schedule.trigger, since, MISSED_CAP)
-    return sum(1 for moment in times if moment <= until)
+    return [t for t in times if t <= until and within_window(schedule.options, t)]
 
 
 def next_fire(schedule: Schedule, after: datetime) -> datetime | None:
+    """The first fire time after ``after`` inside the window (``start_at``/``end_at``)."""
     if not schedule.enabled:
         return None
+    start, end = schedule.options.window_timing()
+    if start is not None and after < start:
+        after = start - timedelta(microseconds=1)  # a fire at start_at itself counts
     times = next_fire_times(schedule.trigger, after, 1)
-    return times[0] if times else None
+    if not times or (end is not None and times[0] > end):
+        return None
+    return times[0]
 
 
 @dataclass(frozen=True)
@@ -162,9 +170,9 @@ class WorkflowSource:
         # during the reload records into the job either way.
         job.state = previous.state
         job.state.invalid = None
-        timing = (schedule.cron_expression, schedule.timezone, schedule.enabled)
-        before = previous.spec.schedule
-        if timing != (before.cron_expression, before.timezone, before.enabled) \
+        def timing(s: Schedule) -> tuple[Any, ...]:
+            return (s.cron_expression, s.timezone, s.enabled, s.options.window_timing())
+        if timing(schedule) != timing(previous.spec.schedule) \
                 or job.state.next_fire is None:
             job.state.next_fire = next_fire(schedule, now)
         return job
@@ -172,18 +180,27 @@ class WorkflowSource:
     def _count_missed(self, job: Job, entries: list[dict[str, Any]], now: datetime,
                       last_seen: datetime | None) -> None:
         """Fires whose time fell while no daemon ran: after ``last_seen`` (else after the
-        newest run, when no daemon left its mark)."""
+        newest run, when no daemon left its mark). Those within ``catchup_window_s``
+        before ``now`` are kept for one catch-up run."""
         schedule = job.spec.schedule
         if not schedule.enabled:
             return
-        since = last_seen
+        since = min(last_seen, now) if last_seen is not None else None
         if since is None and entries:
             since = hist.entry_time({"started_at": entries[0].get("started_at")})
         if since is None or since >= now:
             return
-        missed = count_missed(schedule, since, now)
+        times = missed_times(schedule, since, now)
+        missed = len(times)
         job.state.missed_while_down = missed
-        if missed:
+        window = schedule.options.catchup_window_s
+        caught = [t for t in times if (now - t).total_seconds() <= window] if window else []
+        if caught:
+            job.state.catchup = caught
+            log.info("%s: %d fire(s) missed while the daemon was down since %s; %d within "
+                     "catchup_window_s run once now", job.id, missed, rfc3339(since),
+                     len(caught))
+        elif missed:
             more = "+" if missed >= MISSED_CAP else ""
             log.info("%s: %d%s fire(s) missed while the daemon was down since %s; not "
                      "replayed, next fire %s", job.id, missed, more, rfc3339(since),
@@ -217,21 +234,46 @@ class WorkflowSource:
 
     # -- the clock ------------------------------------------------------------------
     def due(self, jobs: list[Job], now: datetime) -> list[Job]:
+        """Jobs whose fire time came (after its jitter), and catch-up runs at start."""
         fired = []
         for job in jobs:
-            moment = job.state.next_fire
+            state = job.state
+            if state.invalid is not None:  # kept only to be shown until its file is fixed
+                state.catchup = state.delayed_until = None
+                continue
+            if state.catchup:
+                state.due_at = state.catchup[-1]
+                fired.append(job)
+                continue
+            if state.delayed_until is not None:
+                if state.delayed_until <= now:
+                    state.delayed_until = None
+                    fired.append(job)
+                continue
+            moment = state.next_fire
             if moment is not None and moment <= now:
-                job.state.due_at = moment
-                job.state.next_fire = next_fire(job.spec.schedule, max(moment, now))
+                state.due_at = moment
+                state.next_fire = next_fire(job.spec.schedule, max(moment, now))
+                delay = jitter_delay(job.key, moment, job.spec.schedule.options.jitter_s)
+                if moment + delay > now:
+                    state.delayed_until = moment + delay
+                    continue
                 fired.append(job)
         return sorted(fired, key=lambda j: j.id)
 
     def next_wake(self, jobs: list[Job], now: datetime) -> datetime | None:
-        times = [j.state.next_fire for j in jobs if j.state.next_fire is not None]
+        times = [t for j in jobs for t in (j.state.next_fire, j.state.delayed_until)
+                 if t is not None]
+        if any(j.state.catchup for j in jobs):
+            times.append(now)
         return min(times) if times else None
 
     def next_times(self, job: Job, after: datetime, count: int) -> list[datetime]:
-        return next_fire_times(job.spec.schedule.trigger, after, count)
+        start = job.spec.schedule.options.start_at
+        if start is not None and after < start:
+            after = start - timedelta(microseconds=1)
+        return [t for t in next_fire_times(job.spec.schedule.trigger, after, count)
+                if within_window(job.spec.schedule.options, t)]
 
     # -- sessions -------------------------------------------------------------------
     def plan(self, job: Job, trigger_source: str) -> tuple[SessionPlan, hist.History]:

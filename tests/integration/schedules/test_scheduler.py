@@ -201,8 +201,13 @@ def test_restart_fixes_stale_entries_prunes_old_ones_and_remembers_the_last_run(
     daemon.wait_for_line("missed while the daemon was down")
     entries = history(folder)
     assert entries[0]["status"] == "error" and entries[0]["completed_at"]
-    daemon.call("scheduler.jobs.trigger", {"id": "s"})
-    finished = terminal(daemon, "s", count=2)
+    run_id = daemon.call("scheduler.jobs.trigger", {"id": "s"})["run_id"]
+
+    def recorded() -> list[dict[str, Any]] | None:
+        items = daemon.call("scheduler.jobs.runs", {"id": "s"})["items"]
+        return items if items[0]["id"] == run_id and items[0]["status"] != "running" \
+            else None
+    finished = daemon.wait_until(recorded, what="the triggered run recorded")
     assert [e["id"] for e in finished][1:] == ["stale"]  # "ancient" pruned (90 days)
     assert daemon.stop() == 0
     daemon.start()

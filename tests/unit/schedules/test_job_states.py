@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kandevd.schedules.jobs import Job, JobState
+from kandevd.schedules.options import NO_OPTIONS, ScheduleOptions
 from kandevd.schedules.settings import Switches
 from kandevd.schedules.states import (
     BLOCKED,
@@ -31,6 +32,7 @@ T0 = datetime(2026, 12, 3, 10, tzinfo=UTC)
 @dataclass
 class Schedule:
     enabled: bool
+    options: ScheduleOptions = NO_OPTIONS
 
 
 @dataclass

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kandevd.cron import next_fire_times, parse_cron
+from kandevd.schedules.options import NO_OPTIONS
 from kandevd.schedules.products import schedule as ps
 from kandevd.schedules.products.schedule import (
     Decision,
@@ -27,8 +28,9 @@ PROPERTY = settings(max_examples=40, deadline=None,
 ZONES = ("Europe/Berlin", "America/New_York", "Australia/Lord_Howe", "UTC")
 CRONS = ("*/15 * * * *", "0 9 * * *", "30 2 * * *", "0 2 * * *", "0 0 1 * mon",
          "0 */6 * * *", "5 4 * * sun", "0 12 1 1 *")
-ALLOWED = ("cadence_hours, cron_expression, description, enabled, id, max_deferral_hours, "
-           "messages, name, preferred_hour, quiet_minutes, timezone")
+ALLOWED = ("cadence_hours, catchup_window_s, cron_expression, description, enabled, end_at, "
+           "id, jitter_s, max_deferral_hours, messages, name, notify, pause_after_failures, "
+           "preferred_hour, quiet_minutes, start_at, timeout_s, timezone")
 T0 = datetime(2026, 3, 1, 8, 0, tzinfo=UTC)
 
 
@@ -156,7 +158,8 @@ def test_parse_normalizes_and_as_dict():
                                        quiet_minutes=15)
     assert schedule.as_dict() == {
         "id": "c", "name": "", "description": "", "enabled": True, "messages": ["a", "b"],
-        "cron_expression": "0 9 * * 1", "timezone": "Europe/Berlin", "quiet_minutes": 15}
+        "cron_expression": "0 9 * * 1", "timezone": "Europe/Berlin", "quiet_minutes": 15,
+        **NO_OPTIONS.as_dict()}
     assert schedule.trigger is schedule.trigger
     assert schedule.trigger.get_next_fire_time(None, at("2026-03-02T00:00:00+00:00")) \
         == at("2026-03-02T09:00:00+01:00")
@@ -167,7 +170,8 @@ def test_parse_normalizes_and_as_dict():
     assert other.as_dict() == {
         "id": "k", "name": "n", "description": "d", "enabled": False, "messages": ["hi"],
         "cron_expression": None, "timezone": "UTC", "cadence_hours": 36,
-        "preferred_hour": 9, "quiet_minutes": 30, "max_deferral_hours": 2}
+        "preferred_hour": 9, "quiet_minutes": 30, "max_deferral_hours": 2,
+        **NO_OPTIONS.as_dict()}
     assert isinstance(cadence(24, preferred_hour=9.0).preferred_hour, int)
 
 

@@ -90,7 +90,7 @@ def folder_of(home: HomeLayout, name: str = "w") -> Path:
 # -- the decision ----------------------------------------------------------------------
 
 @given(st.booleans(), st.booleans(), st.booleans(), st.booleans(), st.booleans(),
-       st.sampled_from(["skip", "buffer_one"]))
+       st.sampled_from(["skip", "buffer_one", "replace"]))
 def test_decide_fire_policy(enabled: bool, allowed: bool, paused: bool, running: bool,
                             buffered: bool, policy: str) -> None:
     decision = decide_fire(execution_enabled=enabled, workflow_allowed=allowed, paused=paused,
@@ -103,6 +103,8 @@ def test_decide_fire_policy(enabled: bool, allowed: bool, paused: bool, running:
         assert decision is Decision.RUN
     elif policy == "buffer_one" and not buffered:
         assert decision is Decision.BUFFER
+    elif policy == "replace" and not buffered:
+        assert decision is Decision.REPLACE
     else:
         assert decision is Decision.SKIP_OVERLAP
 

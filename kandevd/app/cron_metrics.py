@@ -21,7 +21,7 @@ from kandevd.timeutil import parse_rfc3339
 #: At most this many (product job, user) pairs are exported one by one.
 MAX_PRODUCT_SERIES = 1000
 OTHER_USERS = "_other"
-SKIP_REASONS = ("overlap", "paused", "disabled")
+SKIP_REASONS = ("overlap", "paused", "disabled", "unrecorded")
 
 
 class _Families:

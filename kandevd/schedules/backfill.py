@@ -20,7 +20,12 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from kandevd.schedules.jobs import Job
-from kandevd.schedules.runner import AlreadyRunning, RunnerClosed, SessionRunner
+from kandevd.schedules.runner import (
+    AlreadyRunning,
+    RunnerClosed,
+    SessionRunner,
+    StartNotRecorded,
+)
 from kandevd.timeutil import rfc3339
 
 log = logging.getLogger("kandevd.scheduler.backfill")
@@ -124,4 +129,7 @@ class Backfills:
             except AlreadyRunning:  # a cron fire or a trigger came first: wait for it
                 continue
             except RunnerClosed:
+                return False
+            except StartNotRecorded as exc:
+                log.warning("%s: backfill stopped at %s: %s", job.key, rfc3339(moment), exc)
                 return False

@@ -21,6 +21,8 @@ recorded; ``running`` entries and entries without a readable date are kept.
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Callable, Iterable
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -28,6 +30,8 @@ from typing import Any
 
 from kandevd.jsonfile import CorruptReporter, JsonFile
 from kandevd.timeutil import parse_rfc3339, rfc3339
+
+log = logging.getLogger("kandevd.scheduler.history")
 
 HISTORY = "schedule-runs.json"
 RUNNING, SUCCESS, ERROR, STOPPED = "running", "success", "error", "stopped"
@@ -103,6 +107,62 @@ def interrupt(entries: list[Any], now: datetime, error: str) -> int:
     return fixed
 
 
+class PendingWrites:
+    """History writes that failed (a full disk, a read-only remount): kept in memory
+    and written again until they land, as run outcomes are, so a session's record is
+    never lost to a passing lack of space. Process-wide (:data:`BACKLOG`), keyed by
+    the file and the entry; the newest fields of an entry win."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: dict[tuple[Path, str], tuple[History, dict[str, Any]]] = {}
+        #: Called when a write is kept (the cron loop's wake, so it retries soon).
+        self.wake: Callable[[], None] | None = None
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def keep(self, history: History, entry_id: str, fields: dict[str, Any],
+             error: OSError) -> None:
+        with self._lock:
+            first = not self._pending
+            self._pending[(history.file.path, entry_id)] = (history, fields)
+        if first:
+            log.warning("%s: history write failed (%s); kept in memory and written again "
+                        "until it lands", history.file.path, error.strerror or error)
+        if self.wake is not None:
+            self.wake()
+
+    def forget(self, history: History, entry_id: str) -> None:
+        with self._lock:
+            self._pending.pop((history.file.path, entry_id), None)
+
+    def flush(self) -> int:
+        """Write what is pending; how many writes are still pending."""
+        with self._lock:
+            items = list(self._pending.items())
+        written = 0
+        for key, (history, fields) in items:
+            try:
+                history.write_entry(key[1], fields)
+            except OSError:
+                continue
+            with self._lock:
+                if self._pending.get(key, (None, None))[1] is fields:
+                    del self._pending[key]
+            written += 1
+        left = len(self)
+        if written:
+            log.info("%d history write(s) that had failed are written now; %d still wait",
+                     written, left)
+        return left
+
+
+#: Every history file's failed writes, retried by the cron loop at each tick.
+BACKLOG = PendingWrites()
+
+
 class History:
     """The history file of one workflow."""
 
@@ -133,6 +193,16 @@ class History:
         self._update(add)
 
     def update_entry(self, entry_id: str, fields: dict[str, Any]) -> None:
+        """Merge ``fields`` into the entry ``entry_id``; a write that fails is kept in
+        :data:`BACKLOG` and written later (never raised: the session goes on)."""
+        try:
+            self.write_entry(entry_id, fields)
+        except OSError as exc:
+            BACKLOG.keep(self, entry_id, fields, exc)
+        else:
+            BACKLOG.forget(self, entry_id)
+
+    def write_entry(self, entry_id: str, fields: dict[str, Any]) -> None:
         """Merge ``fields`` into the entry ``entry_id``; re-add it if someone removed it."""
         def merge(entries: list[Any]) -> None:
             for index, entry in enumerate(entries):

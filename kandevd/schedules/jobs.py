@@ -52,6 +52,8 @@ class JobState:
     skipped_overlap: int = 0
     skipped_paused: int = 0
     skipped_disabled: int = 0
+    #: Cron fires that did not run because their start could not be written (a full disk).
+    skipped_unrecorded: int = 0
     missed_while_down: int = 0
     #: When the job fires next (a product's pending occurrence).
     next_fire: datetime | None = None
@@ -154,6 +156,7 @@ def job_dict(job: Job, status: JobStatus, *, running: bool, ineligible: str | No
         "consecutive_failures": state.consecutive_failures, "running": running,
         "skipped_overlap": state.skipped_overlap, "skipped_paused": state.skipped_paused,
         "skipped_disabled": state.skipped_disabled,
+        "skipped_unrecorded": state.skipped_unrecorded,
         "missed_while_down": state.missed_while_down,
         "cron_eligible": ineligible is None, "cron_ineligible_reason": ineligible,
         "state": status.state, "state_reason": status.reason,

@@ -22,14 +22,20 @@ import enum
 import logging
 import threading
 from collections.abc import Callable
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from kandevd.lifecycle import Loop, StopSignal
+from kandevd.schedules import history as hist
 from kandevd.schedules.backfill import Backfills
 from kandevd.schedules.jobs import Job, job_dict
 from kandevd.schedules.registry import JobRegistry
-from kandevd.schedules.runner import AlreadyRunning, RunnerClosed, SessionRunner
+from kandevd.schedules.runner import (
+    AlreadyRunning,
+    RunnerClosed,
+    SessionRunner,
+    StartNotRecorded,
+)
 from kandevd.schedules.states import JobStatus, Surroundings, job_status
 from kandevd.timeutil import utc_now
 
@@ -37,6 +43,8 @@ log = logging.getLogger("kandevd.scheduler")
 
 #: Longest sleep between ticks, so a wall-clock change is noticed within a minute.
 MAX_WAIT_S = 60.0
+#: How soon history writes that failed (a full disk) are tried again.
+RETRY_WRITES = timedelta(seconds=5)
 
 
 class Decision(enum.Enum):
@@ -46,6 +54,7 @@ class Decision(enum.Enum):
     SKIP_OVERLAP = "skip_overlap"
     SKIP_PAUSED = "skip_paused"
     SKIP_DISABLED = "skip_disabled"
+    SKIP_UNRECORDED = "skip_unrecorded"
 
 
 def decide_fire(*, execution_enabled: bool, workflow_allowed: bool, paused: bool,
@@ -84,6 +93,7 @@ class CronLoop(Loop):
         self.registry = registry
         self.runner = runner_factory(self)
         self.backfills = Backfills(self.runner, self.fanout.spawn)
+        hist.BACKLOG.wake = self.wake  # a history write kept after a failure: retry soon
         self._stop_grace_s = stop_grace_s
         self._reload = threading.Event()
         self.fires = 0
@@ -102,6 +112,8 @@ class CronLoop(Loop):
             self._reload.clear()
             self.registry.rescan(now)
         deadline = self.runner.expire(now)
+        if len(hist.BACKLOG) and hist.BACKLOG.flush():
+            deadline = min(d for d in (deadline, now + RETRY_WRITES) if d is not None)
         due = self.registry.due(now)
         self.registry.alive.touch(now)
         if due:
@@ -149,6 +161,11 @@ class CronLoop(Loop):
                 self._skip(job, decision, "a session is already running")
             except RunnerClosed:
                 return decision
+            except StartNotRecorded as exc:
+                decision = Decision.SKIP_UNRECORDED
+                job.state.skipped_unrecorded += 1
+                job.state.last_error = f"cron fire of {intended.isoformat()} not run: {exc}"
+                log.warning("%s: cron fire skipped: %s", job.key, exc)
         elif decision is Decision.BUFFER:
             self.runner.buffer(job.key)
             log.info("%s: cron fire buffered: it starts when the running session ends",
@@ -229,6 +246,13 @@ class CronLoop(Loop):
     def on_stopping(self) -> None:
         self.backfills.close()
         self.runner.close(self._stop_grace_s)
+
+    def on_stopped(self) -> None:
+        """The sessions are over: a last try at history writes that failed; what still
+        cannot be written is said (it is lost with the process)."""
+        if len(hist.BACKLOG) and (left := hist.BACKLOG.flush()):
+            log.error("%d history write(s) could not be written before the stop and are "
+                      "lost (the files' last good content stays)", left)
 
     def status(self) -> dict[str, object]:
         """The ``scheduler`` member of ``daemon.status``: the pause (and by whom), the

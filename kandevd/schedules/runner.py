@@ -43,6 +43,10 @@ class NotRunning(Exception):
     pass
 
 
+class StartNotRecorded(Exception):
+    """The session's start could not be written (a full disk): it does not start."""
+
+
 class RunnerClosed(Exception):
     def __str__(self) -> str:
         return "the scheduler is shutting down: no new session is started"
@@ -123,10 +127,12 @@ class SessionRunner:
                 raise AlreadyRunning(f"job {job.key!r} is already running (session "
                                      f"{self._running[job.key].plan.session_id})")
             self._running[job.key] = _InFlight(plan, control, deadline, timeout)
+        session = Session(plan, config=self._config, layout=self._layout,
+                          runtime=self._runtime, history=history, control=control)
         try:
-            job.source.started(job, utc_now())
+            self._begin(job, session)
             self._spawn(f"session-{plan.entry_id[:8]}",
-                        lambda: self._run(plan, history, control))
+                        lambda: self._run(session, history))
         except BaseException:
             with self._lock:
                 self._running.pop(job.key, None)
@@ -143,14 +149,28 @@ class SessionRunner:
             self._buffered.add(job_id)
             return True
 
-    def _run(self, plan: SessionPlan, history: History, control: SessionControl) -> None:
+    def _begin(self, job: Job, session: Session) -> None:
+        """Record the start (the entry, a product's spent occurrence); StartNotRecorded
+        when the files cannot be written, and then nothing runs."""
+        try:
+            session.begin()
+        except OSError as exc:
+            raise StartNotRecorded(f"its start could not be recorded: "
+                                   f"{exc.strerror or exc} ({exc.filename or ''})".replace(
+                                       " ()", "")) from None
+        try:
+            job.source.started(job, utc_now())
+        except OSError as exc:
+            reason = f"its start could not be recorded: {exc.strerror or exc}"
+            session.abandon(f"not started: {reason}")  # kept in memory until it lands
+            raise StartNotRecorded(reason) from None
+
+    def _run(self, session: Session, history: History) -> None:
         entry: dict[str, Any] | None = None
         try:
-            session = Session(plan, config=self._config, layout=self._layout,
-                              runtime=self._runtime, history=history, control=control)
             entry = session.run()
         finally:
-            self._finish(plan, entry, history)
+            self._finish(session.plan, entry, history)
 
     def _finish(self, plan: SessionPlan, entry: dict[str, Any] | None,
                 history: History) -> None:
@@ -260,7 +280,7 @@ class SessionRunner:
         try:
             log.info("%s: starting the buffered fire", job.key)
             self.start(job, "cron")
-        except (RunnerClosed, AlreadyRunning) as exc:
+        except (RunnerClosed, AlreadyRunning, StartNotRecorded) as exc:
             log.info("%s: buffered fire dropped: %s", job.key, exc)
 
     # -- stopping -------------------------------------------------------------------

@@ -151,11 +151,13 @@ class Session:
         self.clock = clock
         self.entry: dict[str, Any] = {}
         self._turn_index = 0
+        self._started: datetime | None = None
 
-    def run(self) -> dict[str, Any]:
-        """Run every turn; return the completed history entry."""
+    def begin(self) -> None:
+        """Write the ``running`` entry (in the caller's thread: a start that cannot be
+        recorded raises OSError, and the session does not start)."""
         plan = self.plan
-        started = self.clock()
+        started = self._started = self.clock()
         self.entry = {
             "id": plan.entry_id, **plan.program.entry_fields(), "session_id": plan.session_id,
             "status": hist.RUNNING, "error": None, "duration_ms": None,
@@ -169,6 +171,19 @@ class Session:
         self._history.record_start(self.entry, started)
         log.info("session %s of %s started (%s)", plan.session_id, plan.job_id,
                  plan.trigger_source)
+
+    def abandon(self, error: str) -> None:
+        """A begun session that will not run after all: its entry ends ``error``."""
+        self.entry.update(status=hist.ERROR, error=error, completed_at=rfc3339(self.clock()))
+        self._save()
+
+    def run(self) -> dict[str, Any]:
+        """Run every turn (after :meth:`begin`); return the completed history entry."""
+        if self._started is None:
+            self.begin()
+        plan = self.plan
+        started = self._started
+        assert started is not None
         try:
             status, error = plan.program.run_turns(self)
             if not self.control.stop_requested:

@@ -15,6 +15,7 @@ from kandevd.control.protocol import (
     NotRunning,
     Refused,
     ShuttingDown,
+    Unavailable,
 )
 from kandevd.control.registry import Registry, object_schema, paging_properties
 from kandevd.control.services import Services
@@ -222,6 +223,8 @@ def register(registry: Registry, services: Services) -> None:
             raise AlreadyRunning(str(exc)) from None
         except run.RunnerClosed as exc:
             raise ShuttingDown(str(exc)) from None
+        except run.StartNotRecorded as exc:
+            raise Unavailable(f"{job.id} not started: {exc}") from None
         return {"id": job.id, "session_id": plan.session_id, "run_id": plan.entry_id,
                 "job": job_dict(job)}
 

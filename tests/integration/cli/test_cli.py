@@ -172,6 +172,10 @@ def test_init_writes_a_systemd_unit_for_its_home_and_keeps_an_edited_one(
     [start] = [line for line in text.splitlines() if line.startswith("ExecStart=")]
     assert start.endswith(f"serve --home {home} --log-format json"), start
     assert "Type=notify" in text and stat.S_IMODE(unit.stat().st_mode) == 0o600
+    assert "KillMode=process" in text  # agents outlive a crash, to be adopted
+    verified = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True,
+                              text=True, timeout=60, check=False)
+    assert verified.returncode == 0 and verified.stderr == "", verified.stderr
     unit.write_text("# edited by hand\n")
     again = run_cli(home, "init", "--systemd")
     assert again.returncode == 0 and "kept" in again.stdout

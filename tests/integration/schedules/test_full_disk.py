@@ -1,0 +1,107 @@
+"""A full workflow root never swallows a fire: a real, small tmpfs filled to the last byte
+under the real daemon. A start that cannot be written does not start (a trigger answers
+``unavailable``, a cron fire is counted as skipped), and a history write that fails is
+kept in memory and lands once space returns."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kandevd.control.client import RpcCallError
+from kandevd.timeutil import utc_now
+from tests.support.daemon import DaemonProcess
+from tests.support.workflows import recorder_config, schedule, write_workflow
+
+pytestmark = pytest.mark.integration
+
+JOB = "workflow:w:s"
+
+
+@pytest.fixture
+def small_root(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs (mounting needs root, as the CI runs it)."""
+    mount = tmp_path / "root"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs",
+                           str(mount)], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def fill(root: Path) -> Path:
+    """Fill the file system to its last byte; the filler file (delete it to free space)."""
+    filler = root / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        for size in (65536, 4096, 1):
+            try:
+                while True:
+                    os.write(fd, b"\0" * size)
+            except OSError:
+                continue
+    finally:
+        os.close(fd)
+    return filler
+
+
+def entries(daemon: DaemonProcess) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = daemon.call("scheduler.jobs.runs", {"id": JOB})["items"]
+    return items
+
+
+def test_a_full_root_refuses_starts_and_loses_no_record(
+        small_root: Path, tmp_path: Path, daemon_factory: Callable[..., DaemonProcess]
+        ) -> None:
+    write_workflow(small_root, "w", [schedule("s", "* * * * *", messages=["SLEEP", "b"],
+                                              catchup_window_s=600)])
+    # the last daemon looked 90 s ago: a minute mark fell since, to be caught up at start
+    alive = small_root / "config" / "scheduler.alive"
+    alive.parent.mkdir(parents=True, exist_ok=True)
+    alive.touch()
+    seen = (utc_now() - timedelta(seconds=90)).timestamp()
+    os.utime(alive, (seen, seen))
+    filler = fill(small_root)
+    config = {**recorder_config(tmp_path / "record.jsonl"), "scheduler": {
+        "root": str(small_root)}}
+    daemon = daemon_factory(config, home=tmp_path / "home")
+
+    # the catch-up fire at start could not be recorded: skipped, said once, no traceback
+    daemon.wait_for_line("cron fire skipped: its start could not be recorded")
+    job = daemon.call("scheduler.jobs.get", {"id": JOB})
+    assert job["skipped_unrecorded"] == 1 and job["running"] is False
+    assert "No space left on device" in job["last_error"]
+    with pytest.raises(RpcCallError) as refused:
+        daemon.call("scheduler.jobs.trigger", {"id": JOB})
+    assert refused.value.error["data"]["kind"] == "unavailable"
+    assert "No space left on device" in refused.value.error["message"]
+    assert "Traceback" not in daemon.log_text
+
+    # space returns: a session starts; its later writes fail and are kept in memory
+    filler.unlink()
+    started = daemon.call("scheduler.jobs.trigger", {"id": JOB})
+    daemon.wait_until(lambda: entries(daemon) and entries(daemon)[0]["turns"],
+                      what="the first turn recorded")
+    filler = fill(small_root)
+    daemon.call("scheduler.jobs.stop", {"id": JOB})
+    daemon.wait_for_line("history write failed")
+    daemon.wait_until(lambda: not daemon.call("scheduler.jobs.get", {"id": JOB})["running"],
+                      what="the session over")
+    assert entries(daemon)[0]["status"] == "running"  # the file could not take its end
+    filler.unlink()
+    recorded = daemon.wait_until(
+        lambda: (items := entries(daemon)) and items[0]["status"] == "stopped" and items[0],
+        what="the kept entry written once space returned", timeout=30)
+    assert recorded["session_id"] == started["session_id"]
+    assert "Traceback" not in daemon.log_text
+    assert daemon.stop() == 0

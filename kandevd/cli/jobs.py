@@ -185,6 +185,10 @@ def next_times(job_id: str | None, user_id: str | None, cron_expression: str | N
         rows.append((item["utc"], item["local"], relative(moment, now)))
     if result.get("cron_expression"):
         click.echo(f"cron {result['cron_expression']!r} in {zone_name}")
+    if not rows:
+        click.echo("no fire time ahead (past the schedule's end_at, or an expression that "
+                   "never fires again)")
+        return
     table(("UTC", f"LOCAL ({zone_name})", "FROM NOW"), rows)
 
 

@@ -11,6 +11,7 @@ import click
 
 from kandevd.cli.common import client_options, echo_json, invoke, user_option
 from kandevd.cli.format import json_option, when
+from kandevd.timeutil import parse_rfc3339
 
 # -- schedule options ----------------------------------------------------------------------------
 
@@ -226,6 +227,13 @@ def backfill_job(job_id: str, start: str, end: str, dry_run: bool, user_id: str 
     stands for (intended_at); at most 1000 fire times. `kandevd jobs stop JOB`
     stops a backfill.
     """
+    for text, option in ((start, "--from"), (end, "--to")):
+        try:
+            parse_rfc3339(text)
+        except (ValueError, OverflowError):
+            raise click.BadParameter(f"{text!r} is not an RFC 3339 time with an offset "
+                                     "(e.g. 2026-03-28T00:00:00Z)", param_hint=option
+                                     ) from None
     result = invoke(home, socket_path, "scheduler.jobs.backfill",
                     {**job_ref(job_id, user_id), "from": start, "to": end,
                      "dry_run": dry_run})

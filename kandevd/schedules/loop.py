@@ -37,6 +37,7 @@ from kandevd.schedules.runner import (
     StartNotRecorded,
 )
 from kandevd.schedules.states import JobStatus, Surroundings, job_status
+from kandevd.schedules.stranded import STRANDED
 from kandevd.timeutil import utc_now
 
 log = logging.getLogger("kandevd.scheduler")
@@ -112,6 +113,7 @@ class CronLoop(Loop):
             self._reload.clear()
             self.registry.rescan(now)
         deadline = self.runner.expire(now)
+        STRANDED.settle()  # (what a crashed daemon's turns left; nothing after the first)
         if len(hist.BACKLOG) and hist.BACKLOG.flush():
             deadline = min(d for d in (deadline, now + RETRY_WRITES) if d is not None)
         due = self.registry.due(now)

@@ -57,9 +57,9 @@ class ScheduleOptions:
     #: None: the config's ``scheduler.notify``.
     notify: NotifySpec | None = None
     pause_after_failures: int | None = None
-    catchup_window_s: float = 0.0
+    catchup_window_s: float = 0
     timeout_s: float | None = None
-    jitter_s: float = 0.0
+    jitter_s: float = 0
     start_at: datetime | None = None
     end_at: datetime | None = None
 
@@ -125,13 +125,12 @@ def parse_options(raw: Mapping[str, Any]) -> ScheduleOptions:
         return NO_OPTIONS
     notify = raw.get("notify")
     start, end = raw.get("start_at"), raw.get("end_at")
-    timeout = raw.get("timeout_s")
-    return ScheduleOptions(
+    return ScheduleOptions(  # numbers as written (10, not 10.0, in the JOB)
         notify=NotifySpec.from_raw(notify) if isinstance(notify, Mapping) else None,
         pause_after_failures=raw.get("pause_after_failures"),
-        catchup_window_s=float(raw.get("catchup_window_s", 0)),
-        timeout_s=float(timeout) if timeout is not None else None,
-        jitter_s=float(raw.get("jitter_s", 0)),
+        catchup_window_s=raw.get("catchup_window_s", 0),
+        timeout_s=raw.get("timeout_s"),
+        jitter_s=raw.get("jitter_s", 0),
         start_at=parse_rfc3339(start) if isinstance(start, str) else None,
         end_at=parse_rfc3339(end) if isinstance(end, str) else None)
 

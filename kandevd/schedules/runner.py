@@ -164,6 +164,9 @@ class SessionRunner:
             reason = f"its start could not be recorded: {exc.strerror or exc}"
             session.abandon(f"not started: {reason}")  # kept in memory until it lands
             raise StartNotRecorded(reason) from None
+        # The newest run is this one from now on (a replaced one's are history).
+        job.state.last_run_at = session.entry["started_at"]
+        job.state.last_session_id = session.plan.session_id
 
     def _run(self, session: Session, history: History) -> None:
         entry: dict[str, Any] | None = None
@@ -208,32 +211,33 @@ class SessionRunner:
         with self._idle:
             self._idle.notify_all()
 
-    def _pause_if_failing(self, job: Job, entry: dict[str, Any]) -> bool:
+    def _pause_if_failing(self, job: Job, entry: dict[str, Any]) -> str | None:
         """Disable a job that has failed ``pause_after_failures`` times in a row, as
-        ``jobs disable`` does (``jobs enable`` lifts it); True when it did."""
+        ``jobs disable`` does (``jobs enable`` lifts it); the reason when it did."""
         limit = job.spec.schedule.options.pause_after_failures
         if not limit or entry.get("status") != hist.ERROR or not job.enabled \
                 or job.state.consecutive_failures < limit:
-            return False
+            return None
         try:
             job = job.source.set_enabled(job, False, utc_now())
         except Exception as exc:  # a manifest that cannot be written: say so, go on
             log.error("%s: could not pause after %d consecutive failures: %s", job.key,
                       job.state.consecutive_failures, exc)
-            return False
-        log.warning("%s: %s", job.key, paused_after_failures(job))
-        return True
+            return None
+        reason = paused_after_failures(job) or f"paused after {limit} consecutive failures"
+        log.warning("%s: %s", job.key, reason)
+        return reason
 
     def _notify(self, job: Job, entry: dict[str, Any], failures_before: int,
-                history: History, paused: bool) -> None:
+                history: History, paused: str | None) -> None:
         spec = job.spec.schedule.options.notify or self._default_notify
         event = notify_event(str(entry.get("status")), failures_before, spec.on,
-                             paused=paused)
+                             paused=paused is not None)
         if event is None or not spec.has_target:
             return
         body = dict(entry)
-        if paused:
-            body["paused_reason"] = paused_after_failures(job)
+        if paused is not None:
+            body["paused_reason"] = paused
         entry_id = str(entry.get("id"))
 
         def record(outcome: dict[str, Any]) -> None:

@@ -37,6 +37,7 @@ from kandevd.schedules.products.state import (
 )
 from kandevd.schedules.session import SessionPlan
 from kandevd.schedules.settings import Switches
+from kandevd.schedules.stranded import STRANDED
 from kandevd.schedules.workflows.manifest import Problem
 from kandevd.timeutil import rfc3339, utc_now
 
@@ -139,6 +140,8 @@ class ProductSource:
                 if (moment := stored_time(at)) is not None:
                     activity[(user.id, profile)] = moment
             for product in mine:
+                if now is not None:
+                    self._repair(user.id, product.profile_id, now)
                 for schedule in product.schedules:
                     jobs.append(self._job(old, ProductSpec(product, schedule, user),
                                           stored["schedules"], now, last_seen))
@@ -164,7 +167,9 @@ class ProductSource:
         previous = old.get(spec.key)
         if previous is not None:
             job.state = previous.state
-            job.state.invalid = None
+            if job.state.invalid is not None:  # its file was fixed: decide afresh
+                job.state.invalid = None
+                job.state.next_check = None
             if previous.spec.schedule != spec.schedule:  # new timing: decide afresh
                 job.state.next_fire = None
                 job.state.next_check = None
@@ -190,6 +195,18 @@ class ProductSource:
             job.state.next_fire = None
         return job
 
+    def _repair(self, user_id: str, profile_id: str, now: datetime) -> None:
+        """At start: runs a dead daemon left ``running`` in this user's history with the
+        product become ``error`` (their turns are settled on the first tick)."""
+        history = product_history(self.root, user_id, profile_id,
+                                  retention_days=self.retention_days,
+                                  on_corrupt=self._on_corrupt)
+        _entries, fixed = history.repair_after_restart(now)
+        if fixed:
+            log.warning("%s: %d run(s) left running by a previous daemon marked 'error' (%s)",
+                        history.file.path, fixed, hist.RESTART_ERROR)
+            STRANDED.add(history, history.repaired)
+
     def _kept_invalid(self, old: dict[str, Job], loaded: set[str], problems: list[Problem],
                       user_problems: list[Problem]) -> list[Job]:
         """Earlier jobs whose product.yaml (or the directory) now has a problem."""
@@ -203,8 +220,7 @@ class ProductSource:
             if not found:
                 continue  # removed from the product, or the user lost it: gone
             job.state.invalid = "; ".join(found)
-            job.state.next_fire = None
-            job.state.held_until = None
+            job.state.held_until = None  # (its pending occurrence stays, for when it is fixed)
             kept.append(job)
         return kept
 

@@ -23,6 +23,7 @@ from kandevd.schedules.jobs import AmbiguousJob, Job, JobNotFound, seed_state
 from kandevd.schedules.options import jitter_delay, within_window
 from kandevd.schedules.session import SessionPlan
 from kandevd.schedules.settings import Switches
+from kandevd.schedules.stranded import STRANDED
 from kandevd.schedules.workflows import manifest
 from kandevd.schedules.workflows.manifest import Problem, Schedule, Workflow
 from kandevd.schedules.workflows.program import WorkflowProgram
@@ -156,6 +157,7 @@ class WorkflowSource:
         if fixed:
             log.warning("%s: %d run(s) left running by a previous daemon marked 'error' (%s)",
                         history.file.path, fixed, hist.RESTART_ERROR)
+            STRANDED.add(history, history.repaired)
         return hist.latest_by_schedule(entries)
 
     def _job(self, old: dict[str, Job], workflow: Workflow, schedule: Schedule,

@@ -3,8 +3,9 @@
 Appends ``{"stdin": ..., "cwd": ..., "env": {...}, "start": t, "end": t}`` to the
 file named by ``$RECORD_FILE`` when it exits. The message decides the rest:
 ``FAILONCE`` in it exits 1 the first time only, any other ``FAIL`` exits 1,
-``SLEEP`` sleeps until SIGTERM (at most 60 s), ``EVAL`` adds an ``evaluation``
-to the summary line.
+``SLEEP`` sleeps until SIGTERM (at most 60 s), ``HOLD`` creates
+``$RECORD_FILE.held`` and waits for ``$RECORD_FILE.release`` (or SIGTERM, at
+most 60 s), ``EVAL`` adds an ``evaluation`` to the summary line.
 """
 
 from __future__ import annotations
@@ -35,6 +36,13 @@ def main() -> int:
     if "SLEEP" in message:
         deadline = time.time() + 60
         while not terminated and time.time() < deadline:
+            time.sleep(0.02)
+    if "HOLD" in message:
+        record_file = os.environ["RECORD_FILE"]
+        open(record_file + ".held", "a").close()
+        deadline = time.time() + 60
+        while not terminated and time.time() < deadline \
+                and not os.path.exists(record_file + ".release"):
             time.sleep(0.02)
     record = {"stdin": request, "cwd": os.getcwd(), "start": start, "end": time.time(),
               "terminated": terminated,

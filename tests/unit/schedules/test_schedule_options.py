@@ -203,3 +203,17 @@ def test_a_backfill_runs_each_fire_time_once_in_order(build, home) -> None:
     sent = {s["session_id"]: s["intended_at"] for s in agent.seen}
     assert [sent[e["session_id"]] for e in entries] == [e["intended_at"] for e in entries]
     assert not loop.backfills.running(JOB)
+
+
+def test_a_pause_is_announced_with_its_reason(build, home, tmp_path: Path) -> None:
+    out = tmp_path / "notified.json"
+    command = [sys.executable, "-c",
+               f"import sys; open({str(out)!r}, 'w').write(sys.stdin.read())"]
+    write_workflow(home.workspace, "w", [schedule(
+        "s", messages=["FAIL"], pause_after_failures=1, notify={"command": command})])
+    loop, _agent = build()
+    loop.runner.start(loop.registry.resolve("s"), "manual")
+    loop.fanout.join()
+    sent = json.loads(out.read_text())
+    assert sent["event"] == "paused"
+    assert sent["paused_reason"].startswith("paused after 1 consecutive failures; last: ")

@@ -434,3 +434,24 @@ def test_each_tick_marks_the_root_as_watched(build, home) -> None:
     loop, _agent = build()
     loop.tick(T0 + timedelta(minutes=7))
     assert loop.registry.alive.last_seen() == T0 + timedelta(minutes=7)
+
+
+def test_a_product_job_fixed_after_being_invalid_is_decided_again(build, home) -> None:
+    write_product(home.workspace, [{"id": "daily", "cron_expression": "0 11 * * *",
+                                    "messages": ["m"]}])
+    loop, _agent = build()
+    loop.tick(T0)
+    [job] = loop.registry.jobs(source="products")
+    product_file = home.workspace / "products" / "helper" / "product.yaml"
+    good = product_file.read_text()
+    product_file.write_text("profile: [")
+    loop.registry.rescan(T0 + timedelta(minutes=1))
+    loop.tick(T0 + timedelta(minutes=1))
+    assert loop.describe(job)["state"] == "invalid"
+    product_file.write_text(good)
+    loop.registry.rescan(T0 + timedelta(minutes=2))
+    loop.tick(T0 + timedelta(minutes=2))
+    [job] = loop.registry.jobs(source="products")
+    described = loop.describe(job)
+    assert described["state"] == "scheduled"
+    assert described["next_run_at"] == "2026-12-03T11:00:00.000000Z"

@@ -80,6 +80,10 @@ def invoke(home: str | None, socket_path: str | None, method: str,
 _FIELD = re.compile(r"^(?:params\.)?([A-Za-z_][A-Za-z0-9_]*)(?=[.:\s])")
 
 
+#: Parameters whose option is named otherwise in Python (``--from`` fills ``start``).
+_PARAM_ALIASES = {"from": "start", "to": "end"}
+
+
 def error_line(error: dict[str, Any], command: click.Command | None = None) -> str:
     """One readable line for a JSON-RPC error: ``--limit: 600 is greater than ...``.
 
@@ -90,12 +94,15 @@ def error_line(error: dict[str, Any], command: click.Command | None = None) -> s
     message = " ".join(str(error.get("message") or "error").split())
     match = _FIELD.match(message)
     if match and command is not None:
+        wanted = _PARAM_ALIASES.get(match.group(1), match.group(1))
         for param in command.params:
-            if param.name == match.group(1) and param.name not in ("home", "socket_path"):
+            if param.name == wanted and param.name not in ("home", "socket_path"):
                 shown = (param.opts[0] if isinstance(param, click.Option)
                          else param.human_readable_name)
                 message = shown + message[match.end():]
                 break
+    if command is not None and any(p.name == "user_id" for p in command.params):
+        message = message.replace("give user_id", "give --user")
     kind = (error.get("data") or {}).get("kind")
     if kind and kind != "invalid_params" and kind not in message:
         message = f"{message} ({kind})"

@@ -19,13 +19,14 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
 
-from kandevd.schedules.jobs import Job
+from kandevd.schedules.jobs import Job, JobNotFound
 from kandevd.schedules.runner import (
     AlreadyRunning,
     RunnerClosed,
     SessionRunner,
     StartNotRecorded,
 )
+from kandevd.schedules.states import paused_after_failures
 from kandevd.timeutil import rfc3339
 
 log = logging.getLogger("kandevd.scheduler.backfill")
@@ -58,7 +59,10 @@ def fire_times(job: Job, start: datetime, end: datetime) -> list[datetime]:
 class Backfills:
     """The backfills in flight, one per job."""
 
-    def __init__(self, runner: SessionRunner, spawn: Spawn) -> None:
+    def __init__(self, runner: SessionRunner, spawn: Spawn,
+                 lookup: Callable[[str], Job]) -> None:
+        """``lookup(key)``: the job as it is now (JobNotFound when it is gone)."""
+        self._lookup = lookup
         self._runner = runner
         self._spawn = spawn
         self._lock = threading.Lock()
@@ -118,13 +122,25 @@ class Backfills:
                      "ended" if left == 0 else "stopped", done, len(times))
 
     def _start_one(self, job: Job, moment: datetime, stop: threading.Event) -> bool:
-        """Start the session for ``moment`` once the job is idle; False when stopped."""
+        """Start the session for ``moment`` once the job is idle; False when stopped
+        (or the job is gone, invalid, or paused after repeated failure)."""
         while True:
             self._runner.wait_idle(job.key, stop)
             if stop.is_set():
                 return False
             try:
+                job = self._lookup(job.key)  # its definition now (a reload may change it)
+            except JobNotFound:
+                log.info("%s: backfill stopped: the job was removed", job.key)
+                return False
+            why = job.state.invalid or paused_after_failures(job)
+            if why:
+                log.info("%s: backfill stopped: %s", job.key, why)
+                return False
+            try:
                 self._runner.start(job, "backfill", intended_at=moment)
+                if stop.is_set():  # a `jobs stop` that came while it was starting
+                    self._runner.stop(job.key)
                 return True
             except AlreadyRunning:  # a cron fire or a trigger came first: wait for it
                 continue

@@ -116,8 +116,15 @@ class PendingWrites:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pending: dict[tuple[Path, str], tuple[History, dict[str, Any]]] = {}
+        #: One lock per file, held across a write and its bookkeeping, so a retried
+        #: (older) write never lands after a newer one of the same entry.
+        self._files: dict[Path, threading.Lock] = {}
         #: Called when a write is kept (the cron loop's wake, so it retries soon).
         self.wake: Callable[[], None] | None = None
+
+    def file_lock(self, path: Path) -> threading.Lock:
+        with self._lock:
+            return self._files.setdefault(path, threading.Lock())
 
     def __len__(self) -> int:
         with self._lock:
@@ -143,14 +150,18 @@ class PendingWrites:
         with self._lock:
             items = list(self._pending.items())
         written = 0
-        for key, (history, fields) in items:
-            try:
-                history.write_entry(key[1], fields)
-            except OSError:
-                continue
-            with self._lock:
-                if self._pending.get(key, (None, None))[1] is fields:
-                    del self._pending[key]
+        for key, (history, _fields) in items:
+            with self.file_lock(key[0]):
+                with self._lock:  # the newest fields, now that no write of it runs
+                    current = self._pending.get(key)
+                if current is None:
+                    continue  # written meanwhile by the session itself
+                try:
+                    history.write_entry(key[1], current[1])
+                except OSError:
+                    continue
+                with self._lock:
+                    self._pending.pop(key, None)
             written += 1
         left = len(self)
         if written:
@@ -197,12 +208,13 @@ class History:
     def update_entry(self, entry_id: str, fields: dict[str, Any]) -> None:
         """Merge ``fields`` into the entry ``entry_id``; a write that fails is kept in
         :data:`BACKLOG` and written later (never raised: the session goes on)."""
-        try:
-            self.write_entry(entry_id, fields)
-        except OSError as exc:
-            BACKLOG.keep(self, entry_id, fields, exc)
-        else:
-            BACKLOG.forget(self, entry_id)
+        with BACKLOG.file_lock(self.file.path):
+            try:
+                self.write_entry(entry_id, fields)
+            except OSError as exc:
+                BACKLOG.keep(self, entry_id, fields, exc)
+            else:
+                BACKLOG.forget(self, entry_id)
 
     def write_entry(self, entry_id: str, fields: dict[str, Any]) -> None:
         """Merge ``fields`` into the entry ``entry_id``; re-add it if someone removed it."""

@@ -93,7 +93,7 @@ class CronLoop(Loop):
                          logger=logging.getLogger("kandevd.scheduler"))
         self.registry = registry
         self.runner = runner_factory(self)
-        self.backfills = Backfills(self.runner, self.fanout.spawn)
+        self.backfills = Backfills(self.runner, self.fanout.spawn, registry.by_key)
         hist.BACKLOG.wake = self.wake  # a history write kept after a failure: retry soon
         self._stop_grace_s = stop_grace_s
         self._reload = threading.Event()
@@ -113,7 +113,8 @@ class CronLoop(Loop):
             self._reload.clear()
             self.registry.rescan(now)
         deadline = self.runner.expire(now)
-        STRANDED.settle()  # (what a crashed daemon's turns left; nothing after the first)
+        if self.fire_gate is None:  # one daemon: what a crashed one's turns left is ours
+            STRANDED.settle()
         if len(hist.BACKLOG) and hist.BACKLOG.flush():
             deadline = min(d for d in (deadline, now + RETRY_WRITES) if d is not None)
         due = self.registry.due(now)
@@ -150,6 +151,23 @@ class CronLoop(Loop):
         catchup, job.state.catchup = job.state.catchup, None
         decision = self._decide(job, paused=paused, running=self.runner.is_running(job.key),
                                 buffered=self.runner.is_buffered(job.key))
+        why = None
+        if decision is Decision.BUFFER:
+            kept = self.runner.buffer(job.key)
+            if kept:
+                log.info("%s: cron fire buffered: it starts when the running session ends",
+                         job.key)
+                return decision
+            # None: the session ended meanwhile, so it runs now; False: one already waits
+            decision = Decision.RUN if kept is None else Decision.SKIP_OVERLAP
+        elif decision is Decision.REPLACE:
+            replaced = self.runner.replace(job, intended)
+            if replaced:
+                log.info("%s: cron fire replaces the running session: it starts when that "
+                         "one has stopped", job.key)
+                return decision
+            decision = Decision.RUN if replaced is None else Decision.SKIP_OVERLAP
+            why = "a replacing fire already waits"
         if decision is Decision.RUN:
             try:
                 if catchup:
@@ -159,29 +177,17 @@ class CronLoop(Loop):
                     self.runner.start(job, "cron", intended_at=intended if late else None)
                 return decision
             except AlreadyRunning:  # a manual trigger won the race
-                decision = Decision.SKIP_OVERLAP
-                self._skip(job, decision, "a session is already running")
+                decision, why = Decision.SKIP_OVERLAP, "a session is already running"
             except RunnerClosed:
                 return decision
             except StartNotRecorded as exc:
-                decision = Decision.SKIP_UNRECORDED
                 job.state.skipped_unrecorded += 1
                 job.state.last_error = f"cron fire of {intended.isoformat()} not run: {exc}"
                 log.warning("%s: cron fire skipped: %s", job.key, exc)
-        elif decision is Decision.BUFFER:
-            self.runner.buffer(job.key)
-            log.info("%s: cron fire buffered: it starts when the running session ends",
-                     job.key)
-            return decision
-        elif decision is Decision.REPLACE:
-            if self.runner.replace(job, intended):
-                log.info("%s: cron fire replaces the running session: it starts when that "
-                         "one has stopped", job.key)
-                return decision
-            decision = Decision.SKIP_OVERLAP
-            self._skip(job, decision, "a replacing fire already waits")
-        elif decision is Decision.SKIP_OVERLAP:
-            self._skip(job, decision, "the previous session is still running" + (
+                job.source.skipped(job, now)
+                return Decision.SKIP_UNRECORDED
+        if decision is Decision.SKIP_OVERLAP:
+            self._skip(job, decision, why or "the previous session is still running" + (
                 " and one fire already waits" if job.spec.overlap_policy != "skip"
                 else ""))
         else:

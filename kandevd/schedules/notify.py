@@ -130,6 +130,13 @@ class Notifier:
                 self._cond.wait(ready.due - now)
 
     def _work(self) -> None:
+        try:
+            self._work_through()
+        finally:  # whatever happened, a later notification starts a worker again
+            with self._cond:
+                self._working = False
+
+    def _work_through(self) -> None:
         while (item := self._next()) is not None:
             error = self._send(item.spec, item.body)
             item.record({"ok": error is None, "at": rfc3339(utc_now()), "error": error,
@@ -152,12 +159,15 @@ class Notifier:
 
     def _send(self, spec: NotifySpec, body: dict[str, Any]) -> str | None:
         """One attempt to every target; the first error, or None."""
-        data = json.dumps(body, ensure_ascii=False, allow_nan=False).encode()
-        errors = []
-        if spec.command:
-            errors.append(self._run(spec.command, data))
-        if spec.webhook:
-            errors.append(self._post(spec.webhook, data))
+        errors: list[str | None] = []
+        try:
+            data = json.dumps(body, ensure_ascii=False, allow_nan=False).encode()
+            if spec.command:
+                errors.append(self._run(spec.command, data))
+            if spec.webhook:
+                errors.append(self._post(spec.webhook, data))
+        except Exception as exc:  # a malformed reply, an odd entry: one attempt failed
+            errors.append(f"{type(exc).__name__}: {exc}")
         return "; ".join(e for e in errors if e) or None
 
     def _run(self, command: tuple[str, ...], data: bytes) -> str | None:

@@ -81,6 +81,8 @@ class SessionRunner:
         self._idle = threading.Condition(self._lock)
         self._running: dict[str, _InFlight] = {}
         self._buffered: set[str] = set()
+        #: Jobs whose kept (buffered) fire is being started now that their session ended.
+        self._handover: set[str] = set()
         self._closed = False
         self.notifier = Notifier(spawn)
         self._default_notify = NotifySpec.from_raw(config.scheduler.notify)
@@ -141,9 +143,12 @@ class SessionRunner:
             self._wake()  # the loop ticks at the deadline (expire)
         return plan
 
-    def buffer(self, job_id: str) -> bool:
-        """Keep one fire for when the running session ends; False if one already waits."""
+    def buffer(self, job_id: str) -> bool | None:
+        """Keep one fire for when the running session ends; False if one already waits,
+        None if no session runs any more (start it now instead)."""
         with self._lock:
+            if job_id not in self._running:
+                return None
             if job_id in self._buffered:
                 return False
             self._buffered.add(job_id)
@@ -189,22 +194,34 @@ class SessionRunner:
                 self._notify(job, entry, failures_before, history, paused)
         with self._lock:
             self._running.pop(plan.job_id, None)
-            self._idle.notify_all()
             start_buffered = plan.job_id in self._buffered and not self._closed
             self._buffered.discard(plan.job_id)
+            if start_buffered:  # a backfill waits until the kept fire had its turn
+                self._handover.add(plan.job_id)
+            self._idle.notify_all()
         if start_buffered:
             try:
-                job = self._registry.by_key(plan.job_id)
-            except JobNotFound:
-                log.info("%s: buffered fire dropped: the job was removed", plan.job_id)
-                return
-            if self._fire_buffered is not None:
-                self._fire_buffered(job)  # decided again: a pause since then still counts
+                self._start_kept(plan.job_id)
+            finally:
+                with self._lock:
+                    self._handover.discard(plan.job_id)
+                    self._idle.notify_all()
+
+    def _start_kept(self, job_id: str) -> None:
+        try:
+            job = self._registry.by_key(job_id)
+        except JobNotFound:
+            log.info("%s: buffered fire dropped: the job was removed", job_id)
+            return
+        if self._fire_buffered is not None:
+            self._fire_buffered(job)  # decided again: a pause since then still counts
 
     def wait_idle(self, job_id: str, stop: threading.Event) -> None:
-        """Block until ``job_id`` has no session in flight (or ``stop`` is set)."""
+        """Block until ``job_id`` has no session in flight nor a fire waiting for one
+        (or ``stop`` is set)."""
         with self._idle:
-            while job_id in self._running and not stop.is_set() and not self._closed:
+            while (job_id in self._running or job_id in self._buffered
+                   or job_id in self._handover) and not stop.is_set() and not self._closed:
                 self._idle.wait()
 
     def wake_idle(self) -> None:
@@ -267,16 +284,18 @@ class SessionRunner:
                 upcoming.append(flight.deadline)
         return min(upcoming) if upcoming else None
 
-    def replace(self, job: Job, intended: datetime) -> bool:
+    def replace(self, job: Job, intended: datetime) -> bool | None:
         """``overlap_policy: replace``: stop the running session and keep this fire for
-        when it has ended; False when a fire already waits (it is skipped)."""
+        when it has ended; False when a fire already waits (it is skipped), None when no
+        session runs any more (start it now instead)."""
         with self._lock:
             flight = self._running.get(job.key)
+            if flight is None:
+                return None
             if job.key in self._buffered:
                 return False
             self._buffered.add(job.key)
-        if flight is not None:
-            flight.control.request_stop(f"stopped: replaced by the fire of {rfc3339(intended)}")
+        flight.control.request_stop(f"stopped: replaced by the fire of {rfc3339(intended)}")
         return True
 
     def start_buffered(self, job: Job) -> None:

@@ -174,6 +174,8 @@ class WorkflowSource:
         job.state.invalid = None
         def timing(s: Schedule) -> tuple[Any, ...]:
             return (s.cron_expression, s.timezone, s.enabled, s.options.window_timing())
+        if timing(schedule) != timing(previous.spec.schedule):
+            job.state.delayed_until = None  # a fire waiting for its jitter: a new timing
         if timing(schedule) != timing(previous.spec.schedule) \
                 or job.state.next_fire is None:
             job.state.next_fire = next_fire(schedule, now)
@@ -196,7 +198,8 @@ class WorkflowSource:
         missed = len(times)
         job.state.missed_while_down = missed
         window = schedule.options.catchup_window_s
-        caught = [t for t in times if (now - t).total_seconds() <= window] if window else []
+        caught = missed_times(schedule, max(since, now - timedelta(seconds=window)), now) \
+            if window else []
         if caught:
             job.state.catchup = caught
             log.info("%s: %d fire(s) missed while the daemon was down since %s; %d within "
@@ -248,7 +251,10 @@ class WorkflowSource:
                 fired.append(job)
                 continue
             if state.delayed_until is not None:
-                if state.delayed_until <= now:
+                if not job.enabled or not within_window(job.spec.schedule.options,
+                                                        state.due_at or now):
+                    state.delayed_until = None  # switched off while it waited: dropped
+                elif state.delayed_until <= now:
                     state.delayed_until = None
                     fired.append(job)
                 continue

@@ -63,20 +63,21 @@ def entries(daemon: DaemonProcess) -> list[dict[str, Any]]:
 def test_a_full_root_refuses_starts_and_loses_no_record(
         small_root: Path, tmp_path: Path, daemon_factory: Callable[..., DaemonProcess]
         ) -> None:
-    write_workflow(small_root, "w", [schedule("s", "* * * * *", messages=["SLEEP", "b"],
-                                              catchup_window_s=600)])
-    # the last daemon looked 90 s ago: a minute mark fell since, to be caught up at start
+    # daily at midnight, the last daemon gone for two days: a fire to catch up at start
+    # (and no other fire of the test's minutes, so a trigger never meets one)
+    write_workflow(small_root, "w", [schedule("s", "0 0 * * *", messages=["SLEEP", "b"],
+                                              catchup_window_s=259200)])
     alive = small_root / "config" / "scheduler.alive"
     alive.parent.mkdir(parents=True, exist_ok=True)
     alive.touch()
-    seen = (utc_now() - timedelta(seconds=90)).timestamp()
+    seen = (utc_now() - timedelta(days=2)).timestamp()
     os.utime(alive, (seen, seen))
     filler = fill(small_root)
     config = {**recorder_config(tmp_path / "record.jsonl"), "scheduler": {
         "root": str(small_root)}}
     daemon = daemon_factory(config, home=tmp_path / "home")
 
-    # the catch-up fire at start could not be recorded: skipped, said once, no traceback
+    # the catch-up fire at start could not be recorded: skipped, said, no traceback
     daemon.wait_for_line("cron fire skipped: its start could not be recorded")
     job = daemon.call("scheduler.jobs.get", {"id": JOB})
     assert job["skipped_unrecorded"] == 1 and job["running"] is False
@@ -95,13 +96,15 @@ def test_a_full_root_refuses_starts_and_loses_no_record(
     filler = fill(small_root)
     daemon.call("scheduler.jobs.stop", {"id": JOB})
     daemon.wait_for_line("history write failed")
-    daemon.wait_until(lambda: not daemon.call("scheduler.jobs.get", {"id": JOB})["running"],
-                      what="the session over")
-    assert entries(daemon)[0]["status"] == "running"  # the file could not take its end
+
+    def ours() -> dict[str, Any]:  # (a minute's cron fire may add a newer entry)
+        return next(e for e in entries(daemon) if e["session_id"] == started["session_id"])
+    daemon.wait_for_line(f"session {started['session_id']} of {JOB} ended")
+    assert ours()["status"] == "running"  # the file could not take its end
     filler.unlink()
-    recorded = daemon.wait_until(
-        lambda: (items := entries(daemon)) and items[0]["status"] == "stopped" and items[0],
-        what="the kept entry written once space returned", timeout=30)
-    assert recorded["session_id"] == started["session_id"]
+    recorded = daemon.wait_until(lambda: ours()["status"] == "stopped" and ours(),
+                                 what="the kept entry written once space returned",
+                                 timeout=30)
+    assert recorded["error"] == "stopped: scheduler.jobs.stop"
     assert "Traceback" not in daemon.log_text
     assert daemon.stop() == 0

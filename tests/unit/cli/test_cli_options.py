@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import click
 
+from kandevd.cli.common import error_line
 from kandevd.cli.main import cli
 
 
@@ -40,3 +41,17 @@ def test_every_jobs_command_that_names_a_job_takes_user() -> None:
         "delete"}
     assert [path for path, command in named if "--user" not in options(command)] == []
     assert "--user" in options(jobs.commands["list"])
+
+
+def test_errors_name_the_options_the_user_typed() -> None:
+    jobs = cli.commands["jobs"]
+    assert isinstance(jobs, click.Group)
+    backfill, get = jobs.commands["backfill"], jobs.commands["get"]
+    invalid = {"kind": "invalid_params"}
+    assert error_line({"message": "params.to: in the future", "data": invalid}, backfill) \
+        == "--to: in the future"
+    assert error_line({"message": "params.from: not a time", "data": invalid}, backfill) \
+        == "--from: not a time"
+    assert error_line({"message": "params.user_id: exists once per user: give user_id "
+                       "(users: a, b)", "data": invalid}, get) == \
+        "--user: exists once per user: give --user (users: a, b)"

@@ -5,17 +5,20 @@ and backfill."""
 from __future__ import annotations
 
 import json
+import socket
 import sys
 import threading
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kandevd.schedules import history as hist
 from kandevd.schedules.backfill import fire_times
-from kandevd.schedules.notify import notify_event
-from kandevd.schedules.options import jitter_delay
+from kandevd.schedules.notify import Notifier, notify_event
+from kandevd.schedules.options import NotifySpec, jitter_delay
 from kandevd.schedules.workflows.source import next_fire
 from kandevd.timeutil import parse_rfc3339, utc_now
 from tests.support.workflows import history, schedule, write_workflow
@@ -217,3 +220,68 @@ def test_a_pause_is_announced_with_its_reason(build, home, tmp_path: Path) -> No
     sent = json.loads(out.read_text())
     assert sent["event"] == "paused"
     assert sent["paused_reason"].startswith("paused after 1 consecutive failures; last: ")
+
+
+def test_a_jittered_fire_is_dropped_when_the_job_is_switched_off_meanwhile(build,
+                                                                           home) -> None:
+    write_workflow(home.workspace, "w", [schedule("s", "0 11 * * *", jitter_s=600)])
+    loop, agent = build()
+    due = datetime(2026, 12, 3, 11, tzinfo=UTC)
+    loop.tick(due)  # waiting for its jitter
+    job = loop.registry.resolve("s")
+    job.source.set_enabled(job, False, due)
+    loop.tick(due + timedelta(seconds=601))
+    loop.fanout.join()
+    assert agent.seen == [] and history(folder_of(home)) == []
+
+
+def test_catch_up_looks_at_the_newest_missed_fires(build, home) -> None:
+    write_workflow(home.workspace, "w", [schedule("s", "* * * * *", catchup_window_s=3600)])
+    loop, _agent = build()
+    loop.tick(T0)  # a daemon watched, then was down for a day
+    loop, _agent = build(at=T0 + timedelta(days=1))
+    job = loop.registry.resolve("s")
+    assert job.state.catchup is not None and len(job.state.catchup) == 60
+    assert job.state.catchup[-1] == datetime(2026, 12, 4, 10, 0, tzinfo=UTC)
+
+
+def test_a_retried_history_write_never_overwrites_a_newer_one(tmp_path: Path) -> None:
+    history_file = hist.History(tmp_path, retention_days=90)
+    history_file.record_start({"id": "e", "status": "running"}, T0)
+    hist.BACKLOG.keep(history_file, "e", {"id": "e", "status": "running", "turns": [1]},
+                      OSError(28, "No space left on device"))
+    history_file.update_entry("e", {"id": "e", "status": "success"})  # lands: forgets
+    hist.BACKLOG.flush()
+    [entry] = history_file.entries()
+    assert entry["status"] == "success" and "turns" not in entry
+    assert len(hist.BACKLOG) == 0
+
+
+def test_a_webhook_that_answers_garbage_does_not_stop_the_notifier() -> None:
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def answer_garbage() -> None:
+        for _ in range(2):
+            conn, _addr = server.accept()
+            conn.recv(65536)
+            conn.sendall(b"garbage\r\n\r\n")
+            conn.close()
+    threading.Thread(target=answer_garbage, daemon=True).start()
+    notifier = Notifier(lambda _name, work: threading.Thread(target=work).start(),
+                        timeout_s=5, retry_after_s=3600)
+    outcomes: list[dict[str, Any]] = []
+    arrived = threading.Condition()
+
+    def record(outcome: dict[str, Any]) -> None:
+        with arrived:
+            outcomes.append(outcome)
+            arrived.notify_all()
+    spec = NotifySpec(webhook=f"http://127.0.0.1:{port}/hook")
+    for count in (1, 2):
+        notifier.submit("workflow:w:s", spec, "failure", {"id": f"e{count}"}, record)
+        with arrived:
+            assert arrived.wait_for(lambda c=count: len(outcomes) >= c, 10)
+    assert [o["ok"] for o in outcomes] == [False, False]
+    notifier.close()
+    server.close()

@@ -4,9 +4,9 @@ Workflow jobs are labelled ``job``; product jobs get the same series under
 ``kandevd_product_job_*`` labelled ``job``, ``product`` and ``user``. A
 directory of thousands of users would make as many series per product job,
 so at most :data:`MAX_PRODUCT_SERIES` (job, user) pairs get their own: the
-rest are summed per job under ``user="_other"`` (counters summed, the
-failure streak and the last success their maximum, the next fire the
-earliest). Jobs are also counted by state (``kandevd_cron_jobs{state}``).
+rest are summed per job under ``user="(other)"``, never a real user's id
+(counters summed, the failure streak and the last success their maximum, the
+next fire the earliest). Jobs are also counted by state (``kandevd_cron_jobs{state}``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from kandevd.timeutil import parse_rfc3339
 
 #: At most this many (product job, user) pairs are exported one by one.
 MAX_PRODUCT_SERIES = 1000
-OTHER_USERS = "_other"
+OTHER_USERS = "(other)"
 SKIP_REASONS = ("overlap", "paused", "disabled", "unrecorded")
 
 

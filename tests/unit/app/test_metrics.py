@@ -69,9 +69,9 @@ def test_product_jobs_get_the_same_series_with_a_cap_on_users(
     assert got[("kandevd_product_job_runs_total", (*labels, ("user", "ann")))] == 1
     assert got[("kandevd_product_job_runs_total", (*labels, ("user", "bob")))] == 2
     # beyond the cap: summed under one label, the streak as its maximum
-    assert got[("kandevd_product_job_runs_total", (*labels, ("user", "_other")))] == 3 + 4
+    assert got[("kandevd_product_job_runs_total", (*labels, ("user", "(other)")))] == 3 + 4
     assert got[("kandevd_product_job_consecutive_failures",
-                (*labels, ("user", "_other")))] == 4
+                (*labels, ("user", "(other)")))] == 4
     assert not any(key[0].startswith("kandevd_product") and ("user", "cy") in key[1]
                    for key in got)
     assert got[("kandevd_cron_jobs", (("state", "held"),))] == 4

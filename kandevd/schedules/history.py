@@ -183,8 +183,6 @@ class History:
         self.file = JsonFile(folder / HISTORY, on_corrupt=on_corrupt, indent=None, cache=True)
         self.retention_days = retention_days
         self.cap = cap
-        #: The ids of the entries the last :meth:`repair_after_restart` repaired.
-        self.repaired: list[str] = []
 
     def entries(self) -> list[Any]:
         if not self.file.path.exists():  # the common case at start: no lock file made
@@ -226,27 +224,22 @@ class History:
             entries.insert(0, {"id": entry_id, **fields})
         self._update(merge)
 
-    def repair_after_restart(self, now: datetime) -> tuple[list[Any], int]:
+    def repair_after_restart(self, now: datetime) -> tuple[list[Any], list[str]]:
         """At start: entries a dead daemon left ``running`` become ``error``.
 
-        Returns the entries (after the repair) and how many were repaired; the file
-        is read once and written only when something was left running. The repaired
-        entries' turns are settled later (:mod:`kandevd.schedules.stranded`).
+        Returns the entries (after the repair) and the ids of those repaired; the
+        file is read once and written only when something was left running.
         """
         entries = self.entries()
         if not any(isinstance(e, dict) and e.get("status") == RUNNING for e in entries):
-            return entries, 0
-        count = 0
+            return entries, []
         repaired: list[str] = []
 
         def fix(current: list[Any]) -> None:
-            nonlocal count
             repaired[:] = [str(e.get("id")) for e in current
                            if isinstance(e, dict) and e.get("status") == RUNNING]
-            count = interrupt(current, now, RESTART_ERROR)
-        result = self._update(fix)
-        self.repaired = repaired
-        return result, count
+            interrupt(current, now, RESTART_ERROR)
+        return self._update(fix), repaired
 
 
 def latest_by_schedule(entries: Iterable[Any]) -> dict[str, list[dict[str, Any]]]:

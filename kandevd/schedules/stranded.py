@@ -18,6 +18,7 @@ from __future__ import annotations
 import glob
 import logging
 import threading
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,17 @@ class StrandedTurns:
 
 #: Filled when histories are repaired at start; settled by the cron loop's first tick.
 STRANDED = StrandedTurns()
+
+
+def repair_at_start(history: hist.History, now: datetime) -> list[Any]:
+    """The history's entries once the runs a dead daemon left ``running`` are ``error``
+    (logged), their turns noted to be settled on the first tick."""
+    entries, repaired = history.repair_after_restart(now)
+    if repaired:
+        log.warning("%s: %d run(s) left running by a previous daemon marked 'error' (%s)",
+                    history.file.path, len(repaired), hist.RESTART_ERROR)
+        STRANDED.add(history, repaired)
+    return entries
 
 
 def settle_entry(history: hist.History, entry_id: str) -> int:

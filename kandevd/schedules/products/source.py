@@ -37,7 +37,7 @@ from kandevd.schedules.products.state import (
 )
 from kandevd.schedules.session import SessionPlan
 from kandevd.schedules.settings import Switches
-from kandevd.schedules.stranded import STRANDED
+from kandevd.schedules.stranded import repair_at_start
 from kandevd.schedules.workflows.manifest import Problem
 from kandevd.timeutil import rfc3339, utc_now
 
@@ -201,11 +201,7 @@ class ProductSource:
         history = product_history(self.root, user_id, profile_id,
                                   retention_days=self.retention_days,
                                   on_corrupt=self._on_corrupt)
-        _entries, fixed = history.repair_after_restart(now)
-        if fixed:
-            log.warning("%s: %d run(s) left running by a previous daemon marked 'error' (%s)",
-                        history.file.path, fixed, hist.RESTART_ERROR)
-            STRANDED.add(history, history.repaired)
+        repair_at_start(history, now)
 
     def _kept_invalid(self, old: dict[str, Job], loaded: set[str], problems: list[Problem],
                       user_problems: list[Problem]) -> list[Job]:

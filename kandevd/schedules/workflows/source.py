@@ -23,7 +23,7 @@ from kandevd.schedules.jobs import AmbiguousJob, Job, JobNotFound, seed_state
 from kandevd.schedules.options import jitter_delay, within_window
 from kandevd.schedules.session import SessionPlan
 from kandevd.schedules.settings import Switches
-from kandevd.schedules.stranded import STRANDED
+from kandevd.schedules.stranded import repair_at_start
 from kandevd.schedules.workflows import manifest
 from kandevd.schedules.workflows.manifest import Problem, Schedule, Workflow
 from kandevd.schedules.workflows.program import WorkflowProgram
@@ -153,12 +153,7 @@ class WorkflowSource:
         history = self.history_of(workflow)
         if now is None:
             return hist.latest_by_schedule(history.entries())
-        entries, fixed = history.repair_after_restart(now)  # what a dead daemon left
-        if fixed:
-            log.warning("%s: %d run(s) left running by a previous daemon marked 'error' (%s)",
-                        history.file.path, fixed, hist.RESTART_ERROR)
-            STRANDED.add(history, history.repaired)
-        return hist.latest_by_schedule(entries)
+        return hist.latest_by_schedule(repair_at_start(history, now))
 
     def _job(self, old: dict[str, Job], workflow: Workflow, schedule: Schedule,
              now: datetime) -> Job:

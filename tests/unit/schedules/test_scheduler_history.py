@@ -72,7 +72,7 @@ def test_repair_after_restart_marks_error_with_the_restart_message(tmp_path: Pat
     history.file.write([{"id": "x", "status": "running", "started_at": rfc3339(NOW)},
                         {"id": "y", "status": "success"}])
     entries, fixed = history.repair_after_restart(NOW + timedelta(seconds=3))
-    assert fixed == 1 and entries == history.entries()
+    assert fixed == ["x"] and entries == history.entries()
     first, second = history.entries()
     assert first["status"] == "error" and first["error"] == "interrupted: server restarted"
     assert first["completed_at"] == rfc3339(NOW + timedelta(seconds=3))

@@ -139,8 +139,7 @@ class Notifier:
     def _work_through(self) -> None:
         while (item := self._next()) is not None:
             error = self._send(item.spec, item.body)
-            item.record({"ok": error is None, "at": rfc3339(utc_now()), "error": error,
-                         "attempt": item.attempt})
+            item.record({"ok": error is None, "at": rfc3339(utc_now()), "error": error})
             if error is None:
                 self.sent += 1
                 log.info("%s: %s notification sent", item.job_id, item.body["event"])

@@ -94,6 +94,12 @@ class HomeLayout:
         return self.root / ATTEMPTS_FOLDER
 
     @cached_property
+    def turns(self) -> Path:
+        """One folder per scheduled turn while it runs (its execution record), so a
+        later daemon can adopt the turn (see :mod:`kandevd.schedules.adopted`)."""
+        return self.root / "turns"
+
+    @cached_property
     def root_prefix(self) -> str:
         """The home as the start of the paths inside it (``/home/x/`` for ``/home/x``)."""
         return str(self.root).rstrip(os.sep) + os.sep

@@ -32,6 +32,7 @@ from kandevd.control.sockets import NotASocket, SocketInUse
 from kandevd.lifecycle import StopSignal
 from kandevd.paths import HomeLayout
 from kandevd.runtime.orphans import stop_orphan_agents
+from kandevd.schedules.adopted import adopt_turns
 from kandevd.sdnotify import notifier, queue_status
 from kandevd.timeutil import rfc3339, utc_now
 
@@ -174,6 +175,9 @@ class Daemon:
             # are stopped first, or a run would execute twice at once.
             adopted = queue.restore_after_restart(
                 adopt=self.config.runtime.adopt_on_restart)
+            if self.config.runtime.adopt_on_restart:  # and scheduled turns likewise
+                adopted |= adopt_turns(parts.cron.registry, parts.cron.runner,
+                                       parts.runtime, str(self.layout.root))
             stop_orphan_agents(self.layout.root,
                                min(self.config.runtime.stop_grace_s, ORPHAN_GRACE_CAP_S),
                                keep=adopted)

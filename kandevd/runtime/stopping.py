@@ -76,6 +76,16 @@ class Stopping:
         log.info("stopping execution %s: %s", key, reason)
         return True
 
+    def detach_execution(self, key: str) -> bool:
+        """Leave a live execution's agent running (outcome ``detached``) for a later
+        instance to adopt; False when it has no record to be adopted by, or is over."""
+        with self._cond:
+            execution = self._live.get(key)
+            if execution is None or execution.finished or (
+                    execution.record is None and execution.spec.record_dir is None):
+                return False
+        return execution.control.request_detach()
+
     def begin_grace(self) -> None:
         """Start the ``stop_grace_s`` clock now (the daemon's shutdown began).
 

@@ -224,6 +224,11 @@ class History:
             entries.insert(0, {"id": entry_id, **fields})
         self._update(merge)
 
+    def entry(self, entry_id: str) -> dict[str, Any] | None:
+        """The entry with id ``entry_id`` (None: not in the file)."""
+        return next((e for e in self.entries()
+                     if isinstance(e, dict) and e.get("id") == entry_id), None)
+
     def repair_after_restart(self, now: datetime) -> tuple[list[Any], list[str]]:
         """At start: entries a dead daemon left ``running`` become ``error``.
 

@@ -114,7 +114,7 @@ class CronLoop(Loop):
             self.registry.rescan(now)
         deadline = self.runner.expire(now)
         if self.fire_gate is None:  # one daemon: what a crashed one's turns left is ours
-            STRANDED.settle()
+            STRANDED.settle(self.runner.turns_folder)
         if len(hist.BACKLOG) and hist.BACKLOG.flush():
             deadline = min(d for d in (deadline, now + RETRY_WRITES) if d is not None)
         due = self.registry.due(now)

@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 from kandevd.config import Config
@@ -143,6 +144,24 @@ class SessionRunner:
             self._wake()  # the loop ticks at the deadline (expire)
         return plan
 
+    def hold(self, plan: SessionPlan, control: SessionControl, *,
+             deadline: datetime | None, timeout_s: float | None) -> None:
+        """Count an adopted turn as ``plan.job_id``'s session in flight (so no other
+        starts meanwhile, and ``jobs stop``, ``timeout_s`` and the shutdown reach it
+        through ``control``); :meth:`release` ends that. AlreadyRunning, RunnerClosed."""
+        with self._lock:
+            if self._closed:
+                raise RunnerClosed()
+            if plan.job_id in self._running:
+                raise AlreadyRunning(f"job {plan.job_id!r} is already running")
+            self._running[plan.job_id] = _InFlight(plan, control, deadline, timeout_s)
+        if deadline is not None and self._wake is not None:
+            self._wake()
+
+    def release(self, plan: SessionPlan, history: History) -> None:
+        """An adopted turn ended: the job is free again (a buffered fire starts)."""
+        self._finish(plan, None, history)
+
     def buffer(self, job_id: str) -> bool | None:
         """Keep one fire for when the running session ends; False if one already waits,
         None if no session runs any more (start it now instead)."""
@@ -172,6 +191,11 @@ class SessionRunner:
         # The newest run is this one from now on (a replaced one's are history).
         job.state.last_run_at = session.entry["started_at"]
         job.state.last_session_id = session.plan.session_id
+
+    @property
+    def turns_folder(self) -> Path:
+        """Where turns keep their execution records (``<home>/turns``)."""
+        return self._layout.turns
 
     def _run(self, session: Session, history: History) -> None:
         entry: dict[str, Any] | None = None
@@ -321,13 +345,17 @@ class SessionRunner:
         """Shutdown: start nothing new; each session ends its current turn after
         ``grace_s`` and sends no further one (the caller then joins the threads)."""
         self.notifier.close()
+        # runtime.keep_agents_on_stop: each turn's agent is left running at once, its
+        # entry ``running``, for the next start to adopt.
+        keep = self._config.runtime.keep_agents_on_stop
         with self._lock:
             self._closed = True
             self._buffered.clear()
             flights = list(self._running.values())
             self._idle.notify_all()
         for flight in flights:
-            flight.control.request_stop(SHUTDOWN_ERROR, grace_s=grace_s)
+            flight.control.request_stop(SHUTDOWN_ERROR, grace_s=0.0 if keep else grace_s,
+                                        detach=keep)
         if flights:
-            log.info("scheduler stopping: %d session(s) in flight will be recorded stopped",
-                     len(flights))
+            log.info("scheduler stopping: %d session(s) in flight will be %s", len(flights),
+                     "left running for the next start" if keep else "recorded stopped")

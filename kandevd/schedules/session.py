@@ -12,13 +12,18 @@ completed at the end), one turn's execution, and stopping.
 
 A stop (``scheduler.jobs.stop`` or the daemon's shutdown) sends no further
 turn and ends the current one through the runtime (SIGTERM, grace, SIGKILL);
-the entry is recorded ``stopped``.
+the entry is recorded ``stopped``. A turn runs with an execution record in
+``<home>/turns/<key>/`` as a queued run does in its attempt folder, so a
+shutdown with ``runtime.keep_agents_on_stop`` leaves it running (the entry
+stays ``running``) and the next daemon adopts it
+(:mod:`kandevd.schedules.adopted`).
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import shutil
 import threading
 import time
 import uuid
@@ -31,7 +36,8 @@ from typing import Any, Protocol
 from kandevd.config import Config, UnknownProfile
 from kandevd.fsutil import ensure_dir
 from kandevd.paths import HomeLayout
-from kandevd.runtime import ExecutionResult
+from kandevd.runtime import DETACHED, ExecutionResult
+from kandevd.runtime.attempts import spent_stdout_path
 from kandevd.runtime.specs import agent_execution
 from kandevd.schedules import history as hist
 from kandevd.timeutil import rfc3339, utc_now
@@ -39,18 +45,70 @@ from kandevd.timeutil import rfc3339, utc_now
 log = logging.getLogger("kandevd.scheduler.session")
 
 MANUAL_STOP_ERROR = "stopped: scheduler.jobs.stop"
+#: How long a turn left running at a shutdown may take to detach before it is stopped.
+DETACH_WAIT_S = 5.0
+
+
+class TurnDetached(Exception):
+    """The daemon stopped and left the turn's agent running for the next one to adopt."""
+
+
+def turn_key(entry_id: str, index: int) -> str:
+    """The execution key of a turn, also the name of its record folder."""
+    return f"turn-{entry_id}-{index}"
+
+
+def turn_record_dir(layout: HomeLayout, entry_id: str, index: int) -> Path:
+    """Where the turn's shim records its process, exit status and stdout."""
+    return layout.turns / turn_key(entry_id, index)
+
+
+def remove_turn_record(record_dir: Path) -> None:
+    """The record of an ended turn: its outcome is on the entry, so it goes (with its
+    stdout file, moved beside the folder once merged into the log)."""
+    shutil.rmtree(record_dir, ignore_errors=True)
+    spent_stdout_path(record_dir).unlink(missing_ok=True)
+
+
+def apply_result(record: dict[str, Any], result: ExecutionResult, *,
+                 stop_requested: bool) -> None:
+    """A turn's record once its execution ended (also an adopted turn's)."""
+    record["started_at"] = rfc3339(result.started_at)
+    record["duration_ms"] = int(result.duration_s * 1000)
+    record["cost_cents"] = result.cost_cents or 0
+    record["log_path"] = str(result.log_path)
+    if result.exit_code is not None:
+        record["exit_code"] = result.exit_code
+    # The agent's final word (its summary line): judged without opening the log.
+    record["output"] = result.summary
+    if result.evaluation is not None:
+        record["evaluation"] = result.evaluation
+    if result.succeeded:
+        record["status"], record["error"] = hist.SUCCESS, None
+    elif result.outcome in ("stopped", "interrupted") and stop_requested:
+        record["status"] = hist.STOPPED
+        record["error"] = result.error
+    else:
+        record["status"] = hist.ERROR
+        record["error"] = result.error or result.outcome
 
 
 class SessionControl:
     """How other threads stop a session: the stop request and the turn it ends."""
 
-    def __init__(self, wake_runtime: Callable[[], None]) -> None:
+    def __init__(self, wake_runtime: Callable[[], None],
+                 on_stop: Callable[[SessionControl], None] | None = None) -> None:
+        """``on_stop(control)``: called once when a stop is requested (an adopted turn,
+        which no session thread waits for, is stopped through it)."""
         self._cond = threading.Condition()
         self._wake_runtime = wake_runtime
+        self._on_stop = on_stop
         self.stop_error: str | None = None
         #: How a stopped session is recorded: ``stopped``, or ``error`` for a timeout.
         self.stop_status: str = hist.STOPPED
         self.shutdown_deadline: float | None = None
+        #: The stop leaves the current turn's agent running (runtime.keep_agents_on_stop).
+        self.detach = False
 
     @property
     def stop_requested(self) -> bool:
@@ -58,25 +116,38 @@ class SessionControl:
             return self.stop_error is not None
 
     def request_stop(self, error: str, *, grace_s: float = 0.0,
-                     status: str = hist.STOPPED) -> None:
-        """Stop the session; the current turn gets ``grace_s`` to finish first."""
+                     status: str = hist.STOPPED, detach: bool = False) -> None:
+        """Stop the session; the current turn gets ``grace_s`` to finish first
+        (``detach``: its agent is left running for the next daemon instead)."""
+        first = False
         with self._cond:
             if self.stop_error is None:
+                first = True
                 self.stop_error = error
                 self.stop_status = status
+                self.detach = detach
                 self.shutdown_deadline = time.monotonic() + grace_s
             self._cond.notify_all()
         self._wake_runtime()
+        if first and self._on_stop is not None:
+            self._on_stop(self)
 
     def notify(self) -> None:
         with self._cond:
             self._cond.notify_all()
 
     def wait_turn(self, done: threading.Event, stop_turn: Callable[[], None]) -> None:
-        """Wait until ``done``; when a stop arrives (and its grace passes) end the turn."""
+        """Wait until ``done``; when a stop arrives (and its grace passes) end the turn.
+
+        A turn asked to detach that has not within :data:`DETACH_WAIT_S` (its record
+        could not be written, so it cannot be left running) is stopped instead."""
         stopped = False
         with self._cond:
             while not done.is_set():
+                if stopped and self.detach:
+                    if not self._cond.wait(DETACH_WAIT_S) and not done.is_set():
+                        self.detach, stopped = False, False
+                    continue
                 if self.stop_error is not None and not stopped:
                     remaining = (self.shutdown_deadline or 0) - time.monotonic()
                     if remaining <= 0:
@@ -177,8 +248,9 @@ class Session:
         self.entry.update(status=hist.ERROR, error=error, completed_at=rfc3339(self.clock()))
         self._save()
 
-    def run(self) -> dict[str, Any]:
-        """Run every turn (after :meth:`begin`); return the completed history entry."""
+    def run(self) -> dict[str, Any] | None:
+        """Run every turn (after :meth:`begin`); return the completed history entry
+        (None: its agent was left running at a shutdown, the entry ``running``)."""
         if self._started is None:
             self.begin()
         plan = self.plan
@@ -188,6 +260,12 @@ class Session:
             status, error = plan.program.run_turns(self)
             if not self.control.stop_requested:
                 plan.program.after(self, status)
+        except TurnDetached:
+            # The entry stays ``running``: the next start marks it interrupted (as the
+            # specification says) and adopts the turn, whose outcome is recorded then.
+            log.info("session %s of %s left running for the next start to adopt",
+                     plan.session_id, plan.job_id)
+            return None
         except Exception as exc:  # a bug or a broken file must not leave the entry running
             log.exception("session %s of %s failed", plan.session_id, plan.job_id)
             status, error = hist.ERROR, f"internal error: {type(exc).__name__}: {exc}"
@@ -234,23 +312,10 @@ class Session:
         self.entry["turns"].append(record)
         self._save()
         result = self._execute(turn, index, record)
+        if result is not None and result.outcome == DETACHED:
+            raise TurnDetached(index)
         if result is not None:
-            record["started_at"] = rfc3339(result.started_at)
-            record["duration_ms"] = int(result.duration_s * 1000)
-            record["cost_cents"] = result.cost_cents or 0
-            record["log_path"] = str(result.log_path)
-            # The agent's final word (its summary line): judged without opening the log.
-            record["output"] = result.summary
-            if result.evaluation is not None:
-                record["evaluation"] = result.evaluation
-            if result.succeeded:
-                record["status"] = hist.SUCCESS
-            elif result.outcome in ("stopped", "interrupted") and self.control.stop_requested:
-                record["status"] = hist.STOPPED
-                record["error"] = result.error
-            else:
-                record["status"] = hist.ERROR
-                record["error"] = result.error or result.outcome
+            apply_result(record, result, stop_requested=self.control.stop_requested)
         self.entry["cost_cents"] = sum(t.get("cost_cents") or 0 for t in self.entry["turns"])
         self._save()
         return record
@@ -268,7 +333,8 @@ class Session:
         except OSError as exc:
             record.update(status=hist.ERROR, error=f"cannot create run folder {turn.cwd}: {exc}")
             return None
-        key = f"turn-{plan.entry_id}-{index}"
+        key = turn_key(plan.entry_id, index)
+        record_dir = turn_record_dir(self.layout, plan.entry_id, index)
         stdin = {"kind": "turn", "session_id": plan.session_id, "run_id": plan.entry_id,
                  "message": turn.message, "triggered_by": plan.trigger_source,
                  "turn": {"index": index, "kind": turn.kind}, **turn.stdin}
@@ -276,7 +342,8 @@ class Session:
             stdin["intended_at"] = rfc3339(plan.intended_at)
         spec = agent_execution(profile, self.layout, kind="turn", key=key, stdin=stdin,
                                session_id=plan.session_id, run_id=plan.entry_id, cwd=turn.cwd,
-                               log_path=plan.program.log_path(self, index, turn.kind))
+                               log_path=plan.program.log_path(self, index, turn.kind),
+                               record_dir=record_dir)
         done = threading.Event()
         outcome: list[ExecutionResult] = []
 
@@ -292,10 +359,15 @@ class Session:
             return None
 
         def stop_turn() -> None:
+            if self.control.detach:
+                self._runtime.detach_execution(key)
+                return
             error = self.control.stop_error or ""
             reason = "stopped by scheduler.jobs.stop" if error == MANUAL_STOP_ERROR \
                 else "daemon shutting down" if error == hist.SHUTDOWN_ERROR else error
             self._runtime.stop_execution(key, reason)
 
         self.control.wait_turn(done, stop_turn)
+        if outcome[0].outcome != DETACHED:
+            remove_turn_record(record_dir)
         return outcome[0]

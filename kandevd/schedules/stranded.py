@@ -1,16 +1,19 @@
-"""What a crashed daemon's scheduled turns left beside their logs, settled once at start.
+"""What a crashed daemon's scheduled turns left, settled once at start.
 
-A turn runs under the shim like every agent execution; its exit status and its
-stdout go to files beside the turn's log (``NN-<kind>.log.exit-<token>``,
-``.stdout-<token>``) until the turn's end is handled. When the daemon dies
-first, the next start marks the session ``error: interrupted: server
-restarted`` (as the specification says) and stops the agents it does not
-adopt. Then, on the cron loop's first tick (after those agents were stopped,
-so their shims have written their exit status), each turn of those entries is
-settled here: its real outcome (the exit code, the agent's summary line as
-``output``, its cost and evaluation) is recorded on the entry, its stdout is
-appended to its log, and both files are removed: nothing is left beside the
-logs.
+A turn runs under the shim like every agent execution, with an execution
+record in ``<home>/turns/<key>/`` (its shim's pid, its exit status, its
+stdout) until the turn's end is handled. When the daemon dies first (or stops
+leaving its agents running), the next start marks the session ``error:
+interrupted: server restarted`` (as the specification says), adopts the turns
+still running (:mod:`kandevd.schedules.adopted`, which takes their entries off
+the list here) and stops the agents it does not adopt. Then, on the cron
+loop's first tick (after those agents were stopped, so their shims have
+written their exit status), each turn of the other entries is settled here:
+its real outcome (the exit code, the agent's summary line as ``output``, its
+cost and evaluation) is recorded on the entry, its stdout is appended to its
+log, and its record is removed: nothing is left beside the logs. (Versions
+before the record folder kept those files beside the log,
+``NN-<kind>.log.exit-<token>`` and ``.stdout-<token>``; they are settled too.)
 """
 
 from __future__ import annotations
@@ -18,15 +21,28 @@ from __future__ import annotations
 import glob
 import logging
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from kandevd.runtime import shim
 from kandevd.runtime.output import collect_stdout
+from kandevd.runtime.records import collect_output, outcome_from_record, read_record
 from kandevd.schedules import history as hist
+from kandevd.schedules.session import remove_turn_record, turn_key
 
 log = logging.getLogger("kandevd.scheduler")
+
+
+@dataclass(frozen=True)
+class Stranded:
+    """An entry repaired at start: where it is, and the job it is a run of."""
+
+    history: hist.History
+    entry_id: str
+    job_key: str | None
 
 
 class StrandedTurns:
@@ -34,20 +50,32 @@ class StrandedTurns:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._entries: list[tuple[hist.History, str]] = []
+        self._entries: list[Stranded] = []
 
-    def add(self, history: hist.History, entry_ids: list[str]) -> None:
+    def add(self, history: hist.History, entries: list[Stranded]) -> None:
         with self._lock:
-            self._entries += [(history, entry_id) for entry_id in entry_ids]
+            self._entries += entries
 
-    def settle(self) -> int:
-        """Settle every entry added so far; how many turns had files left."""
+    def pending(self) -> list[Stranded]:
+        """The entries not settled yet (adoption looks at them first)."""
+        with self._lock:
+            return list(self._entries)
+
+    def discard(self, entry_id: str) -> None:
+        """An entry whose turn was adopted: its end is recorded by the adopter."""
+        with self._lock:
+            self._entries = [e for e in self._entries if e.entry_id != entry_id]
+
+    def settle(self, turns_folder: Path | None = None) -> int:
+        """Settle every entry added so far; how many turns had files left.
+        ``turns_folder``: where turns keep their execution records."""
         with self._lock:
             entries, self._entries = self._entries, []
         settled = 0
-        for history, entry_id in entries:
+        for item in entries:
+            history, entry_id = item.history, item.entry_id
             try:
-                settled += settle_entry(history, entry_id)
+                settled += settle_entry(history, entry_id, turns_folder)
             except OSError as exc:  # a log that cannot be written: said, not fatal
                 log.warning("%s: the turns of run %s left by the previous daemon could not "
                             "be settled: %s", history.file.path, entry_id, exc)
@@ -61,36 +89,81 @@ class StrandedTurns:
 STRANDED = StrandedTurns()
 
 
-def repair_at_start(history: hist.History, now: datetime) -> list[Any]:
+def repair_at_start(history: hist.History, now: datetime,
+                    job_key: Callable[[dict[str, Any]], str | None]) -> list[Any]:
     """The history's entries once the runs a dead daemon left ``running`` are ``error``
-    (logged), their turns noted to be settled on the first tick."""
+    (logged), their turns noted to be adopted or settled (``job_key(entry)``: the
+    key of the job the entry is a run of)."""
     entries, repaired = history.repair_after_restart(now)
     if repaired:
         log.warning("%s: %d run(s) left running by a previous daemon marked 'error' (%s)",
                     history.file.path, len(repaired), hist.RESTART_ERROR)
-        STRANDED.add(history, repaired)
+        by_id = {e.get("id"): e for e in entries if isinstance(e, dict)}
+        STRANDED.add(history, [Stranded(history, entry_id, job_key(by_id.get(entry_id, {})))
+                               for entry_id in repaired])
     return entries
 
 
-def settle_entry(history: hist.History, entry_id: str) -> int:
+def settle_entry(history: hist.History, entry_id: str,
+                 turns_folder: Path | None = None) -> int:
     """Record the real outcome of ``entry_id``'s turns that left files; how many."""
-    entry = next((e for e in history.entries()
-                  if isinstance(e, dict) and e.get("id") == entry_id), None)
+    entry = history.entry(entry_id)
     if entry is None or not isinstance(entry.get("turns"), list):
         return 0
     turns = [dict(t) if isinstance(t, dict) else t for t in entry["turns"]]
-    settled = sum(_settle_turn(turn) for turn in turns if isinstance(turn, dict))
+    settled = 0
+    for index, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            continue
+        position = turn.get("index", index)
+        record_dir = turns_folder / turn_key(entry_id, position) \
+            if turns_folder is not None and isinstance(position, int) else None
+        settled += _settle_turn(turn, record_dir)
     if settled:
         cost = sum(t.get("cost_cents") or 0 for t in turns if isinstance(t, dict))
         history.update_entry(entry_id, {**entry, "turns": turns, "cost_cents": cost})
     return settled
 
 
-def _settle_turn(turn: dict[str, Any]) -> bool:
+def _settle_turn(turn: dict[str, Any], record_dir: Path | None) -> bool:
     log_path = turn.get("log_path")
     if not isinstance(log_path, str) or not log_path:
         return False
     path = Path(log_path)
+    if record_dir is not None and record_dir.is_dir():
+        _settle_record(turn, record_dir, path)
+        return True
+    return _settle_beside_log(turn, path)
+
+
+def _settle_record(turn: dict[str, Any], record_dir: Path, log_path: Path) -> None:
+    """A turn's record folder: its exit status and output recorded, the folder removed."""
+    record = read_record(record_dir)
+    result = outcome_from_record(record, record_dir, log_path) if record is not None else None
+    if result is None and record is not None:  # no exit status: its output is kept anyway
+        report = collect_output(record, record_dir, log_path)
+        _report(turn, report.summary, report.cost_cents, report.evaluation)
+    if result is not None:
+        turn["exit_code"] = result.exit_code
+        if result.succeeded:
+            turn["status"], turn["error"] = hist.SUCCESS, None
+        else:
+            turn["status"] = hist.ERROR
+            turn["error"] = f"exit code {result.exit_code} (the daemon had restarted)"
+        _report(turn, result.summary, result.cost_cents, result.evaluation)
+    remove_turn_record(record_dir)
+
+
+def _report(turn: dict[str, Any], summary: Any, cost: int | None, evaluation: Any) -> None:
+    if summary is not None:
+        turn["output"] = summary
+    if cost is not None:
+        turn["cost_cents"] = cost
+    if evaluation is not None:
+        turn["evaluation"] = evaluation
+
+
+def _settle_beside_log(turn: dict[str, Any], path: Path) -> bool:
     pattern = glob.escape(path.name)
     exits = sorted(path.parent.glob(f"{pattern}.exit-*"))
     stdouts = sorted(path.parent.glob(f"{pattern}.stdout-*"))
@@ -111,10 +184,5 @@ def _settle_turn(turn: dict[str, Any]) -> bool:
             turn["status"] = hist.ERROR
             turn["error"] = f"exit code {code} (the daemon had restarted)"
     if report is not None:
-        if report.summary is not None:
-            turn["output"] = report.summary
-        if report.cost_cents is not None:
-            turn["cost_cents"] = report.cost_cents
-        if report.evaluation is not None:
-            turn["evaluation"] = report.evaluation
+        _report(turn, report.summary, report.cost_cents, report.evaluation)
     return True

@@ -201,7 +201,10 @@ class ProductSource:
         history = product_history(self.root, user_id, profile_id,
                                   retention_days=self.retention_days,
                                   on_corrupt=self._on_corrupt)
-        repair_at_start(history, now)
+        def job_key(entry: dict[str, Any]) -> str:
+            return f"{product_job_id(profile_id, str(entry.get('schedule_id')))}@{user_id}"
+
+        repair_at_start(history, now, job_key)
 
     def _kept_invalid(self, old: dict[str, Job], loaded: set[str], problems: list[Problem],
                       user_problems: list[Problem]) -> list[Job]:

@@ -153,7 +153,8 @@ class WorkflowSource:
         history = self.history_of(workflow)
         if now is None:
             return hist.latest_by_schedule(history.entries())
-        return hist.latest_by_schedule(repair_at_start(history, now))
+        return hist.latest_by_schedule(repair_at_start(
+            history, now, lambda e: workflow_job_id(workflow.name, str(e.get("schedule_id")))))
 
     def _job(self, old: dict[str, Job], workflow: Workflow, schedule: Schedule,
              now: datetime) -> Job:

@@ -25,6 +25,7 @@ from kandevd.runtime.records import ExecutionRecord, locate, read_record, record
 from kandevd.schedules import history as hist
 from kandevd.schedules.history import SHUTDOWN_ERROR
 from kandevd.schedules.jobs import JobNotFound
+from kandevd.schedules.products.program import conversation_lock
 from kandevd.schedules.registry import JobRegistry
 from kandevd.schedules.runner import SessionRunner
 from kandevd.schedules.session import (
@@ -61,17 +62,18 @@ def adopt_turns(registry: JobRegistry, runner: SessionRunner, runtime: Any, home
 def _adopt_entry(stranded: Stranded, registry: JobRegistry, runner: SessionRunner,
                  runtime: Any, home: str) -> int | None:
     entry = stranded.history.entry(stranded.entry_id)
-    if entry is None or stranded.job_key is None:
+    if entry is None or stranded.job_key is None or not is_entry_id(stranded.entry_id):
         return None
     for position, turn in enumerate(entry.get("turns") or []):
         if not isinstance(turn, dict):
             continue
         index = turn.get("index", position)
-        if not isinstance(index, int):
+        if not isinstance(index, int) or isinstance(index, bool) or index < 0:
             continue
-        record = read_record(runner.turns_folder / turn_key(stranded.entry_id, index))
-        if record is None:
-            continue
+        key = turn_key(stranded.entry_id, index)
+        record = read_record(runner.turns_folder / key)
+        if record is None or record.run_id != stranded.entry_id or record.key != key:
+            continue  # (not this turn's record: never adopted on its word)
         record = locate(record)
         if not record_alive(record):
             continue  # ended meanwhile: settled on the first tick
@@ -107,24 +109,35 @@ def _adopt(stranded: Stranded, entry: dict[str, Any], position: int,
 
     control = SessionControl(runtime.wake_waiters, on_stop)
     deadline, timeout = _deadline(registry, job_key, entry)
+    # A product's conversation takes one message at a time, whichever schedule sends it.
+    conversation = _conversation(registry, entry)
+    if conversation is not None and not conversation.acquire(blocking=False):
+        conversation = None  # (nothing else runs yet at start: cannot happen)
     runner.hold(plan, control, deadline=deadline, timeout_s=timeout)
+
+    def release() -> None:
+        if conversation is not None:
+            conversation.release()
+        runner.release(plan, history)
 
     def on_done(result: ExecutionResult) -> None:
         try:
             if result.outcome != DETACHED:
                 _record_end(history, stranded.entry_id, position, result, control)
-                remove_turn_record(record.record_dir)
         except Exception:
             log.exception("%s: the end of adopted turn %s could not be recorded",
                           job_key, key)
         finally:
-            runner.release(plan, history)
+            if result.outcome != DETACHED:
+                remove_turn_record(record.record_dir)
+            release()
 
-    _mark_adopted(history, stranded.entry_id, position)
     try:
+        _mark_adopted(history, stranded.entry_id, position)
         runtime.adopt(spec, record, on_done)
     except BaseException:
-        runner.release(plan, history)
+        release()
+        _unmark(history, stranded.entry_id, position)
         raise
     log.info("%s: adopted turn %s of run %s (shim pid %d) left running by the previous "
              "daemon", job_key, key, stranded.entry_id, record.pid)
@@ -153,14 +166,38 @@ def _mark_adopted(history: hist.History, entry_id: str, position: int) -> None:
     _change_turn(history, entry_id, position, change)
 
 
+def _unmark(history: hist.History, entry_id: str, position: int) -> None:
+    """Adoption failed: the turn is interrupted again (its agent is stopped at start)."""
+    def change(turn: dict[str, Any]) -> None:
+        if turn.get("status") == hist.RUNNING:
+            turn.update(status=hist.ERROR, error=hist.RESTART_ERROR)
+    try:
+        _change_turn(history, entry_id, position, change)
+    except Exception:
+        log.exception("run %s: its turn could not be marked interrupted again", entry_id)
+
+
 def _record_end(history: hist.History, entry_id: str, position: int,
                 result: ExecutionResult, control: SessionControl) -> None:
     def change(turn: dict[str, Any]) -> None:
         apply_result(turn, result, stop_requested=control.stop_requested)
-        if turn["status"] == hist.STOPPED:  # recorded as the stop says (a timeout: error)
-            turn["status"] = control.stop_status
-            turn["error"] = control.stop_error or turn.get("error")
+        if turn["status"] == hist.STOPPED and control.stop_status == hist.ERROR:
+            # A timeout: the entry keeps saying the daemon restarted, so the turn says it.
+            turn["status"], turn["error"] = hist.ERROR, control.stop_error
     _change_turn(history, entry_id, position, change)
+
+
+def _conversation(registry: JobRegistry, entry: dict[str, Any]) -> Any:
+    """The lock of the product conversation an entry's turn speaks in (None: a workflow)."""
+    product, user = entry.get("product"), entry.get("user_id")
+    if not isinstance(product, str) or not isinstance(user, str):
+        return None
+    return conversation_lock(registry.root, user, product)
+
+
+def is_entry_id(value: str) -> bool:
+    """A history entry id the daemon made (hex): safe in a folder name."""
+    return 0 < len(value) <= 64 and all(c in "0123456789abcdef" for c in value)
 
 
 def _change_turn(history: hist.History, entry_id: str, position: int, change: Any) -> None:

@@ -5,7 +5,8 @@ One entry per scheduled session (a cron fire or a manual trigger)::
     {id, schedule_id, run_folder, session_id, status, error, duration_ms, group_ids,
      started_at, completed_at, trigger_source: "cron"|"manual",
      turns: [{index, kind, message, workshop_mode, status, started_at, duration_ms,
-              log_path, cost_cents, error, output?, evaluation?}],
+              log_path, cost_cents, error, exit_code?, output?, evaluation?,
+              adopted_at?}],
      cost_cents, first_message?}
 
 A turn's ``output`` and ``evaluation`` are what its agent reported (its summary
@@ -92,7 +93,14 @@ def interrupt(entries: list[Any], now: datetime, error: str) -> int:
     The list is changed in place, its entries are replaced (never mutated)."""
     fixed = 0
     for index, entry in enumerate(entries):
-        if isinstance(entry, dict) and entry.get("status") == RUNNING:
+        if isinstance(entry, dict) and entry.get("status") != RUNNING and _running_turn(entry):
+            # Interrupted already, its turn adopted by a daemon that died in turn.
+            entries[index] = {**entry, "turns": [
+                {**turn, "status": ERROR, "error": error}
+                if isinstance(turn, dict) and turn.get("status") == RUNNING else turn
+                for turn in entry["turns"]]}
+            fixed += 1
+        elif isinstance(entry, dict) and entry.get("status") == RUNNING:
             changed = {**entry, "status": ERROR, "error": error, "completed_at": rfc3339(now)}
             if isinstance(entry.get("turns"), list):
                 changed["turns"] = [
@@ -105,6 +113,17 @@ def interrupt(entries: list[Any], now: datetime, error: str) -> int:
             entries[index] = changed  # replaced, never mutated: see JsonFile(cache=True)
             fixed += 1
     return fixed
+
+
+def _running_turn(entry: dict[str, Any]) -> bool:
+    turns = entry.get("turns")
+    return isinstance(turns, list) and any(
+        isinstance(t, dict) and t.get("status") == RUNNING for t in turns)
+
+
+def left_running(entry: Any) -> bool:
+    """An entry a dead daemon left running: itself, or a turn of it it had adopted."""
+    return isinstance(entry, dict) and (entry.get("status") == RUNNING or _running_turn(entry))
 
 
 class PendingWrites:
@@ -236,13 +255,12 @@ class History:
         file is read once and written only when something was left running.
         """
         entries = self.entries()
-        if not any(isinstance(e, dict) and e.get("status") == RUNNING for e in entries):
+        if not any(left_running(e) for e in entries):
             return entries, []
         repaired: list[str] = []
 
         def fix(current: list[Any]) -> None:
-            repaired[:] = [str(e.get("id")) for e in current
-                           if isinstance(e, dict) and e.get("status") == RUNNING]
+            repaired[:] = [str(e.get("id")) for e in current if left_running(e)]
             interrupt(current, now, RESTART_ERROR)
         return self._update(fix), repaired
 

@@ -97,6 +97,7 @@ class CronLoop(Loop):
         hist.BACKLOG.wake = self.wake  # a history write kept after a failure: retry soon
         self._stop_grace_s = stop_grace_s
         self._reload = threading.Event()
+        self._settled = False
         self.fires = 0
         #: Several daemons (PostgreSQL): ``(job key, intended time) -> fire here?``. Only
         #: the leader fires, and an occurrence fired already (by an earlier leader) is not
@@ -113,8 +114,13 @@ class CronLoop(Loop):
             self._reload.clear()
             self.registry.rescan(now)
         deadline = self.runner.expire(now)
-        if self.fire_gate is None:  # one daemon: what a crashed one's turns left is ours
-            STRANDED.settle(self.runner.turns_folder)
+        if not self._settled:  # what a dead daemon's turns left: once, at the first tick
+            self._settled = True
+            live = self.runner.is_live_turn
+            if self.fire_gate is None:  # one daemon: the entries it left are ours
+                STRANDED.settle(self.runner.turns_folder, live=live)
+            else:  # several: its records are this home's, its entries maybe another's
+                STRANDED.settle_records(self.runner.turns_folder, live)
         if len(hist.BACKLOG) and hist.BACKLOG.flush():
             deadline = min(d for d in (deadline, now + RETRY_WRITES) if d is not None)
         due = self.registry.due(now)

@@ -192,6 +192,10 @@ class SessionRunner:
         job.state.last_run_at = session.entry["started_at"]
         job.state.last_session_id = session.plan.session_id
 
+    def is_live_turn(self, key: str) -> bool:
+        """Does a turn's execution of that key run here (adopted, or started since)?"""
+        return bool(self._runtime.is_live(key))
+
     @property
     def turns_folder(self) -> Path:
         """Where turns keep their execution records (``<home>/turns``)."""

@@ -318,6 +318,8 @@ class Session:
             apply_result(record, result, stop_requested=self.control.stop_requested)
         self.entry["cost_cents"] = sum(t.get("cost_cents") or 0 for t in self.entry["turns"])
         self._save()
+        # Once its outcome is on the entry (a crash before that settles it from here).
+        remove_turn_record(turn_record_dir(self.layout, self.plan.entry_id, index))
         return record
 
     def _execute(self, turn: TurnSpec, index: int, record: dict[str, Any]
@@ -368,6 +370,4 @@ class Session:
             self._runtime.stop_execution(key, reason)
 
         self.control.wait_turn(done, stop_turn)
-        if outcome[0].outcome != DETACHED:
-            remove_turn_record(record_dir)
         return outcome[0]

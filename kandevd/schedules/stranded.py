@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from kandevd.runtime import shim
+from kandevd.runtime.attempts import SPENT_SUFFIX
 from kandevd.runtime.output import collect_stdout
 from kandevd.runtime.records import collect_output, outcome_from_record, read_record
 from kandevd.schedules import history as hist
@@ -66,9 +67,10 @@ class StrandedTurns:
         with self._lock:
             self._entries = [e for e in self._entries if e.entry_id != entry_id]
 
-    def settle(self, turns_folder: Path | None = None) -> int:
-        """Settle every entry added so far; how many turns had files left.
-        ``turns_folder``: where turns keep their execution records."""
+    def settle(self, turns_folder: Path | None = None, *,
+               live: Callable[[str], bool] = lambda key: False) -> int:
+        """Settle every entry added so far, then every other record left in
+        ``turns_folder`` (but the ``live`` ones: adopted); how many turns had files left."""
         with self._lock:
             entries, self._entries = self._entries, []
         settled = 0
@@ -79,10 +81,18 @@ class StrandedTurns:
             except OSError as exc:  # a log that cannot be written: said, not fatal
                 log.warning("%s: the turns of run %s left by the previous daemon could not "
                             "be settled: %s", history.file.path, entry_id, exc)
+        if turns_folder is not None:
+            settled += sweep_records(turns_folder, live)
         if settled:
             log.info("settled %d scheduled turn(s) a previous daemon left running: their "
                      "outcome and output are on their runs", settled)
         return settled
+
+    def settle_records(self, turns_folder: Path, live: Callable[[str], bool]) -> int:
+        """Several daemons: only this home's records (the entries may be another's)."""
+        with self._lock:
+            self._entries = []
+        return sweep_records(turns_folder, live)
 
 
 #: Filled when histories are repaired at start; settled by the cron loop's first tick.
@@ -123,6 +133,34 @@ def settle_entry(history: hist.History, entry_id: str,
         cost = sum(t.get("cost_cents") or 0 for t in turns if isinstance(t, dict))
         history.update_entry(entry_id, {**entry, "turns": turns, "cost_cents": cost})
     return settled
+
+
+def sweep_records(turns_folder: Path, live: Callable[[str], bool]) -> int:
+    """Records no entry led to (its run not loaded, its file gone, another daemon's
+    entry): the agent's output is merged into the log its record names, the record
+    removed. Nothing is left in ``<home>/turns/`` but the live turns' records."""
+    try:
+        names = sorted(p.name for p in turns_folder.iterdir())
+    except OSError:
+        return 0
+    swept = 0
+    for name in names:
+        folder = turns_folder / name
+        if live(name) or not folder.is_dir() or not name.startswith("turn-"):
+            if name.endswith(SPENT_SUFFIX) and not live(name[:-len(SPENT_SUFFIX)]):
+                folder.unlink(missing_ok=True)
+            continue
+        record = read_record(folder)
+        if record is not None:
+            try:
+                collect_output(record)
+            except OSError as exc:
+                log.warning("%s: the output of a turn left by a previous daemon could not "
+                            "be merged into %s: %s", folder, record.log_path, exc)
+        log.warning("%s: a turn's record no history entry claims was removed", folder)
+        remove_turn_record(folder)
+        swept += 1
+    return swept
 
 
 def _settle_turn(turn: dict[str, Any], record_dir: Path | None) -> bool:

@@ -119,6 +119,21 @@ def test_a_turn_still_running_at_start_is_adopted_and_its_end_recorded(crashed) 
     daemon.wait_until(lambda: len(records(record)) == 2, what="a new session's first turn")
 
 
+def test_a_turn_adopted_then_left_again_is_adopted_by_the_next_start(crashed) -> None:
+    daemon, record, shim = crashed
+    daemon.start()
+    daemon.wait_for_line("adopted turn")
+    daemon.kill_daemon_only()  # the adopter dies in turn
+    assert daemon.agent_pids() == [shim]
+    daemon.start()
+    entry = adopted_and_released(daemon, record)
+    assert entry["error"] == "interrupted: server restarted"
+    assert [(t["status"], t["output"]) for t in entry["turns"]] == [("success", "did HOLD")]
+    [seen] = records(record)
+    assert seen["terminated"] is False
+    daemon.wait_until(lambda: leftovers(daemon) == [], what="the turn's record removed")
+
+
 def test_jobs_stop_reaches_an_adopted_turn(crashed) -> None:
     daemon, record, _shim = crashed
     daemon.start()
@@ -128,7 +143,8 @@ def test_jobs_stop_reaches_an_adopted_turn(crashed) -> None:
         lambda: (e := newest(daemon))["turns"][0]["status"] != "running" and e,
         what="the stopped turn recorded")
     [turn] = entry["turns"]
-    assert (turn["status"], turn["error"]) == ("stopped", "stopped: scheduler.jobs.stop")
+    assert (turn["status"], turn["error"]) == ("stopped",
+                                               "stopped: stopped by scheduler.jobs.stop")
     assert entry["error"] == "interrupted: server restarted"
     [seen] = records(record)
     assert seen["terminated"] is True

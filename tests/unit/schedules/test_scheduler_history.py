@@ -113,3 +113,16 @@ def test_repair_after_restart_also_closes_the_turn_that_was_running(tmp_path: Pa
     [entry], _ = history.repair_after_restart(NOW)
     assert [t["status"] for t in entry["turns"]] == ["success", "error"]
     assert entry["turns"][1]["error"] == "interrupted: server restarted"
+
+
+def test_repair_after_restart_reports_an_adopted_turn_whose_adopter_died(
+        tmp_path: Path) -> None:
+    history = hist.History(tmp_path, retention_days=90)
+    interrupted = {"id": "y", "status": "error", "error": hist.RESTART_ERROR,
+                   "completed_at": rfc3339(NOW), "started_at": rfc3339(NOW),
+                   "turns": [{"kind": "message", "status": "running", "adopted_at": "t"}]}
+    history.file.write([interrupted, {"id": "z", "status": "success", "turns": []}])
+    entries, repaired = history.repair_after_restart(NOW)
+    assert repaired == ["y"]
+    assert entries[0]["completed_at"] == interrupted["completed_at"]  # its end stays
+    assert entries[0]["turns"][0]["status"] == "error"

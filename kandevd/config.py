@@ -42,6 +42,7 @@ DEFAULTS: dict[str, Any] = {
                 "keep_agents_on_stop": False},
     "control": {"idle_timeout_s": 60},
     "metrics": {"listen": None},
+    "web": {"listen": None, "allowed_hosts": []},
     "log": {"level": None},
     "office": {"enabled": True, "interval_s": 30, "recovery_lookback_hours": 24},
     "scheduler": {"enabled": True, "root": None, "history_retention_days": 90,
@@ -155,14 +156,31 @@ class MetricsConfig:
         return None if self.listen is None else parse_listen(self.listen)
 
 
-def parse_listen(value: str) -> tuple[str, int]:
+def parse_listen(value: str, key: str = "metrics.listen", *,
+                 lowest_port: int = 1) -> tuple[str, int]:
     """``"HOST:PORT"`` (``"[::1]:9464"`` for IPv6) -> ``(host, port)``; ConfigError if bad."""
     host, sep, port = value.rpartition(":")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
-    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ConfigError(f"metrics.listen: {value!r} is not HOST:PORT with a port 1-65535")
+    if not sep or not host or not port.isdigit() or not lowest_port <= int(port) <= 65535:
+        raise ConfigError(f"{key}: {value!r} is not HOST:PORT with a port "
+                          f"{lowest_port}-65535")
     return host, int(port)
+
+
+@dataclass(frozen=True)
+class WebConfig:
+    """``web.listen``: ``"HOST:PORT"`` serves the web console; None = off.
+    ``allowed_hosts``: more ``Host`` names the console answers (a proxy's name)."""
+
+    listen: str | None = None
+    allowed_hosts: tuple[str, ...] = ()
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        # Port 0: any free port (``kandevd web url`` reads the one taken from the home).
+        return None if self.listen is None else parse_listen(self.listen, "web.listen",
+                                                             lowest_port=0)
 
 
 @dataclass(frozen=True)
@@ -203,6 +221,7 @@ class Config:
     agents: Mapping[str, AgentProfile]
     control: ControlConfig = ControlConfig()
     metrics: MetricsConfig = MetricsConfig()
+    web: WebConfig = WebConfig()
     store: StoreConfig = StoreConfig()
     cluster: ClusterConfig = ClusterConfig()
     #: ``log.level``: the lowest level logged when ``serve --log-level`` is not
@@ -330,6 +349,8 @@ def build_config(
         office=OfficeConfig(**merged["office"]),
         control=ControlConfig(idle_timeout_s=float(merged["control"]["idle_timeout_s"])),
         metrics=MetricsConfig(listen=merged["metrics"]["listen"]),
+        web=WebConfig(listen=merged["web"]["listen"],
+                      allowed_hosts=tuple(merged["web"]["allowed_hosts"])),
         store=StoreConfig(url=merged["store"]["url"]),
         cluster=ClusterConfig(heartbeat_s=float(merged["cluster"]["heartbeat_s"]),
                               dead_after_s=float(merged["cluster"]["dead_after_s"])),
@@ -352,6 +373,8 @@ def build_config(
                           f"than cluster.heartbeat_s ({config.cluster.heartbeat_s:g})")
     if config.metrics.listen is not None:
         parse_listen(config.metrics.listen)
+    if config.web.listen is not None:
+        parse_listen(config.web.listen, "web.listen", lowest_port=0)
     return config
 
 

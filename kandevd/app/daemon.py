@@ -27,6 +27,7 @@ from kandevd.app.homelock import HomeLock, HomeLocked
 from kandevd.app.metrics import MetricsHTTPServer
 from kandevd.app.reload import reload
 from kandevd.app.shutdown import MainThreadWaiter, ShutdownCoordinator, SignalWiring
+from kandevd.app.webconsole import start_console, stop_console
 from kandevd.config import Config
 from kandevd.control.sockets import NotASocket, SocketInUse
 from kandevd.lifecycle import StopSignal
@@ -35,6 +36,7 @@ from kandevd.runtime.orphans import stop_orphan_agents
 from kandevd.schedules.adopted import adopt_turns
 from kandevd.sdnotify import notifier, queue_status
 from kandevd.timeutil import rfc3339, utc_now
+from kandevd.web.server import WebConsole
 
 log = logging.getLogger("kandevd.daemon")
 
@@ -63,6 +65,7 @@ class Daemon:
         self.coordinator: ShutdownCoordinator | None = None
         self._wiring: SignalWiring | None = None
         self.metrics_http: MetricsHTTPServer | None = None
+        self.web: WebConsole | None = None
 
     def run(self) -> int:
         try:
@@ -193,6 +196,8 @@ class Daemon:
                 self._shutdown_steps(parts),
                 on_started=lambda: notifier().stopping("graceful shutdown started"))
             self.state = "running"
+            # The console first: once the socket answers (`kandevd wait`), it serves too.
+            self._start_web(parts)
             try:
                 parts.server.start()
             except SocketInUse as exc:
@@ -205,6 +210,7 @@ class Daemon:
             self.state = "stopping"
             self.coordinator = None
             self.stop_signal.set()
+            self._stop_web()
             self._stop_metrics_http()
             for _name, stop in reversed(started):
                 stop()
@@ -218,6 +224,7 @@ class Daemon:
 
     def _shutdown_steps(self, parts: Parts) -> list[tuple[str, Any]]:
         steps: list[tuple[str, Any]] = [("stop intake", parts.server.begin_drain),
+                                        ("stop web console", self._stop_web),
                                         ("start the agents' grace", parts.runtime.begin_grace),
                                         ("signal loops", self.stop_signal.set)]
         for loop in reversed(list(parts.loops.values())):
@@ -287,6 +294,18 @@ class Daemon:
                                f"{exc.strerror or exc}", exits.CANTCREAT) from None
         server.start()
         self.metrics_http = server
+
+    def _start_web(self, parts: Parts) -> None:
+        """``web.listen``: serve the console (after the control socket it dispatches to)."""
+        try:
+            self.web = start_console(self.config, self.layout.root, parts)
+        except OSError as exc:
+            raise StartupError(f"web.listen {self.config.web.listen}: cannot listen: "
+                               f"{exc.strerror or exc}", exits.CANTCREAT) from None
+
+    def _stop_web(self) -> None:
+        console, self.web = self.web, None
+        stop_console(console, self.layout.root)
 
     def _stop_metrics_http(self) -> None:
         server, self.metrics_http = self.metrics_http, None

@@ -26,6 +26,7 @@ from kandevd.cli.runs import runs
 from kandevd.cli.scheduler import scheduler, scheduler_lines
 from kandevd.cli.validate import validate
 from kandevd.cli.wait import wait
+from kandevd.cli.web import web
 from kandevd.config import ConfigError, load_config
 from kandevd.paths import HomeLayout, resolve_home
 from kandevd.timeutil import parse_rfc3339, utc_now
@@ -143,6 +144,7 @@ cli.add_command(jobs)
 cli.add_command(scheduler)
 cli.add_command(db)
 cli.add_command(wait)
+cli.add_command(web)
 cli.add_command(methods)
 cli.add_command(metrics)
 for group in MODEL_GROUPS:

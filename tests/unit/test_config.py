@@ -32,13 +32,15 @@ CONTRACT_DEFAULTS: dict[str, Any] = {
                 "keep_agents_on_stop": False},
     "control": {"idle_timeout_s": 60},
     "metrics": {"listen": None},
+    "web": {"listen": None},
     "office": {"enabled": True, "interval_s": 30, "recovery_lookback_hours": 24},
     "scheduler": {"enabled": True, "root": None, "history_retention_days": 90,
                   "notify": {"command": None, "webhook": None, "on": ["failure", "recovery"]}},
     "agents": {"default": {"command": None, "timeout_s": 3600, "env": {}}},
 }
 #: Keys the daemon offers beyond the contract's list (every one optional).
-EXTENSIONS: dict[str, Any] = {"log": {"level": None}}
+EXTENSIONS: dict[str, Any] = {"log": {"level": None},
+                              "web": {**CONTRACT_DEFAULTS["web"], "allowed_hosts": []}}
 ALL_DEFAULTS: dict[str, Any] = {**CONTRACT_DEFAULTS, **EXTENSIONS}
 
 
@@ -53,6 +55,7 @@ def as_document(config: Config) -> dict[str, Any]:
         "queue": section(config.queue), "retry": section(config.retry),
         "runtime": section(config.runtime), "control": section(config.control),
         "metrics": section(config.metrics), "log": {"level": config.log_level},
+        "web": section(config.web),
         "store": section(config.store), "cluster": section(config.cluster),
         "office": section(config.office),
         "scheduler": section(config.scheduler, drop=("disabled_via_env", "configured_enabled")),

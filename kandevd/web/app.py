@@ -1,0 +1,163 @@
+"""The console's WSGI application: the checks every request passes, then its view.
+
+In order: the ``Host`` must be one the console serves (421 otherwise: no DNS
+rebinding); ``/static/`` files are served from the package (a fixed list);
+``?token=`` sets the cookie and redirects to the page without it; without
+the cookie nothing is served (401); a POST needs the page's CSRF token and,
+when the browser sends one, a same-origin ``Origin`` (403). A control
+method's error becomes the message shown on the page it came from.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Iterable
+from importlib import resources
+from typing import Any
+from urllib.parse import urlencode
+
+from kandevd.control.protocol import RpcError
+from kandevd.web import live
+from kandevd.web.auth import COOKIE
+from kandevd.web.context import Console, set_flash
+from kandevd.web.http import BadRequest, Request, Response, redirect, text
+from kandevd.web.views import office, overview, runs, schedule_form, schedules
+
+log = logging.getLogger("kandevd.web")
+
+View = Callable[..., Response]
+
+ROUTES: list[tuple[str, str, View]] = [
+    ("GET", r"/", overview.page),
+    ("GET", r"/fragments/overview", overview.fragment),
+    ("GET", r"/events/overview", live.overview_events),
+    ("GET", r"/schedules", schedules.index),
+    ("POST", r"/schedules/pause", schedules.pause),
+    ("GET", r"/schedules/new", schedule_form.new),
+    ("POST", r"/schedules/new", schedule_form.create),
+    ("GET", r"/schedules/preview", schedule_form.preview),
+    ("GET", r"/schedules/(?P<job>[^/]+)", schedules.job),
+    ("GET", r"/schedules/(?P<job>[^/]+)/edit", schedule_form.edit),
+    ("POST", r"/schedules/(?P<job>[^/]+)/edit", schedule_form.update),
+    ("POST", r"/schedules/(?P<job>[^/]+)/(?P<action>trigger|stop|enable|disable)",
+     schedules.act),
+    ("POST", r"/schedules/(?P<job>[^/]+)/backfill", schedules.backfill),
+    ("GET", r"/schedules/(?P<job>[^/]+)/runs/(?P<entry>[^/]+)", schedules.entry),
+    ("GET", r"/events/turn/(?P<job>[^/]+)/(?P<entry>[^/]+)/(?P<index>[0-9]{1,4})",
+     live.turn_log),
+    ("GET", r"/runs", runs.index),
+    ("GET", r"/runs/dead", runs.dead),
+    ("POST", r"/runs/dead/retry", runs.retry_selected),
+    ("GET", r"/runs/(?P<run>[^/]+)", runs.run),
+    ("POST", r"/runs/(?P<run>[^/]+)/(?P<action>cancel|retry)", runs.act),
+    ("GET", r"/events/run/(?P<run>[^/]+)", live.run_log),
+    ("GET", r"/agents", office.agents),
+    ("POST", r"/agents/(?P<agent>[^/]+)/(?P<action>pause|resume)", office.agent_act),
+    ("GET", r"/office", office.index),
+]
+_COMPILED = [(method, re.compile(pattern + r"\Z"), view) for method, pattern, view in ROUTES]
+
+#: The only files under /static/ (nothing else of the package is reachable).
+STATIC = {"console.css": "text/css; charset=utf-8",
+          "console.js": "text/javascript; charset=utf-8",
+          "favicon.svg": "image/svg+xml"}
+
+
+class ConsoleApp:
+    """The WSGI callable; one per console."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+        self._static: dict[str, bytes] = {}
+
+    def __call__(self, environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
+        request = Request(environ)
+        try:
+            response = self.handle(request)
+        except BadRequest as exc:
+            response = text(str(exc), exc.status)
+        except Exception:
+            log.exception("console: %s %s failed", request.method, request.path)
+            response = text("internal error (logged by the daemon)", 500)
+        return response.wsgi(start_response)
+
+    def handle(self, request: Request) -> Response:
+        guard = self.console.guard
+        if not guard.host_allowed(request.header("Host")):
+            return text("this console does not serve that host name", 421)
+        if request.path.startswith("/static/"):
+            return self._static_file(request.path[len("/static/"):])
+        token = request.query.get("token")
+        if token is not None:
+            if not guard.token_matches(token):
+                return text("wrong token: use the URL `kandevd web url` prints", 403)
+            query = {k: v for k, v in request.query.items() if k != "token"}
+            response = redirect(request.path + ("?" + urlencode(query) if query else ""))
+            response.set_cookie(COOKIE, guard.cookie_value)
+            return response
+        if not guard.cookie_matches(request.cookies.get(COOKIE)):
+            return text("not signed in: open the URL `kandevd web url` prints "
+                        "(it carries the console's token)", 401)
+        if request.method == "POST":
+            problem = self._csrf_problem(request)
+            if problem:
+                return text(problem, 403)
+        elif request.method not in ("GET", "HEAD"):
+            return text("method not allowed", 405)
+        return self._route(request)
+
+    def _csrf_problem(self, request: Request) -> str | None:
+        origin = request.header("Origin")
+        if origin and origin != "null":
+            host = origin.split("://", 1)[-1]
+            if not self.console.guard.host_allowed(host) or host != request.header("Host"):
+                return "cross-origin request refused"
+        supplied = request.header("X-CSRF-Token") or request.form.get("csrf")
+        if not self.console.guard.csrf_matches(supplied):
+            return "missing or wrong CSRF token: reload the page and try again"
+        return None
+
+    def _route(self, request: Request) -> Response:
+        method = "GET" if request.method == "HEAD" else request.method
+        allowed = False
+        for route_method, pattern, view in _COMPILED:
+            match = pattern.match(request.path)
+            if match is None:
+                continue
+            if route_method != method:
+                allowed = True
+                continue
+            try:
+                return view(self.console, request, **match.groupdict())
+            except RpcError as exc:
+                return self._rpc_error(request, exc)
+        if allowed:
+            return text("method not allowed", 405)
+        return self.console.render("error.html", request, http_status=404, title="Not found",
+                                   message=f"No page at {request.path}.")
+
+    def _rpc_error(self, request: Request, exc: RpcError) -> Response:
+        if request.method == "POST":
+            back = request.form.get("back") or request.path
+            return set_flash(redirect(safe_back(back)), "error", exc.message)
+        status = 404 if exc.kind == "not_found" else 400
+        return self.console.render("error.html", request, http_status=status,
+                                   title="Not found" if status == 404 else "Error",
+                                   message=exc.message)
+
+    def _static_file(self, name: str) -> Response:
+        content_type = STATIC.get(name)
+        if content_type is None:
+            return text("no such file", 404)
+        if name not in self._static:
+            self._static[name] = (resources.files("kandevd.web") / "static" / name).read_bytes()
+        return Response(self._static[name], content_type=content_type,
+                        headers=[("Cache-Control", "max-age=300")])
+
+
+def safe_back(path: str) -> str:
+    """A redirect target of our own (a path on this console, never another site)."""
+    if not path.startswith("/") or path.startswith("//") or "\\" in path:
+        return "/"
+    return path

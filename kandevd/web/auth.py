@@ -1,0 +1,118 @@
+"""Who may use the console: a token kept in the home, a cookie, CSRF and Host checks.
+
+The token (``<home>/web.token``, mode 0600) is created once; the URL that
+``serve`` logs and ``kandevd web url`` prints carries it (``?token=``). The
+first request with it gets a cookie (``HttpOnly``, ``SameSite=Strict``) and is
+redirected to the same page without it, so it stays out of the browser's
+history. The cookie and the CSRF token are HMACs of the token: nothing is kept
+per browser, and a new token (delete the file, restart) logs every browser out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import os
+import secrets
+from pathlib import Path
+
+TOKEN_FILE = "web.token"
+COOKIE = "kandevd_console"
+#: Names that always reach this machine only: a DNS-rebinding page cannot use them.
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+def token_path(home: Path) -> Path:
+    return Path(home) / TOKEN_FILE
+
+
+def read_token(home: Path) -> str | None:
+    """The console's token, or None when none was made yet (or it is unreadable)."""
+    try:
+        text = token_path(home).read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return text or None
+
+
+def ensure_token(home: Path) -> str:
+    """The console's token, created (mode 0600) when there is none."""
+    existing = read_token(home)
+    if existing is not None:
+        return existing
+    token = secrets.token_urlsafe(32)
+    path = token_path(home)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    except FileExistsError:  # made meanwhile (a CLI and the daemon at once): theirs wins
+        again = read_token(home)
+        if again is None:
+            raise
+        return again
+    with os.fdopen(fd, "w", encoding="ascii") as handle:
+        handle.write(token + "\n")
+    return token
+
+
+def is_loopback(host: str) -> bool:
+    """Is ``host`` (a name or an address) one that only this machine reaches?"""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def split_host(header: str) -> str | None:
+    """The name of a ``Host`` header (``name[:port]``, ``[v6][:port]``), lowercased."""
+    header = header.strip().lower()
+    if not header:
+        return None
+    if header.startswith("["):
+        end = header.find("]")
+        if end < 0:
+            return None
+        rest = header[end + 1:]
+        if rest and not (rest.startswith(":") and rest[1:].isdigit()):
+            return None
+        return header[1:end]
+    name, sep, port = header.partition(":")
+    if sep and not port.isdigit():
+        return None
+    return name or None
+
+
+class Guard:
+    """The checks every request passes; built from the token and the names served."""
+
+    def __init__(self, token: str, listen_host: str, allowed_hosts: tuple[str, ...] = ()
+                 ) -> None:
+        self._token = token
+        names = set(LOOPBACK_NAMES) | {h.lower().strip("[]") for h in allowed_hosts}
+        if listen_host not in ("0.0.0.0", "::", ""):
+            names.add(listen_host.lower())
+        self.hosts = frozenset(names)
+        self.cookie_value = self._mac("cookie")
+        self.csrf_token = self._mac("csrf")
+
+    def _mac(self, purpose: str) -> str:
+        return hmac.new(self._token.encode(), purpose.encode(), hashlib.sha256).hexdigest()
+
+    def host_allowed(self, header: str | None) -> bool:
+        """A ``Host`` the console serves (no DNS rebinding: an attacker's name is refused)."""
+        name = split_host(header or "")
+        return name is not None and name in self.hosts
+
+    def token_matches(self, candidate: str | None) -> bool:
+        return candidate is not None and hmac.compare_digest(candidate.encode(),
+                                                             self._token.encode())
+
+    def cookie_matches(self, candidate: str | None) -> bool:
+        return candidate is not None and hmac.compare_digest(candidate.encode(),
+                                                             self.cookie_value.encode())
+
+    def csrf_matches(self, candidate: str | None) -> bool:
+        return candidate is not None and hmac.compare_digest(candidate.encode(),
+                                                             self.csrf_token.encode())

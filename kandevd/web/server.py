@@ -1,0 +1,118 @@
+"""WebConsole: the console's thread-pool HTTP server, started after the control socket and
+stopped with the intake at shutdown (live streams end, the threads are joined).
+
+cheroot (CherryPy's WSGI server) serves it: a fixed pool of worker threads made
+for blocking WSGI code such as ours, started and stopped from another thread,
+and nothing polled while nobody connects (its connection manager waits in
+``select`` up to :data:`IDLE_WAKE_S`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from cheroot import wsgi
+
+from kandevd.web.app import ConsoleApp
+from kandevd.web.auth import Guard, ensure_token, is_loopback
+from kandevd.web.context import Console, Dispatch
+
+log = logging.getLogger("kandevd.web")
+
+THREADS = 12
+#: How long the idle server sleeps between looks at its kept-alive connections.
+IDLE_WAKE_S = 30.0
+
+
+def console_url(host: str, port: int, token: str | None, path: str = "/") -> str:
+    shown = "127.0.0.1" if host in ("0.0.0.0", "") else "[::1]" if host == "::" else \
+        f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}{path}" + (f"?token={token}" if token else "")
+
+
+class Subscribers:
+    """Callbacks of the open live views, called on any change (and at the stop)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[], None]] = []
+
+    def subscribe(self, callback: Callable[[], None]) -> Callable[[], None]:
+        with self._lock:
+            self._callbacks.append(callback)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if callback in self._callbacks:
+                    self._callbacks.remove(callback)
+        return unsubscribe
+
+    def notify(self, *_: Any) -> None:
+        with self._lock:
+            callbacks = list(self._callbacks)
+        for callback in callbacks:
+            callback()
+
+
+class WebConsole:
+    """Owns the server thread; ``start`` binds (OSError when it cannot), ``stop`` joins."""
+
+    def __init__(self, address: tuple[str, int], *, home: Path, dispatch: Dispatch,
+                 reads: Callable[[Callable[[Any], Any]], Any], version: str,
+                 workflow_root: Path, allowed_hosts: tuple[str, ...] = ()) -> None:
+        self.address = address
+        self.home = Path(home)
+        self.token = ensure_token(self.home)
+        self.stopping = threading.Event()
+        self.subscribers = Subscribers()
+        self.console = Console(
+            dispatch=dispatch, reads=reads,
+            guard=Guard(self.token, address[0], allowed_hosts), stopping=self.stopping,
+            version=version, subscribe=self.subscribers.subscribe,
+            workflow_root=workflow_root, home=self.home)
+        self._server: wsgi.Server | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        port = self._server.bind_addr[1] if self._server is not None else self.address[1]
+        return console_url(self.address[0], port, self.token)
+
+    def start(self) -> None:
+        with self._lock:
+            if self._server is not None:
+                return
+            server = wsgi.Server(self.address, ConsoleApp(self.console), numthreads=THREADS,
+                                 server_name="kandevd", timeout=10, shutdown_timeout=5)
+            server.expiration_interval = IDLE_WAKE_S
+            server.prepare()  # binds now: a port in use fails the start, not a thread
+            self._server = server
+            self._thread = threading.Thread(target=server.serve, name="kandevd-web",
+                                            daemon=True)
+            self._thread.start()
+        if not is_loopback(self.address[0]):
+            log.warning("web console listens on %s, reachable from other machines: anyone "
+                        "who has its token can act on this daemon", self.address[0])
+
+    def changed(self, *_: Any) -> None:
+        """Something live views show has changed (a bus event)."""
+        self.subscribers.notify()
+
+    def stop(self) -> None:
+        """Stop serving: live streams end, then the server's threads are joined."""
+        with self._lock:
+            server, thread = self._server, self._thread
+            self._server = None
+        if server is None:
+            return
+        self.stopping.set()
+        self.subscribers.notify()
+        server.stop()
+        if thread is not None:
+            thread.join(timeout=10)
+        log.info("web console stopped")

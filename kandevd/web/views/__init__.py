@@ -1,0 +1,1 @@
+"""One module per screen: each view reads through control methods and renders a template."""

@@ -1,0 +1,143 @@
+"""The console's guards through the real daemon: no token no data, a foreign Host refused,
+CSRF required, what comes from files, agents and logs escaped, nothing outside its own
+static files served."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.console import ConsoleAddress, console_of, request, sign_in
+from tests.support.daemon import FAST_CONFIG, DaemonProcess
+from tests.support.workflows import RECORDER, schedule, write_workflow
+
+pytestmark = pytest.mark.integration
+
+EVIL = "<script>alert(1)</script>"
+
+
+@pytest.fixture
+def console(tmp_path: Path, daemon_factory: Callable[..., DaemonProcess]
+            ) -> tuple[DaemonProcess, ConsoleAddress]:
+    home = tmp_path / "home"
+    write_workflow(home / "workspace", "w", [schedule("s", name=EVIL, messages=[EVIL])])
+    daemon = daemon_factory({**FAST_CONFIG, "web": {"listen": "127.0.0.1:0"},
+                             "agents": {"default": {"command": [sys.executable, RECORDER],
+                                                    "env": {"RECORD_FILE": str(tmp_path / "r")}}}},
+                            home=home)
+    return daemon, console_of(daemon)
+
+
+PAGES = ["/", "/schedules", "/runs", "/runs/dead", "/agents", "/office",
+         "/fragments/overview", "/schedules/workflow:w:s", "/events/overview"]
+
+
+def test_no_token_no_page_nor_data(console: tuple[DaemonProcess, ConsoleAddress]) -> None:
+    _daemon, address = console
+    for path in PAGES:
+        answer = request(address, "GET", path)
+        assert answer.status == 401, path
+        assert "workflow:w" not in answer.body and "alert" not in answer.body
+    wrong = request(address, "GET", "/?token=not-the-token")
+    assert wrong.status == 403
+    assert request(address, "GET", "/", cookie="kandevd_console=forged").status == 401
+
+
+def test_the_token_buys_a_strict_cookie_and_leaves_the_url(
+        console: tuple[DaemonProcess, ConsoleAddress]) -> None:
+    daemon, address = console
+    answer = request(address, "GET", f"/runs?status=queued&token={address.token}")
+    assert answer.status == 303
+    assert answer.headers["Location"] == "/runs?status=queued"
+    cookie = answer.headers["Set-Cookie"]
+    assert "HttpOnly" in cookie and "SameSite=Strict" in cookie
+    token_file = daemon.home / "web.token"
+    assert oct(token_file.stat().st_mode & 0o777) == "0o600"
+    page = request(address, "GET", "/runs", cookie=cookie.split(";")[0])
+    assert page.status == 200
+    csp = page.headers["Content-Security-Policy"]
+    assert "script-src 'self'" in csp and "unsafe-inline" not in csp
+    assert "default-src 'none'" in csp and "frame-ancestors 'none'" in csp
+    assert page.headers["X-Content-Type-Options"] == "nosniff"
+
+
+def test_a_foreign_host_is_refused_even_signed_in(
+        console: tuple[DaemonProcess, ConsoleAddress]) -> None:
+    _daemon, address = console
+    cookie = sign_in(address)
+    port = address.host.rsplit(":", 1)[1]
+    for host in (f"evil.example:{port}", "evil.example", f"127.0.0.1.evil.example:{port}", ""):
+        answer = request(address, "GET", "/", cookie=cookie, host=host)
+        assert answer.status in (400, 421), host
+        assert "workflow:w" not in answer.body
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", "localhost:9999"):  # a tunnel
+        assert request(address, "GET", "/", cookie=cookie, host=host).status == 200
+
+
+def test_a_post_needs_the_pages_csrf_token(
+        console: tuple[DaemonProcess, ConsoleAddress]) -> None:
+    daemon, address = console
+    cookie = sign_in(address)
+    page = request(address, "GET", "/schedules", cookie=cookie).body
+    csrf = re.search(r'name="csrf-token" content="([0-9a-f]+)"', page).group(1)
+    body = "paused=yes&note=x"
+    assert request(address, "POST", "/schedules/pause", cookie=cookie, body=body).status == 403
+    assert request(address, "POST", "/schedules/pause", cookie=cookie,
+                   body=body + "&csrf=0000").status == 403
+    cross = request(address, "POST", "/schedules/pause", cookie=cookie,
+                    body=body + f"&csrf={csrf}", headers={"Origin": "http://evil.example"})
+    assert cross.status == 403
+    assert daemon.call("scheduler.config.get")["globally_paused"] is False  # none acted
+    done = request(address, "POST", "/schedules/pause", cookie=cookie,
+                   body=body + f"&csrf={csrf}", headers={"Origin": address.base})
+    assert done.status == 303
+    assert daemon.call("scheduler.config.get")["globally_paused"] is True
+
+
+def test_labels_outputs_and_logs_are_shown_as_text(
+        console: tuple[DaemonProcess, ConsoleAddress]) -> None:
+    daemon, address = console
+    cookie = sign_in(address)
+    daemon.call("scheduler.jobs.trigger", {"id": "workflow:w:s"})
+
+    def ended() -> dict[str, Any] | None:
+        items = daemon.call("scheduler.jobs.runs", {"id": "workflow:w:s"})["items"]
+        return items[0] if items and items[0]["status"] != "running" else None
+    entry = daemon.wait_until(ended, what="the session's end")
+    assert EVIL[:15] in entry["turns"][0]["output"]  # the agent's output has the tag
+    assert EVIL[:15] in Path(entry["turns"][0]["log_path"]).read_text()  # and so has the log
+    pages = ["/schedules", "/schedules/workflow:w:s",
+             f"/schedules/workflow:w:s/runs/{entry['id']}"]
+    for path in pages:
+        body = request(address, "GET", path, cookie=cookie).body
+        assert "<script>alert" not in body and "<script" not in body.replace(
+            '<script src="/static/console.js" defer></script>', ""), path
+        assert "&lt;script&gt;" in body, path
+
+
+@pytest.mark.parametrize("path", [
+    "/static/../kandevd.yaml", "/static/..%2fweb.token", "/static/%2e%2e/web.token",
+    "/static/templates/base.html", "/static/../../etc/passwd", "/static/console.css/../x",
+    "/static/", "/static/app.py", "/../kandevd.yaml", "/web.token"])
+def test_nothing_but_the_consoles_own_static_files_is_served(
+        console: tuple[DaemonProcess, ConsoleAddress], path: str) -> None:
+    _daemon, address = console
+    cookie = sign_in(address)
+    answer = request(address, "GET", path, cookie=cookie)
+    assert answer.status in (400, 404), (path, answer.status)
+    assert address.token not in answer.body and "listen" not in answer.body
+
+
+def test_the_static_files_are_the_consoles_own(
+        console: tuple[DaemonProcess, ConsoleAddress]) -> None:
+    _daemon, address = console
+    script = request(address, "GET", "/static/console.js")
+    assert script.status == 200 and "EventSource" in script.body
+    assert "text/javascript" in script.headers["Content-Type"]
+    assert json.dumps("http") not in script.body  # no other origin named in it

@@ -1,0 +1,74 @@
+"""The web console of a test daemon: its address, its token, and plain HTTP requests."""
+
+from __future__ import annotations
+
+import http.client
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+#: Where screenshots of the console's pages go (kept by CI as artifacts, never committed).
+ARTIFACTS = Path(os.environ.get("KANDEVD_TEST_ARTIFACTS",
+                                Path(__file__).resolve().parents[2] / "build" /
+                                "test-artifacts")) / "console"
+
+
+@dataclass(frozen=True)
+class ConsoleAddress:
+    url: str  # with ?token=
+
+    @property
+    def base(self) -> str:
+        parts = urlsplit(self.url)
+        return f"{parts.scheme}://{parts.netloc}"
+
+    @property
+    def host(self) -> str:
+        return urlsplit(self.url).netloc
+
+    @property
+    def token(self) -> str:
+        return self.url.split("token=", 1)[1]
+
+
+def console_of(daemon: Any) -> ConsoleAddress:
+    """The console of a started daemon, once it serves (its log says where)."""
+    line = daemon.wait_for_line("web console at ")
+    url = line.split("web console at ", 1)[1].strip()
+    assert (daemon.home / "web.url").read_text().strip() == url
+    return ConsoleAddress(url)
+
+
+@dataclass
+class Answer:
+    status: int
+    headers: http.client.HTTPMessage
+    body: str
+
+
+def request(address: ConsoleAddress, method: str, path: str, *, cookie: str | None = None,
+            host: str | None = None, body: str | None = None,
+            headers: dict[str, str] | None = None) -> Answer:
+    parts = urlsplit(address.base)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    try:
+        sent = {"Host": address.host if host is None else host, **(headers or {})}
+        if cookie:
+            sent["Cookie"] = cookie
+        if body is not None:
+            sent["Content-Type"] = "application/x-www-form-urlencoded"
+        conn.request(method, path, body=body, headers=sent)
+        answer = conn.getresponse()
+        return Answer(answer.status, answer.headers, answer.read().decode("utf-8", "replace"))
+    finally:
+        conn.close()
+
+
+def sign_in(address: ConsoleAddress) -> str:
+    """The cookie the token buys (``name=value``)."""
+    answer = request(address, "GET", f"/?token={address.token}")
+    assert answer.status == 303, answer.body
+    cookie = answer.headers["Set-Cookie"]
+    return cookie.split(";", 1)[0]

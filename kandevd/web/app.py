@@ -2,7 +2,10 @@
 
 In order: the ``Host`` must be one the console serves (421 otherwise: no DNS
 rebinding); ``/static/`` files are served from the package (a fixed list);
-``?token=`` sets the cookie and redirects to the page without it; without
+``?token=`` sets the cookie and sends the browser on to the page without it
+(a page that refreshes, not a redirect: a ``SameSite=Strict`` cookie set
+by an answer to a link from another site would not go with the redirect);
+without
 the cookie nothing is served (401); a POST needs the page's CSRF token and,
 when the browser sends one, a same-origin ``Origin`` (403). A control
 method's error becomes the message shown on the page it came from.
@@ -15,7 +18,7 @@ import re
 from collections.abc import Callable, Iterable
 from importlib import resources
 from typing import Any
-from urllib.parse import urlencode
+from urllib.parse import quote, urlencode
 
 from kandevd.control.protocol import RpcError
 from kandevd.web import live
@@ -93,7 +96,8 @@ class ConsoleApp:
             if not guard.token_matches(token):
                 return text("wrong token: use the URL `kandevd web url` prints", 403)
             query = {k: v for k, v in request.query.items() if k != "token"}
-            response = redirect(request.path + ("?" + urlencode(query) if query else ""))
+            target = quote(request.path, safe="/:@") + ("?" + urlencode(query) if query else "")
+            response = self.console.fragment("signed_in.html", target=target)
             response.set_cookie(COOKIE, guard.cookie_value)
             return response
         if not guard.cookie_matches(request.cookies.get(COOKIE)):
@@ -105,6 +109,8 @@ class ConsoleApp:
                 return text(problem, 403)
         elif request.method not in ("GET", "HEAD"):
             return text("method not allowed", 405)
+        if request.method == "HEAD" and request.path.startswith("/events/"):
+            return Response(b"", content_type="text/event-stream")  # (no stream opened)
         return self._route(request)
 
     def _csrf_problem(self, request: Request) -> str | None:
@@ -140,7 +146,7 @@ class ConsoleApp:
     def _rpc_error(self, request: Request, exc: RpcError) -> Response:
         if request.method == "POST":
             back = request.form.get("back") or request.path
-            return set_flash(redirect(safe_back(back)), "error", exc.message)
+            return set_flash(self.console, redirect(safe_back(back)), "error", exc.message)
         status = 404 if exc.kind == "not_found" else 400
         return self.console.render("error.html", request, http_status=status,
                                    title="Not found" if status == 404 else "Error",
@@ -157,7 +163,9 @@ class ConsoleApp:
 
 
 def safe_back(path: str) -> str:
-    """A redirect target of our own (a path on this console, never another site)."""
-    if not path.startswith("/") or path.startswith("//") or "\\" in path:
+    """A redirect target of our own (a path on this console, never another site): plain
+    printable ASCII starting with one ``/``."""
+    if not path.startswith("/") or path.startswith("//") or "\\" in path \
+            or not all(33 <= ord(c) < 127 for c in path) or path[1:2] in ("/", "\\"):
         return "/"
     return path

@@ -37,22 +37,31 @@ def read_token(home: Path) -> str | None:
 
 
 def ensure_token(home: Path) -> str:
-    """The console's token, created (mode 0600) when there is none."""
+    """The console's token, created (mode 0600) when there is none.
+
+    Written whole to a file of its own, then linked to its name: a reader never
+    sees half a token, and of two processes making one at once the first wins. An
+    empty or unreadable token file is replaced by a new token. Raises OSError."""
     existing = read_token(home)
     if existing is not None:
         return existing
     token = secrets.token_urlsafe(32)
     path = token_path(home)
+    spare = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(spare, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    except FileExistsError:  # made meanwhile (a CLI and the daemon at once): theirs wins
-        again = read_token(home)
-        if again is None:
-            raise
-        return again
-    with os.fdopen(fd, "w", encoding="ascii") as handle:
-        handle.write(token + "\n")
-    return token
+        with os.fdopen(fd, "w", encoding="ascii") as handle:
+            handle.write(token + "\n")
+        try:
+            os.link(spare, path)
+        except FileExistsError:
+            again = read_token(home)
+            if again is not None:
+                return again  # made meanwhile (a CLI and the daemon at once): theirs wins
+            os.replace(spare, path)  # an empty or broken token file
+        return token
+    finally:
+        spare.unlink(missing_ok=True)
 
 
 def is_loopback(host: str) -> bool:
@@ -90,7 +99,8 @@ class Guard:
     def __init__(self, token: str, listen_host: str, allowed_hosts: tuple[str, ...] = ()
                  ) -> None:
         self._token = token
-        names = set(LOOPBACK_NAMES) | {h.lower().strip("[]") for h in allowed_hosts}
+        # (an entry with a port means its name: any port is served)
+        names = set(LOOPBACK_NAMES) | {split_host(h) or h.lower() for h in allowed_hosts}
         if listen_host not in ("0.0.0.0", "::", ""):
             names.add(listen_host.lower())
         self.hosts = frozenset(names)
@@ -99,6 +109,14 @@ class Guard:
 
     def _mac(self, purpose: str) -> str:
         return hmac.new(self._token.encode(), purpose.encode(), hashlib.sha256).hexdigest()
+
+    def sign(self, value: str) -> str:
+        """A MAC of ``value`` (the flash message cookie)."""
+        return hmac.new(self._token.encode(), b"flash:" + value.encode(), hashlib.sha256
+                        ).hexdigest()[:32]
+
+    def signed(self, value: str, mac: str) -> bool:
+        return hmac.compare_digest(self.sign(value).encode(), mac.encode())
 
     def host_allowed(self, header: str | None) -> bool:
         """A ``Host`` the console serves (no DNS rebinding: an attacker's name is refused)."""

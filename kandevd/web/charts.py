@@ -68,7 +68,7 @@ class Lane:
     href: str
     #: Fire times as fractions of the span (0 = now, 1 = its end).
     fires: Sequence[float]
-    #: Fires too many to draw one by one: a band from the first, with their count.
+    #: Fires too many to draw one by one: a band from the first, "more than N fires".
     dense: int = 0
 
 
@@ -92,8 +92,8 @@ def timeline(lanes: list[Lane], *, hours: int = 24) -> Markup:
         if lane.dense and lane.fires:
             start = label_w + plot_w * lane.fires[0]
             parts.append(Markup('<rect class="band" x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" '
-                                'height="8" rx="4"><title>{n} fires</title></rect>'
-                                '<text class="axis count" x="{e}" y="{ty:.1f}">{n} fires</text>'
+                                'height="8" rx="4"><title>more than {n} fires</title></rect>'
+                                '<text class="axis count" x="{e}" y="{ty:.1f}">{n}+</text>'
                                 ).format(x=start, y=y - 4, w=label_w + plot_w - start,
                                          n=lane.dense, e=label_w + plot_w + 50, ty=y + 4))
             continue

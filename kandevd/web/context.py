@@ -51,7 +51,7 @@ class Console:
     def render(self, template: str, request: Request, http_status: int = 200,
                **context: Any) -> Response:
         assert self.env is not None
-        flash = take_flash(request)
+        flash = take_flash(request, self.guard)
         body = self.env.get_template(template).render(
             request=request, csrf=self.guard.csrf_token, flash=flash,
             version=self.version, **context)
@@ -115,22 +115,34 @@ def duration(seconds: Any) -> str:
     return f"{days}d {hours}h"
 
 
-def set_flash(response: Response, kind: str, message: str) -> Response:
-    """A message the next page shows once (what an action did, or why it failed)."""
-    raw = json.dumps({"kind": kind, "text": message[:2000]}).encode()
-    response.set_cookie(FLASH_COOKIE, base64.urlsafe_b64encode(raw).decode().rstrip("="),
-                        max_age=60)
+#: A cookie's value stays well under the 4 KiB browsers keep.
+FLASH_MAX = 3000
+
+
+def set_flash(console: Console, response: Response, kind: str, message: str) -> Response:
+    """A message the next page shows once (what an action did, or why it failed); signed,
+    so another program on this host cannot plant one."""
+    while True:
+        raw = json.dumps({"kind": kind, "text": message}).encode()
+        value = base64.urlsafe_b64encode(raw).decode().rstrip("=")
+        if len(value) <= FLASH_MAX:
+            break
+        message = message[: len(message) * 3 // 4] + "…"
+    response.set_cookie(FLASH_COOKIE, f"{value}.{console.guard.sign(value)}", max_age=60)
     return response
 
 
-def take_flash(request: Request) -> dict[str, str] | None:
+def take_flash(request: Request, guard: Guard) -> dict[str, str] | None:
     raw = request.cookies.get(FLASH_COOKIE)
-    if not raw:
+    if not raw or "." not in raw:
+        return None
+    value, _, mac = raw.rpartition(".")
+    if not guard.signed(value, mac):
         return None
     try:
-        data = json.loads(base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)))
+        data = json.loads(base64.urlsafe_b64decode(value + "=" * (-len(value) % 4)))
         return {"kind": str(data["kind"]), "text": str(data["text"])}
-    except (ValueError, KeyError, TypeError):
+    except Exception:  # (signed by us: only a bug gets here; no message then)
         return None
 
 

@@ -1,16 +1,19 @@
 """Server-sent events: the overview's "something changed", and logs as they are written.
 
 A stream holds one of the server's threads, so at most :data:`MAX_STREAMS`
-are open at once (a further one is answered 503 and the browser retries).
-Each ends when the console stops. Nothing is pushed while nothing happens:
-the overview stream waits for the daemon's events (a run queued, claimed or
-ended, a job's session started or ended), at most one refresh every
-:data:`REFRESH_MIN_S`; a log stream looks at its file twice a second and
-ends with the run.
+are open at once (a further one is told to come back in 10 s, and its
+browser does). Each ends when the console stops. The overview stream waits
+for the daemon's events (a run queued, claimed, ended or cancelled), at most
+one refresh every :data:`REFRESH_MIN_S`; a log stream looks at its file
+twice a second and ends with the run. Both send a keep-alive comment every
+:data:`KEEPALIVE_S`, so a closed tab frees its thread then at the latest. A
+log event carries the file offset as its id: a reconnecting browser resumes
+from ``Last-Event-ID`` and shows nothing twice.
 """
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import threading
@@ -25,7 +28,8 @@ from kandevd.web.http import Request, Response, stream, text
 from kandevd.web.logs import safe_log_path
 from kandevd.web.views.schedules import job_params
 
-MAX_STREAMS = 6
+#: Below a browser's six connections per host, so pages still load beside the streams.
+MAX_STREAMS = 4
 REFRESH_MIN_S = 2.0
 KEEPALIVE_S = 20.0
 LOG_POLL_S = 0.5
@@ -38,7 +42,8 @@ _slots = threading.BoundedSemaphore(MAX_STREAMS)
 
 def _guarded(chunks: Callable[[], Iterator[bytes]]) -> Response:
     if not _slots.acquire(blocking=False):
-        return text("too many live views are open; retrying", 503)
+        # A 200 the browser's EventSource reconnects after (a 503 would end it for good).
+        return stream(iter([b"retry: 10000\n: too many live views are open\n\n"]))
 
     def run() -> Iterator[bytes]:
         try:
@@ -68,15 +73,21 @@ def overview_events(console: Console, request: Request) -> Response:
     return _guarded(chunks)
 
 
-def _event(name: str, data: Any) -> bytes:
-    return f"event: {name}\ndata: {json.dumps(data)}\n\n".encode()
+def _event(name: str, data: Any, event_id: int | None = None) -> bytes:
+    head = f"id: {event_id}\n" if event_id is not None else ""
+    return f"{head}event: {name}\ndata: {json.dumps(data)}\n\n".encode()
 
 
 def follow(console: Console, path: Path | None, offset: int,
            finished: Callable[[], bool]) -> Iterator[bytes]:
-    """Append events with what ``path`` gains after ``offset``, then ``end``."""
+    """Append events with what ``path`` gains after ``offset``, then ``end``.
+
+    The text is decoded incrementally (a character split across two reads is
+    sent whole, with the next one); each event's id is the offset after it."""
     checked = 0.0
+    spoken = time.monotonic()
     done = False
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
     while not console.stopping.is_set():
         data = b""
         if path is not None:
@@ -84,18 +95,25 @@ def follow(console: Console, path: Path | None, offset: int,
                 with open(path, "rb") as handle:
                     if os.fstat(handle.fileno()).st_size < offset:
                         offset = 0  # (rotated or replaced): from the start
+                        decoder.reset()
                     handle.seek(offset)
                     data = handle.read(CHUNK)
             except OSError:
                 data = b""
         if data:
             offset += len(data)
-            yield _event("append", {"text": data.decode("utf-8", "replace"), "offset": offset})
+            textual = decoder.decode(data)
+            if textual:
+                spoken = time.monotonic()
+                yield _event("append", {"text": textual, "offset": offset}, offset)
             continue
         if done:
-            yield _event("end", {"offset": offset})
+            yield _event("end", {"offset": offset}, offset)
             return
         now = time.monotonic()
+        if now - spoken >= KEEPALIVE_S:
+            spoken = now
+            yield b": keepalive\n\n"  # (a closed tab makes this write fail: the end)
         if now - checked >= STATUS_EVERY_S:
             checked = now
             done = finished()  # one more read after it ended: what it wrote last
@@ -148,7 +166,11 @@ def turn_log(console: Console, request: Request, job: str, entry: str, index: st
 
 
 def _offset(request: Request) -> int:
-    try:
-        return max(0, int(request.query.get("from") or 0))
-    except ValueError:
-        return 0
+    """Where a log stream starts: a reconnecting browser's last event id, else ``from``."""
+    for raw in (request.header("Last-Event-ID"), request.query.get("from")):
+        try:
+            if raw:
+                return max(0, min(int(raw), 1 << 50))
+        except ValueError:
+            continue
+    return 0

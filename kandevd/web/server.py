@@ -1,5 +1,5 @@
-"""WebConsole: the console's thread-pool HTTP server, started after the control socket and
-stopped with the intake at shutdown (live streams end, the threads are joined).
+"""WebConsole: the console's thread-pool HTTP server, started just before the control
+socket and stopped with the intake at shutdown (live streams end, the threads are joined).
 
 cheroot (CherryPy's WSGI server) serves it: a fixed pool of worker threads made
 for blocking WSGI code such as ours, started and stopped from another thread,
@@ -10,6 +10,7 @@ and nothing polled while nobody connects (its connection manager waits in
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -112,7 +113,26 @@ class WebConsole:
             return
         self.stopping.set()
         self.subscribers.notify()
+        _wake_selector(server)
         server.stop()
         if thread is not None:
             thread.join(timeout=10)
+            if thread.is_alive():
+                log.warning("web console: its server thread did not end within 10 s")
         log.info("web console stopped")
+
+
+def _wake_selector(server: wsgi.Server) -> None:
+    """cheroot's stop() waits for its selector loop to notice the stop, which sleeps up to
+    IDLE_WAKE_S while nobody connects: ask it to stop, then connect once so it wakes now."""
+    manager = getattr(server, "_connections", None)
+    if manager is None or not hasattr(manager, "_stop_requested"):
+        return
+    manager._stop_requested = True
+    host, port = server.bind_addr[:2]
+    host = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            pass
+    except OSError:
+        pass  # (the loop then notices at its next wake-up)

@@ -36,6 +36,12 @@ class Activity:
         return sum(self.finished)
 
 
+def queued_by_agent(store: Any) -> dict[str, int]:
+    """How many runs each agent has queued (one query for every agent)."""
+    return {agent: int(count) for agent, count in store.query(
+        "SELECT agent_id, COUNT(*) FROM runs WHERE status = 'queued' GROUP BY agent_id")}
+
+
 def minute_key(moment: datetime) -> str:
     """``YYYY-MM-DDTHH:MM``: how the stored RFC 3339 times start."""
     return moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M")

@@ -38,13 +38,13 @@ function logStreams() {
   for (const pre of document.querySelectorAll("pre[data-stream]")) {
     const url = new URL(pre.dataset.stream, window.location.href);
     url.searchParams.set("from", pre.dataset.from || "0");
+    // A reconnection resumes from the last event's id (the offset): nothing twice.
     const source = new EventSource(url);
     pre.classList.add("following");
     source.addEventListener("append", (event) => {
       const data = JSON.parse(event.data);
       const atEnd = pre.scrollTop + pre.clientHeight >= pre.scrollHeight - 4;
       pre.append(document.createTextNode(data.text));
-      url.searchParams.set("from", String(data.offset));
       if (atEnd) pre.scrollTop = pre.scrollHeight;
     });
     source.addEventListener("end", () => {
@@ -55,6 +55,12 @@ function logStreams() {
       setTimeout(() => window.location.reload(), 800);
     });
   }
+}
+
+function waitingPages() {
+  // A page whose subject goes on with nothing to follow yet (a session between turns).
+  const waiting = document.querySelector("[data-reload-after]");
+  if (waiting) setTimeout(() => window.location.reload(), 1000 * Number(waiting.dataset.reloadAfter));
 }
 
 function previews() {
@@ -144,6 +150,7 @@ document.addEventListener("DOMContentLoaded", () => {
   confirmations(document);
   liveFragments();
   logStreams();
+  waitingPages();
   previews();
   presets();
   groupsReload();

@@ -7,6 +7,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kandevd.office.budgets import period_of, spent_cents
+from kandevd.store.runs.activity import queued_by_agent
 from kandevd.web.charts import spend_bar
 from kandevd.web.context import Console, parse_time, set_flash
 from kandevd.web.http import Request, Response, redirect
@@ -17,9 +18,9 @@ def agents(console: Console, request: Request) -> Response:
     now = datetime.now(UTC)
     claimed = {r["agent_id"]: r for r in
                console.call("runs.list", {"status": "claimed", "limit": 500})["items"]}
+    queued = console.reads(queued_by_agent)
     for agent in found:
-        agent["queued"] = console.call("runs.list", {"status": "queued", "limit": 1,
-                                                     "agent_id": agent["id"]})["total"]
+        agent["queued"] = queued.get(agent["id"], 0)
         agent["current"] = claimed.get(agent["id"])
         until = parse_time(agent.get("cooldown_until"))
         agent["cooling"] = until is not None and until > now
@@ -32,7 +33,7 @@ def agent_act(console: Console, request: Request, agent: str, action: str) -> Re
     console.call("agents.update", {"id": agent, "status": status})
     message = f"Paused agent {agent}: its queued runs wait" if action == "pause" \
         else f"Resumed agent {agent}"
-    return set_flash(redirect("/agents"), "ok", message)
+    return set_flash(console, redirect("/agents"), "ok", message)
 
 
 def index(console: Console, request: Request) -> Response:

@@ -50,11 +50,11 @@ def retry_selected(console: Console, request: Request) -> Response:
         except RpcError as exc:
             problems.append(f"{run_id}: {exc.message}")
     if not chosen:
-        return set_flash(redirect("/runs/dead"), "error", "No run selected")
+        return set_flash(console, redirect("/runs/dead"), "error", "No run selected")
     message = f"Retried {len(retried)} run(s)"
     if problems:
         message += "; not retried: " + "; ".join(problems[:5])
-    return set_flash(redirect("/runs/dead"), "error" if problems else "ok", message)
+    return set_flash(console, redirect("/runs/dead"), "error" if problems else "ok", message)
 
 
 def run(console: Console, request: Request, run: str) -> Response:
@@ -70,7 +70,7 @@ def act(console: Console, request: Request, run: str, action: str) -> Response:
     result = console.call(f"runs.{action}", {"id": run})
     message = f"Cancelled run {run}" if action == "cancel" else \
         f"Queued run {run} again (status {result.get('status')})"
-    return set_flash(redirect(f"/runs/{run}"), "ok", message)
+    return set_flash(console, redirect(f"/runs/{run}"), "ok", message)
 
 
 def attempts_of(log_text: str) -> list[dict[str, Any]]:

@@ -93,8 +93,8 @@ def schedule_from(form: dict[str, list[str]], *, editing: bool) -> dict[str, Any
     if not editing:
         schedule["id"] = first.get("id", "").strip()
     for key in ("name", "description"):
-        if first.get(key, "").strip():
-            schedule[key] = first[key].strip()
+        if first.get(key, "").strip() or editing:  # (editing: a cleared field is cleared)
+            schedule[key] = first.get(key, "").strip()
     schedule["cron_expression"] = first.get("cron_expression", "").strip()
     schedule["timezone"] = first.get("timezone", "").strip() or "UTC"
     schedule["group_ids"] = [g for g in form.get("group_ids", []) if g]
@@ -124,7 +124,7 @@ def create(console: Console, request: Request) -> Response:
     except RpcError as exc:
         return _form(console, request, _values(form, workflow), place_errors(exc.message),
                      editing=None, status=400)
-    return set_flash(redirect(job_url(job)), "ok",
+    return set_flash(console, redirect(job_url(job)), "ok",
                      f"Created {job['id']} in {workflow}/workflow.json")
 
 
@@ -139,7 +139,7 @@ def update(console: Console, request: Request, job: str) -> Response:
         values["id"] = found["schedule_id"]
         return _form(console, request, values, place_errors(exc.message), editing=found,
                      status=400)
-    return set_flash(redirect(job_url(changed)), "ok", f"Saved {changed['id']}")
+    return set_flash(console, redirect(job_url(changed)), "ok", f"Saved {changed['id']}")
 
 
 def _values(form: dict[str, list[str]], workflow: str) -> dict[str, Any]:

@@ -19,9 +19,10 @@ from kandevd.web.logs import readable_log
 PAGE = 50
 #: Jobs drawn on the timeline (the soonest first); more would not be readable.
 TIMELINE_LANES = 40
-#: More fires than this in a lane are drawn as a band with their count.
+#: More fires than this in a lane are drawn as a band ("more than 48 fires").
 TIMELINE_FIRES = 48
-TIMELINE_COUNT_CAP = 2000
+#: Jobs listed on one page (scheduler.jobs.list answers 500 at most per call).
+PAGE_JOBS = 500
 STATES = ("running", "scheduled", "buffered", "held", "paused", "disabled", "blocked",
           "invalid", "ended")
 
@@ -51,14 +52,21 @@ def index(console: Console, request: Request) -> Response:
     if kind in ("workflow", "product"):
         params["entity_type"] = kind
     offset = _int(request.query.get("offset"))
-    jobs: list[dict[str, Any]] = []
-    page = console.call("scheduler.jobs.list", {**params, "offset": offset})
-    jobs = page["items"]
+    everyone = all_jobs(console, params)  # the timeline picks the soonest of all
     config = console.call("scheduler.config.get")
     return console.render("schedules.html", request, title="Schedules", nav="schedules",
-                          jobs=jobs, total=page["total"], offset=offset, limit=500,
-                          config=config, states=STATES, state=state, kind=kind,
-                          job_url=job_url, timeline=_timeline(jobs))
+                          jobs=everyone[offset:offset + PAGE_JOBS], total=len(everyone),
+                          offset=offset, limit=PAGE_JOBS, config=config, states=STATES,
+                          state=state, kind=kind, job_url=job_url, timeline=_timeline(everyone))
+
+
+def all_jobs(console: Console, params: dict[str, Any]) -> list[dict[str, Any]]:
+    jobs: list[dict[str, Any]] = []
+    while True:
+        page = console.call("scheduler.jobs.list", {**params, "offset": len(jobs)})
+        jobs += page["items"]
+        if not page["items"] or len(jobs) >= page["total"]:
+            return jobs
 
 
 def _timeline(jobs: list[dict[str, Any]]) -> Any:
@@ -79,12 +87,12 @@ def _timeline(jobs: list[dict[str, Any]]) -> Any:
             except Exception:  # (a job in state invalid has no next fire anyway)
                 trigger = None
             moment = first
-            while trigger is not None and len(fires) < TIMELINE_COUNT_CAP:
-                moment = trigger.get_next_fire_time(moment, moment)
+            while trigger is not None and len(fires) <= TIMELINE_FIRES:
+                moment = trigger.get_next_fire_time(moment, moment + timedelta(microseconds=1))
                 if moment is None or moment > end:
                     break
                 fires.append(moment)
-        dense = len(fires) if len(fires) > TIMELINE_FIRES else 0
+        dense = TIMELINE_FIRES if len(fires) > TIMELINE_FIRES else 0
         label = job.get("name") or job["id"]
         if job.get("user_id"):
             label += f" ({job['user_id']})"
@@ -129,7 +137,7 @@ def act(console: Console, request: Request, job: str, action: str) -> Response:
         "enable": f"Enabled {job}",
         "disable": f"Disabled {job}",
     }[action]
-    return set_flash(redirect(job_url(found)), "ok", message)
+    return set_flash(console, redirect(job_url(found)), "ok", message)
 
 
 def backfill(console: Console, request: Request, job: str) -> Response:
@@ -155,12 +163,13 @@ def backfill(console: Console, request: Request, job: str) -> Response:
                               preview={"from": body["from"], "to": body["to"],
                                        "result": result})
     count = len(result.get("fire_times") or result.get("times") or [])
-    return set_flash(redirect(job_url({"id": job, "user_id": params.get("user_id")})), "ok",
+    back = job_url({"id": job, "user_id": params.get("user_id")})
+    return set_flash(console, redirect(back), "ok",
                      f"Backfill of {job} started: {count} fire time(s), one after another")
 
 
 def _utc(value: str) -> str:
-    """A ``datetime-local`` value (the browser's zone is sent as an offset) or RFC 3339."""
+    """RFC 3339 as typed; ``YYYY-MM-DDTHH:MM`` (no zone) is taken as UTC, as the form says."""
     value = value.strip()
     if value and len(value) == 16 and "T" in value:  # 2026-12-01T09:00 from the picker
         return value + ":00Z"
@@ -207,7 +216,7 @@ def pause(console: Console, request: Request) -> Response:
     console.call("scheduler.config.put", params)
     message = f"Scheduler paused ({note})" if paused and note else \
         "Scheduler paused" if paused else "Scheduler resumed"
-    return set_flash(redirect("/schedules"), "ok", message)
+    return set_flash(console, redirect("/schedules"), "ok", message)
 
 
 def _int(value: str | None) -> int:

@@ -104,7 +104,7 @@ def test_charts_escape_what_they_draw() -> None:
     assert "<b>" not in chart and "&lt;b&gt;" in chart and "&lt;i&gt;" in chart
     lanes = str(timeline([Lane('"><script>', "/x?a=1&b=2", [0.1, 0.5]),
                           Lane("dense", "/y", [0.0] * 60, dense=60)]))
-    assert "<script>" not in lanes and "a=1&amp;b=2" in lanes and "60 fires" in lanes
+    assert "<script>" not in lanes and "a=1&amp;b=2" in lanes and "more than 60 fires" in lanes
 
 
 @pytest.fixture
@@ -140,3 +140,64 @@ def test_the_last_days_activity_is_read_from_the_runs(repo: RunRepository) -> No
     assert depth[-1] == 1 and waiting.status == "queued"  # the one queued now
     assert depth[at + 29] == 0 and depth[at + 31] == 2 and depth[at + 40] == 0
     assert depth[at + 90] == 1
+
+
+def test_the_timeline_steps_from_fire_to_fire() -> None:
+    from datetime import UTC, datetime
+
+    from kandevd.cron import next_fire_times, parse_cron
+    from kandevd.web.views.schedules import _timeline
+
+    now = datetime.now(UTC)
+
+    def job(n: int, cron: str) -> dict[str, str]:
+        [first] = next_fire_times(parse_cron(cron), now, 1)
+        return {"id": f"workflow:w:{n}", "state": "scheduled", "cron_expression": cron,
+                "timezone": "UTC", "next_run_at": first.strftime("%Y-%m-%dT%H:%M:%S.%fZ")}
+    jobs = [job(n, cron) for n, cron in enumerate(["0 9 * * *", "0 */2 * * *", "* * * * *"])]
+    drawn = str(_timeline(jobs))
+    assert drawn.count('class="fire"') in (1 + 12, 1 + 13)  # daily; every two hours
+    assert "48+" in drawn and "more than 48 fires" in drawn  # the every-minute band
+
+
+def test_a_malformed_cookie_of_another_program_hides_nothing() -> None:
+    from kandevd.web.http import Request
+
+    request = Request({"HTTP_COOKIE": 'other=a b; junk="x; kandevd_console=abc; bare'})
+    assert request.cookies["kandevd_console"] == "abc"
+
+
+def test_a_flash_message_is_signed_and_bounded() -> None:
+    from kandevd.web.context import FLASH_COOKIE, FLASH_MAX, set_flash, take_flash
+    from kandevd.web.http import Request, Response
+
+    class Console:
+        guard = Guard("token-" * 4, "127.0.0.1")
+
+    response = set_flash(Console(), Response(), "ok", "é" * 5000)  # type: ignore[arg-type]
+    cookie = next(v for k, v in response.headers if k == "Set-Cookie").split(";")[0]
+    value = cookie.split("=", 1)[1]
+    assert len(value) <= FLASH_MAX + 40
+    shown = take_flash(Request({"HTTP_COOKIE": cookie}), Console.guard)
+    assert shown is not None and shown["kind"] == "ok" and shown["text"].endswith("…")
+    forged = f"{FLASH_COOKIE}={value[:-4]}0000"
+    assert take_flash(Request({"HTTP_COOKIE": forged}), Console.guard) is None
+
+
+def test_an_empty_token_file_gets_a_new_token(tmp_path) -> None:
+    from kandevd.web.auth import ensure_token, token_path
+
+    token_path(tmp_path).write_text("")
+    token = ensure_token(tmp_path)
+    assert len(token) > 30 and ensure_token(tmp_path) == token
+    assert token_path(tmp_path).stat().st_mode & 0o777 == 0o600
+    assert [p.name for p in tmp_path.iterdir()] == ["web.token"]  # no spare file left
+
+
+@pytest.mark.parametrize(("target", "kept"), [
+    ("/runs/x", True), ("//evil.example", False), ("/\\evil", False), ("/\t/evil", False),
+    ("https://evil.example", False), ("/é", False), ("/a\r\nSet-Cookie: x", False)])
+def test_only_our_own_paths_are_redirect_targets(target: str, kept: bool) -> None:
+    from kandevd.web.app import safe_back
+
+    assert (safe_back(target) == target) is kept

@@ -17,13 +17,13 @@ on a protocol of our own:
   finished, failed or cancelled here (each can make a run claimable) sends one
   ``NOTIFY`` (bursts coalesce into one), and the other daemons wake their
   queue loops at once; the safety pass stays as it was.
-- **The leader.** The daemon holding PostgreSQL's session-level advisory lock
-  :data:`~kandevd.store.pg.LEADER_LOCK` (on its listening connection) is the
-  leader: it alone runs Office maintenance and fires cron schedules. When it
-  dies its session ends, the lock is free, and the next heartbeat of another
-  daemon takes it. A cron occurrence is fired only after inserting its
-  ``(job, intended time)`` row in ``fires``, so a leader change never fires
-  an occurrence twice.
+- **The leader** (Office maintenance, cron fires) holds the lease
+  ``leases('leader')`` (:mod:`kandevd.leadership`), renewed at each heartbeat
+  and ending on its own side first; another daemon takes it once expired, so
+  leadership moves within ``dead_after_s + heartbeat_s``. A new leader fires,
+  late, the occurrences of the gap that have no row in ``fires``.
+- **Fencing.** A daemon whose heartbeats stop completing stops its own agents
+  before the others take it for dead (:mod:`kandevd.fence`).
 - **Lost claims.** A run of this daemon's that is no longer claimed by it
   (cancelled on another daemon, or rescued because this daemon was taken for
   dead) has its execution stopped here, so it does not run on after another
@@ -34,19 +34,22 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import socket
 import sqlite3
 import threading
 import time
 from collections.abc import Callable
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import psycopg
 
 from kandevd.config import ClusterConfig
-from kandevd.store.postgres import LEADER_LOCK, LOCK_NAMESPACE, PgStore, connect_raw
-from kandevd.timeutil import after, rfc3339, utc_now
+from kandevd.fence import Fence, boot_clock
+from kandevd.leadership import LEASE_SQL, claim_fire, machine_id, prune
+from kandevd.store.postgres import PgStore, connect_raw
+from kandevd.timeutil import rfc3339
 from kandevd.urls import scrub_secrets
 
 log = logging.getLogger("kandevd.cluster")
@@ -62,23 +65,11 @@ _RECONNECT_S = 1.0
 SATURATED_EVERY_S = 0.1
 #: Fires and stopped daemons are kept this long (seconds), then pruned by the leader.
 PRUNE_AFTER_S = 7 * 24 * 3600.0
+#: A new leader fires the occurrences no leader made since the last renewal of a lease
+#: that lapsed at most this long ago (longer: the whole cluster was down, and fires
+#: missed while no daemon ran are not replayed).
+LATE_FIRES_MAX_S = 120.0
 
-
-def machine_id() -> str:
-    """This machine's id (``/etc/machine-id``), or "" where there is none.
-
-    With the host name and the home it tells this daemon's earlier instances
-    from a daemon of another machine that happens to share both.
-    """
-    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
-        try:
-            with open(path, encoding="ascii") as handle:
-                value = handle.read().strip()
-        except (OSError, UnicodeDecodeError):
-            continue
-        if value.isalnum():
-            return value
-    return ""
 
 
 def _iso(moment: datetime | None) -> str | None:
@@ -97,7 +88,22 @@ class Cluster:
         self.machine = machine_id()
         self._wake: Callable[[], None] = lambda: None
         self._on_beat: Callable[[bool], None] | None = None
+        self._on_fence: Callable[[str], None] = lambda _reason: None
+        self._on_heal: Callable[[float], None] = lambda _away: None
+        self._on_leader: Callable[[datetime | None], None] = lambda _since: None
         self._leader = False
+        #: Monotonic end of this daemon's leadership on its own side.
+        self._lease_until = 0.0
+        timing = config.fencing
+        self.lease_s = config.dead_after_s
+        self._lease_margin_s = timing.margin_s + timing.kill_grace_s / 2
+        self.fence = Fence(timing, on_fence=self._fenced, on_heal=self._healed,
+                           enabled=config.on_partition == "fence")
+        self.leader_changes = 0
+        self._resigned = False
+        #: Earlier instances of this home (their lease is not a failover's).
+        self._earlier: set[str] = set()
+        self._beat_work: queue.SimpleQueue[bool | None] = queue.SimpleQueue()
         self._stopping = threading.Event()
         self._notify_wanted = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -131,6 +137,7 @@ class Cluster:
                 " (SELECT 1 FROM runs r WHERE r.status = 'claimed'"
                 " AND r.claimed_by = d.boot_id))",
                 (self.host, self.machine, self.home, self.boot_id)).fetchall()]
+            self._earlier = set(self.held)
             if self.held:
                 conn.execute("UPDATE daemons SET heartbeat_at = clock_timestamp(),"
                              " stopped_at = NULL WHERE boot_id = ANY(?)", (self.held,))
@@ -162,11 +169,27 @@ class Cluster:
                         "take it for dead after %gs", exc, self.config.dead_after_s)
 
     def is_leader(self) -> bool:
+        """The leader, as far as this daemon can tell: its lease is not over on its side."""
+        if self._leader and boot_clock() >= self._lease_until:
+            self._step_down("its lease was not renewed in time")
         return self._leader
+
+    def _step_down(self, why: str) -> None:
+        if self._leader:
+            self._leader = False
+            log.warning("cluster: no longer the leader (%s)", why)
 
     def fire_gate(self, job: str, intended: datetime) -> bool:
         """The cron loop's gate: the leader fires an occurrence, once across daemons."""
-        return self._leader and claim_fire(self.store, self.boot_id, job, intended)
+        return self.is_leader() and claim_fire(self.store, self.boot_id, job, intended)
+
+    # -- fencing -------------------------------------------------------------------
+    def _fenced(self, reason: str) -> None:
+        self._step_down("fenced")
+        self._on_fence(reason)
+
+    def _healed(self, away: float) -> None:
+        self._on_heal(away)
 
     def members(self) -> list[dict[str, Any]]:
         """Every daemon not stopped: who, where, and whether it is alive."""
@@ -187,7 +210,9 @@ class Cluster:
         except sqlite3.Error as exc:
             log.debug("cluster: members cannot be read: %s", exc)
             daemons = []
-        return {"daemons": daemons, "leader": self._leader,
+        return {"daemons": daemons, "leader": self.is_leader(), "fenced": self.fence.fenced,
+                "on_partition": self.config.on_partition,
+                "fence_after_s": self.fence.timing.after_s if self.fence.enabled else None,
                 "heartbeat_s": self.config.heartbeat_s, "dead_after_s": self.config.dead_after_s}
 
     # -- wake-ups ----------------------------------------------------------------
@@ -213,33 +238,85 @@ class Cluster:
 
     # -- threads -----------------------------------------------------------------
     def start(self, *, wake: Callable[[], None],
-              on_beat: Callable[[bool], None] | None = None) -> None:
-        """Heartbeats, wake-ups and leadership from now on.
+              on_beat: Callable[[bool], None] | None = None,
+              on_fence: Callable[[str], None] | None = None,
+              on_heal: Callable[[float], None] | None = None,
+              on_leader: Callable[[datetime | None], None] | None = None) -> None:
+        """Heartbeats, wake-ups, leadership and fencing from now on.
 
         ``wake()`` when another daemon may have made work claimable here;
         ``on_beat(rescue)`` at every heartbeat once settled: stop executions
         lost here, and with ``rescue`` (steady for dead_after_s) re-queue dead
-        daemons' claims.
+        daemons' claims. ``on_fence(reason)``: stop claiming and stop every
+        agent (:mod:`kandevd.fence`); ``on_heal(seconds fenced)``: heartbeats
+        complete again. ``on_leader(since)``: this daemon became the leader;
+        ``since`` is when the previous leader's lease was last renewed, when it
+        took over an expired one (occurrences since then may lack their fire).
         """
         self._wake = wake
         self._on_beat = on_beat
+        self._on_fence = on_fence or self._on_fence
+        self._on_heal = on_heal or self._on_heal
+        self._on_leader = on_leader or self._on_leader
+        self.fence.start()
         for name, target in (("kandevd-cluster", self._listen_and_beat),
-                             ("kandevd-cluster-notify", self._notify_loop)):
+                             ("kandevd-cluster-notify", self._notify_loop),
+                             ("kandevd-cluster-settle", self._settle_loop)):
             thread = threading.Thread(target=target, name=name)
             thread.start()
             self._threads.append(thread)
 
+    def resign(self) -> None:
+        """Give up the lease now (the loops stopped: this daemon fires nothing more):
+        expired at once, so the next leader takes it at its next heartbeat and fires
+        what falls due from then on, and what has no row since."""
+        self._resigned = True
+        self._step_down("this daemon is stopping")
+        try:
+            self.store.execute("UPDATE leases SET expires_at = now() WHERE name = 'leader'"
+                               " AND holder = ?", (self.boot_id,))
+        except sqlite3.Error as exc:  # it expires after dead_after_s all the same
+            log.debug("cluster: giving up the lease failed: %s", exc)
+
     def stop(self) -> None:
-        """Stop both threads (the leader lock goes with the listening connection)."""
+        """Stop the threads (and give up the lease, if :meth:`resign` did not yet)."""
         self._stopping.set()
         self._notify_wanted.set()
+        self._beat_work.put(None)
+        self.fence.stop()
         for thread in self._threads:
             thread.join()
         self._threads.clear()
-        self._leader = False
+        if not self._resigned:
+            self.resign()
+
+    def _settle_loop(self) -> None:
+        """The heartbeat's follow-up work (rescues, lost executions), off its thread;
+        beats that came while it worked are folded into one."""
+        while True:
+            steady = self._beat_work.get()
+            try:
+                while True:  # only the newest
+                    steady = self._beat_work.get_nowait()
+            except queue.Empty:
+                pass
+            if steady is None or self._stopping.is_set():
+                return
+            try:
+                if self._on_beat is not None:
+                    self._on_beat(steady)
+                if self._leader and self.beats % 1000 <= 1:  # (takes the write lock too)
+                    prune(self.store, PRUNE_AFTER_S)
+            except Exception:
+                log.exception("cluster: settling with the other daemons failed")
 
     def _connect(self, name: str) -> psycopg.Connection[Any]:
-        return connect_raw(self.store.url, name)
+        """A connection whose calls fail within about ``dead_after_s`` when the network
+        stops answering (the heartbeat must not hang behind a dead link for long)."""
+        bound = max(2, int(self.config.dead_after_s))
+        return connect_raw(self.store.url, name, connect_timeout=bound,
+                           tcp_user_timeout=bound * 1000, keepalives_idle=1,
+                           keepalives_interval=1, keepalives_count=bound)
 
     def _notify_loop(self) -> None:
         """Send one NOTIFY per burst of events, from a connection of its own."""
@@ -276,10 +353,6 @@ class Cluster:
         while not self._stopping.is_set():
             try:
                 if conn is None or conn.closed or conn.broken:
-                    if self._leader:
-                        log.warning("cluster: the connection holding the leader lock broke; "
-                                    "no longer the leader")
-                    self._leader = False
                     conn = self._connect("kandevd-cluster")
                     conn.execute(f"LISTEN {CHANNEL}")
                     self._wake()  # anything missed while not listening
@@ -306,62 +379,72 @@ class Cluster:
                 log.exception("cluster: heartbeat failed; retrying")
                 self._stopping.wait(_RECONNECT_S)
         if conn is not None:
-            conn.close()  # releases the leader lock
+            conn.close()
 
     def _beat(self, conn: psycopg.Connection[Any]) -> None:
         """One heartbeat: on the listening connection, in autocommit, stamped when written
-        (``clock_timestamp()``), so it waits for no writer lock and is never born old."""
+        (``clock_timestamp()``), so it waits for no writer lock and is never born old.
+        The fence counts from when it was sent (no later than the stamp)."""
+        sent = boot_clock()
         ours = [self.boot_id, *self.held]
-        conn.execute("UPDATE daemons SET heartbeat_at = clock_timestamp()"
-                     " WHERE boot_id = ANY(%s)", (ours,))
+        stamped = conn.execute("UPDATE daemons SET heartbeat_at = clock_timestamp()"
+                               " WHERE boot_id = ANY(%s) AND stopped_at IS NULL", (ours,))
+        if stamped.rowcount < 1:  # (marked stopped by another's mistake, or deleted)
+            log.warning("cluster: this daemon's heartbeat row is gone or marked stopped; "
+                        "writing it again")
+            conn.execute("UPDATE daemons SET stopped_at = NULL, heartbeat_at ="
+                         " clock_timestamp() WHERE boot_id = %s", (self.boot_id,))
         row = conn.execute("SELECT EXISTS (SELECT 1 FROM daemons WHERE boot_id != ALL(%s)"
                            " AND stopped_at IS NULL AND heartbeat_at > clock_timestamp()"
                            " - make_interval(secs => %s))",
                            (ours, self.config.dead_after_s)).fetchone()
         self.peers_alive = bool(row and row[0])
         self.beats += 1
+        if not self.fence.fenced and not self._resigned:
+            self._lease(conn, sent)
+        self.fence.beat_ok(sent)
         now = time.monotonic()
         if self._beating_since is None or now - self._last_beat > 2 * self.config.heartbeat_s:
             self._beating_since = now  # a gap: steady again only after dead_after_s
         self._last_beat = now
-        if not self._leader:
-            row = conn.execute("SELECT pg_try_advisory_lock(%s, %s)",
-                               (LOCK_NAMESPACE, LEADER_LOCK)).fetchone()
-            if row and row[0]:
-                self._leader = True
-                log.info("cluster: this daemon is the leader (Office maintenance, cron)")
-        if self._leader and self.beats % 1000 == 1:
-            self._prune()
         # Others' claims are rescued only once this daemon has itself been beating for
         # dead_after_s: after an outage of the database every heartbeat is old, and the
         # first daemon back must not take everyone else for dead. Executions lost here
         # are stopped at every beat.
         steady = now - self._beating_since >= self.config.dead_after_s
         if self._on_beat is not None and self._settled:
-            self._on_beat(steady)
+            # On a thread of its own: a rescue waiting for the write lock (held by a daemon
+            # cut off mid-transaction, say) must not delay the next heartbeat into a fence.
+            self._beat_work.put(steady)
 
-    def _prune(self) -> None:
-        """The leader forgets fires and stopped daemons older than a week, and folds the
-        run-count shards of connections that are gone into shard 0."""
+    def _lease(self, conn: psycopg.Connection[Any], sent: float) -> None:
+        """Take or renew the leader's lease; on a takeover, tell ``on_leader``."""
+        row = conn.execute(LEASE_SQL, {"me": self.boot_id, "lease": self.lease_s}).fetchone()
+        # (row: previous holder, its expiry, seconds since that expiry on the database's clock)
+        if row is None:  # another daemon holds a lease that has not expired
+            self._step_down("another daemon holds the lease")
+            return
+        self._lease_until = sent + self.lease_s - self._lease_margin_s
+        if self._leader:
+            return
+        self._leader = True
+        self.leader_changes += 1
+        previous, expired_at, lapsed_s = row[0], row[1], row[2]
+        since = None
+        # A lease that lapsed lately (not a cold start of the whole cluster): the fires
+        # since its last renewal may be missing, also when it was this daemon's own (it
+        # stepped down, then healed before anyone took over). Not an earlier instance of
+        # this home's: a restart does not replay what fell due while it was down.
+        if expired_at is not None and lapsed_s is not None \
+                and float(lapsed_s) <= LATE_FIRES_MAX_S and previous not in self._earlier:
+            since = expired_at - timedelta(seconds=self.lease_s)
+        if previous is not None and previous != self.boot_id:
+            log.warning("cluster: this daemon is the leader (Office maintenance, cron), "
+                        "taking over from %s whose lease expired at %s", previous,
+                        rfc3339(expired_at))
+        else:
+            log.info("cluster: this daemon is the leader (Office maintenance, cron)")
         try:
-            with self.store.transaction() as conn:
-                conn.execute(
-                    "WITH gone AS (DELETE FROM run_counts WHERE shard > 0 AND shard NOT IN"
-                    " (SELECT pid FROM pg_stat_activity WHERE pid IS NOT NULL)"
-                    " RETURNING status, n)"
-                    " INSERT INTO run_counts (status, shard, n)"
-                    " SELECT status, 0, SUM(n) FROM gone GROUP BY status"
-                    " ON CONFLICT (status, shard) DO UPDATE SET n = run_counts.n + excluded.n")
-                conn.execute("DELETE FROM fires WHERE fired_at < ?",
-                             (rfc3339(after(utc_now(), -PRUNE_AFTER_S)),))
-                conn.execute("DELETE FROM daemons WHERE stopped_at < now()"
-                             " - make_interval(secs => ?)", (PRUNE_AFTER_S,))
-        except sqlite3.Error as exc:
-            log.debug("cluster: pruning fires and daemons failed: %s", exc)
-
-
-def claim_fire(store: PgStore, boot_id: str, job: str, intended: datetime) -> bool:
-    """Record the fire of ``job``'s occurrence at ``intended``; False if it was fired already."""
-    return store.execute(
-        "INSERT INTO fires (job, intended_at, fired_by, fired_at) VALUES (?, ?, ?, ?)"
-        " ON CONFLICT DO NOTHING", (job, rfc3339(intended), boot_id, rfc3339(utc_now()))) == 1
+            self._on_leader(since)
+        except Exception:
+            log.exception("cluster: taking up leadership failed")

@@ -24,12 +24,15 @@ from typing import Any
 import jsonschema
 
 from kandevd import yamlsafe
+from kandevd.fence import FenceTiming, fence_timing, fencing_problem
+from kandevd.listen import ListenError, MetricsConfig, WebConfig, parse_listen
 from kandevd.schemacheck import format_validation_error
 from kandevd.urls import POSTGRES_SCHEMES, redact_url
 
 DEFAULTS: dict[str, Any] = {
     "store": {"url": None},
-    "cluster": {"heartbeat_s": 2, "dead_after_s": 10},
+    "cluster": {"heartbeat_s": 2, "dead_after_s": 10, "fence_after_s": None,
+                "on_partition": "fence"},
     "queue": {"safety_interval_s": 5, "max_claims_per_tick": 10, "stale_claim_s": 1800,
               "max_attempts": 6, "retention_days": 30},
     "retry": {
@@ -79,10 +82,20 @@ class StoreConfig:
 
 @dataclass(frozen=True)
 class ClusterConfig:
-    """How daemons sharing a PostgreSQL store see each other (unused with SQLite)."""
+    """How daemons sharing a PostgreSQL store see each other (unused with SQLite).
+
+    ``fence_after_s``: a daemon that completed no heartbeat this long stops its own
+    agents (None: derived, see :func:`fence_timing`); ``on_partition``: ``fence``, or
+    ``keep_running`` (at least once: a cut-off daemon's agents go on)."""
 
     heartbeat_s: float = 2.0
     dead_after_s: float = 10.0
+    fence_after_s: float | None = None
+    on_partition: str = "fence"
+
+    @property
+    def fencing(self) -> FenceTiming:
+        return fence_timing(self.dead_after_s, self.fence_after_s)
 
 
 def _check_store_url(url: str | None) -> None:
@@ -145,45 +158,6 @@ class ControlConfig:
 
 
 @dataclass(frozen=True)
-class MetricsConfig:
-    """``metrics.listen``: ``"HOST:PORT"`` serves /metrics and /health; None = off."""
-
-    listen: str | None = None
-
-    @property
-    def address(self) -> tuple[str, int] | None:
-        """``(host, port)`` of ``listen`` (IPv6 hosts in brackets), or None."""
-        return None if self.listen is None else parse_listen(self.listen)
-
-
-def parse_listen(value: str, key: str = "metrics.listen", *,
-                 lowest_port: int = 1) -> tuple[str, int]:
-    """``"HOST:PORT"`` (``"[::1]:9464"`` for IPv6) -> ``(host, port)``; ConfigError if bad."""
-    host, sep, port = value.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not sep or not host or not port.isdigit() or not lowest_port <= int(port) <= 65535:
-        raise ConfigError(f"{key}: {value!r} is not HOST:PORT with a port "
-                          f"{lowest_port}-65535")
-    return host, int(port)
-
-
-@dataclass(frozen=True)
-class WebConfig:
-    """``web.listen``: ``"HOST:PORT"`` serves the web console; None = off.
-    ``allowed_hosts``: more ``Host`` names the console answers (a proxy's name)."""
-
-    listen: str | None = None
-    allowed_hosts: tuple[str, ...] = ()
-
-    @property
-    def address(self) -> tuple[str, int] | None:
-        # Port 0: any free port (``kandevd web url`` reads the one taken from the home).
-        return None if self.listen is None else parse_listen(self.listen, "web.listen",
-                                                             lowest_port=0)
-
-
-@dataclass(frozen=True)
 class OfficeConfig:
     enabled: bool
     interval_s: float
@@ -220,8 +194,8 @@ class Config:
     scheduler: SchedulerConfig
     agents: Mapping[str, AgentProfile]
     control: ControlConfig = ControlConfig()
-    metrics: MetricsConfig = MetricsConfig()
-    web: WebConfig = WebConfig()
+    metrics: MetricsConfig = MetricsConfig()  # noqa: RUF009 (frozen: shared safely)
+    web: WebConfig = WebConfig()  # noqa: RUF009 (frozen: shared safely)
     store: StoreConfig = StoreConfig()
     cluster: ClusterConfig = ClusterConfig()
     #: ``log.level``: the lowest level logged when ``serve --log-level`` is not
@@ -352,8 +326,12 @@ def build_config(
         web=WebConfig(listen=merged["web"]["listen"],
                       allowed_hosts=tuple(merged["web"]["allowed_hosts"])),
         store=StoreConfig(url=merged["store"]["url"]),
-        cluster=ClusterConfig(heartbeat_s=float(merged["cluster"]["heartbeat_s"]),
-                              dead_after_s=float(merged["cluster"]["dead_after_s"])),
+        cluster=ClusterConfig(
+            heartbeat_s=float(merged["cluster"]["heartbeat_s"]),
+            dead_after_s=float(merged["cluster"]["dead_after_s"]),
+            fence_after_s=None if merged["cluster"]["fence_after_s"] is None
+            else float(merged["cluster"]["fence_after_s"]),
+            on_partition=merged["cluster"]["on_partition"]),
         log_level=merged["log"]["level"].upper() if merged["log"]["level"] else None,
         scheduler=SchedulerConfig(
             enabled=bool(sched["enabled"]) and not disabled_via_env,
@@ -371,10 +349,18 @@ def build_config(
     if config.cluster.dead_after_s <= config.cluster.heartbeat_s:
         raise ConfigError(f"cluster.dead_after_s: {config.cluster.dead_after_s:g} must be more "
                           f"than cluster.heartbeat_s ({config.cluster.heartbeat_s:g})")
-    if config.metrics.listen is not None:
-        parse_listen(config.metrics.listen)
-    if config.web.listen is not None:
-        parse_listen(config.web.listen, "web.listen", lowest_port=0)
+    if config.store.url is not None:  # (the cluster's timings matter on PostgreSQL only)
+        problem = fencing_problem(config.cluster.heartbeat_s, config.cluster.dead_after_s,
+                                  config.cluster.fence_after_s, config.cluster.on_partition)
+        if problem is not None:
+            raise ConfigError(problem)
+    try:
+        if config.metrics.listen is not None:
+            parse_listen(config.metrics.listen)
+        if config.web.listen is not None:
+            parse_listen(config.web.listen, "web.listen", lowest_port=0)
+    except ListenError as exc:
+        raise ConfigError(str(exc)) from None
     return config
 
 

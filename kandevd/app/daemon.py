@@ -166,8 +166,19 @@ class Daemon:
             if parts.cluster is not None:
                 # Heartbeats from now on: the claims restored below stay this daemon's.
                 # Another daemon's NOTIFY is worth a pass only with a free slot here.
+                grace = parts.cluster.fence.timing.kill_grace_s
+
+                def fence(reason: str) -> None:
+                    """Cut off from the database: start nothing, stop every agent."""
+                    queue.fenced(parts.runtime.hold_and_interrupt(reason, grace))
+
+                def heal(_away: float) -> None:
+                    parts.runtime.release_hold()
+                    queue.wake()
+
                 parts.cluster.start(wake=queue.signal_if_a_slot_is_free,
-                                    on_beat=queue.settle_with_peers)
+                                    on_beat=queue.settle_with_peers, on_fence=fence,
+                                    on_heal=heal, on_leader=parts.cron.request_late_fires)
                 # A start that fails keeps adopted agents running for the next start:
                 # the threads stop, but the daemon is not marked stopped.
                 started.append(("stop the cluster threads", parts.cluster.stop))
@@ -229,6 +240,8 @@ class Daemon:
                                         ("signal loops", self.stop_signal.set)]
         for loop in reversed(list(parts.loops.values())):
             steps.append((f"stop {loop.name} loop", loop.stop))
+        if parts.cluster is not None:  # it fires nothing more: the next leader, now
+            steps.append(("give up the leader's lease", parts.cluster.resign))
         steps += [
             # Left running (runtime.keep_agents_on_stop), each agent's shim records its exit
             # status and the next start adopts it or records its outcome.

@@ -105,7 +105,20 @@ class _StatusCollector(Collector):
         if cron:
             yield CounterMetricFamily("kandevd_cron_fires", "Cron fires since start",
                                       value=cron.get("fires", 0))
+            yield CounterMetricFamily(
+                "kandevd_cron_late_fires", "Cron occurrences no leader fired on time, fired "
+                "late by this daemon after it took over the lease", value=cron.get("late_fires", 0))
+            yield GaugeMetricFamily("kandevd_cron_late_fire_max_seconds",
+                                    "The most late of those fires, in seconds",
+                                    value=cron.get("late_max_s", 0.0))
             yield from job_families(self._cron_jobs())
+        cluster = status.get("cluster")
+        if cluster:
+            yield GaugeMetricFamily("kandevd_cluster_leader", "1 while this daemon leads",
+                                    value=1 if cluster.get("leader") else 0)
+            yield GaugeMetricFamily("kandevd_cluster_fenced",
+                                    "1 while this daemon is fenced (cut off from the database)",
+                                    value=1 if cluster.get("fenced") else 0)
 
     @staticmethod
     def _runs(runs: dict[str, Any]) -> Iterator[Metric]:

@@ -12,6 +12,7 @@ dead daemons' claims and stops executions this daemon no longer holds.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
@@ -50,6 +51,9 @@ class Restorer:
         self.clock = clock
         self.adopted_total = 0
         self.rescued_total = 0  # claims rescued (stale, or left by an earlier instance)
+        #: Runs a fence interrupted, given back to the queue once their executions ended.
+        self._fenced: set[str] = set()
+        self._fenced_lock = threading.Lock()
 
     def recover_stale(self, now: datetime) -> dict[str, str]:
         recovered = self.repo.recover_stale(now, self.config.queue.stale_claim_s,
@@ -218,6 +222,31 @@ class Restorer:
             log.info("re-queued %d run(s) this graceful stop interrupted", len(released))
         return released
 
+    def note_fenced(self, runs: frozenset[str]) -> None:
+        with self._fenced_lock:
+            self._fenced |= runs
+
+    def _release_fenced(self) -> None:
+        """At each heartbeat after a fence: the runs it interrupted whose executions have
+        ended go back to the queue (no attempt counted) while this daemon still holds
+        them; a run is forgotten once released or no longer this daemon's."""
+        live = self.live.run_ids()  # (before the outcomes are read: an end in between waits)
+        own = self.repo.own_claims()
+        with self._fenced_lock:
+            fenced = set(self._fenced)
+        claims = [c for c in self._interrupted(own) if c[0] in fenced and c[0] not in live]
+        released = self.repo.release_interrupted(
+            self.clock(), claims,
+            "interrupted: the daemon fenced itself (it lost the database) during the execution")
+        if released:
+            log.warning("re-queued %d run(s) the fence interrupted: %s", len(released),
+                        ", ".join(sorted(released)))
+            self.wake()
+        held = {row["id"] for row in own}
+        with self._fenced_lock:
+            self._fenced = {r for r in self._fenced
+                            if r not in released and (r in live or r in held)}
+
     def settle_with_peers(self, rescue: bool = True) -> None:
         """A cluster heartbeat: rescue dead daemons' claims, stop executions lost here.
 
@@ -234,6 +263,10 @@ class Restorer:
             if rescued:
                 self._log_rescued(rescued, "claimed by a daemon that stopped")
                 self.wake()
+        with self._fenced_lock:
+            fenced = bool(self._fenced)
+        if fenced:
+            self._release_fenced()
         for run_id in self.repo.not_claimed_here(self.live.run_ids()):
             log.warning("run %s: no longer claimed by this daemon (cancelled or taken over "
                         "elsewhere); stopping its execution here", run_id)

@@ -189,6 +189,11 @@ class RunQueue:
     def settle_with_peers(self, rescue: bool = True) -> None:
         self.restorer.settle_with_peers(rescue)
 
+    def fenced(self, keys: frozenset[str]) -> None:
+        """A fence stopped the executions of ``keys``: the runs among them go back to the
+        queue once it healed (while this daemon still holds them)."""
+        self.restorer.note_fenced(keys & self.live.run_ids())
+
     def stats(self) -> dict[str, int]:
         """Counters for ``daemon.status``."""
         commits = self.outcomes.commits

@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -148,6 +149,10 @@ class ExecutionControl:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._request: tuple[str, str] | None = None
+        #: The SIGTERM-to-SIGKILL grace the request asks for (None: the runner's own).
+        self.kill_grace_s: float | None = None
+        #: A later, shorter deadline for the SIGKILL (monotonic), see :meth:`hasten_kill`.
+        self.hasten_at: float | None = None
         self._requested = threading.Event()
         self._detach = False
         self._kill_now = False
@@ -180,8 +185,10 @@ class ExecutionControl:
         with self._lock:
             return self._kill_now
 
-    def request_termination(self, outcome: str, reason: str) -> bool:
-        """Ask the runner to end the execution with ``outcome``.
+    def request_termination(self, outcome: str, reason: str,
+                            kill_grace_s: float | None = None) -> bool:
+        """Ask the runner to end the execution with ``outcome`` (SIGKILL ``kill_grace_s``
+        after the SIGTERM when given, else after the runner's own grace).
 
         Returns True when this call made the (first) request, False when one
         was already made or the execution is over.
@@ -192,9 +199,21 @@ class ExecutionControl:
             if self._closed or self._request is not None:
                 return False
             self._request = (outcome, reason)
+            self.kill_grace_s = kill_grace_s
             self._requested.set()
             self._wake()
             return True
+
+    def hasten_kill(self, kill_grace_s: float) -> None:
+        """An execution being terminated gets SIGKILL no later than ``kill_grace_s`` from
+        now (a fence may not wait for the grace of an earlier stop)."""
+        with self._lock:
+            if self._closed:
+                return
+            self.kill_grace_s = kill_grace_s if self.kill_grace_s is None \
+                else min(self.kill_grace_s, kill_grace_s)
+            self.hasten_at = time.monotonic() + kill_grace_s
+            self._wake()
 
     def request_detach(self) -> bool:
         """Ask the runner to stop waiting and leave the process running.

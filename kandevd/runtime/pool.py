@@ -56,6 +56,17 @@ class RuntimeStopped(Exception):
         return "agent runtime is stopping: no new executions are accepted"
 
 
+class RuntimeHeld(RuntimeStopped):
+    """The runtime starts nothing for now (a fenced daemon); the work goes back."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return f"agent runtime is held: {self.reason}"
+
+
 class Reservation:
     """An opaque token for one reserved slot; spend it with start() or release()."""
 
@@ -106,6 +117,8 @@ class AgentRuntime(Stopping):
         self._waiter_slots = 0  # slots held by executions started by launch_when_free
         self._grace_deadline: float | None = None  # set by begin_grace()
         self._shutdown_requested = shutdown_requested
+        #: Why no execution starts now (a fenced daemon), else None.
+        self.held_reason: str | None = None
 
     # -- introspection -----------------------------------------------------
 
@@ -149,10 +162,30 @@ class AgentRuntime(Stopping):
 
     # -- slots -------------------------------------------------------------
 
-    def try_reserve(self) -> Reservation | None:
-        """Take a slot if one is free; None when full or stopping. Never blocks."""
+    def hold_and_interrupt(self, reason: str, kill_grace_s: float) -> frozenset[str]:
+        """A fenced daemon: start no execution until :meth:`release_hold` (no slot is
+        reserved, a reserved one starts nothing, a waiting scheduled turn gives up), then
+        end every live one as ``interrupted`` (SIGKILL after ``kill_grace_s``); the keys
+        it ended."""
         with self._cond:
-            if self._stopping or self._held + len(self._live) >= self._max:
+            self.held_reason = reason
+            self._cond.notify_all()
+            keys = frozenset(self._live)
+        for key in keys:
+            self.interrupt_execution(key, reason, kill_grace_s)
+        return keys
+
+    def release_hold(self) -> None:
+        with self._cond:
+            self.held_reason = None
+            self._cond.notify_all()
+        self._notify_slot_listeners()
+
+    def try_reserve(self) -> Reservation | None:
+        """Take a slot if one is free; None when full, stopping or held. Never blocks."""
+        with self._cond:
+            if self._stopping or self.held_reason is not None \
+                    or self._held + len(self._live) >= self._max:
                 return None
             self._held += 1
             return Reservation(self)
@@ -188,6 +221,8 @@ class AgentRuntime(Stopping):
             problem: BaseException | None = None
             if self._stopping:
                 problem = RuntimeStopped()
+            elif self.held_reason is not None:  # (reserved before a fence: start nothing)
+                problem = RuntimeHeld(self.held_reason)
             elif spec.key in self._live:
                 problem = ValueError(f"an execution with key {spec.key!r} is already live")
             if problem is None:
@@ -305,7 +340,7 @@ class AgentRuntime(Stopping):
             self._waiting.append(ticket)
             try:
                 while True:
-                    if self._stopping or cancelled():
+                    if self._stopping or self.held_reason is not None or cancelled():
                         return False
                     if self._waiting[0] == ticket and self._waiter_slots < cap \
                             and self._held + len(self._live) < self._max:

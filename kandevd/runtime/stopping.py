@@ -76,6 +76,18 @@ class Stopping:
         log.info("stopping execution %s: %s", key, reason)
         return True
 
+    def interrupt_execution(self, key: str, reason: str, kill_grace_s: float) -> bool:
+        """End a live execution as ``interrupted`` (it counts no attempt): SIGTERM, then
+        SIGKILL ``kill_grace_s`` later. A fenced daemon stops its agents so."""
+        with self._cond:
+            execution = self._live.get(key)
+            if execution is None or execution.finished:
+                return False
+        if execution.control.request_termination(INTERRUPTED, reason, kill_grace_s):
+            return True
+        execution.control.hasten_kill(kill_grace_s)  # (being stopped already: sooner)
+        return False
+
     def detach_execution(self, key: str) -> bool:
         """Leave a live execution's agent running (outcome ``detached``) for a later
         instance to adopt; False when it has no record to be adopted by, or is over."""

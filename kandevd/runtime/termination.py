@@ -70,10 +70,14 @@ def wait_for_shim(key: str, control: ExecutionControl, sink: LogSink, pid: int,
         if pidfd is not None:
             sel.register(pidfd, selectors.EVENT_READ, "exit")
 
+        grace = kill_grace_s
+
         def begin_termination(outcome: str, reason: str) -> None:
-            nonlocal kill_at
+            nonlocal kill_at, grace
             waited.ended_by = (outcome, reason)
-            kill_at = time.monotonic() + kill_grace_s
+            if control.kill_grace_s is not None:  # (a fence asks for a shorter one)
+                grace = control.kill_grace_s
+            kill_at = time.monotonic() + grace
             text = termination_text(outcome, reason, timeout_s)
             log.warning("execution %s %s: SIGTERM to process group %d", key, text, pid)
             sink.note(f"{text}: sending SIGTERM to process group {pid}")
@@ -94,9 +98,8 @@ def wait_for_shim(key: str, control: ExecutionControl, sink: LogSink, pid: int,
                 begin_termination(TIMED_OUT, "")
             elif kill_at is not None and not waited.killed and now >= kill_at:
                 waited.killed = True
-                log.warning("execution %s ignored SIGTERM for %.1fs: SIGKILL",
-                            key, kill_grace_s)
-                sink.note(f"still running {kill_grace_s}s after SIGTERM: sending SIGKILL")
+                log.warning("execution %s ignored SIGTERM for %.1fs: SIGKILL", key, grace)
+                sink.note(f"still running {grace:g}s after SIGTERM: sending SIGKILL")
                 signal_group(pid, signal.SIGKILL)
             if pidfd is None and exited():
                 return waited
@@ -115,6 +118,8 @@ def wait_for_shim(key: str, control: ExecutionControl, sink: LogSink, pid: int,
             events = {ready.data for ready, _mask in sel.select(wait)}
             if "wake" in events:
                 control.drain_wake()
+                if kill_at is not None and control.hasten_at is not None:
+                    kill_at = min(kill_at, control.hasten_at)
                 request = control.requested
                 if waited.ended_by is None and request is not None and "exit" in events:
                     # Requested as the shim exited: it ended on its own and its

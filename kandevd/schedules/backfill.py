@@ -72,8 +72,10 @@ class Backfills:
         with self._lock:
             return key in self._stops
 
-    def start(self, job: Job, times: list[datetime]) -> None:
-        """Run ``job`` once per time of ``times``, in order, in the background."""
+    def start(self, job: Job, times: list[datetime], *,
+              trigger_source: str = "backfill") -> None:
+        """Run ``job`` once per time of ``times``, in order, in the background (recorded
+        with ``trigger_source``: late cron fires after a leader change use ``cron``)."""
         stop = threading.Event()
         with self._lock:
             if job.key in self._stops:
@@ -83,7 +85,8 @@ class Backfills:
         log.info("%s: backfill of %d fire time(s) from %s to %s started", job.key,
                  len(times), rfc3339(times[0]), rfc3339(times[-1]))
         try:
-            self._spawn(f"backfill-{job.key[-24:]}", lambda: self._run(job, times, stop))
+            self._spawn(f"backfill-{job.key[-24:]}",
+                        lambda: self._run(job, times, stop, trigger_source))
         except BaseException:
             with self._lock:
                 self._stops.pop(job.key, None)
@@ -106,11 +109,12 @@ class Backfills:
             stop.set()
         self._runner.wake_idle()
 
-    def _run(self, job: Job, times: list[datetime], stop: threading.Event) -> None:
+    def _run(self, job: Job, times: list[datetime], stop: threading.Event,
+             trigger_source: str = "backfill") -> None:
         done = 0
         try:
             for moment in times:
-                if not self._start_one(job, moment, stop):
+                if not self._start_one(job, moment, stop, trigger_source):
                     break
                 done += 1
                 self._runner.wait_idle(job.key, stop)
@@ -121,7 +125,8 @@ class Backfills:
             log.info("%s: backfill %s: %d of %d fire time(s) run", job.key,
                      "ended" if left == 0 else "stopped", done, len(times))
 
-    def _start_one(self, job: Job, moment: datetime, stop: threading.Event) -> bool:
+    def _start_one(self, job: Job, moment: datetime, stop: threading.Event,
+                   trigger_source: str = "backfill") -> bool:
         """Start the session for ``moment`` once the job is idle; False when stopped
         (or the job is gone, invalid, or paused after repeated failure)."""
         while True:
@@ -138,7 +143,7 @@ class Backfills:
                 log.info("%s: backfill stopped: %s", job.key, why)
                 return False
             try:
-                self._runner.start(job, "backfill", intended_at=moment)
+                self._runner.start(job, trigger_source, intended_at=moment)
                 if stop.is_set():  # a `jobs stop` that came while it was starting
                     self._runner.stop(job.key)
                 return True

@@ -29,6 +29,7 @@ from kandevd.lifecycle import Loop, StopSignal
 from kandevd.schedules import history as hist
 from kandevd.schedules.backfill import Backfills
 from kandevd.schedules.jobs import Job, job_dict
+from kandevd.schedules.late import fire_late
 from kandevd.schedules.registry import JobRegistry
 from kandevd.schedules.runner import (
     AlreadyRunning,
@@ -98,11 +99,23 @@ class CronLoop(Loop):
         self._stop_grace_s = stop_grace_s
         self._reload = threading.Event()
         self._settled = False
+        #: A takeover of the leader's lease: occurrences since then may lack their fire.
+        self._late_since: datetime | None = None
+        self.late_fires = 0
+        self.late_max_s = 0.0
         self.fires = 0
         #: Several daemons (PostgreSQL): ``(job key, intended time) -> fire here?``. Only
         #: the leader fires, and an occurrence fired already (by an earlier leader) is not
         #: fired again. Without it (SQLite: one daemon) every due occurrence fires here.
         self.fire_gate = fire_gate
+
+    def request_late_fires(self, since: datetime | None) -> None:
+        """This daemon became the leader (several daemons); ``since`` the previous one's
+        last renewal when it took over an expired lease: fire what no leader fired."""
+        if since is None:
+            return
+        self._late_since = since
+        self.wake()
 
     def request_reload(self) -> None:
         """Rescan the root on the next tick (SIGHUP, ``scheduler.reload``)."""
@@ -121,6 +134,15 @@ class CronLoop(Loop):
                 STRANDED.settle(self.runner.turns_folder, live=live)
             else:  # several: its records are this home's, its entries maybe another's
                 STRANDED.settle_records(self.runner.turns_folder, live)
+        if self._late_since is not None and self.fire_gate is not None:
+            since, self._late_since = self._late_since, None
+            paused = self.registry.pause.get()["globally_paused"]
+            late = fire_late(self.registry, self.backfills, since, now, gate=self._ours,
+                             may_run=lambda job: self._decide(
+                                 job, paused=paused, running=False, buffered=False)
+                             is Decision.RUN)
+            self.late_fires += len(late)
+            self.late_max_s = max([self.late_max_s, *late])
         if len(hist.BACKLOG) and hist.BACKLOG.flush():
             deadline = min(d for d in (deadline, now + RETRY_WRITES) if d is not None)
         due = self.registry.due(now)
@@ -286,5 +308,6 @@ class CronLoop(Loop):
                 "root": str(self.registry.root), "errors": self.registry.problems()}
 
     def stats(self) -> dict[str, object]:
-        return {"fires": self.fires, **self.registry.counts(),
+        return {"fires": self.fires, "late_fires": self.late_fires,
+                "late_max_s": round(self.late_max_s, 3), **self.registry.counts(),
                 "running": len(self.runner.running_ids())}

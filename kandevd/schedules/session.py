@@ -237,6 +237,8 @@ class Session:
         }
         if plan.intended_at is not None:
             self.entry["intended_at"] = rfc3339(plan.intended_at)
+            if plan.trigger_source == "cron":  # late (jitter, or a leader change): how much
+                self.entry["late_s"] = round((started - plan.intended_at).total_seconds(), 3)
         if plan.fire_times:
             self.entry["fire_times"] = [rfc3339(t) for t in plan.fire_times]
         self._history.record_start(self.entry, started)
@@ -357,7 +359,9 @@ class Session:
         if not self._runtime.launch_when_free(spec, on_done,
                                               lambda: self.control.stop_requested):
             record.update(status=hist.STOPPED,
-                          error=self.control.stop_error or "agent runtime is stopping")
+                          error=self.control.stop_error or getattr(self._runtime, "held_reason",
+                                                                   None)
+                          or "agent runtime is stopping")
             return None
 
         def stop_turn() -> None:

@@ -56,7 +56,6 @@ log = logging.getLogger("kandevd.store.pg")
 #: The advisory lock namespace of kandevd (``'kand'``) and its locks in it.
 LOCK_NAMESPACE = 0x6B616E64
 WRITER_LOCK = 1
-LEADER_LOCK = 2
 
 # A quoted string or identifier or a comment (kept), a ``::`` cast, a placeholder,
 # a literal percent sign, or the SQLite spellings rewritten for PostgreSQL.
@@ -299,8 +298,8 @@ def connect_raw(url: str, application_name: str, **kwargs: Any) -> psycopg.Conne
     """A plain psycopg connection with kandevd's settings; errors as :mod:`sqlite3`'s,
     their text scrubbed of the URL's secrets."""
     try:
-        return psycopg.connect(url, application_name=application_name, **_CONNECT_OPTIONS,
-                               **kwargs)
+        return psycopg.connect(url, application_name=application_name,
+                               **{**_CONNECT_OPTIONS, **kwargs})
     except psycopg.Error as exc:
         raise _as_sqlite_error(exc, url) from None
 

@@ -23,7 +23,8 @@ REPO = Path(__file__).resolve().parents[2]
 # CONTRACT.md section 2, verbatim: "Every key is optional; these are the defaults."
 CONTRACT_DEFAULTS: dict[str, Any] = {
     "store": {"url": None},
-    "cluster": {"heartbeat_s": 2, "dead_after_s": 10},
+    "cluster": {"heartbeat_s": 2, "dead_after_s": 10, "fence_after_s": None,
+                "on_partition": "fence"},
     "queue": {"safety_interval_s": 5, "max_claims_per_tick": 10, "stale_claim_s": 1800,
               "max_attempts": 6, "retention_days": 30},
     "retry": {"max_retries": 4, "delays_s": [120, 600, 1800, 7200], "jitter": 0.25,

@@ -16,6 +16,7 @@ need them. Differences that matter, and why:
   or deadlock on, a count row).
 - Version 7 is the cluster's: ``daemons`` (who is alive) and ``fires`` (one
   row per cron occurrence fired, so an occurrence fires once across daemons).
+- Version 8 is the leader's ``leases`` (see :mod:`kandevd.cluster`).
 """
 
 from __future__ import annotations
@@ -156,9 +157,17 @@ _V7 = [
     "CREATE INDEX idx_fires_fired_at ON fires (fired_at)",
 ]
 
+_V8 = [
+    # The leader's lease: held while renewed, taken over once it expired (the database's
+    # clock), so leadership moves on time even while a cut-off leader's session lingers.
+    f"""CREATE TABLE leases (
+        name {T} PRIMARY KEY, holder {T} NOT NULL, expires_at TIMESTAMPTZ NOT NULL)""",
+]
+
 MIGRATIONS: list[tuple[int, str, list[str]]] = [
     (6, "workspace model and runs queue (SQLite versions 1-6)", _V6),
     (7, "cluster: daemons and cron fires", _V7),
+    (8, "cluster: the leader's lease", _V8),
 ]
 
 

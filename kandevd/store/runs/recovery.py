@@ -118,15 +118,15 @@ class Recovery(RunRepositoryBase):
         return self.store.query("SELECT id, claim_token FROM runs WHERE status = 'claimed'"
                                 " AND claimed_by = ? ORDER BY seq", (self.boot_id,))
 
-    def release_interrupted(self, now: datetime, claims: Collection[tuple[str, str]]
-                            ) -> list[str]:
-        """Re-queue these ``(run_id, token)`` claims a graceful stop interrupted, uncounted."""
+    def release_interrupted(self, now: datetime, claims: Collection[tuple[str, str]],
+                            why: str = "interrupted: the daemon stopped gracefully during"
+                                       " the execution") -> list[str]:
+        """Re-queue these ``(run_id, token)`` claims a graceful stop (or a fence)
+        interrupted, uncounted."""
         released = []
         with self.store.transaction() as conn:
             for run_id, token in claims:
-                if self.requeue_interrupted(conn, run_id, token, now,
-                                            "interrupted: the daemon stopped gracefully"
-                                            " during the execution"):
+                if self.requeue_interrupted(conn, run_id, token, now, why):
                     released.append(run_id)
         return released
 

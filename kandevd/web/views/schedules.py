@@ -22,7 +22,7 @@ TIMELINE_LANES = 40
 #: More fires than this in a lane are drawn as a band ("more than 48 fires").
 TIMELINE_FIRES = 48
 #: Jobs listed on one page (scheduler.jobs.list answers 500 at most per call).
-PAGE_JOBS = 500
+PAGE_JOBS = 200
 STATES = ("running", "scheduled", "buffered", "held", "paused", "disabled", "blocked",
           "invalid", "ended")
 

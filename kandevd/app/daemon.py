@@ -235,9 +235,9 @@ class Daemon:
 
     def _shutdown_steps(self, parts: Parts) -> list[tuple[str, Any]]:
         steps: list[tuple[str, Any]] = [("stop intake", parts.server.begin_drain),
-                                        ("stop web console", self._stop_web),
                                         ("start the agents' grace", parts.runtime.begin_grace),
-                                        ("signal loops", self.stop_signal.set)]
+                                        ("signal loops", self.stop_signal.set),
+                                        ("stop web console", self._stop_web)]
         for loop in reversed(list(parts.loops.values())):
             steps.append((f"stop {loop.name} loop", loop.stop))
         if parts.cluster is not None:  # it fires nothing more: the next leader, now
@@ -309,7 +309,7 @@ class Daemon:
         self.metrics_http = server
 
     def _start_web(self, parts: Parts) -> None:
-        """``web.listen``: serve the console (after the control socket it dispatches to)."""
+        """``web.listen``: serve the console (just before the control socket opens)."""
         try:
             self.web = start_console(self.config, self.layout.root, parts)
         except OSError as exc:

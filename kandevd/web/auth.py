@@ -2,9 +2,9 @@
 
 The token (``<home>/web.token``, mode 0600) is created once; the URL that
 ``serve`` logs and ``kandevd web url`` prints carries it (``?token=``). The
-first request with it gets a cookie (``HttpOnly``, ``SameSite=Strict``) and is
-redirected to the same page without it, so it stays out of the browser's
-history. The cookie and the CSRF token are HMACs of the token: nothing is kept
+first request with it gets a cookie (``HttpOnly``, ``SameSite=Strict``) and a
+page that moves on to the same address without it, so it stays out of the
+browser's history. The cookie and the CSRF token are HMACs of the token: nothing is kept
 per browser, and a new token (delete the file, restart) logs every browser out.
 """
 

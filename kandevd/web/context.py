@@ -32,7 +32,7 @@ class Console:
     guard: Guard
     stopping: threading.Event
     version: str
-    #: Called with a callback to run on any queue or scheduler change (live pages).
+    #: Called with a callback to run on any event of the daemon's bus (live pages).
     subscribe: Callable[[Callable[[], None]], Callable[[], None]]
     #: Where the scheduler reads workflows (the schedule form lists them).
     workflow_root: Path

@@ -45,7 +45,8 @@ DEFAULTS: dict[str, Any] = {
                 "keep_agents_on_stop": False},
     "control": {"idle_timeout_s": 60},
     "metrics": {"listen": None},
-    "web": {"listen": None, "allowed_hosts": []},
+    "web": {"listen": None, "allowed_hosts": [], "tls_cert": None, "tls_key": None,
+            "insecure_remote": False},
     "log": {"level": None},
     "office": {"enabled": True, "interval_s": 30, "recovery_lookback_hours": 24},
     "scheduler": {"enabled": True, "root": None, "history_retention_days": 90,
@@ -324,7 +325,9 @@ def build_config(
         control=ControlConfig(idle_timeout_s=float(merged["control"]["idle_timeout_s"])),
         metrics=MetricsConfig(listen=merged["metrics"]["listen"]),
         web=WebConfig(listen=merged["web"]["listen"],
-                      allowed_hosts=tuple(merged["web"]["allowed_hosts"])),
+                      allowed_hosts=tuple(merged["web"]["allowed_hosts"]),
+                      tls_cert=merged["web"]["tls_cert"], tls_key=merged["web"]["tls_key"],
+                      insecure_remote=bool(merged["web"]["insecure_remote"])),
         store=StoreConfig(url=merged["store"]["url"]),
         cluster=ClusterConfig(
             heartbeat_s=float(merged["cluster"]["heartbeat_s"]),
@@ -359,8 +362,11 @@ def build_config(
             parse_listen(config.metrics.listen)
         if config.web.listen is not None:
             parse_listen(config.web.listen, "web.listen", lowest_port=0)
+        problem = config.web.problem()
     except ListenError as exc:
         raise ConfigError(str(exc)) from None
+    if problem is not None:
+        raise ConfigError(problem)
     return config
 
 

@@ -27,7 +27,7 @@ from kandevd.app.homelock import HomeLock, HomeLocked
 from kandevd.app.metrics import MetricsHTTPServer
 from kandevd.app.reload import reload
 from kandevd.app.shutdown import MainThreadWaiter, ShutdownCoordinator, SignalWiring
-from kandevd.app.webconsole import start_console, stop_console
+from kandevd.app.webconsole import ConsoleTlsError, start_console, stop_console
 from kandevd.config import Config
 from kandevd.control.sockets import NotASocket, SocketInUse
 from kandevd.lifecycle import StopSignal
@@ -312,6 +312,8 @@ class Daemon:
         """``web.listen``: serve the console (just before the control socket opens)."""
         try:
             self.web = start_console(self.config, self.layout.root, parts)
+        except ConsoleTlsError as exc:
+            raise StartupError(str(exc), exits.CONFIG) from None
         except OSError as exc:
             raise StartupError(f"web.listen {self.config.web.listen}: cannot listen: "
                                f"{exc.strerror or exc}", exits.CANTCREAT) from None

@@ -15,6 +15,7 @@ from kandevd import __version__
 from kandevd.config import Config
 from kandevd.fsutil import replace_atomically
 from kandevd.schedules.build import scheduler_root
+from kandevd.web.intake import LazyTlsAdapter, tls_adapter
 from kandevd.web.server import WebConsole
 
 log = logging.getLogger("kandevd.web")
@@ -22,11 +23,31 @@ log = logging.getLogger("kandevd.web")
 URL_FILE = "web.url"
 
 
+class ConsoleTlsError(Exception):
+    """``web.tls_cert`` or ``web.tls_key`` cannot be used (a config error: exit 78)."""
+
+
+def load_tls(config: Config) -> LazyTlsAdapter | None:
+    """The console's TLS (None when it serves plain HTTP); ConsoleTlsError when the
+    certificate or key cannot be read or do not belong together."""
+    web = config.web
+    if web.tls_cert is None or web.tls_key is None:
+        return None
+    try:
+        return tls_adapter(web.tls_cert, web.tls_key)
+    except (OSError, ValueError) as exc:  # (ssl.SSLError is an OSError)
+        reason = getattr(exc, "strerror", None) or getattr(exc, "reason", None) or exc
+        raise ConsoleTlsError(f"web.tls_cert {web.tls_cert!r} / web.tls_key "
+                              f"{web.tls_key!r}: cannot be used: {reason}") from None
+
+
 def start_console(config: Config, home: Path, parts: Any) -> WebConsole | None:
-    """Serve the console when ``web.listen`` is set (OSError when it cannot bind)."""
+    """Serve the console when ``web.listen`` is set (OSError when it cannot bind,
+    ConsoleTlsError when its certificate cannot be used)."""
     address = config.web.address
     if address is None:
         return None
+    adapter = load_tls(config)
     store = parts.store
 
     def reads(fn: Any) -> Any:
@@ -35,7 +56,7 @@ def start_console(config: Config, home: Path, parts: Any) -> WebConsole | None:
 
     console = WebConsole(address, home=home, dispatch=parts.server.dispatch, reads=reads,
                          version=__version__, workflow_root=scheduler_root(config, home),
-                         allowed_hosts=config.web.allowed_hosts)
+                         allowed_hosts=config.web.allowed_hosts, tls=adapter)
     console.start()
     parts.bus.subscribe("*", console.changed)
     try:

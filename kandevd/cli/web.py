@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import webbrowser
 from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
 
 import click
 
@@ -46,7 +48,7 @@ def console_url(home: str | None, config_path: str | None) -> str:
     except OSError as exc:
         click.echo(f"kandevd: cannot read or create {root / 'web.token'}: {exc}", err=True)
         sys.exit(exits.CANTCREAT)
-    return url_of(address[0], address[1], token)
+    return url_of(address[0], address[1], token, tls=config.web.tls)
 
 
 @click.group()
@@ -62,17 +64,52 @@ def url(home: str | None, config_path: str | None) -> None:
     click.echo(console_url(home, config_path))
 
 
+#: The page ``web open`` writes (mode 0600): it hands the token over by POST.
+OPEN_FILE = "web-open.html"
+
+
+def write_open_page(root: Path, address: str) -> Path:
+    """``<home>/web-open.html``: a local page that posts a one-time code of the token to
+    the console's ``/login`` at once: no URL carries the token, and what the browser keeps
+    of the POST (to restore the page) is a spent code (mode 0600, as the token's own
+    file; rewritten at each ``web open``)."""
+    from kandevd.web.auth import login_code
+    from kandevd.web.context import make_environment
+
+    parts = urlsplit(address)
+    token = parse_qs(parts.query).get("token", [""])[0]
+    page = make_environment().get_template("web_open.html").render(
+        login_url=f"{parts.scheme}://{parts.netloc}/login", code=login_code(token))
+    path = root / OPEN_FILE
+    spare = path.with_name(f".{OPEN_FILE}.{os.getpid()}")
+    fd = os.open(spare, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(page)
+    os.replace(spare, path)
+    return path
+
+
 @web.command("open")
 @home_option
 @config_option("Config file (default: <home>/kandevd.yaml when it exists).")
 def open_(home: str | None, config_path: str | None) -> None:
-    """Open the console in a browser (where one exists); else print its URL."""
+    """Open the console in a browser (where one exists), signed in by a local page that
+    posts the token (it stays out of the browser's history); else print its URL."""
     address = console_url(home, config_path)
+    root = resolve_home(home)
     try:
-        opened = webbrowser.open(address)
+        page = write_open_page(root, address)
+    except OSError as exc:
+        click.echo(f"kandevd: cannot write {root / OPEN_FILE}: {exc.strerror or exc}", err=True)
+        sys.exit(exits.CANTCREAT)
+    try:
+        opened = webbrowser.open(page.as_uri())
     except webbrowser.Error:
         opened = False
-    if not opened:
+    if opened:
+        click.echo(f"opened {page} in a browser (it signs the browser in to "
+                   f"{address.split('?', 1)[0]})")
+    else:
         click.echo("kandevd: no browser found here; open this URL (an SSH tunnel reaches "
                    "it from another machine, see docs/console.md):", err=True)
         click.echo(address)

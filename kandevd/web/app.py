@@ -2,13 +2,16 @@
 
 In order: the ``Host`` must be one the console serves (421 otherwise: no DNS
 rebinding); ``/static/`` files are served from the package (a fixed list);
-``?token=`` sets the cookie and sends the browser on to the page without it
-(a page that refreshes, not a redirect: a ``SameSite=Strict`` cookie set
-by an answer to a link from another site would not go with the redirect);
-without
-the cookie nothing is served (401); a POST needs the page's CSRF token and,
-when the browser sends one, a same-origin ``Origin`` (403). A control
-method's error becomes the message shown on the page it came from.
+the token signs a browser in, by POST to ``/login`` (the page ``kandevd web
+open`` writes, or the sign-in form shown instead of a page) or in the URL
+(``?token=``): either way the answer sets the cookie and is a page that moves
+on (not a redirect: a ``SameSite=Strict`` cookie set by an answer to a link
+from another site would not go with the redirect); without the cookie
+nothing else is served (401, with the sign-in form); a POST needs the page's
+CSRF token and, when the browser sends one, a same-origin ``Origin`` (403).
+Only a signed-in request keeps its connection open (see
+:mod:`kandevd.web.intake`). A control method's error becomes the message
+shown on the page it came from.
 """
 
 from __future__ import annotations
@@ -22,9 +25,9 @@ from urllib.parse import quote, urlencode
 
 from kandevd.control.protocol import RpcError
 from kandevd.web import live
-from kandevd.web.auth import COOKIE
 from kandevd.web.context import Console, set_flash
 from kandevd.web.http import BadRequest, Request, Response, redirect, text
+from kandevd.web.intake import KEEP_ALIVE
 from kandevd.web.views import office, overview, runs, schedule_form, schedules
 
 log = logging.getLogger("kandevd.web")
@@ -64,6 +67,7 @@ _COMPILED = [(method, re.compile(pattern + r"\Z"), view) for method, pattern, vi
 #: The only files under /static/ (nothing else of the package is reachable).
 STATIC = {"console.css": "text/css; charset=utf-8",
           "console.js": "text/javascript; charset=utf-8",
+          "sign-in.js": "text/javascript; charset=utf-8",
           "favicon.svg": "image/svg+xml"}
 
 
@@ -91,18 +95,17 @@ class ConsoleApp:
             return text("this console does not serve that host name", 421)
         if request.path.startswith("/static/"):
             return self._static_file(request.path[len("/static/"):])
+        if request.path == "/login" and request.method == "POST":
+            return self._login(request)
         token = request.query.get("token")
         if token is not None:
-            if not guard.token_matches(token):
-                return text("wrong token: use the URL `kandevd web url` prints", 403)
             query = {k: v for k, v in request.query.items() if k != "token"}
             target = quote(request.path, safe="/:@") + ("?" + urlencode(query) if query else "")
-            response = self.console.fragment("signed_in.html", target=target)
-            response.set_cookie(COOKIE, guard.cookie_value)
-            return response
-        if not guard.cookie_matches(request.cookies.get(COOKIE)):
-            return text("not signed in: open the URL `kandevd web url` prints "
-                        "(it carries the console's token)", 401)
+            return self._sign_in(token, target)
+        if not guard.cookie_matches(request.cookie_values(guard.cookie_name)):
+            return self.console.fragment("sign_in.html", http_status=401,
+                                         target=safe_back(request.url()))
+        request.environ[KEEP_ALIVE] = True
         if request.method == "POST":
             problem = self._csrf_problem(request)
             if problem:
@@ -112,6 +115,26 @@ class ConsoleApp:
         if request.method == "HEAD" and request.path.startswith("/events/"):
             return Response(b"", content_type="text/event-stream")  # (no stream opened)
         return self._route(request)
+
+    def _sign_in(self, token: str, target: str, *, code: str | None = None) -> Response:
+        guard = self.console.guard
+        if not (guard.redeem(code) if code else guard.token_matches(token)):
+            return self.console.fragment("sign_in.html", http_status=403, target=target,
+                                         wrong=True)
+        response = self.console.fragment("signed_in.html", target=target)
+        response.set_cookie(guard.cookie_name, guard.cookie_value, secure=guard.secure)
+        return response
+
+    def _login(self, request: Request) -> Response:
+        """The token by POST (the sign-in form), or a one-time code (``kandevd web open``):
+        no URL carries it, so the browser's history does not keep it."""
+        origin = request.header("Origin")
+        if origin and origin != "null" and not self.console.guard.host_allowed(
+                origin.split("://", 1)[-1]):
+            return text("cross-origin request refused", 403)
+        form = request.form
+        return self._sign_in(form.get("token", ""), safe_back(form.get("next") or "/"),
+                             code=form.get("code"))
 
     def _csrf_problem(self, request: Request) -> str | None:
         origin = request.header("Origin")

@@ -17,8 +17,6 @@ from markupsafe import Markup, escape
 from kandevd.web.auth import Guard
 from kandevd.web.http import Request, Response
 
-FLASH_COOKIE = "kandevd_flash"
-
 Dispatch = Callable[[str, dict[str, Any]], Any]
 
 
@@ -57,13 +55,14 @@ class Console:
             version=self.version, **context)
         response = Response(body, http_status)
         if flash is not None:
-            response.set_cookie(FLASH_COOKIE, "", max_age=0)
+            response.set_cookie(self.guard.flash_cookie, "", max_age=0,
+                                secure=self.guard.secure)
         return response
 
-    def fragment(self, template: str, **context: Any) -> Response:
+    def fragment(self, template: str, http_status: int = 200, **context: Any) -> Response:
         assert self.env is not None
         return Response(self.env.get_template(template).render(
-            csrf=self.guard.csrf_token, **context))
+            csrf=self.guard.csrf_token, **context), http_status)
 
 
 def make_environment() -> Environment:
@@ -128,12 +127,13 @@ def set_flash(console: Console, response: Response, kind: str, message: str) -> 
         if len(value) <= FLASH_MAX:
             break
         message = message[: len(message) * 3 // 4] + "…"
-    response.set_cookie(FLASH_COOKIE, f"{value}.{console.guard.sign(value)}", max_age=60)
+    response.set_cookie(console.guard.flash_cookie, f"{value}.{console.guard.sign(value)}",
+                        max_age=60, secure=console.guard.secure)
     return response
 
 
 def take_flash(request: Request, guard: Guard) -> dict[str, str] | None:
-    raw = request.cookies.get(FLASH_COOKIE)
+    raw = request.cookies.get(guard.flash_cookie)
     if not raw or "." not in raw:
         return None
     value, _, mac = raw.rpartition(".")

@@ -58,20 +58,34 @@ class Request:
 
     @property
     def cookies(self) -> dict[str, str]:
-        """The request's cookies, read by hand: a malformed cookie of another program on
-        the same host (cookies are not kept apart by port) spoils only itself."""
+        """The request's cookies (the first of each name)."""
         found: dict[str, str] = {}
+        for name, value in self._cookie_pairs():
+            found.setdefault(name, value)
+        return found
+
+    def cookie_values(self, wanted: str) -> list[str]:
+        """Every value sent under ``wanted`` (a browser sends each cookie of the name that
+        applies: another path's or another program's too)."""
+        return [value for name, value in self._cookie_pairs() if name == wanted]
+
+    def _cookie_pairs(self) -> list[tuple[str, str]]:
+        """Read by hand: a malformed cookie of another program on the same host (cookies
+        are not kept apart by port) spoils only itself."""
+        pairs = []
         for part in (self.header("Cookie") or "").split(";"):
             name, sep, value = part.strip().partition("=")
-            if sep and name and name not in found:
-                found[name] = value.strip().strip('"')
-        return found
+            if sep and name:
+                pairs.append((name, value.strip().strip('"')))
+        return pairs
 
     def form_lists(self) -> dict[str, list[str]]:
         """The url-encoded body of a POST (BadRequest when it is not one or too large)."""
         if self._form is not None:
             return self._form
         content_type = (self.header("Content-Type") or "").split(";")[0].strip().lower()
+        if self.header("Transfer-Encoding"):
+            raise BadRequest("a form needs a Content-Length", 411)
         try:
             length = int(self.environ.get("CONTENT_LENGTH") or 0)
         except ValueError:
@@ -113,8 +127,10 @@ class Response:
         self.headers = [("Content-Type", content_type), *(headers or [])]
 
     def set_cookie(self, name: str, value: str, *, max_age: int | None = None,
-                   path: str = "/") -> None:
+                   path: str = "/", secure: bool = False) -> None:
         parts = [f"{name}={value}", f"Path={path}", "HttpOnly", "SameSite=Strict"]
+        if secure:
+            parts.append("Secure")
         if max_age is not None:
             parts.append(f"Max-Age={max_age}")
         self.headers.append(("Set-Cookie", "; ".join(parts)))

@@ -4,7 +4,9 @@ socket and stopped with the intake at shutdown (live streams end, the threads ar
 cheroot (CherryPy's WSGI server) serves it: a fixed pool of worker threads made
 for blocking WSGI code such as ours, started and stopped from another thread,
 and nothing polled while nobody connects (its connection manager waits in
-``select`` up to :data:`IDLE_WAKE_S`).
+``select`` up to :data:`IDLE_WAKE_S`). :mod:`kandevd.web.intake` keeps clients
+that have not signed in from holding a thread or much memory; with
+``web.tls_cert``/``tls_key`` it serves HTTPS.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from typing import Any
 
 from cheroot import wsgi
 
+from kandevd.listen import is_loopback
 from kandevd.web.app import ConsoleApp
-from kandevd.web.auth import Guard, ensure_token, is_loopback
+from kandevd.web.auth import Guard, ensure_token
 from kandevd.web.context import Console, Dispatch
+from kandevd.web.intake import GuardedServer, LazyTlsAdapter
 
 log = logging.getLogger("kandevd.web")
 
@@ -29,10 +33,12 @@ THREADS = 12
 IDLE_WAKE_S = 30.0
 
 
-def console_url(host: str, port: int, token: str | None, path: str = "/") -> str:
+def console_url(host: str, port: int, token: str | None, path: str = "/", *,
+                tls: bool = False) -> str:
     shown = "127.0.0.1" if host in ("0.0.0.0", "") else "[::1]" if host == "::" else \
         f"[{host}]" if ":" in host else host
-    return f"http://{shown}:{port}{path}" + (f"?token={token}" if token else "")
+    scheme = "https" if tls else "http"
+    return f"{scheme}://{shown}:{port}{path}" + (f"?token={token}" if token else "")
 
 
 class Subscribers:
@@ -64,17 +70,17 @@ class WebConsole:
 
     def __init__(self, address: tuple[str, int], *, home: Path, dispatch: Dispatch,
                  reads: Callable[[Callable[[Any], Any]], Any], version: str,
-                 workflow_root: Path, allowed_hosts: tuple[str, ...] = ()) -> None:
+                 workflow_root: Path, allowed_hosts: tuple[str, ...] = (),
+                 tls: LazyTlsAdapter | None = None) -> None:
         self.address = address
         self.home = Path(home)
         self.token = ensure_token(self.home)
         self.stopping = threading.Event()
         self.subscribers = Subscribers()
-        self.console = Console(
-            dispatch=dispatch, reads=reads,
-            guard=Guard(self.token, address[0], allowed_hosts), stopping=self.stopping,
-            version=version, subscribe=self.subscribers.subscribe,
-            workflow_root=workflow_root, home=self.home)
+        self.tls = tls
+        self._parts = dict(dispatch=dispatch, reads=reads, version=version,
+                           workflow_root=workflow_root, allowed_hosts=allowed_hosts)
+        self.console: Console | None = None
         self._server: wsgi.Server | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -82,23 +88,41 @@ class WebConsole:
     @property
     def url(self) -> str:
         port = self._server.bind_addr[1] if self._server is not None else self.address[1]
-        return console_url(self.address[0], port, self.token)
+        return console_url(self.address[0], port, self.token, tls=self.tls is not None)
+
+    @property
+    def port(self) -> int:
+        return self._server.bind_addr[1] if self._server is not None else self.address[1]
 
     def start(self) -> None:
+        """Bind and serve (OSError when the port is taken)."""
         with self._lock:
             if self._server is not None:
                 return
-            server = wsgi.Server(self.address, ConsoleApp(self.console), numthreads=THREADS,
-                                 server_name="kandevd", timeout=10, shutdown_timeout=5)
+            server = GuardedServer(self.address, None, numthreads=THREADS,
+                                   server_name="kandevd", timeout=10, shutdown_timeout=5)
             server.expiration_interval = IDLE_WAKE_S
+            if self.tls is not None:
+                server.ssl_adapter = self.tls
             server.prepare()  # binds now: a port in use fails the start, not a thread
+            # The cookie is named for the port, known once bound (port 0: any free one).
+            parts = self._parts
+            self.console = Console(
+                dispatch=parts["dispatch"], reads=parts["reads"],
+                guard=Guard(self.token, self.address[0], parts["allowed_hosts"],
+                            port=server.bind_addr[1], secure=self.tls is not None),
+                stopping=self.stopping, version=parts["version"],
+                subscribe=self.subscribers.subscribe,
+                workflow_root=parts["workflow_root"], home=self.home)
+            server.wsgi_app = ConsoleApp(self.console)
             self._server = server
             self._thread = threading.Thread(target=server.serve, name="kandevd-web",
                                             daemon=True)
             self._thread.start()
         if not is_loopback(self.address[0]):
-            log.warning("web console listens on %s, reachable from other machines: anyone "
-                        "who has its token can act on this daemon", self.address[0])
+            log.warning("web console listens on %s, reachable from other machines%s: anyone "
+                        "who has its token can act on this daemon", self.address[0],
+                        "" if self.tls else " over plain HTTP (web.insecure_remote)")
 
     def changed(self, *_: Any) -> None:
         """Something live views show has changed (a bus event)."""

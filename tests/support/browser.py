@@ -29,8 +29,10 @@ def available() -> bool:
 
 
 @contextmanager
-def chromium(width: int = 1280, height: int = 900, *, dark: bool = False) -> Iterator[Any]:
-    profile = tempfile.mkdtemp(prefix="kandevd-chromium-")
+def chromium(width: int = 1280, height: int = 900, *, dark: bool = False,
+             profile_dir: Path | None = None) -> Iterator[Any]:
+    """A browser on a new profile (``profile_dir`` is kept after it quits; else removed)."""
+    profile = str(profile_dir) if profile_dir else tempfile.mkdtemp(prefix="kandevd-chromium-")
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     for flag in FLAGS:
@@ -49,7 +51,8 @@ def chromium(width: int = 1280, height: int = 900, *, dark: bool = False) -> Ite
         yield driver
     finally:
         driver.quit()
-        shutil.rmtree(profile, ignore_errors=True)
+        if profile_dir is None:
+            shutil.rmtree(profile, ignore_errors=True)
 
 
 def wait_for(driver: Any, condition: Callable[[Any], Any], timeout: float = 20.0,

@@ -32,6 +32,15 @@ class ConsoleAddress:
     def token(self) -> str:
         return self.url.split("token=", 1)[1]
 
+    @property
+    def port(self) -> int:
+        return int(urlsplit(self.url).port or 0)
+
+    @property
+    def cookie_name(self) -> str:
+        """The session cookie's name: the console's own, by its port."""
+        return f"kandevd_console_{self.port}"
+
 
 def console_of(daemon: Any) -> ConsoleAddress:
     """The console of a started daemon, once it serves (its log says where)."""

@@ -41,7 +41,9 @@ CONTRACT_DEFAULTS: dict[str, Any] = {
 }
 #: Keys the daemon offers beyond the contract's list (every one optional).
 EXTENSIONS: dict[str, Any] = {"log": {"level": None},
-                              "web": {**CONTRACT_DEFAULTS["web"], "allowed_hosts": []}}
+                              "web": {**CONTRACT_DEFAULTS["web"], "allowed_hosts": [],
+                                      "tls_cert": None, "tls_key": None,
+                                      "insecure_remote": False}}
 ALL_DEFAULTS: dict[str, Any] = {**CONTRACT_DEFAULTS, **EXTENSIONS}
 
 

@@ -46,7 +46,7 @@ def test_no_token_no_page_nor_data(console: tuple[DaemonProcess, ConsoleAddress]
         assert "workflow:w" not in answer.body and "alert" not in answer.body
     wrong = request(address, "GET", "/?token=not-the-token")
     assert wrong.status == 403
-    assert request(address, "GET", "/", cookie="kandevd_console=forged").status == 401
+    assert request(address, "GET", "/", cookie=f"{address.cookie_name}=forged").status == 401
 
 
 def test_the_token_buys_a_strict_cookie_and_leaves_the_url(

@@ -11,11 +11,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kandevd.listen import is_loopback
 from kandevd.store.open import open_store
 from kandevd.store.runs import RunRepository
 from kandevd.store.runs.activity import read_activity
 from kandevd.timeutil import rfc3339
-from kandevd.web.auth import Guard, is_loopback, split_host
+from kandevd.web.auth import Guard, split_host
 from kandevd.web.charts import Lane, Series, line_chart, timeline
 from kandevd.web.context import duration, time_element
 from kandevd.web.views.runs import attempts_of, explain_in_words
@@ -43,7 +44,8 @@ def test_a_wildcard_listen_address_is_not_a_name_served() -> None:
     assert not guard.host_allowed("0.0.0.0:7878")
     assert guard.host_allowed("localhost:7878")
     assert guard.token_matches("secret-token") and not guard.token_matches("secret")
-    assert guard.cookie_matches(guard.cookie_value) and not guard.cookie_matches("secret-token")
+    assert guard.cookie_matches([guard.cookie_value])
+    assert not guard.cookie_matches(["secret-token"]) and not guard.cookie_matches([])
     assert guard.csrf_matches(guard.csrf_token) and not guard.csrf_matches(None)
     assert is_loopback("127.0.0.2") and is_loopback("::1") and not is_loopback("10.0.0.1")
 
@@ -167,8 +169,22 @@ def test_a_malformed_cookie_of_another_program_hides_nothing() -> None:
     assert request.cookies["kandevd_console"] == "abc"
 
 
+def test_any_cookie_of_the_consoles_name_may_sign_in() -> None:
+    """Another program on this host (cookies are not kept apart by port) may set a cookie
+    of the same name; the browser sends both, and the right one still counts."""
+    from kandevd.web.http import Request
+
+    guard = Guard("secret-token", "127.0.0.1", port=7878)
+    assert guard.cookie_name == "kandevd_console_7878"
+    header = f"{guard.cookie_name}=planted; x=1; {guard.cookie_name}={guard.cookie_value}"
+    request = Request({"HTTP_COOKIE": header})
+    assert request.cookie_values(guard.cookie_name) == ["planted", guard.cookie_value]
+    assert guard.cookie_matches(request.cookie_values(guard.cookie_name))
+    assert not guard.cookie_matches(["planted"])
+
+
 def test_a_flash_message_is_signed_and_bounded() -> None:
-    from kandevd.web.context import FLASH_COOKIE, FLASH_MAX, set_flash, take_flash
+    from kandevd.web.context import FLASH_MAX, set_flash, take_flash
     from kandevd.web.http import Request, Response
 
     class Console:
@@ -180,7 +196,7 @@ def test_a_flash_message_is_signed_and_bounded() -> None:
     assert len(value) <= FLASH_MAX + 40
     shown = take_flash(Request({"HTTP_COOKIE": cookie}), Console.guard)
     assert shown is not None and shown["kind"] == "ok" and shown["text"].endswith("…")
-    forged = f"{FLASH_COOKIE}={value[:-4]}0000"
+    forged = f"{Console.guard.flash_cookie}={value[:-4]}0000"
     assert take_flash(Request({"HTTP_COOKIE": forged}), Console.guard) is None
 
 

@@ -1,0 +1,261 @@
+"""How a request reaches the console: whole, in memory, before a worker thread takes it.
+
+cheroot reads a request in a worker thread with blocking reads, each bounded by
+its timeout but the request as a whole by nothing, and by default with no limit
+on headers or body. Behind a port that anyone on the machine (or the network)
+can reach, twelve clients trickling a byte every few seconds would hold every
+worker, and one large body would be read into memory after its 401. So here:
+
+- :class:`GuardedConnection` gathers each request with non-blocking reads (the
+  worker returns the connection to cheroot's selector between them, so a slow
+  client holds no thread) until its headers and its ``Content-Length`` body
+  are all here, then hands the bytes to cheroot's parser. Headers over
+  :data:`MAX_HEADER`, a body over :data:`MAX_BODY` (answered 413 by cheroot,
+  unread) and a request not whole within :data:`REQUEST_DEADLINE_S` end the
+  connection; at most :data:`MAX_GATHERING` connections may be gathering at
+  once, the oldest making room for a new one. An anonymous client so costs at
+  most one bounded buffer and never a worker.
+- :class:`ClosingGateway` keeps a connection open after an answer only when the
+  request was signed in (the application says so in its environ); every other
+  answer closes it, unread body and all.
+- :class:`LazyTlsAdapter`: the TLS handshake happens in the gathering reads, not
+  in cheroot's accepting thread (where a client that never finishes it would
+  stall every other connection).
+"""
+
+from __future__ import annotations
+
+import http.client
+import io
+import socket
+import ssl
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+from cheroot import makefile, wsgi
+from cheroot import server as cheroot_server
+from cheroot.ssl.builtin import BuiltinSSLAdapter
+
+from kandevd.web.http import MAX_BODY
+
+#: Request line and headers together; a browser's with its cookies fit many times over.
+MAX_HEADER = 32 * 1024
+#: From a request's first byte (or its connection's accept) until it is all here.
+REQUEST_DEADLINE_S = 10.0
+#: Connections whose request is not yet whole; the oldest goes when one more comes.
+MAX_GATHERING = 64
+#: The environ key by which the application keeps a connection open (a signed-in request).
+KEEP_ALIVE = "kandevd.keep_alive"
+
+_RECV = 64 * 1024
+_WOULD_BLOCK = (BlockingIOError, InterruptedError, ssl.SSLWantReadError,
+                ssl.SSLWantWriteError)
+
+
+class Gathering:
+    """The connections of one server whose request is not whole yet, oldest first."""
+
+    def __init__(self, limit: int = MAX_GATHERING) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._started: OrderedDict[GuardedConnection, float] = OrderedDict()
+
+    def begin(self, conn: GuardedConnection, started: float) -> None:
+        """``conn`` waits for more of its request; past the limit the oldest is ended."""
+        with self._lock:
+            self._started[conn] = started
+            evicted = []
+            while len(self._started) > self.limit:
+                evicted.append(self._started.popitem(last=False)[0])
+        for old in evicted:
+            old.end_gathering()
+
+    def done(self, conn: GuardedConnection) -> None:
+        with self._lock:
+            self._started.pop(conn, None)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._started)
+
+
+class _Replay(io.RawIOBase):
+    """The bytes already gathered, then the socket: what cheroot's parser reads."""
+
+    def __init__(self, data: bytes, sock: socket.socket) -> None:
+        self._data = memoryview(data)
+        self._socket = socket.SocketIO(sock, "rb")
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int | None:
+        if self._data:
+            size = min(len(buffer), len(self._data))
+            buffer[:size] = self._data[:size]
+            self._data = self._data[size:]
+            return size
+        return self._socket.readinto(buffer)
+
+    def take(self) -> bytes:
+        rest, self._data = bytes(self._data), memoryview(b"")
+        return rest
+
+    def pending(self) -> bool:
+        return bool(self._data)
+
+    def close(self) -> None:
+        self._socket.close()
+        super().close()
+
+
+class _ReplayReader(makefile.StreamReader):
+    """cheroot's socket reader over a :class:`_Replay`."""
+
+    def __init__(self, data: bytes, sock: socket.socket, bufsize: int) -> None:
+        super(makefile.StreamReader, self).__init__(_Replay(data, sock), bufsize)
+        self.bytes_read = 0
+
+    def has_data(self) -> bool:
+        return super().has_data() or self.raw.pending()
+
+    def take_unread(self) -> bytes:
+        """What the parser left (a pipelined next request), taken out of this reader."""
+        buffered = b""
+        if super().has_data():
+            buffered = self.read(len(self.peek(0)))
+        return buffered + self.raw.take()
+
+
+def request_size(data: bytes) -> int | None:
+    """How many bytes the request at the start of ``data`` has, once its headers are here
+    (None before). A request cheroot must refuse (a body too large, no usable length)
+    counts as whole at its headers: cheroot answers it without reading on."""
+    end = data.find(b"\r\n\r\n")
+    if end < 0:
+        return None
+    head = end + 4
+    line_end = data.find(b"\r\n")
+    try:
+        fields = http.client.parse_headers(io.BytesIO(data[line_end + 2:head]))
+    except (http.client.HTTPException, ValueError):
+        return head
+    if fields.get("Transfer-Encoding") is not None:
+        return head
+    lengths = fields.get_all("Content-Length") or []
+    if len(lengths) != 1 or not lengths[0].strip().isdigit():
+        return head
+    length = int(lengths[0])
+    return head if length > MAX_BODY else head + length
+
+
+class GuardedConnection(cheroot_server.HTTPConnection):
+    """A connection whose requests are gathered whole before cheroot parses them."""
+
+    server: GuardedServer
+
+    def __init__(self, server_: Any, sock: socket.socket, makefile_: Any = makefile.MakeFile
+                 ) -> None:
+        super().__init__(server_, sock, makefile_)
+        self._buffer = bytearray()
+        self._started: float | None = time.monotonic()  # (the first request: from accept)
+
+    def communicate(self) -> bool:
+        """One step: gather without blocking, and answer once the request is whole.
+        True keeps the connection (cheroot's selector wakes it when more comes)."""
+        state = self._gather()
+        if state == "more":
+            return True
+        self.server.gathering.done(self)
+        if state == "gone":
+            return False
+        data, self._buffer = bytes(self._buffer), bytearray()
+        self._started = None
+        old, self.rfile = self.rfile, _ReplayReader(data, self.socket, self.rbufsize)
+        old.close()
+        return super().communicate()
+
+    def end_gathering(self) -> None:
+        """Made to give way (the oldest past the limit): the selector sees the socket end,
+        and the next step closes it."""
+        try:
+            self.socket.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def _gather(self) -> str:
+        if isinstance(self.rfile, _ReplayReader) and self.rfile.has_data():
+            self._buffer += self.rfile.take_unread()  # a pipelined request
+        if self._started is None:
+            self._started = time.monotonic()
+        ended = False
+        try:
+            self.socket.setblocking(False)
+            while self._wants_more():
+                try:
+                    chunk = self.socket.recv(_RECV)
+                except _WOULD_BLOCK:
+                    break
+                if not chunk:
+                    ended = True
+                    break
+                self._buffer += chunk
+            self.socket.settimeout(self.server.timeout)
+        except OSError:  # (a TLS error too: plain HTTP on the HTTPS port; a reset)
+            return "gone"
+        if not self._wants_more():
+            return "whole"
+        if ended or time.monotonic() - self._started > REQUEST_DEADLINE_S:
+            return "gone"
+        self.server.gathering.begin(self, self._started)
+        return "more"
+
+    def _wants_more(self) -> bool:
+        """Is the request short of its headers (up to the limit) or of its body?"""
+        size = request_size(self._buffer)
+        if size is None:
+            return len(self._buffer) <= MAX_HEADER
+        return len(self._buffer) < size
+
+
+class ClosingGateway(wsgi.Gateway_10):
+    """Keeps a connection only after a signed-in request (see :data:`KEEP_ALIVE`)."""
+
+    def start_response(self, status: str, headers: Any, exc_info: Any = None) -> Any:
+        write = super().start_response(status, headers, exc_info)
+        if not self.env.get(KEEP_ALIVE) or self.req.chunked_read \
+                or getattr(self.req.rfile, "remaining", 0):
+            self.req.close_connection = True
+        return write
+
+
+class LazyTlsAdapter(BuiltinSSLAdapter):
+    """cheroot's TLS adapter, with the handshake left to the first (gathering) read."""
+
+    def wrap(self, sock: socket.socket) -> tuple[ssl.SSLSocket, dict[str, str]]:
+        wrapped = self.context.wrap_socket(sock, server_side=True,
+                                           do_handshake_on_connect=False)
+        return wrapped, {"wsgi.url_scheme": "https", "HTTPS": "on"}
+
+
+def tls_adapter(cert: str, key: str) -> LazyTlsAdapter:
+    """The adapter for ``cert``/``key`` (PEM); ssl.SSLError or OSError when unusable."""
+    adapter = LazyTlsAdapter(cert, key)
+    adapter.context.minimum_version = ssl.TLSVersion.TLSv1_2
+    return adapter
+
+
+class GuardedServer(wsgi.Server):
+    """cheroot's WSGI server with the defences above."""
+
+    ConnectionClass = GuardedConnection
+    max_request_header_size = MAX_HEADER
+    max_request_body_size = MAX_BODY
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.gateway = ClosingGateway
+        #: The connections whose request is not whole yet.
+        self.gathering = Gathering()

@@ -1,0 +1,82 @@
+"""The pure decisions behind the console's intake: when a request is whole, and which
+listen addresses need TLS."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kandevd.listen import WebConfig, remote_problem
+from kandevd.web.http import MAX_BODY
+from kandevd.web.intake import Gathering, request_size
+
+
+def test_a_request_is_whole_with_its_headers_and_its_body() -> None:
+    head = b"POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\n\r\n"
+    assert request_size(head[:-2]) is None
+    assert request_size(head) == len(head) + 5
+    assert request_size(head + b"abcde" + b"GET / HTTP/1.1\r\n") == len(head) + 5
+    bare = b"GET / HTTP/1.1\r\n\r\n"
+    assert request_size(bare) == len(bare)
+
+
+@pytest.mark.parametrize("headers", [
+    b"Content-Length: %d\r\n" % (MAX_BODY + 1),  # too large: cheroot answers 413 unread
+    b"Transfer-Encoding: chunked\r\n",             # no length: answered without the body
+    b"Content-Length: 5\r\nContent-Length: 6\r\n",  # ambiguous: cheroot refuses it
+    b"Content-Length: -1\r\n",
+])
+def test_a_request_that_will_be_refused_is_whole_at_its_headers(headers: bytes) -> None:
+    head = b"POST / HTTP/1.1\r\n" + headers + b"\r\n"
+    assert request_size(head) == len(head)
+
+
+@given(st.binary(max_size=300))
+def test_request_size_never_fails_and_never_asks_for_more_than_a_body(data: bytes) -> None:
+    size = request_size(data)
+    if size is not None:
+        assert 0 < size <= len(data) + MAX_BODY
+
+
+@pytest.mark.parametrize(("listen", "tls", "insecure", "refused"), [
+    ("127.0.0.1:7878", False, False, False),
+    ("[::1]:7878", False, False, False),
+    ("localhost:0", False, False, False),
+    ("0.0.0.0:7878", False, False, True),
+    ("192.168.1.5:7878", False, False, True),
+    ("console.example:443", False, False, True),
+    ("0.0.0.0:7878", True, False, False),
+    ("0.0.0.0:7878", False, True, False),
+    (None, False, False, False),
+])
+def test_off_loopback_a_listener_needs_tls_or_consent(listen: str | None, tls: bool,
+                                                     insecure: bool, refused: bool) -> None:
+    problem = remote_problem("web", listen, tls, insecure)
+    assert (problem is not None) == refused
+    if refused:
+        assert problem is not None and problem.startswith("web.listen:")
+
+
+def test_a_certificate_needs_its_key() -> None:
+    assert "set both" in (WebConfig("127.0.0.1:1", tls_cert="c.pem").problem() or "")
+    assert WebConfig("0.0.0.0:1", tls_cert="c.pem", tls_key="k.pem").problem() is None
+
+
+def test_the_oldest_gathering_connection_makes_room() -> None:
+    class Conn:
+        def __init__(self) -> None:
+            self.ended = False
+
+        def end_gathering(self) -> None:
+            self.ended = True
+
+    gathering = Gathering(limit=2)
+    first, second, third = Conn(), Conn(), Conn()
+    gathering.begin(first, 1.0)  # type: ignore[arg-type]
+    gathering.begin(second, 2.0)  # type: ignore[arg-type]
+    gathering.begin(first, 1.0)  # (still gathering: keeps its place)
+    gathering.begin(third, 3.0)  # type: ignore[arg-type]
+    assert first.ended and not second.ended and not third.ended
+    gathering.done(second)  # type: ignore[arg-type]
+    assert len(gathering) == 1

@@ -222,7 +222,7 @@ def test_a_failing_message_ends_the_session_and_sends_nothing_more(build, home) 
     assert agent.seen[2]["turn"]["kind"] == "pulse" and len(agent.seen) == 3
     [entry] = history(folder)
     assert entry["status"] == "error"
-    assert entry["error"] == "message turn 1 failed: exit code 1"
+    assert entry["error"] == "message turn 2 failed: exit code 1"
     assert loop.registry.resolve("s").state.consecutive_failures == 1
 
 

@@ -289,7 +289,8 @@ class Session:
             return None
         if turn["status"] == hist.STOPPED:
             return self.control.stop_status, self.control.stop_error or turn.get("error")
-        return hist.ERROR, f"{turn['kind']} turn {turn['index']} failed: {turn.get('error')}"
+        # Numbered from 1, as the console and ``jobs logs`` number turns (``index`` is 0-based).
+        return hist.ERROR, f"{turn['kind']} turn {turn['index'] + 1} failed: {turn.get('error')}"
 
     def stopped(self) -> tuple[str, str | None] | None:
         """The session's end when a stop was asked for before the next turn."""

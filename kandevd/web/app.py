@@ -28,7 +28,7 @@ from kandevd.web import live
 from kandevd.web.context import Console, set_flash
 from kandevd.web.http import BadRequest, Request, Response, redirect, text
 from kandevd.web.intake import KEEP_ALIVE
-from kandevd.web.views import office, overview, runs, schedule_form, schedules
+from kandevd.web.views import job, office, overview, runs, schedule_form, schedules
 
 log = logging.getLogger("kandevd.web")
 
@@ -43,18 +43,22 @@ ROUTES: list[tuple[str, str, View]] = [
     ("GET", r"/schedules/new", schedule_form.new),
     ("POST", r"/schedules/new", schedule_form.create),
     ("GET", r"/schedules/preview", schedule_form.preview),
-    ("GET", r"/schedules/(?P<job>[^/]+)", schedules.job),
+    ("GET", r"/schedules/(?P<job>[^/]+)", job.job),
     ("GET", r"/schedules/(?P<job>[^/]+)/edit", schedule_form.edit),
     ("POST", r"/schedules/(?P<job>[^/]+)/edit", schedule_form.update),
     ("POST", r"/schedules/(?P<job>[^/]+)/(?P<action>trigger|stop|enable|disable)",
-     schedules.act),
-    ("POST", r"/schedules/(?P<job>[^/]+)/backfill", schedules.backfill),
-    ("GET", r"/schedules/(?P<job>[^/]+)/runs/(?P<entry>[^/]+)", schedules.entry),
+     job.act),
+    ("POST", r"/schedules/(?P<job>[^/]+)/delete", job.delete),
+    ("POST", r"/schedules/(?P<job>[^/]+)/backfill", job.backfill),
+    ("GET", r"/schedules/(?P<job>[^/]+)/runs/(?P<entry>[^/]+)", job.entry),
     ("GET", r"/events/turn/(?P<job>[^/]+)/(?P<entry>[^/]+)/(?P<index>[0-9]{1,4})",
      live.turn_log),
     ("GET", r"/runs", runs.index),
+    ("GET", r"/fragments/runs", runs.fragment),
+    ("GET", r"/events/runs", live.overview_events),
     ("GET", r"/runs/dead", runs.dead),
     ("POST", r"/runs/dead/retry", runs.retry_selected),
+    ("POST", r"/runs/dead/retry-all", runs.retry_all),
     ("GET", r"/runs/(?P<run>[^/]+)", runs.run),
     ("POST", r"/runs/(?P<run>[^/]+)/(?P<action>cancel|retry)", runs.act),
     ("GET", r"/events/run/(?P<run>[^/]+)", live.run_log),

@@ -1,17 +1,23 @@
-"""SVG pictures drawn on the server: line charts, a timeline of fires, spend bars.
+"""Pictures drawn on the server: line charts, a timeline of fires, spend bars.
 
-Plain SVG with classes the stylesheet colours (light and dark alike); every
-text in it is escaped. No script, no other origin.
+The marks are plain SVG stretched to the width of their box
+(``preserveAspectRatio="none"``, strokes that do not scale); every text
+(titles, axis ticks and units, legends) is HTML beside the SVG, so it keeps
+the page's font size from a phone to a wide screen. Classes colour them
+(light and dark alike); every text is escaped. No script, no inline style,
+no other origin.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from markupsafe import Markup, escape
 
-WIDTH, HEIGHT, LEFT, BOTTOM, TOP = 720, 160, 40, 20, 10
+#: The plot's own coordinates (the SVG is stretched to its box).
+PLOT_W, PLOT_H = 1000, 100
 
 
 @dataclass(frozen=True)
@@ -19,47 +25,74 @@ class Series:
     label: str
     css: str  # the class that colours it: ok, bad, info
     values: Sequence[int]
+    #: What the legend says beside the label (None: the sum over the span).
+    legend: str | None = None
 
 
-def line_chart(title: str, series: list[Series], *, span_label: str = "24 h") -> Markup:
-    """One or more per-minute series over the same span, newest at the right."""
+def count_ticks(peak: float, most: int = 4) -> list[int]:
+    """Whole-number ticks from 0 up to at least ``peak`` (counts have no halves):
+    a step of 1, 2 or 5 times a power of ten, at most ``most`` steps."""
+    peak = max(1.0, float(peak))
+    magnitude = 1
+    while True:
+        for factor in (1, 2, 5):
+            step = factor * magnitude
+            if math.ceil(peak / step) <= most:
+                top = math.ceil(peak / step) * step
+                return list(range(0, top + 1, step))
+        magnitude *= 10
+
+
+def _short(value: int) -> str:
+    if value >= 10_000:
+        return f"{value / 1000:.0f}k"
+    if value >= 1000:
+        return f"{value / 1000:.1f}k".replace(".0k", "k")
+    return str(value)
+
+
+def line_chart(title: str, series: list[Series], *, unit: str, span_label: str = "last 24 h",
+               hours: int = 24) -> Markup:
+    """Per-minute series over the same span, newest at the right; ``unit`` names the
+    vertical axis ("runs per minute")."""
     count = max((len(s.values) for s in series), default=0)
-    peak = max([1, *(max(s.values, default=0) for s in series)])
-    plot_w, plot_h = WIDTH - LEFT - 10, HEIGHT - BOTTOM - TOP
-    parts = [Markup('<svg class="chart" viewBox="0 0 {w} {h}" role="img" aria-label="{t}">'
-                    '<title>{t}</title>').format(w=WIDTH, h=HEIGHT, t=title)]
-    for fraction in (0, 0.5, 1):
-        y = TOP + plot_h * (1 - fraction)
-        parts.append(Markup('<line class="grid" x1="{x1}" x2="{x2}" y1="{y:.1f}" y2="{y:.1f}"/>'
-                            '<text class="axis" x="{tx}" y="{ty:.1f}">{v}</text>').format(
-            x1=LEFT, x2=LEFT + plot_w, y=y, tx=LEFT - 4, ty=y + 4,
-            v=_short(peak * fraction)))
-    for hours_ago in range(24, -1, -6):
-        x = LEFT + plot_w * (1 - hours_ago / 24)
-        label = "now" if hours_ago == 0 else f"-{hours_ago}h"
-        parts.append(Markup('<text class="axis tick" x="{x:.1f}" y="{y}">{l}</text>').format(
-            x=x, y=HEIGHT - 4, l=label))
+    ticks = count_ticks(max([0, *(max(s.values, default=0) for s in series)]))
+    top = ticks[-1]
+    marks = [Markup('<svg class="chart" viewBox="0 0 {w} {h}" preserveAspectRatio="none" '
+                    'role="img" aria-label="{t}, {u}"><title>{t}</title>').format(
+        w=PLOT_W, h=PLOT_H, t=title, u=unit)]
+    for tick in ticks:
+        y = PLOT_H * (1 - tick / top)
+        marks.append(Markup('<line class="grid" x1="0" x2="{w}" y1="{y:.2f}" y2="{y:.2f}"/>'
+                            ).format(w=PLOT_W, y=y))
     for s in series:
         if count < 2:
             continue
         points = " ".join(
-            f"{LEFT + plot_w * i / (count - 1):.1f},{TOP + plot_h * (1 - v / peak):.1f}"
+            f"{PLOT_W * i / (count - 1):.2f},{PLOT_H * (1 - v / top):.2f}"
             for i, v in enumerate(s.values))
-        parts.append(Markup('<polyline class="line {c}" points="{p}"><title>{l}</title>'
+        marks.append(Markup('<polyline class="line {c}" points="{p}"><title>{l}</title>'
                             '</polyline>').format(c=s.css, p=points, l=s.label))
-    parts.append(Markup("</svg>"))
+    marks.append(Markup("</svg>"))
+    y_ticks = Markup("").join(Markup("<span>{}</span>").format(_short(t))
+                              for t in reversed(ticks))
+    step = 6 if hours % 6 == 0 else max(1, hours // 4)
+    x_ticks = Markup("").join(
+        Markup("<span>{}</span>").format("now" if h == 0 else f"\u2212{h} h")
+        for h in range(hours, -1, -step))
     legend = Markup("").join(
-        Markup('<span class="legend {c}">{l}: {n}</span>').format(
-            c=s.css, l=s.label, n=sum(s.values)) for s in series)
-    return Markup('<figure class="chart-box"><figcaption>{t} <small>({span})</small> '
-                  '{legend}</figcaption>{svg}</figure>').format(
-        t=title, span=span_label, legend=legend, svg=Markup("").join(parts))
-
-
-def _short(value: float) -> str:
-    if value >= 1000:
-        return f"{value / 1000:.1f}k"
-    return f"{value:.0f}" if value == int(value) else f"{value:.1f}"
+        Markup('<span class="legend {c}"><span class="key"></span>{l}: {n}</span>').format(
+            c=s.css, l=s.label, n=s.legend if s.legend is not None else sum(s.values))
+        for s in series)
+    return Markup(
+        '<figure class="chart-box"><figcaption>{t} <small>({span})</small>'
+        '<span class="legends">{legend}</span></figcaption>'
+        '<div class="plot"><span class="unit y-unit">{u}</span>'
+        '<div class="y-ticks" aria-hidden="true">{yt}</div>{svg}'
+        '<div class="x-ticks" aria-hidden="true">{xt}</div>'
+        '<span class="unit x-unit">hours before now</span></div></figure>').format(
+        t=title, span=span_label, legend=legend, u=unit, yt=y_ticks,
+        svg=Markup("").join(marks), xt=x_ticks)
 
 
 @dataclass(frozen=True)
@@ -73,53 +106,59 @@ class Lane:
 
 
 def timeline(lanes: list[Lane], *, hours: int = 24) -> Markup:
-    """The next fires of each job over the coming ``hours``, one lane per job."""
-    lane_h, label_w = 22, 230
-    plot_w = WIDTH + 180 - label_w - 60
-    height = TOP + lane_h * max(1, len(lanes)) + BOTTOM
-    parts = [Markup('<svg class="chart timeline" viewBox="0 0 {w} {h}" role="img" '
-                    'aria-label="next fires">').format(w=WIDTH + 180, h=height)]
-    for step in range(0, hours + 1, 3):
-        x = label_w + plot_w * step / hours
-        parts.append(Markup('<line class="grid" x1="{x:.1f}" x2="{x:.1f}" y1="{t}" y2="{b}"/>'
-                            '<text class="axis tick" x="{x:.1f}" y="{ty}">+{s}h</text>').format(
-            x=x, t=TOP, b=height - BOTTOM, ty=height - 4, s=step))
-    for row, lane in enumerate(lanes):
-        y = TOP + lane_h * row + lane_h / 2
-        label = lane.label if len(lane.label) <= 34 else lane.label[:33] + "…"
-        parts.append(Markup('<a href="{h}"><text class="lane" x="4" y="{y:.1f}">{l}</text></a>'
-                            ).format(h=lane.href, y=y + 4, l=label))
+    """The next fires of each job over the coming ``hours``, one lane per job: its name
+    (a link), its fires as dots, and a count where they are too many to draw."""
+    grid = Markup("").join(
+        Markup('<line class="grid" x1="{x:.1f}" x2="{x:.1f}" y1="0" y2="10"/>').format(
+            x=PLOT_W * step / hours) for step in range(0, hours + 1, 3))
+    rows = []
+    for lane in lanes:
+        marks = [grid]
+        note = Markup("")
         if lane.dense and lane.fires:
-            start = label_w + plot_w * lane.fires[0]
-            parts.append(Markup('<rect class="band" x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" '
-                                'height="8" rx="4"><title>more than {n} fires</title></rect>'
-                                '<text class="axis count" x="{e}" y="{ty:.1f}">{n}+</text>'
-                                ).format(x=start, y=y - 4, w=label_w + plot_w - start,
-                                         n=lane.dense, e=label_w + plot_w + 50, ty=y + 4))
-            continue
-        for fraction in lane.fires:
-            parts.append(Markup('<circle class="fire" cx="{x:.1f}" cy="{y:.1f}" r="4"/>').format(
-                x=label_w + plot_w * fraction, y=y))
-    parts.append(Markup("</svg>"))
-    return Markup("").join(parts)
+            marks.append(Markup('<line class="band" x1="{x:.1f}" x2="{w}" y1="5" y2="5">'
+                                '<title>more than {n} fires</title></line>').format(
+                x=PLOT_W * lane.fires[0], w=PLOT_W, n=lane.dense))
+            note = Markup('<span class="count" title="more than {n} fires">{n}+</span>'
+                          ).format(n=lane.dense)
+        else:
+            marks.extend(Markup('<line class="fire" x1="{x:.1f}" x2="{x:.1f}" y1="5" '
+                                'y2="5.01"/>').format(x=PLOT_W * f) for f in lane.fires)
+        rows.append(Markup(
+            '<a class="lane" href="{h}" title="{full}">{l}</a>'
+            '<svg class="lane" viewBox="0 0 {w} 10" preserveAspectRatio="none" role="img" '
+            'aria-label="{n} fire(s) of {full}">{m}</svg><span class="lane-note">{note}</span>'
+        ).format(h=lane.href, full=lane.label, n=lane.dense or len(lane.fires),
+                 l=lane.label if len(lane.label) <= 40 else lane.label[:39] + "…",
+                 w=PLOT_W, m=Markup("").join(marks), note=note))
+    ticks = Markup("").join(Markup("<span>{}</span>").format("now" if s == 0 else f"+{s} h")
+                            for s in range(0, hours + 1, 3))
+    return Markup('<div class="timeline">{rows}<span></span>'
+                  '<div class="x-ticks" aria-hidden="true">{t}</div><span></span>'
+                  '<span></span><span class="unit x-unit">hours from now</span><span></span>'
+                  '</div>').format(rows=Markup("").join(rows), t=ticks)
 
 
 def spend_bar(spent_cents: float, limit_cents: float, alert_pct: float | None) -> Markup:
-    """A horizontal bar: spend against a budget's limit (and its alert threshold)."""
+    """Spend against a budget's limit as a bar with its percentage written beside it; the
+    alert threshold is a mark on the bar, named in words next to the percentage."""
     ratio = 0.0 if limit_cents <= 0 else spent_cents / limit_cents
     width = 240
     filled = min(1.0, ratio) * width
     css = "bad" if ratio >= 1 else "warn" if alert_pct and ratio * 100 >= alert_pct else "ok"
     marker = Markup("")
+    threshold = Markup("")
     if alert_pct:
         x = min(1.0, alert_pct / 100) * width
-        marker = Markup('<line class="threshold" x1="{x:.1f}" x2="{x:.1f}" y1="0" y2="14"/>'
-                        ).format(x=x)
-    return Markup('<svg class="bar" viewBox="0 0 {w} 14" width="{w}" height="14" role="img" '
+        marker = Markup('<line class="threshold" x1="{x:.1f}" x2="{x:.1f}" y1="0" y2="14">'
+                        '<title>alert at {p:g}%</title></line>').format(x=x, p=alert_pct)
+        threshold = Markup(' <small class="muted"><span class="threshold-key"></span>'
+                           'alert at {p:g}%</small>').format(p=alert_pct)
+    return Markup('<span class="spend"><svg class="bar" viewBox="0 0 {w} 14" role="img" '
                   'aria-label="{p:.0f}% of the limit"><rect class="track" width="{w}" '
                   'height="14" rx="3"/><rect class="fill {c}" width="{f:.1f}" height="14" '
-                  'rx="3"/>{m}</svg>').format(w=width, p=ratio * 100, c=css, f=filled,
-                                              m=marker)
+                  'rx="3"/>{m}</svg> <span class="pct {c}">{p:.0f}%</span>{t}</span>').format(
+        w=width, p=ratio * 100, c=css, f=filled, m=marker, t=threshold)
 
 
-__all__ = ["Lane", "Series", "escape", "line_chart", "spend_bar", "timeline"]
+__all__ = ["Lane", "Series", "count_ticks", "escape", "line_chart", "spend_bar", "timeline"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -70,6 +71,8 @@ def make_environment() -> Environment:
                       autoescape=select_autoescape(default=True, default_for_string=True),
                       trim_blocks=True, lstrip_blocks=True)
     env.filters["t"] = time_element
+    env.filters["times_in"] = times_in
+    env.filters["field_value"] = field_value
     env.filters["dur"] = duration
     env.filters["pretty"] = lambda value: json.dumps(value, indent=2, sort_keys=True,
                                                      ensure_ascii=False)
@@ -96,6 +99,35 @@ def time_element(value: Any) -> Markup:
     iso = utc.strftime("%Y-%m-%dT%H:%M:%SZ")
     shown = utc.strftime("%Y-%m-%d %H:%M:%S UTC")
     return Markup('<time datetime="{0}" title="{1}">{1}</time>').format(iso, shown)
+
+
+#: An RFC 3339 moment inside a sentence (a state's reason, a run's explanation).
+_MOMENT = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(?:\.\d+)?(?:Z|[+-]\d{2}:\d{2})")
+
+
+def times_in(text: Any) -> Markup:
+    """``text`` escaped, each RFC 3339 moment in it shown as the console shows times."""
+    if text is None:
+        return Markup("")
+    raw = str(text)
+    parts: list[Markup] = []
+    last = 0
+    for match in _MOMENT.finditer(raw):
+        parts.append(escape(raw[last:match.start()]))
+        shown = time_element(match.group(0))
+        parts.append(shown if str(shown) != "—" else escape(match.group(0)))
+        last = match.end()
+    parts.append(escape(raw[last:]))
+    return Markup("").join(parts)
+
+
+def field_value(value: Any) -> Any:
+    """A value as a form field shows it: "" for none, 0 as 0, 30.0 as 30."""
+    if value is None:
+        return ""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
 
 
 def duration(seconds: Any) -> str:
@@ -146,4 +178,5 @@ def take_flash(request: Request, guard: Guard) -> dict[str, str] | None:
         return None
 
 
-__all__ = ["Console", "duration", "escape", "parse_time", "set_flash", "take_flash"]
+__all__ = ["Console", "duration", "escape", "parse_time", "set_flash", "take_flash",
+           "times_in"]

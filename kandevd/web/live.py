@@ -1,14 +1,17 @@
 """Server-sent events: the overview's "something changed", and logs as they are written.
 
 A stream holds one of the server's threads, so at most :data:`MAX_STREAMS`
-are open at once (a further one is told to come back in 10 s, and its
-browser does). Each ends when the console stops. The overview stream waits
+are open at once: a further one gets a ``busy`` event and is told to come
+back in :data:`BUSY_RETRY_S` (its browser does, and shows that the view is
+waiting), and an accepted one starts with a ``ready`` event (the page takes
+the notice away). Each ends when the console stops. The overview stream waits
 for the daemon's events (a run queued, claimed, ended or cancelled), at most
 one refresh every :data:`REFRESH_MIN_S`; a log stream looks at its file
+(and the agent's stdout, which joins the log's end when the execution ends)
 twice a second and ends with the run. Both send a keep-alive comment every
 :data:`KEEPALIVE_S`, so a closed tab frees its thread then at the latest. A
-log event carries the file offset as its id: a reconnecting browser resumes
-from ``Last-Event-ID`` and shows nothing twice.
+log event carries the files' offsets as its id: a reconnecting browser
+resumes from ``Last-Event-ID`` and shows nothing twice.
 """
 
 from __future__ import annotations
@@ -19,13 +22,14 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kandevd.control.protocol import RpcError
 from kandevd.web.context import Console
 from kandevd.web.http import Request, Response, stream, text
-from kandevd.web.logs import safe_log_path
+from kandevd.web.logs import run_log_path, run_stdout_path, safe_log_path, turn_stdout_path
 from kandevd.web.views.schedules import job_params
 
 #: Below a browser's six connections per host, so pages still load beside the streams.
@@ -34,6 +38,8 @@ REFRESH_MIN_S = 2.0
 KEEPALIVE_S = 20.0
 LOG_POLL_S = 0.5
 STATUS_EVERY_S = 2.0
+#: A refused stream's browser tries again after this long.
+BUSY_RETRY_S = 10
 CHUNK = 64 * 1024
 TERMINAL_RUNS = ("finished", "failed", "cancelled")
 
@@ -43,11 +49,12 @@ _slots = threading.BoundedSemaphore(MAX_STREAMS)
 def _guarded(chunks: Callable[[], Iterator[bytes]]) -> Response:
     if not _slots.acquire(blocking=False):
         # A 200 the browser's EventSource reconnects after (a 503 would end it for good).
-        return stream(iter([b"retry: 10000\n: too many live views are open\n\n"]))
+        busy = _event("busy", {"open": MAX_STREAMS, "retry_s": BUSY_RETRY_S})
+        return stream(iter([f"retry: {BUSY_RETRY_S * 1000}\n".encode() + busy]))
 
     def run() -> Iterator[bytes]:
         try:
-            yield b"retry: 3000\n\n"
+            yield b"retry: 3000\n" + _event("ready", {})
             yield from chunks()
         finally:
             _slots.release()
@@ -73,42 +80,78 @@ def overview_events(console: Console, request: Request) -> Response:
     return _guarded(chunks)
 
 
-def _event(name: str, data: Any, event_id: int | None = None) -> bytes:
+def _event(name: str, data: Any, event_id: str | None = None) -> bytes:
     head = f"id: {event_id}\n" if event_id is not None else ""
     return f"{head}event: {name}\ndata: {json.dumps(data)}\n\n".encode()
 
 
-def follow(console: Console, path: Path | None, offset: int,
-           finished: Callable[[], bool]) -> Iterator[bytes]:
-    """Append events with what ``path`` gains after ``offset``, then ``end``.
+@dataclass
+class Part:
+    """One file a live log shows: the log itself, or the agent's stdout (found again at
+    each read: a new attempt has a new file)."""
 
-    The text is decoded incrementally (a character split across two reads is
-    sent whole, with the next one); each event's id is the offset after it."""
+    name: str
+    locate: Callable[[], Path | None]
+    offset: int = 0
+    decoder: Any = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")(
+        "replace"))
+    seen: Path | None = None
+
+    def read(self) -> bytes | None:
+        """What the file gained (b"" for nothing); None when the stdout file this part
+        followed is gone or another one (merged into the log, or a new attempt)."""
+        path = self.locate()
+        if self.seen is not None and path != self.seen:
+            return None
+        if path is None:
+            return b""
+        try:
+            with open(path, "rb") as handle:
+                if os.fstat(handle.fileno()).st_size < self.offset:
+                    self.offset = 0  # (rotated or replaced): from the start
+                    self.decoder.reset()
+                handle.seek(self.offset)
+                data = handle.read(CHUNK)
+        except OSError:
+            return None if self.seen is not None else b""
+        if self.name != "log":
+            self.seen = path
+        return data
+
+
+def follow(console: Console, parts: list[Part], finished: Callable[[], bool]
+           ) -> Iterator[bytes]:
+    """``append`` events with what each part's file gains after its offset, then ``end``
+    (also when a stdout file followed went: the page reloads with the whole log).
+
+    The stdout part is read before the log, so text merged from it into the log is
+    never sent twice. Text is decoded incrementally (a character split across two
+    reads is sent whole, with the next one); an event's id is every part's offset
+    (``log.stdout``), from which a reconnecting browser resumes."""
     checked = 0.0
     spoken = time.monotonic()
     done = False
-    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    ordered = sorted(parts, key=lambda part: part.name == "log")  # (stdout first)
     while not console.stopping.is_set():
-        data = b""
-        if path is not None:
-            try:
-                with open(path, "rb") as handle:
-                    if os.fstat(handle.fileno()).st_size < offset:
-                        offset = 0  # (rotated or replaced): from the start
-                        decoder.reset()
-                    handle.seek(offset)
-                    data = handle.read(CHUNK)
-            except OSError:
-                data = b""
-        if data:
-            offset += len(data)
-            textual = decoder.decode(data)
+        sent = False
+        for part in ordered:
+            data = part.read()
+            if data is None:
+                yield _event("end", {"part": part.name}, _ids(parts))
+                return
+            if not data:
+                continue
+            part.offset += len(data)
+            textual = part.decoder.decode(data)
             if textual:
+                sent = True
                 spoken = time.monotonic()
-                yield _event("append", {"text": textual, "offset": offset}, offset)
+                yield _event("append", {"text": textual, "part": part.name,
+                                        "offset": part.offset}, _ids(parts))
+        if sent:
             continue
         if done:
-            yield _event("end", {"offset": offset}, offset)
+            yield _event("end", {}, _ids(parts))
             return
         now = time.monotonic()
         if now - spoken >= KEEPALIVE_S:
@@ -122,18 +165,23 @@ def follow(console: Console, path: Path | None, offset: int,
         console.stopping.wait(LOG_POLL_S)
 
 
+def _ids(parts: list[Part]) -> str:
+    return ".".join(str(part.offset) for part in parts)
+
+
 def run_log(console: Console, request: Request, run: str) -> Response:
     found = console.call("runs.get", {"id": run})
-    path = safe_log_path(console, found.get("log_path") or
-                         str(Path(console.home) / "logs" / "runs" / f"{run}.log"))
-    offset = _offset(request)
+    path = safe_log_path(console, run_log_path(console, found))
+    log_at, out_at = _offsets(request)
 
     def finished() -> bool:
         try:
             return console.call("runs.get", {"id": run})["status"] in TERMINAL_RUNS
         except RpcError:
             return True
-    return _guarded(lambda: follow(console, path, offset, finished))
+    parts = [Part("log", lambda: path, log_at),
+             Part("stdout", lambda: run_stdout_path(console, run), out_at)]
+    return _guarded(lambda: follow(console, parts, finished))
 
 
 def turn_log(console: Console, request: Request, job: str, entry: str, index: str
@@ -154,7 +202,7 @@ def turn_log(console: Console, request: Request, job: str, entry: str, index: st
     if item is None or turn is None:
         return text("no such turn", 404)
     path = safe_log_path(console, turn.get("log_path"))
-    offset = _offset(request)
+    log_at, out_at = _offsets(request)
 
     def finished() -> bool:
         try:
@@ -162,15 +210,22 @@ def turn_log(console: Console, request: Request, job: str, entry: str, index: st
         except RpcError:
             return True
         return now is None or now.get("status") != "running"
-    return _guarded(lambda: follow(console, path, offset, finished))
+    parts = [Part("log", lambda: path, log_at),
+             Part("stdout", lambda: turn_stdout_path(console, entry, turn_at), out_at)]
+    return _guarded(lambda: follow(console, parts, finished))
 
 
-def _offset(request: Request) -> int:
-    """Where a log stream starts: a reconnecting browser's last event id, else ``from``."""
-    for raw in (request.header("Last-Event-ID"), request.query.get("from")):
-        try:
-            if raw:
-                return max(0, min(int(raw), 1 << 50))
-        except ValueError:
-            continue
-    return 0
+def _offsets(request: Request) -> tuple[int, int]:
+    """Where a log stream starts in the log and in the stdout file: a reconnecting
+    browser's last event id (``log.stdout``), else ``from`` and ``out``."""
+    last = (request.header("Last-Event-ID") or "").split(".")
+    if len(last) == 2 and all(p.isdigit() and len(p) < 16 for p in last):
+        return int(last[0]), int(last[1])
+    return _number(request.query.get("from")), _number(request.query.get("out"))
+
+
+def _number(raw: str | None) -> int:
+    try:
+        return max(0, min(int(raw or 0), 1 << 50))
+    except ValueError:
+        return 0

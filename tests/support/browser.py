@@ -13,7 +13,10 @@ from typing import Any
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
+from selenium.webdriver.support.expected_conditions import staleness_of
 from selenium.webdriver.support.ui import WebDriverWait
+
+from tests.support.console import ARTIFACTS, ConsoleAddress
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
@@ -45,6 +48,7 @@ def chromium(width: int = 1280, height: int = 900, *, dark: bool = False,
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
     driver.set_page_load_timeout(30)
     if width < 500:  # narrower than a headless window gets: a phone's screen, emulated
+        driver.phone_screen = (width, height)
         driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", {
             "width": width, "height": height, "deviceScaleFactor": 1, "mobile": True})
     try:
@@ -62,13 +66,62 @@ def wait_for(driver: Any, condition: Callable[[Any], Any], timeout: float = 20.0
 
 def ready(driver: Any) -> bool:
     """The page's script has run (it marks the document)."""
-    return driver.execute_script("return document.documentElement.dataset.ready") == "yes"
+    # (Between two pages there may be no document element yet: not ready.)
+    return driver.execute_script(
+        "return document.documentElement && document.documentElement.dataset.ready") == "yes"
 
 
 def full_screenshot(driver: Any, path: Path) -> None:
-    """The whole page, not just the window: the window grows to the page's height."""
+    """The whole page, not just the window: the window (an emulated phone's screen)
+    grows to the page's height, and is put back after."""
     height = driver.execute_script("return document.documentElement.scrollHeight")
-    width = driver.get_window_size()["width"]
-    driver.set_window_size(width, min(max(height + 120, 600), 6000))
     path.parent.mkdir(parents=True, exist_ok=True)
-    driver.find_element(By.TAG_NAME, "body").screenshot(str(path))
+    phone = getattr(driver, "phone_screen", None)
+    if phone is None:
+        width = driver.get_window_size()["width"]
+        driver.set_window_size(width, min(max(height + 120, 600), 6000))
+        driver.find_element(By.TAG_NAME, "body").screenshot(str(path))
+        return
+    metrics = {"width": phone[0], "deviceScaleFactor": 1, "mobile": True}
+    driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
+                           {**metrics, "height": min(max(height, phone[1]), 6000)})
+    try:
+        driver.find_element(By.TAG_NAME, "body").screenshot(str(path))
+    finally:
+        driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
+                               {**metrics, "height": phone[1]})
+
+
+def open_page(driver: Any, address: ConsoleAddress, path: str) -> None:
+    driver.get(address.base + path)
+    wait_for(driver, ready, what=f"{path} ready")
+
+
+def shot(driver: Any, name: str) -> None:
+    """The page as a screenshot among the test's artifacts."""
+    full_screenshot(driver, ARTIFACTS / f"{name}.png")
+    driver.set_window_size(1280, 900)
+
+
+def leads_on(driver: Any, element: Any, *, confirm: bool = False) -> None:
+    """Click what loads a new page (accepting its confirmation), and wait for that page."""
+    old = driver.find_element(By.TAG_NAME, "html")
+    element.click()
+    if confirm:
+        wait_for(driver, lambda d: d.switch_to.alert, what="the confirmation").accept()
+    wait_for(driver, staleness_of(old), what="the next page")
+    wait_for(driver, ready, what="the next page ready")
+
+
+def click_and_confirm(driver: Any, element: Any) -> None:
+    leads_on(driver, element, confirm=True)
+
+
+def flash(driver: Any) -> str:
+    """The line at the top of the page that says what the last action did."""
+    return wait_for(driver, lambda d: d.find_element(By.CSS_SELECTOR, ".flash"),
+                    what="the confirmation message").text
+
+
+def button(driver: Any, label: str) -> Any:
+    return driver.find_element(By.XPATH, f"//button[normalize-space()='{label}']")

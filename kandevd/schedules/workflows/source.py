@@ -211,8 +211,11 @@ class WorkflowSource:
         return [problem.as_dict() for problem in self._problems]
 
     def details(self, job: Job) -> dict[str, Any]:
-        """A workflow job has no fields beyond the common JOB."""
-        return {}
+        """The workflow's ``label`` (its manifest's; null when it has none): what people
+        call the workflow, shown beside its schedules."""
+        spec = job.spec
+        assert isinstance(spec, WorkflowSpec)
+        return {"workflow_label": spec.workflow.label or None}
 
     def counts(self, jobs: dict[str, Job]) -> dict[str, int]:
         return {"workflows": len(self._workflows), "jobs": len(jobs)}

@@ -20,9 +20,35 @@ function confirmations(root) {
   }
 }
 
+// A live view's event stream. The console serves a few at once: one refused gets
+// "busy" (its browser tries again by itself), one accepted starts with "ready".
+function liveSource(url, anchor) {
+  const source = new EventSource(url);
+  source.addEventListener("busy", (event) => {
+    const data = JSON.parse(event.data);
+    let notice = anchor.previousElementSibling;
+    if (!notice || !notice.classList.contains("live-notice")) {
+      notice = document.createElement("p");
+      notice.className = "live-notice";
+      notice.setAttribute("role", "status");
+      anchor.before(notice);
+    }
+    notice.textContent = `Busy, retrying: the console already follows ${data.open} live ` +
+      `views (other tabs or pages); this one tries again every ${data.retry_s} s and ` +
+      "updates by itself once one of them closes.";
+    anchor.dataset.liveState = "busy";
+  });
+  source.addEventListener("ready", () => {
+    const notice = anchor.previousElementSibling;
+    if (notice && notice.classList.contains("live-notice")) notice.remove();
+    anchor.dataset.liveState = "live";
+  });
+  return source;
+}
+
 function liveFragments() {
   for (const box of document.querySelectorAll("[data-live][data-events]")) {
-    const source = new EventSource(box.dataset.events);
+    const source = liveSource(box.dataset.events, box);
     source.addEventListener("refresh", async () => {
       const answer = await fetch(box.dataset.live, { credentials: "same-origin" });
       if (!answer.ok) return;
@@ -38,13 +64,18 @@ function logStreams() {
   for (const pre of document.querySelectorAll("pre[data-stream]")) {
     const url = new URL(pre.dataset.stream, window.location.href);
     url.searchParams.set("from", pre.dataset.from || "0");
+    url.searchParams.set("out", pre.dataset.out || "0");
     // A reconnection resumes from the last event's id (the offset): nothing twice.
-    const source = new EventSource(url);
+    const source = liveSource(url, pre);
     pre.classList.add("following");
     source.addEventListener("append", (event) => {
       const data = JSON.parse(event.data);
       const atEnd = pre.scrollTop + pre.clientHeight >= pre.scrollHeight - 4;
-      pre.append(document.createTextNode(data.text));
+      const note = pre.parentElement.querySelector(".log-note");
+      if (note) note.remove();
+      // The log, then the agent's stdout: where the stdout lands in the log at the end.
+      const part = pre.querySelector(`[data-part="${data.part}"]`) || pre;
+      part.append(document.createTextNode(data.text));
       if (atEnd) pre.scrollTop = pre.scrollHeight;
     });
     source.addEventListener("end", () => {
@@ -77,13 +108,19 @@ function previews() {
     target.innerHTML = await answer.text();
     localTimes(target);
   };
+  // A problem the server found in a field is said beside it; the preview would say it a
+  // second time: it starts once the field changes (and the old problem goes then).
+  const problemsOf = (input) => input.closest(".field").querySelectorAll(".field-error");
+  let said = false;
   for (const input of inputs) {
+    if (problemsOf(input).length) said = true;
     input.addEventListener("input", () => {
+      for (const problem of problemsOf(input)) problem.remove();
       clearTimeout(timer);
       timer = setTimeout(refresh, 300);
     });
   }
-  refresh();
+  if (!said) refresh();
 }
 
 function cronOf(form) {
@@ -135,6 +172,35 @@ function groupsReload() {
   });
 }
 
+function browserZone() {
+  // Date and time pickers give a wall time: it is read in the browser's own zone.
+  const zone = Intl.DateTimeFormat().resolvedOptions().timeZone;
+  if (!zone) return;
+  for (const input of document.querySelectorAll("input[data-browser-zone]")) input.value = zone;
+  for (const name of document.querySelectorAll("[data-zone-name]")) name.textContent = zone;
+}
+
+function elapsed(seconds) {
+  if (seconds < 60) return `${seconds.toFixed(0)}s`;
+  const minutes = Math.floor(seconds / 60);
+  if (minutes < 60) return `${minutes}m ${String(Math.floor(seconds % 60)).padStart(2, "0")}s`;
+  return `${Math.floor(minutes / 60)}h ${String(minutes % 60).padStart(2, "0")}m`;
+}
+
+function clocks() {
+  // "running for": counted on in the browser from the moment the page names.
+  const ticking = document.querySelectorAll("[data-since]");
+  if (!ticking.length) return;
+  const tick = () => {
+    for (const el of ticking) {
+      const since = new Date(el.dataset.since);
+      if (!isNaN(since)) el.textContent = elapsed(Math.max(0, (Date.now() - since) / 1000));
+    }
+  };
+  tick();
+  setInterval(tick, 1000);
+}
+
 function selectAll() {
   for (const box of document.querySelectorAll("input[data-select-all]")) {
     box.addEventListener("change", () => {
@@ -155,5 +221,7 @@ document.addEventListener("DOMContentLoaded", () => {
   presets();
   groupsReload();
   selectAll();
+  browserZone();
+  clocks();
   document.documentElement.dataset.ready = "yes";
 });

@@ -43,11 +43,17 @@ def gather(console: Console) -> dict[str, Any]:
         run["waiting_s"] = (now - asked).total_seconds() if asked else None
     activity = _activity(console, now)
     oldest = parse_time((status.get("runs") or {}).get("oldest_queued_at"))
+    queued_now = (status.get("runs") or {}).get("queued")
     charts = [
         line_chart("Runs ended per minute", [
-            Series("finished", "ok", activity.finished),
-            Series("failed", "bad", activity.failed)]),
-        line_chart("Queue depth", [Series("queued", "info", activity.queue_depth)]),
+            Series("finished", "ok", activity.finished,
+                   f"{activity.finished_total} in 24 h"),
+            Series("failed", "bad", activity.failed, f"{activity.failed_total} in 24 h")],
+            unit="runs per minute"),
+        # The legend is the queue as it is now (the series' last minute is approximate).
+        line_chart("Queue depth", [Series("queued", "info", activity.queue_depth,
+                                          f"{queued_now if queued_now is not None else '—'}"
+                                          " now")], unit="runs queued"),
     ]
     return {"status": status, "config": config, "claimed": claimed[:10], "waiting": waiting,
             "oldest_age_s": (now - oldest).total_seconds() if oldest else None,

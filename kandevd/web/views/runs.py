@@ -1,15 +1,18 @@
-"""``/runs``: the queue's runs filtered and paged, one run (its attempts, why it waits,
-its log followed live), cancel and retry, and the dead letter."""
+"""``/runs``: the queue's runs filtered and paged (kept up to date while open), one run
+(its attempts, where it is and why, its log followed live), cancel and retry, and the
+dead letter (retry a selection, or every failed run the filter keeps)."""
 
 from __future__ import annotations
 
 import re
+from datetime import UTC, datetime
 from typing import Any
+from urllib.parse import urlencode
 
 from kandevd.control.protocol import RpcError
-from kandevd.web.context import Console, set_flash
+from kandevd.web.context import Console, parse_time, set_flash
 from kandevd.web.http import Request, Response, redirect
-from kandevd.web.logs import readable_log
+from kandevd.web.logs import readable_log, run_log_path, run_stdout_path, with_output
 from kandevd.web.views.schedules import _int
 
 PAGE = 50
@@ -19,51 +22,141 @@ _ATTEMPT = re.compile(r"^\[kandevd\] ==== attempt (?P<n>\d+) (?P<what>started|en
                       r"(?P<at>\S+?)(?:: (?P<outcome>.*?))? ====$", re.M)
 
 
-def index(console: Console, request: Request) -> Response:
-    params: dict[str, Any] = {"order": "desc", "limit": PAGE,
-                              "offset": _int(request.query.get("offset"))}
-    for key in FILTERS:
-        value = request.query.get(key, "").strip()
+def _filters(source: dict[str, str], keys: tuple[str, ...] = FILTERS) -> dict[str, str]:
+    """The filters given (a status only when it is one)."""
+    kept = {}
+    for key in keys:
+        value = source.get(key, "").strip()
         if value and (key != "status" or value in STATUSES):
-            params[key] = value
-    page = console.call("runs.list", params)
-    return console.render("runs.html", request, title="Runs", nav="runs", page=page,
+            kept[key] = value
+    return kept
+
+
+def _page(console: Console, request: Request) -> dict[str, Any]:
+    filters = _filters(request.query)
+    page = console.call("runs.list", {"order": "desc", "limit": PAGE,
+                                      "offset": _int(request.query.get("offset")), **filters})
+    now = datetime.now(UTC)
+    for item in page["items"]:
+        timing(item, now)
+    query = {**filters, **({"offset": request.query["offset"]}
+                           if request.query.get("offset") else {})}
+    return {"page": page, "limit": PAGE, "fragment": "/fragments/runs" + (
+        "?" + urlencode(query) if query else "")}
+
+
+def index(console: Console, request: Request) -> Response:
+    return console.render("runs.html", request, title="Runs", nav="runs",
                           filters={k: request.query.get(k, "") for k in FILTERS},
-                          statuses=STATUSES, limit=PAGE)
+                          statuses=STATUSES, **_page(console, request))
+
+
+def fragment(console: Console, request: Request) -> Response:
+    """The list alone (the page's script swaps it in when a run changed)."""
+    listed = Request({**request.environ, "PATH_INFO": "/runs"})  # (the pager's links)
+    return console.fragment("runs_table.html", request=listed, **_page(console, request))
+
+
+def timing(run: dict[str, Any], now: datetime) -> dict[str, Any]:
+    """How long the run ran (``took_s``), runs (``running_s``) or waits (``waiting_s``)."""
+    claimed = parse_time(run.get("claimed_at"))
+    ended = parse_time(run.get("finished_at"))
+    asked = parse_time(run.get("requested_at"))
+    run["took_s"] = (ended - claimed).total_seconds() if claimed and ended else None
+    run["running_s"] = (now - claimed).total_seconds() \
+        if claimed and run.get("status") == "claimed" else None
+    run["waiting_s"] = (now - asked).total_seconds() \
+        if asked and run.get("status") == "queued" else None
+    return run
+
+
+DEAD_FILTERS = ("agent_id", "workspace_id", "reason")
 
 
 def dead(console: Console, request: Request) -> Response:
     offset = _int(request.query.get("offset"))
+    filters = _filters(request.query, DEAD_FILTERS)
     page = console.call("runs.list", {"status": "failed", "order": "desc", "limit": PAGE,
-                                      "offset": offset})
+                                      "offset": offset, **filters})
+    status = console.call("daemon.status")
+    retention = ((status.get("store") or {}).get("db") or {}).get("retention_days")
     return console.render("dead.html", request, title="Dead letter", nav="dead", page=page,
-                          limit=PAGE)
+                          limit=PAGE, filters={k: request.query.get(k, "")
+                                               for k in DEAD_FILTERS},
+                          kept=filters, retention_days=retention,
+                          back=request.url(offset=None))
+
+
+def _back(request: Request) -> str:
+    back = request.form.get("back", "")
+    return back if back.startswith("/runs/dead") and "//" not in back else "/runs/dead"
+
+
+def _retry(console: Console, ids: list[str]) -> tuple[int, list[str]]:
+    """``runs.retry`` each; how many went back to the queue, and why the others did not."""
+    retried, problems = 0, []
+    for run_id in ids:
+        try:
+            console.call("runs.retry", {"id": run_id})
+            retried += 1
+        except RpcError as exc:
+            problems.append(f"{run_id}: {exc.message}")
+    return retried, problems
+
+
+def _said(retried: int, problems: list[str]) -> str:
+    message = f"Retried {retried} run(s)"
+    if problems:
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+        message += f"; {len(problems)} not retried: " + "; ".join(problems[:5]) + more
+    return message
 
 
 def retry_selected(console: Console, request: Request) -> Response:
-    chosen = [r for r in request.form_lists().get("run", []) if r][:500]
-    retried, problems = [], []
-    for run_id in chosen:
-        try:
-            console.call("runs.retry", {"id": run_id})
-            retried.append(run_id)
-        except RpcError as exc:
-            problems.append(f"{run_id}: {exc.message}")
+    chosen = list(dict.fromkeys(r for r in request.form_lists().get("run", []) if r))[:500]
     if not chosen:
-        return set_flash(console, redirect("/runs/dead"), "error", "No run selected")
-    message = f"Retried {len(retried)} run(s)"
-    if problems:
-        message += "; not retried: " + "; ".join(problems[:5])
-    return set_flash(console, redirect("/runs/dead"), "error" if problems else "ok", message)
+        return set_flash(console, redirect(_back(request)), "error", "No run selected")
+    retried, problems = _retry(console, chosen)
+    return set_flash(console, redirect(_back(request)), "error" if problems else "ok",
+                     _said(retried, problems))
+
+
+def retry_all(console: Console, request: Request) -> Response:
+    """Every failed run the filter keeps, not only one page: their ids first (oldest
+    first, so runs failing meanwhile come after), then ``runs.retry`` each."""
+    filters = _filters(request.form, DEAD_FILTERS)
+    ids: list[str] = []
+    seen: set[str] = set()
+    offset = 0
+    while True:
+        page = console.call("runs.list", {"status": "failed", "order": "asc", "limit": 500,
+                                          "offset": offset, **filters})
+        for item in page["items"]:
+            if item["id"] not in seen:
+                seen.add(item["id"])
+                ids.append(item["id"])
+        offset += len(page["items"])
+        if not page["items"] or offset >= page["total"]:
+            break
+    if not ids:
+        return set_flash(console, redirect(_back(request)), "error",
+                         "No failed run matches: nothing retried")
+    retried, problems = _retry(console, ids)
+    return set_flash(console, redirect(_back(request)), "error" if problems else "ok",
+                     _said(retried, problems) + " (every failed run the filter kept)")
 
 
 def run(console: Console, request: Request, run: str) -> Response:
     found = console.call("runs.get", {"id": run})
     explanation = console.call("runs.explain", {"id": run})
-    log = readable_log(console, found.get("log_path"))
+    log = readable_log(console, run_log_path(console, found))
+    attempts = attempts_of(log["text"])
+    if found.get("status") == "claimed":  # its stdout joins the log when it ends
+        log = with_output(log, run_stdout_path(console, run))
+    timing(found, datetime.now(UTC))
     return console.render("run.html", request, title=f"Run {run}", nav="runs", run=found,
-                          reasons=explain_in_words(explanation),
-                          attempts=attempts_of(log["text"]), log=log)
+                          reasons=explain_in_words(explanation, found),
+                          attempts=attempts, log=log)
 
 
 def act(console: Console, request: Request, run: str, action: str) -> Response:
@@ -89,8 +182,9 @@ def attempts_of(log_text: str) -> list[dict[str, Any]]:
     return [attempts[n] for n in order]
 
 
-def explain_in_words(explanation: dict[str, Any]) -> list[str]:
-    """``runs.explain`` as sentences."""
+def explain_in_words(explanation: dict[str, Any], run: dict[str, Any] | None = None
+                     ) -> list[str]:
+    """``runs.explain`` as sentences; a run that is not waiting says what happened."""
     if explanation.get("eligible"):
         return ["eligible: it is claimed on the next pass of the queue"]
     details = explanation.get("details") or {}
@@ -98,7 +192,7 @@ def explain_in_words(explanation: dict[str, Any]) -> list[str]:
     for blocker in explanation.get("blockers") or []:
         detail = details.get(blocker)
         if blocker.startswith("status_"):
-            words.append(f"{blocker[len('status_'):]}: not waiting in the queue")
+            words.append(where_it_is(blocker[len("status_"):], run or {}))
         elif blocker == "agent_paused":
             words.append("waiting: its agent is paused")
         elif blocker == "agent_busy":
@@ -117,3 +211,25 @@ def explain_in_words(explanation: dict[str, Any]) -> list[str]:
         else:
             words.append(f"{blocker}" + (f" ({detail})" if detail else ""))
     return words
+
+
+def where_it_is(status: str, run: dict[str, Any]) -> str:
+    """What happened to a run that is not waiting in the queue, in a sentence."""
+    ended = run.get("finished_at")
+    at = f" at {ended}" if ended else ""
+    attempts = run.get("attempt")
+    tries = f" after {attempts} attempt(s)" if attempts else ""
+    if status == "finished":
+        return f"finished{at}{tries}" + (f": {run['output_summary']}"
+                                         if run.get("output_summary") else "")
+    if status == "failed":
+        error = f": {run['error_message']}" if run.get("error_message") else ""
+        return f"failed for good{at}{tries}{error}; it is in the dead letter (Retry queues " \
+            "it again)"
+    if status == "cancelled":
+        why = f": {run['cancel_reason']}" if run.get("cancel_reason") else ""
+        return f"cancelled{at}{why}"
+    if status == "claimed":
+        since = f" since {run['claimed_at']}" if run.get("claimed_at") else ""
+        return f"running{since}" + (f" (attempt {attempts})" if attempts else "")
+    return f"{status}: not waiting in the queue"

@@ -153,12 +153,45 @@ def _values(form: dict[str, list[str]], workflow: str) -> dict[str, Any]:
 
 _FIELD_AT = re.compile(r"(?:params\.schedule\.|schedule '[^']*': |^)(?P<field>[a-z_]+)"
                        r"(?:\[\d+\])?: ")
+#: What names where a problem is, before the problem itself (said beside the field).
+_PREFIX = re.compile(r"^(?:workflow '[^']*': )?(?:schedule '[^']*': )?(?:params\.schedule\.|"
+                     r"params\.)?")
+#: Where one problem ends and the next begins (a problem may contain "; " itself).
+_PROBLEMS = re.compile(r"; (?=workflow '|schedule '|params\.|[a-z_]+(?:\[\d+\])?: )")
+_CRON = re.compile(r"^'(?P<expr>.*)' is not a valid 5-field cron expression: (?P<why>.*)$",
+                   re.S)
+_FIELDS_COUNT = re.compile(r"Wrong number of fields; got (?P<n>\d+), expected 5")
+_CRON_FIELD = re.compile(r"^(?P<name>[a-z-]+) field (?P<value>'[^']*'): (?P<detail>.*)$", re.S)
+
+
+def plain_problem(problem: str, field: str | None) -> str:
+    """A method's problem as a sentence for a person: without the names of where it is
+    (the workflow, the schedule, ``params.``), and without the field's name when it is
+    shown beside that field; a cron expression's problem in words."""
+    text = _PREFIX.sub("", problem, count=1)
+    if field and field != "_":
+        text = re.sub(rf"^{re.escape(field)}(?:\[\d+\])?: ", "", text, count=1)
+    cron = _CRON.match(text)
+    if cron is None:
+        return text[:1].upper() + text[1:]
+    why = cron["why"]
+    counted = _FIELDS_COUNT.search(why)
+    part = _CRON_FIELD.match(why)
+    if counted:
+        why = (f"it has {counted['n']} field(s); a cron expression has 5 (minute, hour, "
+               "day of month, month, day of week), or is one of @hourly, @daily, "
+               "@weekly, @monthly, @yearly")
+    elif part:
+        why = f"in its {part['name'].replace('-', ' ')} field ({part['value']}), " \
+              f"{part['detail']}"
+    return f"'{cron['expr']}' is not a valid cron expression: {why}"
 
 
 def place_errors(message: str) -> dict[str, list[str]]:
-    """The method's problems by the form field they concern (``_`` for the rest)."""
+    """The method's problems by the form field they concern (``_`` for the rest), each
+    said once, in words."""
     placed: dict[str, list[str]] = {}
-    for problem in message.split("; "):
+    for problem in _PROBLEMS.split(message):
         text = problem.split(": ", 1)[-1] if problem.startswith("workflow '") else problem
         match = _FIELD_AT.search(text)
         field = match.group("field") if match else "_"
@@ -166,7 +199,9 @@ def place_errors(message: str) -> dict[str, list[str]]:
             field = "_"
         if field not in FIELDS:
             field = "_"
-        placed.setdefault(field, []).append(problem)
+        said = plain_problem(problem, field)
+        if said not in placed.get(field, []):
+            placed.setdefault(field, []).append(said)
     return placed
 
 
@@ -182,5 +217,5 @@ def preview(console: Console, request: Request) -> Response:
                 "schedule": {"cron_expression": cron, "timezone": zone},
                 "count": 5})["times"]
         except RpcError as exc:
-            error = exc.message
+            error = "; ".join(p for said in place_errors(exc.message).values() for p in said)
     return console.fragment("preview.html", times=times, error=error, cron=cron)

@@ -1,7 +1,7 @@
-"""``/schedules``: every job, a timeline of the coming day, one job, one run drilled into.
+"""``/schedules``: every job (with its workflow's label), a timeline of the coming day,
+the global pause. One job and its runs are :mod:`kandevd.web.views.job`'s.
 
-Actions (trigger, stop, enable, disable, backfill, the global pause) are the
-``scheduler.*`` control methods; each confirms what it did on the next page.
+The global pause is ``scheduler.config.put``; it confirms what it did on the next page.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from kandevd.cron import parse_cron
 from kandevd.web.charts import Lane, timeline
 from kandevd.web.context import Console, parse_time, set_flash
 from kandevd.web.http import Request, Response, redirect
-from kandevd.web.logs import readable_log
 
 PAGE = 50
 #: Jobs drawn on the timeline (the soonest first); more would not be readable.
@@ -99,111 +98,6 @@ def _timeline(jobs: list[dict[str, Any]]) -> Any:
         lanes.append(Lane(label, job_url(job),
                           [(f - now).total_seconds() / span for f in fires], dense))
     return timeline(lanes) if lanes else None
-
-
-def job(console: Console, request: Request, job: str) -> Response:
-    params = job_params(job, request)
-    found = console.call("scheduler.jobs.get", params)
-    offset = _int(request.query.get("offset"))
-    history = console.call("scheduler.jobs.runs", {**params, "limit": 20, "offset": offset})
-    upcoming: list[dict[str, Any]] = []
-    if found.get("cron_expression") or found.get("entity_type") == "workflow":
-        try:
-            upcoming = console.call("scheduler.jobs.next", {**params, "count": 10})["times"]
-        except Exception:  # an invalid job has none; its state says why
-            upcoming = []
-    definition = {k: found.get(k) for k in DEFINITION_KEYS if found.get(k) not in (None, [], {})}
-    return console.render("job.html", request, title=found.get("name") or found["id"],
-                          nav="schedules", job=found, definition=definition,
-                          upcoming=upcoming, history=history, offset=offset,
-                          job_url=job_url, preview=None)
-
-
-DEFINITION_KEYS = ("id", "entity_type", "workflow", "product", "user_id", "schedule_id",
-                   "name", "description", "cron_expression", "timezone", "cadence_hours",
-                   "preferred_hour", "quiet_minutes", "enabled", "group_ids", "mode",
-                   "messages", "workshop_mode", "trigger_payload", "overlap_policy", "pulse",
-                   "notify", "pause_after_failures", "catchup_window_s", "timeout_s",
-                   "jitter_s", "start_at", "end_at")
-
-
-def act(console: Console, request: Request, job: str, action: str) -> Response:
-    params = job_params(job, request)
-    result = console.call(f"scheduler.jobs.{action}", params)
-    found = {"id": job, "user_id": params.get("user_id")}
-    message = {
-        "trigger": f"Triggered {job}: session {result.get('session_id')}",
-        "stop": f"Stop requested for {job} (session {result.get('session_id')})",
-        "enable": f"Enabled {job}",
-        "disable": f"Disabled {job}",
-    }[action]
-    return set_flash(console, redirect(job_url(found)), "ok", message)
-
-
-def backfill(console: Console, request: Request, job: str) -> Response:
-    """A dry run first (the page lists the fire times); the real one on confirmation."""
-    params = job_params(job, request)
-    form = request.form
-    body = {**params, "from": _utc(form.get("from", "")), "to": _utc(form.get("to", "")),
-            "dry_run": form.get("confirm") != "yes"}
-    result = console.call("scheduler.jobs.backfill", body)
-    if body["dry_run"]:
-        found = console.call("scheduler.jobs.get", params)
-        history = console.call("scheduler.jobs.runs", {**params, "limit": 20})
-        upcoming = []
-        try:
-            upcoming = console.call("scheduler.jobs.next", {**params, "count": 10})["times"]
-        except Exception:
-            upcoming = []
-        definition = {k: found.get(k) for k in DEFINITION_KEYS
-                      if found.get(k) not in (None, [], {})}
-        return console.render("job.html", request, title=found.get("name") or found["id"],
-                              nav="schedules", job=found, definition=definition,
-                              upcoming=upcoming, history=history, offset=0, job_url=job_url,
-                              preview={"from": body["from"], "to": body["to"],
-                                       "result": result})
-    count = len(result.get("fire_times") or result.get("times") or [])
-    back = job_url({"id": job, "user_id": params.get("user_id")})
-    return set_flash(console, redirect(back), "ok",
-                     f"Backfill of {job} started: {count} fire time(s), one after another")
-
-
-def _utc(value: str) -> str:
-    """RFC 3339 as typed; ``YYYY-MM-DDTHH:MM`` (no zone) is taken as UTC, as the form says."""
-    value = value.strip()
-    if value and len(value) == 16 and "T" in value:  # 2026-12-01T09:00 from the picker
-        return value + ":00Z"
-    return value
-
-
-def entry(console: Console, request: Request, job: str, entry: str) -> Response:
-    params = job_params(job, request)
-    found = console.call("scheduler.jobs.get", params)
-    record = _find_entry(console, params, entry)
-    if record is None:
-        return console.render("error.html", request, http_status=404, title="Not found",
-                              message=f"Job {job} has no run {entry}.")
-    turns = []
-    for turn in record.get("turns") or []:
-        if not isinstance(turn, dict):
-            continue
-        turns.append({**turn, "log_text": readable_log(console, turn.get("log_path"))})
-    return console.render("entry.html", request, title=f"Run {entry[:8]} of {job}",
-                          nav="schedules", job=found, entry=record, turns=turns,
-                          job_url=job_url)
-
-
-def _find_entry(console: Console, params: dict[str, Any], entry_id: str
-                ) -> dict[str, Any] | None:
-    offset = 0
-    while True:
-        page = console.call("scheduler.jobs.runs", {**params, "limit": 500, "offset": offset})
-        for item in page["items"]:
-            if item.get("id") == entry_id or item.get("session_id") == entry_id:
-                return item
-        offset += len(page["items"])
-        if not page["items"] or offset >= page["total"]:
-            return None
 
 
 def pause(console: Console, request: Request) -> Response:

@@ -106,7 +106,7 @@ def test_failing_message_stop_already_running_and_default_message(setup) -> None
     ]})
     daemon.call("scheduler.jobs.trigger", {"id": "fails"})
     [failed] = terminal(daemon, "fails")
-    assert failed["status"] == "error" and failed["error"].startswith("message turn 1 failed")
+    assert failed["status"] == "error" and failed["error"].startswith("message turn 2 failed")
     assert [t["status"] for t in failed["turns"]] == ["success", "error"]
 
     daemon.call("scheduler.jobs.trigger", {"id": "sleeps"})

@@ -26,7 +26,8 @@ EVIL = "<script>alert(1)</script>"
 def console(tmp_path: Path, daemon_factory: Callable[..., DaemonProcess]
             ) -> tuple[DaemonProcess, ConsoleAddress]:
     home = tmp_path / "home"
-    write_workflow(home / "workspace", "w", [schedule("s", name=EVIL, messages=[EVIL])])
+    write_workflow(home / "workspace", "w", [schedule("s", name=EVIL, messages=[EVIL])],
+                   label=EVIL)
     daemon = daemon_factory({**FAST_CONFIG, "web": {"listen": "127.0.0.1:0"},
                              "agents": {"default": {"command": [sys.executable, RECORDER],
                                                     "env": {"RECORD_FILE": str(tmp_path / "r")}}}},
@@ -95,13 +96,18 @@ def test_a_post_needs_the_pages_csrf_token(
                     body=body + f"&csrf={csrf}", headers={"Origin": "http://evil.example"})
     assert cross.status == 403
     assert daemon.call("scheduler.config.get")["globally_paused"] is False  # none acted
+    for path in ("/schedules/workflow:w:s/delete", "/runs/dead/retry-all"):
+        assert request(address, "POST", path, cookie=cookie, body="back=/").status == 403
+        assert request(address, "POST", path, cookie=cookie, body=f"csrf={csrf}",
+                       headers={"Origin": "http://evil.example"}).status == 403
+    assert daemon.call("scheduler.jobs.get", {"id": "workflow:w:s"})  # not deleted
     done = request(address, "POST", "/schedules/pause", cookie=cookie,
                    body=body + f"&csrf={csrf}", headers={"Origin": address.base})
     assert done.status == 303
     assert daemon.call("scheduler.config.get")["globally_paused"] is True
 
 
-def test_labels_outputs_and_logs_are_shown_as_text(
+def test_names_labels_outputs_and_logs_are_shown_as_text(
         console: tuple[DaemonProcess, ConsoleAddress]) -> None:
     daemon, address = console
     cookie = sign_in(address)

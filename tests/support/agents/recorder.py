@@ -3,9 +3,9 @@
 Appends ``{"stdin": ..., "cwd": ..., "env": {...}, "start": t, "end": t}`` to the
 file named by ``$RECORD_FILE`` when it exits. The message decides the rest:
 ``FAILONCE`` in it exits 1 the first time only, any other ``FAIL`` exits 1,
-``SLEEP`` sleeps until SIGTERM (at most 60 s), ``HOLD`` creates
-``$RECORD_FILE.held`` and waits for ``$RECORD_FILE.release`` (or SIGTERM, at
-most 60 s), ``EVAL`` adds an ``evaluation`` to the summary line.
+``SLEEP`` sleeps until SIGTERM (at most 60 s), ``HOLD`` says so on stdout and
+stderr, creates ``$RECORD_FILE.held`` and waits for ``$RECORD_FILE.release``
+(or SIGTERM, at most 60 s), ``EVAL`` adds an ``evaluation`` to the summary line.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ def main() -> int:
         while not terminated and time.time() < deadline:
             time.sleep(0.02)
     if "HOLD" in message:
+        print("holding until released", flush=True)
+        print("waiting for the release file", file=sys.stderr, flush=True)
         record_file = os.environ["RECORD_FILE"]
         open(record_file + ".held", "a").close()
         deadline = time.time() + 60

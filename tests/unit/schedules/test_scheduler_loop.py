@@ -222,7 +222,7 @@ def test_a_failing_message_ends_the_session_and_sends_nothing_more(build, home) 
     assert agent.seen[2]["turn"]["kind"] == "pulse" and len(agent.seen) == 3
     [entry] = history(folder)
     assert entry["status"] == "error"
-    assert entry["error"] == "message turn 1 failed: exit code 1"
+    assert entry["error"] == "message turn 2 failed: exit code 1"
     assert loop.registry.resolve("s").state.consecutive_failures == 1
 
 
@@ -455,3 +455,16 @@ def test_a_product_job_fixed_after_being_invalid_is_decided_again(build, home) -
     described = loop.describe(job)
     assert described["state"] == "scheduled"
     assert described["next_run_at"] == "2026-12-03T11:00:00.000000Z"
+
+
+def test_a_workflow_jobs_carry_its_label_and_a_reload_follows_it(build, home) -> None:
+    folder = write_workflow(home.workspace, "w", [schedule("s")], label="Daily digest")
+    write_workflow(home.workspace, "plain", [schedule("t")])
+    loop, _agent = build()
+    described = {job.key: loop.describe(job) for job in loop.registry.jobs()}
+    assert described["workflow:w:s"]["workflow_label"] == "Daily digest"
+    assert described["workflow:plain:t"]["workflow_label"] is None
+    manifest = json.loads((folder / "workflow.json").read_text())
+    (folder / "workflow.json").write_text(json.dumps({**manifest, "label": "Digest"}))
+    loop.registry.rescan(T0)
+    assert loop.describe(loop.registry.resolve("workflow:w:s"))["workflow_label"] == "Digest"

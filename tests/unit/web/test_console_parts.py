@@ -1,6 +1,8 @@
 """The console's pure parts: Host and token checks, where a method's errors go on the
-form, runs.explain in words, attempts read from a log, times and durations, SVG that
-escapes what it draws, and the last day's activity read from the runs table."""
+form (once, in words), runs.explain in words, attempts read from a log, times (also inside
+a sentence) and durations, charts with whole-number ticks, units and legends that escape
+what they draw, why a log shows nothing, a backfill's picked times, and the last day's
+activity read from the runs table."""
 
 from __future__ import annotations
 
@@ -17,8 +19,8 @@ from kandevd.store.runs import RunRepository
 from kandevd.store.runs.activity import read_activity
 from kandevd.timeutil import rfc3339
 from kandevd.web.auth import Guard, split_host
-from kandevd.web.charts import Lane, Series, line_chart, timeline
-from kandevd.web.context import duration, time_element
+from kandevd.web.charts import Lane, Series, count_ticks, line_chart, spend_bar, timeline
+from kandevd.web.context import duration, time_element, times_in
 from kandevd.web.views.runs import attempts_of, explain_in_words
 from kandevd.web.views.schedule_form import place_errors, schedule_from
 from tests.support.runs import T0, enqueue, seed
@@ -54,10 +56,33 @@ def test_a_methods_problems_go_beside_their_fields() -> None:
     placed = place_errors(
         "workflow 'w': schedule 'x': timezone: unknown time zone 'Mars'; schedule 'x': "
         "group_ids: unknown group(s) 'nope' (available: g1)")
-    assert list(placed) == ["timezone", "group_ids"]
+    assert placed == {"timezone": ["Unknown time zone 'Mars'"],
+                      "group_ids": ["Unknown group(s) 'nope' (available: g1)"]}
     assert place_errors("params.schedule.jitter_s: -1 is less than the minimum of 0") == {
-        "jitter_s": ["params.schedule.jitter_s: -1 is less than the minimum of 0"]}
-    assert list(place_errors("workflow 'w' has no such thing")) == ["_"]
+        "jitter_s": ["-1 is less than the minimum of 0"]}
+    assert place_errors("workflow 'w' has no such thing") == {
+        "_": ["Workflow 'w' has no such thing"]}
+
+
+@pytest.mark.parametrize(("message", "said"), [
+    ("workflow 'w': schedule 'x': cron_expression: '0 99 * * *' is not a valid 5-field cron "
+     "expression: hour field '99': 99 is out of range 0-23",
+     "'0 99 * * *' is not a valid cron expression: in its hour field ('99'), 99 is out of "
+     "range 0-23"),
+    ("params.schedule.cron_expression: '0 9 * *' is not a valid 5-field cron expression: "
+     "Wrong number of fields; got 4, expected 5",
+     "'0 9 * *' is not a valid cron expression: it has 4 field(s); a cron expression has 5 "
+     "(minute, hour, day of month, month, day of week), or is one of @hourly, @daily, "
+     "@weekly, @monthly, @yearly"),
+    ("workflow 'w': schedule 'x': cron_expression: '0 9 * * fry' is not a valid 5-field "
+     "cron expression: day-of-week field 'fry': 'fry' is not a number 0-7 or a name "
+     "sun-sat; schedule 'x': cron_expression: '0 9 * * fry' is not a valid 5-field cron "
+     "expression: day-of-week field 'fry': 'fry' is not a number 0-7 or a name sun-sat",
+     "'0 9 * * fry' is not a valid cron expression: in its day of week field ('fry'), "
+     "'fry' is not a number 0-7 or a name sun-sat"),
+])
+def test_a_cron_problem_is_said_once_in_words(message: str, said: str) -> None:
+    assert place_errors(message) == {"cron_expression": [said]}
 
 
 def test_the_form_becomes_the_schedule_it_describes() -> None:
@@ -81,6 +106,22 @@ def test_explain_in_words() -> None:
                      "waiting: queued behind run run_0 of the same agent"]
 
 
+def test_a_run_that_is_not_waiting_says_what_happened() -> None:
+    def said(status: str, **run: object) -> str:
+        [words] = explain_in_words({"eligible": False, "blockers": [f"status_{status}"]},
+                                   {"status": status, **run})
+        assert "not waiting in the queue" not in words
+        return words
+    assert said("finished", finished_at="2026-12-05T07:31:23Z", attempt=1,
+                output_summary="drafted") == \
+        "finished at 2026-12-05T07:31:23Z after 1 attempt(s): drafted"
+    assert said("failed", finished_at="T", attempt=3, error_message="exit code 3") == \
+        "failed for good at T after 3 attempt(s): exit code 3; it is in the dead letter " \
+        "(Retry queues it again)"
+    assert said("cancelled", cancel_reason="by hand") == "cancelled: by hand"
+    assert said("claimed", claimed_at="T", attempt=2) == "running since T (attempt 2)"
+
+
 def test_attempts_are_read_from_the_logs_frames() -> None:
     log = ("[kandevd] ==== attempt 1 started 2026-12-05T07:31:22Z ====\nout\n"
            "[kandevd] ==== attempt 1 ended 2026-12-05T07:31:23Z: failed (exit code 1) ====\n"
@@ -101,12 +142,80 @@ def test_times_and_durations() -> None:
         "—", "3.2s", "4m 05s", "2h 10m", "3d 0h"]
 
 
+def test_times_inside_a_sentence_are_shown_as_times() -> None:
+    shown = str(times_in("fires at 2026-12-06T09:00:00.000000Z <b>, held until "
+                         "2026-12-06T10:00:00+01:00"))
+    assert shown == (
+        'fires at <time datetime="2026-12-06T09:00:00Z" title="2026-12-06 09:00:00 UTC">'
+        '2026-12-06 09:00:00 UTC</time> &lt;b&gt;, held until <time datetime="2026-12-06T'
+        '09:00:00Z" title="2026-12-06 09:00:00 UTC">2026-12-06 09:00:00 UTC</time>')
+    assert str(times_in(None)) == "" and str(times_in("<i>")) == "&lt;i&gt;"
+
+
 def test_charts_escape_what_they_draw() -> None:
-    chart = str(line_chart("<b>", [Series("<i>", "ok", [1, 2, 3])]))
+    chart = str(line_chart("<b>", [Series("<i>", "ok", [1, 2, 3])], unit="<u>"))
     assert "<b>" not in chart and "&lt;b&gt;" in chart and "&lt;i&gt;" in chart
+    assert "<u>" not in chart and "&lt;u&gt;" in chart
     lanes = str(timeline([Lane('"><script>', "/x?a=1&b=2", [0.1, 0.5]),
                           Lane("dense", "/y", [0.0] * 60, dense=60)]))
     assert "<script>" not in lanes and "a=1&amp;b=2" in lanes and "more than 60 fires" in lanes
+
+
+@pytest.mark.parametrize(("peak", "ticks"), [
+    (0, [0, 1]), (1, [0, 1]), (3, [0, 1, 2, 3]), (5, [0, 2, 4, 6]), (10, [0, 5, 10]),
+    (14, [0, 5, 10, 15]), (33, [0, 10, 20, 30, 40]), (950, [0, 500, 1000])])
+def test_counts_tick_at_whole_numbers(peak: int, ticks: list[int]) -> None:
+    assert count_ticks(peak) == ticks
+
+
+def test_a_chart_names_its_units_and_its_legend_says_what_it_is_told() -> None:
+    depth = [0] * 100 + [4, 6, 10, 10]  # per minute; 24 "queued" if summed
+    chart = str(line_chart("Queue depth", [Series("queued", "info", depth, "10 now")],
+                           unit="runs queued"))
+    assert "queued: 10 now" in chart and "queued: 24" not in chart
+    assert "runs queued" in chart and "hours before now" in chart
+    ticks = chart.split('class="y-ticks"', 1)[1].split("</div>", 1)[0]
+    assert ticks.count("<span>") == 3 and "<span>10</span>" in ticks and "." not in ticks
+    summed = str(line_chart("Ended", [Series("finished", "ok", [1, 2, 2])], unit="per min"))
+    assert "finished: 5" in summed  # without a legend of its own: the span's total
+
+
+def test_a_spend_bar_says_its_percentage_and_names_its_threshold() -> None:
+    bar = str(spend_bar(19, 100, 40))
+    assert "19%" in bar and "alert at 40%" in bar and 'class="threshold"' in bar
+    assert "alert at" not in str(spend_bar(150, 100, None)) and "150%" in str(
+        spend_bar(150, 100, None))
+
+
+def test_an_empty_log_says_why(tmp_path) -> None:
+    from kandevd.web.logs import readable_log
+
+    class Console:
+        home = tmp_path
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "empty.log").write_text("")
+    (logs / "some.log").write_text("hello\n")
+    (tmp_path / "outside.log").write_text("secret\n")
+    states = {name: readable_log(Console(), raw)["state"] for name, raw in [
+        ("none", None), ("refused", str(tmp_path / "outside.log")),
+        ("missing", str(logs / "gone.log")), ("empty", str(logs / "empty.log")),
+        ("ok", str(logs / "some.log"))]}
+    assert states == {name: name for name in states}
+    assert readable_log(Console(), str(tmp_path / "outside.log"))["text"] == ""
+
+
+def test_a_backfills_picked_times_are_read_in_the_browsers_zone() -> None:
+    from kandevd.control.protocol import InvalidParams
+    from kandevd.web.views.job import moment
+
+    assert moment("2026-12-01T09:00", "Europe/Paris") == "2026-12-01T08:00:00.000000Z"
+    assert moment("2026-07-01T09:00:30", "Europe/Paris") == "2026-07-01T07:00:30.000000Z"
+    assert moment("2026-12-01T09:00", "") == "2026-12-01T09:00:00.000000Z"
+    assert moment(" 2026-12-01T09:00:00Z ", "Europe/Paris") == "2026-12-01T09:00:00Z"
+    assert moment("yesterday", "UTC") == "yesterday"  # the method names the problem
+    with pytest.raises(InvalidParams, match="unknown time zone 'Mars/Olympus'"):
+        moment("2026-12-01T09:00", "Mars/Olympus")
 
 
 @pytest.fixture
@@ -217,3 +326,26 @@ def test_only_our_own_paths_are_redirect_targets(target: str, kept: bool) -> Non
     from kandevd.web.app import safe_back
 
     assert (safe_back(target) == target) is kept
+
+
+def test_a_running_executions_stdout_is_found_by_plain_ids_only(tmp_path) -> None:
+    import os
+
+    from kandevd.web.logs import run_stdout_path, tail, turn_stdout_path
+
+    class Console:
+        home = tmp_path
+    old = tmp_path / "attempts" / "run_1.aaa"
+    new = tmp_path / "attempts" / "run_1.bbb"
+    for folder in (old, new, tmp_path / "turns" / "turn-e1-2"):
+        folder.mkdir(parents=True)
+        (folder / "stdout").write_text(f"out of {folder.name}\n")
+    os.utime(old / "stdout", (1, 1))
+    (tmp_path / "attempts" / "run_1.ccc.stdout").write_text("spent\n")  # a file: passed over
+    assert run_stdout_path(Console(), "run_1") == new / "stdout"
+    assert tail(run_stdout_path(Console(), "run_1"))["text"] == "out of run_1.bbb\n"
+    assert run_stdout_path(Console(), "run_2") is None
+    assert turn_stdout_path(Console(), "e1", 2) == tmp_path / "turns" / "turn-e1-2" / "stdout"
+    for bad in ("../x", "e1/..", "", None, "a.b"):
+        assert turn_stdout_path(Console(), bad, 0) is None
+        assert run_stdout_path(Console(), bad) is None

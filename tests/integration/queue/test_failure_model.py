@@ -226,6 +226,47 @@ def test_attempts_end_in_the_dead_letter_and_runs_retry_brings_a_run_back(
     assert again["error_message"].startswith("gave up after 2 attempts")
 
 
+def test_a_run_waiting_for_its_back_off_is_retrying_not_waiting_in_the_queue(
+        daemon_factory: Factory) -> None:
+    """A failed attempt's run is queued again with a ``scheduled_retry_at``: until then it
+    is counted in ``runs.retrying`` (and ``kandevd_runs_retrying``), never as a queued run
+    waiting to be claimed (``oldest_queued_at``, ``kandevd_oldest_queued_age_seconds``),
+    so a queue-stall alert does not fire for a back-off; once due, it waits like any."""
+    daemon = daemon_factory(config(retry={"max_retries": 100, "delays_s": [10],
+                                          "jitter": 0}))
+    setup_agent(daemon)
+    run = enqueue(daemon, fail=True)
+    daemon.wait_until(lambda: daemon.call("runs.get", {"id": run["id"]})["retry_count"] == 1,
+                      what="the first attempt failed and the run waits for its retry")
+    daemon.call("agents.update", {"id": "a1", "status": "paused"})  # (its retry: not claimed)
+    waiting = daemon.call("runs.get", {"id": run["id"]})
+    assert waiting["status"] == "queued" and waiting["scheduled_retry_at"]
+    assert "retry_at" in daemon.call("runs.explain", {"id": run["id"]})["blockers"]
+    runs = daemon.call("daemon.status")["runs"]
+    assert (runs["queued"], runs["retrying"], runs["oldest_queued_at"]) == (1, 1, None)
+    metrics = run_cli(daemon.home, "metrics").stdout
+    assert "kandevd_runs_retrying 1.0" in metrics
+    assert "kandevd_oldest_queued_age_seconds 0.0" in metrics
+    assert 'kandevd_runs{status="queued"} 1.0' in metrics
+    shown = run_cli(daemon.home, "status").stdout
+    assert "queue    1 queued (none ready; 1 retrying after a back-off), 0 claimed" in shown
+
+    # a run ready to claim (its agent merely paused) is still counted as waiting
+    daemon.call("agents.create", {"id": "a2", "workspace_id": "ws", "name": "a2",
+                                  "status": "paused"})
+    ready = enqueue(daemon, "a2")
+    runs = daemon.call("daemon.status")["runs"]
+    assert (runs["queued"], runs["retrying"]) == (2, 1)
+    assert runs["oldest_queued_at"] == ready["requested_at"]
+    assert "2 queued (1 ready, oldest waiting" in run_cli(daemon.home, "status").stdout
+
+    # its back-off over, the first run waits in the queue again (no commit needed to say so)
+    runs = daemon.wait_until(lambda: (r := daemon.call("daemon.status")["runs"])["retrying"]
+                             == 0 and r, what="the back-off over")
+    assert runs["oldest_queued_at"] == run["requested_at"]
+    assert daemon.call("runs.get", {"id": run["id"]})["status"] == "queued"
+
+
 # -- 4. cancels stick --------------------------------------------------------------------------
 
 

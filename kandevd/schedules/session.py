@@ -47,6 +47,9 @@ log = logging.getLogger("kandevd.scheduler.session")
 MANUAL_STOP_ERROR = "stopped: scheduler.jobs.stop"
 #: How long a turn left running at a shutdown may take to detach before it is stopped.
 DETACH_WAIT_S = 5.0
+#: A turn whose agent started this much after it was sent (it waited for a slot) has its
+#: ``started_at`` written again while it runs (its end writes the exact start anyway).
+RESTAMP_AFTER_S = 1.0
 
 
 class TurnDetached(Exception):
@@ -305,15 +308,18 @@ class Session:
         """Run one turn to its end; return its record (also kept in the entry)."""
         index = self._turn_index
         self._turn_index += 1
+        # ``started_at`` from the moment it is sent, so a turn shown while it runs says
+        # when it began (its agent starts at once unless it waits for a slot).
+        sent = self.clock()
         record: dict[str, Any] = {"index": index, "kind": turn.kind, "message": turn.message,
                                   "workshop_mode": turn.workshop_mode, "status": hist.RUNNING,
-                                  "started_at": None, "duration_ms": None, "log_path": None,
-                                  "cost_cents": 0, "error": None}
+                                  "started_at": rfc3339(sent), "duration_ms": None,
+                                  "log_path": None, "cost_cents": 0, "error": None}
         # Known before it starts, so ``jobs logs --follow`` can show a turn as it runs.
         record["log_path"] = str(self.plan.program.log_path(self, index, turn.kind))
         self.entry["turns"].append(record)
         self._save()
-        result = self._execute(turn, index, record)
+        result = self._execute(turn, index, record, sent)
         if result is not None and result.outcome == DETACHED:
             raise TurnDetached(index)
         if result is not None:
@@ -324,18 +330,19 @@ class Session:
         remove_turn_record(turn_record_dir(self.layout, self.plan.entry_id, index))
         return record
 
-    def _execute(self, turn: TurnSpec, index: int, record: dict[str, Any]
+    def _execute(self, turn: TurnSpec, index: int, record: dict[str, Any], sent: datetime
                  ) -> ExecutionResult | None:
         plan = self.plan
         try:
             profile = self._config.profile(plan.program.agent_profile)
         except UnknownProfile as exc:
-            record.update(status=hist.ERROR, error=str(exc))
+            record.update(status=hist.ERROR, error=str(exc), started_at=None)
             return None
         try:
             ensure_dir(turn.cwd)  # 0700 for the parents it creates too
         except OSError as exc:
-            record.update(status=hist.ERROR, error=f"cannot create run folder {turn.cwd}: {exc}")
+            record.update(status=hist.ERROR, error=f"cannot create run folder {turn.cwd}: {exc}",
+                          started_at=None)
             return None
         key = turn_key(plan.entry_id, index)
         record_dir = turn_record_dir(self.layout, plan.entry_id, index)
@@ -361,8 +368,12 @@ class Session:
             record.update(status=hist.STOPPED,
                           error=self.control.stop_error or getattr(self._runtime, "held_reason",
                                                                    None)
-                          or "agent runtime is stopping")
+                          or "agent runtime is stopping", started_at=None)
             return None
+        started = self.clock()
+        if (started - sent).total_seconds() >= RESTAMP_AFTER_S:  # it waited for a slot
+            record["started_at"] = rfc3339(started)
+            self._save()
 
         def stop_turn() -> None:
             if self.control.detach:

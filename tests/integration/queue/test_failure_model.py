@@ -109,6 +109,12 @@ def test_an_outcome_the_database_never_took_is_recorded_at_the_next_start(
     second.wait_for_line(f"run {run['id']}: recording the outcome its execution left on disk")
     assert wait_status(second, run["id"], "finished")["output_summary"] == "echoed run"
     assert executions(touch) == [run["id"]]
+    # its log closes the attempt as any other (the daemon that started it could not)
+    shown = run_cli(home, "runs", "logs", run["id"])
+    frames = [line for line in shown.stdout.splitlines() if line.startswith("[kandevd] ====")]
+    assert [line.split()[2:5] for line in frames] == [["attempt", "1", "started"],
+                                                      ["attempt", "1", "ended"]], shown.stdout
+    assert frames[1].endswith(": succeeded ====")
 
 
 def test_a_cooldown_beyond_any_date_is_refused_at_the_api(daemon_factory: Factory) -> None:
@@ -159,6 +165,12 @@ def test_a_kill_after_the_agent_finished_is_recorded_from_its_exit_file(
     second.wait_for_line(f"run {run['id']}: recording the outcome its execution left on disk")
     assert wait_status(second, run["id"], "finished")["output_summary"] == "echoed run"
     assert executions(touch) == [run["id"]]
+    # its log closes the attempt as any other (the daemon that started it could not)
+    shown = run_cli(home, "runs", "logs", run["id"])
+    frames = [line for line in shown.stdout.splitlines() if line.startswith("[kandevd] ====")]
+    assert [line.split()[2:5] for line in frames] == [["attempt", "1", "started"],
+                                                      ["attempt", "1", "ended"]], shown.stdout
+    assert frames[1].endswith(": succeeded ====")
 
 
 def test_keep_agents_on_stop_lets_a_graceful_restart_interrupt_nothing(

@@ -47,6 +47,19 @@ class NotRunning(Exception):
 class StartNotRecorded(Exception):
     """The session's start could not be written (a full disk): it does not start."""
 
+    def __init__(self, message: str, path: str | None = None) -> None:
+        super().__init__(message)
+        #: The file that could not be written.
+        self.path = path
+
+
+def not_recorded(exc: OSError) -> StartNotRecorded:
+    """Why a session did not start, naming the file that could not be written."""
+    path = str(exc.filename) if exc.filename else None
+    where = f" ({path})" if path else ""
+    return StartNotRecorded(f"its start could not be recorded: {exc.strerror or exc}{where}",
+                            path)
+
 
 class RunnerClosed(Exception):
     def __str__(self) -> str:
@@ -179,15 +192,13 @@ class SessionRunner:
         try:
             session.begin()
         except OSError as exc:
-            raise StartNotRecorded(f"its start could not be recorded: "
-                                   f"{exc.strerror or exc} ({exc.filename or ''})".replace(
-                                       " ()", "")) from None
+            raise not_recorded(exc) from None
         try:
             job.source.started(job, utc_now())
         except OSError as exc:
-            reason = f"its start could not be recorded: {exc.strerror or exc}"
-            session.abandon(f"not started: {reason}")  # kept in memory until it lands
-            raise StartNotRecorded(reason) from None
+            refused = not_recorded(exc)
+            session.abandon(f"not started: {refused}")  # kept in memory until it lands
+            raise refused from None
         # The newest run is this one from now on (a replaced one's are history).
         job.state.last_run_at = session.entry["started_at"]
         job.state.last_session_id = session.plan.session_id

@@ -12,6 +12,7 @@ of idle jobs cost nothing between ticks.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Iterable
@@ -342,15 +343,23 @@ class ProductSource:
 
     # -- a user's override and activity ---------------------------------------------
     def set_enabled(self, job: Job, enabled: bool, now: datetime) -> Job:
-        """The user's override; product.yaml is not touched."""
+        """The user's override; product.yaml is not touched. OSError (naming the user's
+        state file) when it cannot be written: then nothing changed."""
         with self._lock:
+            before = dataclasses.replace(job.state)
             job.state.enabled = enabled
             job.state.next_check = None
             job.state.held_until = None
             passed = job.state.next_fire
             if enabled and passed is not None and passed <= now:
                 job.state.next_fire = None  # what passed while off is not kept for later
-        self.save([job])
+        try:
+            self.save([job], strict=True)
+        except OSError:
+            with self._lock:
+                job.state.enabled, job.state.next_check = before.enabled, before.next_check
+                job.state.held_until, job.state.next_fire = before.held_until, before.next_fire
+            raise
         return job
 
     def change(self, job: Job, fields: dict[str, Any] | None, now: datetime) -> Job | None:
@@ -365,17 +374,20 @@ class ProductSource:
                 raise JobNotFound(f"no product {profile_id!r} (products: {known})")
             if user_id not in self._users:
                 raise JobNotFound(f"no user {user_id!r} in {catalog.USERS_FILE}")
+
+        def change(state: dict[str, Any]) -> None:
+            state["activity"][profile_id] = rfc3339(at)
+        # Stored first: a state file that cannot be written (OSError) changes nothing.
+        UserState(self.root, user_id, on_corrupt=self._on_corrupt).update(change)
+        with self._lock:
             self._activity[(user_id, profile_id)] = at
             for job in self.registry.of("products").values():
                 if job.spec.user.id == user_id and job.spec.product.profile_id == profile_id:
                     job.state.next_check = None
 
-        def change(state: dict[str, Any]) -> None:
-            state["activity"][profile_id] = rfc3339(at)
-        UserState(self.root, user_id, on_corrupt=self._on_corrupt).update(change)
-
-    def save(self, jobs: Iterable[Job]) -> None:
-        """Write the jobs' bookkeeping into their users' state files (one write per user)."""
+    def save(self, jobs: Iterable[Job], *, strict: bool = False) -> None:
+        """Write the jobs' bookkeeping into their users' state files (one write per user);
+        a file that cannot be written is logged (``strict``: raised, as OSError)."""
         by_user: dict[str, list[Job]] = {}
         for job in jobs:
             by_user.setdefault(job.spec.user.id, []).append(job)
@@ -389,6 +401,8 @@ class ProductSource:
             try:
                 UserState(self.root, user_id, on_corrupt=self._on_corrupt).update(change)
             except OSError as exc:
+                if strict:
+                    raise
                 log.error("cannot write the product state of user %s: %s", user_id, exc)
 
 

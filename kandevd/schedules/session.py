@@ -16,7 +16,10 @@ the entry is recorded ``stopped``. A turn runs with an execution record in
 ``<home>/turns/<key>/`` as a queued run does in its attempt folder, so a
 shutdown with ``runtime.keep_agents_on_stop`` leaves it running (the entry
 stays ``running``) and the next daemon adopts it
-(:mod:`kandevd.schedules.adopted`).
+(:mod:`kandevd.schedules.adopted`). The record is removed only once the turn's
+outcome is on the entry (a full disk delays that write), so whatever stops the
+daemon first, the next start finds the turn's end
+(:mod:`kandevd.schedules.stranded`).
 """
 
 from __future__ import annotations
@@ -300,8 +303,8 @@ class Session:
             return self.control.stop_status, self.control.stop_error
         return None
 
-    def _save(self) -> None:
-        self._history.update_entry(self.plan.entry_id, copy.deepcopy(self.entry))
+    def _save(self, after: Callable[[], None] | None = None) -> None:
+        self._history.update_entry(self.plan.entry_id, copy.deepcopy(self.entry), after)
 
     # -- one turn -------------------------------------------------------------------
     def turn(self, turn: TurnSpec) -> dict[str, Any]:
@@ -325,9 +328,11 @@ class Session:
         if result is not None:
             apply_result(record, result, stop_requested=self.control.stop_requested)
         self.entry["cost_cents"] = sum(t.get("cost_cents") or 0 for t in self.entry["turns"])
-        self._save()
-        # Once its outcome is on the entry (a crash before that settles it from here).
-        remove_turn_record(turn_record_dir(self.layout, self.plan.entry_id, index))
+        # The record goes once the turn's outcome is on the entry, which a full disk may
+        # delay (the write is kept until it lands); a daemon that stops before then
+        # leaves the record, and the next start settles the turn from it.
+        record_dir = turn_record_dir(self.layout, self.plan.entry_id, index)
+        self._save(after=lambda: remove_turn_record(record_dir))
         return record
 
     def _execute(self, turn: TurnSpec, index: int, record: dict[str, Any], sent: datetime

@@ -334,6 +334,10 @@ class ProductSource:
                 timing.apply(job, decision, now, self._last_active(job))
         self.save([job])
 
+    def reseed(self, job: Job, without: str | None) -> None:
+        """Nothing to forget: a product job's bookkeeping (the user's state file) never
+        took in a run its daemon did not see end."""
+
     def skipped(self, job: Job, now: datetime) -> None:
         """A due occurrence that did not run is not kept for later; the following one is
         computed as if a run started now."""

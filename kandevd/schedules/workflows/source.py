@@ -291,6 +291,17 @@ class WorkflowSource:
     def finished(self, job: Job, entry: dict[str, Any]) -> None:
         job.state.record(entry)
 
+    def reseed(self, job: Job, without: str | None) -> None:
+        """The state was seeded from the history with ``without`` counted as it read at
+        start (interrupted: a failure): seeded again from the others."""
+        entries = [e for e in hist.latest_by_schedule(self.history(job).entries()).get(
+            job.spec.schedule.id, []) if e.get("id") != without]
+        fresh = seed_state(entries)
+        for name in ("last_status", "last_run_at", "last_session_id", "last_error",
+                     "last_duration_ms", "run_count", "consecutive_failures",
+                     "last_success_at"):
+            setattr(job.state, name, getattr(fresh, name))
+
     def skipped(self, job: Job, now: datetime) -> None:
         """Nothing to keep: the following fire was computed when this one came due."""
 

@@ -19,7 +19,7 @@ import yaml
 from kandevd.control.client import RpcCallError
 from kandevd.timeutil import utc_now
 from tests.support.daemon import DaemonProcess, run_cli
-from tests.support.workflows import recorder_config, schedule, write_workflow
+from tests.support.workflows import recorder_config, records, schedule, write_workflow
 
 pytestmark = pytest.mark.integration
 
@@ -60,6 +60,12 @@ def fill(root: Path) -> Path:
 def entries(daemon: DaemonProcess) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = daemon.call("scheduler.jobs.runs", {"id": JOB})["items"]
     return items
+
+
+def turn_records(daemon: DaemonProcess) -> list[str]:
+    """The execution records of turns in the home (kept until their outcome is written)."""
+    folder = daemon.home / "turns"
+    return sorted(p.name for p in folder.iterdir()) if folder.exists() else []
 
 
 def test_a_full_root_refuses_starts_and_loses_no_record(
@@ -108,11 +114,13 @@ def test_a_full_root_refuses_starts_and_loses_no_record(
         return next(e for e in entries(daemon) if e["session_id"] == started["session_id"])
     daemon.wait_for_line(f"session {started['session_id']} of {JOB} ended")
     assert ours()["status"] == "running"  # the file could not take its end
+    assert turn_records(daemon)  # (kept until the turn's outcome is on the entry)
     filler.unlink()
     recorded = daemon.wait_until(lambda: ours()["status"] == "stopped" and ours(),
                                  what="the kept entry written once space returned",
                                  timeout=30)
     assert recorded["error"] == "stopped: scheduler.jobs.stop"
+    daemon.wait_until(lambda: turn_records(daemon) == [], what="the turn's record removed")
     assert "Traceback" not in daemon.log_text
     assert daemon.stop() == 0
 
@@ -174,3 +182,38 @@ def test_a_change_asked_on_a_full_root_answers_unavailable_with_the_path(
     assert daemon.call("scheduler.jobs.disable", {"id": "product:helper:brief"}
                        )["enabled"] is False
     assert daemon.stop() == 0
+
+
+def test_a_stop_on_a_full_root_keeps_the_turns_record_for_the_next_start(
+        small_root: Path, tmp_path: Path, daemon_factory: Callable[..., DaemonProcess]
+        ) -> None:
+    """The session succeeds while its writes fail; the daemon stops before space returns,
+    so they are lost with it, but the turn's record stays (on the home's own file system)
+    and the next start records the run's real end from it: a success, not an error."""
+    write_workflow(small_root, "w", [schedule("s", "0 0 1 1 *", messages=["HOLD"],
+                                              workshop_mode="workshop")])
+    record = tmp_path / "record.jsonl"
+    config = {**recorder_config(record), "scheduler": {"root": str(small_root)}}
+    daemon = daemon_factory(config, home=tmp_path / "home")
+    started = daemon.call("scheduler.jobs.trigger", {"id": JOB})
+    daemon.wait_until(Path(str(record) + ".held").exists, what="the turn's agent holding")
+    filler = fill(small_root)
+    Path(str(record) + ".release").touch()
+    daemon.wait_for_line(f"session {started['session_id']} of {JOB} ended: success")
+    assert entries(daemon)[0]["status"] == "running"  # what the file could take
+    assert daemon.stop() == 0
+    daemon.wait_for_line("history write(s) could not be written before the stop")
+    assert (daemon.home / "turns" / f"turn-{started['run_id']}-0" / "record.json").exists()
+
+    filler.unlink()
+    daemon.start()
+    daemon.wait_for_line("settled 1 scheduled turn(s)")
+    [entry] = entries(daemon)
+    assert (entry["status"], entry["error"]) == ("success", None), entry
+    [turn] = entry["turns"]
+    assert (turn["status"], turn["exit_code"], turn["output"]) == ("success", 0, "did HOLD")
+    job = daemon.call("scheduler.jobs.get", {"id": JOB})
+    assert (job["last_status"], job["consecutive_failures"]) == ("success", 0)
+    assert turn_records(daemon) == []
+    assert [r["stdin"]["message"] for r in records(record)] == ["HOLD"]  # run once
+    assert "Traceback" not in daemon.log_text

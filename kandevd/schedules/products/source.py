@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from kandevd.jsonfile import CorruptFile
 from kandevd.schedules import history as hist
 from kandevd.schedules.jobs import Job, JobNotFound, UserNeeded, last_success
+from kandevd.schedules.options import jitter_delay
 from kandevd.schedules.products import catalog, timing
 from kandevd.schedules.products.catalog import Product, User
 from kandevd.schedules.products.program import ProductProgram, failed_message, resume_index
@@ -122,7 +123,8 @@ class ProductSource:
 
         ``now`` is given at start: a pending cron occurrence whose time fell while no
         daemon ran (after ``last_seen``) is not replayed, as for workflow schedules;
-        one a running daemon had already seen (held by the quiet rule) is kept. The
+        one a running daemon had already seen (held by the quiet rule) is kept, and so
+        is a jittered one whose start (its time plus its delay) is still ahead. The
         jobs of a product whose file, or of a directory that, has a problem are kept
         from before, ``invalid``.
         """
@@ -181,12 +183,15 @@ class ProductSource:
             [e for e in self.history(job).entries()
              if isinstance(e, dict) and e.get("schedule_id") == spec.schedule.id])
         missed = job.state.next_fire
+        # (a jittered occurrence's time is its start: one still ahead waits for it)
+        start = missed + jitter_delay(job.key, missed, spec.schedule.options.jitter_s) \
+            if missed is not None else None
         if now is not None and spec.schedule.cron_expression is not None \
-                and missed is not None and missed <= now \
-                and (last_seen is None or missed > min(last_seen, now)):
+                and missed is not None and start is not None and start <= now \
+                and (last_seen is None or start > min(last_seen, now)):
             job.state.missed_while_down += 1
             window = spec.schedule.options.catchup_window_s
-            if window and (now - missed).total_seconds() <= window:
+            if window and (now - start).total_seconds() <= window:
                 log.info("%s: occurrence of %s missed while the daemon was down; within "
                          "catchup_window_s: run once now", job.key, rfc3339(missed))
                 job.state.catchup = [missed]

@@ -68,13 +68,16 @@ def replace_atomically(path: Path, text: str, *, durable: bool, mode: int | None
             mode = os.stat(path).st_mode & 0o7777
         except OSError:
             mode = 0o600
-    if unique_temp:
-        fd, temp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
-        temp = Path(temp_name)
-        os.fchmod(fd, mode)
-    else:
-        temp = folder / f".{path.name}.tmp"
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+    try:
+        if unique_temp:
+            fd, temp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+            temp = Path(temp_name)
+            os.fchmod(fd, mode)
+        else:
+            temp = folder / f".{path.name}.tmp"
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+    except OSError as exc:
+        raise naming(exc, path) from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
@@ -82,14 +85,25 @@ def replace_atomically(path: Path, text: str, *, durable: bool, mode: int | None
                 handle.flush()
                 os.fsync(handle.fileno())
         os.replace(temp, path)
-    except BaseException:
+    except BaseException as exc:
         try:
             os.unlink(temp)
         except OSError:
             pass
+        if isinstance(exc, OSError):
+            raise naming(exc, path) from None
         raise
     if durable:
         fsync_dir(folder)
+
+
+def naming(exc: OSError, path: Path) -> OSError:
+    """``exc`` as an OSError of the same errno that names ``path``, the file that could not
+    be written (a write on a descriptor, or to a temp file, names none or the wrong one),
+    so whoever reports it says which file (a full disk: "No space left on device")."""
+    if exc.errno is None:
+        return exc
+    return OSError(exc.errno, exc.strerror or str(exc), str(path))
 
 
 def write_json(path: Path, document: Any, *, durable: bool) -> None:

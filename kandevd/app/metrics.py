@@ -124,7 +124,8 @@ class _StatusCollector(Collector):
     def _runs(runs: dict[str, Any]) -> Iterator[Metric]:
         by_status = GaugeMetricFamily("kandevd_runs", "Runs by status", labels=["status"])
         for name, value in runs.items():
-            if isinstance(value, int) and name not in ("unrecorded_outcomes", "adopted"):
+            if isinstance(value, int) and name not in ("unrecorded_outcomes", "adopted",
+                                                       "retrying"):
                 by_status.add_metric([name], value)
         yield by_status
         oldest = runs.get("oldest_queued_at")
@@ -132,8 +133,12 @@ class _StatusCollector(Collector):
         if oldest:
             age = max(0.0, (utc_now() - parse_rfc3339(oldest)).total_seconds())
         yield GaugeMetricFamily("kandevd_oldest_queued_age_seconds",
-                                "Age of the oldest queued run (0 when none is queued)",
+                                "Age of the oldest queued run ready to claim (0 when none "
+                                "is): a run waiting for its retry back-off is not counted",
                                 value=age)
+        yield GaugeMetricFamily("kandevd_runs_retrying",
+                                "Queued runs waiting for their retry back-off "
+                                "(scheduled_retry_at)", value=runs.get("retrying", 0))
         yield GaugeMetricFamily("kandevd_unrecorded_outcomes",
                                 "Outcomes the database has not accepted yet",
                                 value=runs.get("unrecorded_outcomes", 0))

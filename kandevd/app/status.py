@@ -3,8 +3,9 @@
 Polled often (monitors, ``kandevd wait``, the benchmarks), so the parts read
 from the database are read again only after something committed: while the
 store's change marker stays the same (a daemon idle between runs), the same
-answer is given without a query. Each part that cannot be read is left out:
-status must answer, whatever the store does.
+answer is given without a query, until a run waiting for its retry back-off
+becomes ready to claim (that changes the answer without a commit). Each part
+that cannot be read is left out: status must answer, whatever the store does.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from kandevd.runtime import AgentRuntime
 from kandevd.schedules.loop import CronLoop
 from kandevd.store.base import BaseStore
 from kandevd.store.runs.retention import db_status
+from kandevd.timeutil import parse_rfc3339, utc_now
 
 if TYPE_CHECKING:
     from kandevd.cluster import Cluster
@@ -83,6 +85,7 @@ class StatusReporter:
             # ``failed`` is the dead letter: runs that used their attempts or retries.
             result["runs"] = {**stored["runs"], "unrecorded_outcomes": self.queue.unrecorded(),
                               "adopted": self.queue.restorer.adopted_total,
+                              "retrying": stored["retrying"],
                               "oldest_queued_at": stored["oldest_queued_at"]}
         result["scheduler"] = self.cron.status()
         if self.cluster is not None and not store.closed:
@@ -105,9 +108,11 @@ class StatusReporter:
         # A shared store: other daemons write too, and nothing cheap tells when: read each time.
         generation = store.change_marker()
         cached = self._cache
-        if generation is not None and cached is not None and cached[0] == generation:
+        now = utc_now()
+        if generation is not None and cached is not None and cached[0] == generation \
+                and (cached[1]["ready_until"] is None or now < cached[1]["ready_until"]):
             return cached[1]
-        parts: dict[str, Any] = {}
+        parts: dict[str, Any] = {"ready_until": None}
         try:
             parts["db"] = db_status(store, self.config.queue.retention_days)
         except sqlite3.DatabaseError as exc:  # damage or a full disk: the store says so
@@ -116,7 +121,11 @@ class StatusReporter:
             log.exception("daemon.status: reading the database size failed")
         try:
             parts["runs"] = self.queue.counts()
-            parts["oldest_queued_at"] = self.queue.repo.oldest_queued_at()
+            # A run waiting for its retry back-off is not waiting to be claimed: it is
+            # counted apart, and the answer holds until the first of them is due.
+            parts["retrying"], first_retry = self.queue.repo.retrying(now)
+            parts["oldest_queued_at"] = self.queue.repo.oldest_queued_at(now)
+            parts["ready_until"] = parse_rfc3339(first_retry) if first_retry else None
         except sqlite3.DatabaseError as exc:
             log.debug("daemon.status: the runs cannot be counted: %s", exc)
             parts.pop("runs", None)

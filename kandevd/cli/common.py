@@ -70,10 +70,11 @@ def invoke(home: str | None, socket_path: str | None, method: str,
         sys.exit(exits.UNAVAILABLE)
     except RpcCallError as exc:
         ctx = click.get_current_context(silent=True)
-        if ctx is not None and ctx.params.get("as_json") is False:
-            click.echo(f"kandevd: {error_line(exc.error, ctx.command)}", err=True)
-        else:  # --json, and the raw `call`, keep the JSON-RPC error object
+        if ctx is None or ctx.params.get("as_json") or ctx.command.name == "call":
+            # --json, and the raw `call`, keep the JSON-RPC error object
             click.echo(json.dumps(exc.error, indent=2), err=True)
+        else:  # every other command (with a --json option or without): one line
+            click.echo(f"kandevd: {error_line(exc.error, ctx.command)}", err=True)
         sys.exit(exits.ERROR)
 
 

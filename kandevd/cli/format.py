@@ -102,6 +102,25 @@ def duration(ms: int | float | None) -> str:
     return span(int(seconds))
 
 
+def queue_line(runs: dict[str, Any], now: datetime | None = None) -> str:
+    """``daemon.status.runs`` in one line: the queued runs ready to claim (and how long
+    the oldest has waited) apart from those waiting for a retry back-off."""
+    queued, retrying = runs.get("queued", 0), runs.get("retrying", 0)
+    waits = []
+    if retrying:
+        ready = queued - retrying
+        waits.append(f"{ready} ready" if ready > 0 else "none ready")
+    if runs.get("oldest_queued_at"):
+        age = ((now or utc_now()) - parse_rfc3339(runs["oldest_queued_at"])).total_seconds()
+        waits.append(f"oldest waiting {max(age, 0):.0f}s")
+    said = ", ".join(waits)
+    if retrying:
+        said += f"; {retrying} retrying after a back-off"
+    return (f"{queued} queued" + (f" ({said})" if said else "") +
+            f", {runs.get('claimed', 0)} claimed, {runs.get('failed', 0)} failed (dead "
+            f"letter), {runs.get('finished', 0)} finished")
+
+
 def json_option(func: Callable[..., Any]) -> Callable[..., Any]:
     return click.option("--json", "as_json", is_flag=True,
                         help="Print the raw JSON result.")(func)

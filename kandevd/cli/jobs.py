@@ -1,10 +1,10 @@
 """``kandevd jobs ...``: friendly wrappers over the ``scheduler.jobs.*`` methods.
 
 Tables and aligned fields by default, the raw result with ``--json``. Errors
-keep ``invoke()``'s behaviour (the JSON-RPC error on stderr, exit 1; exit 69
-when no daemon listens). ``jobs next --cron`` needs no daemon: it is computed
-here, as the daemon would. The commands that change a job are in
-jobs_change.py, ``jobs logs`` in jobs_logs.py.
+keep ``invoke()``'s behaviour (one ``kandevd: ...`` line on stderr, the JSON-RPC
+error object with ``--json``; exit 1, or 69 when no daemon listens). ``jobs next
+--cron`` needs no daemon: it is computed here, as the daemon would. The commands
+that change a job are in jobs_change.py, ``jobs logs`` in jobs_logs.py.
 """
 
 from __future__ import annotations

@@ -44,19 +44,22 @@ def job_logs(job_id: str, entry_id: str | None, user_id: str | None, follow: boo
              home: str | None, socket_path: str | None) -> None:
     """Print a scheduled run's turns with their logs (the newest run by default)."""
     ref = {"id": job_id, **({"user_id": user_id} if user_id else {})}
+    # The job as the daemon names it (a bare schedule id given here is not its id).
+    job = invoke(home, socket_path, "scheduler.jobs.get", ref)
+    name = str(job.get("id")) + (f" (user {job['user_id']})" if job.get("user_id") else "")
 
     def fetch() -> dict[str, Any]:
         page = invoke(home, socket_path, "scheduler.jobs.runs", {**ref, "limit": HISTORY_PAGE})
         entry = _pick(page["items"], entry_id)
         if entry is None:
-            what = f"no run {entry_id!r} of {job_id}" if entry_id else f"{job_id} has no run yet"
+            what = f"no run {entry_id!r} of {name}" if entry_id else f"{name} has no run yet"
             click.echo(f"kandevd: {what} (see `kandevd jobs runs {job_id}`)", err=True)
             sys.exit(exits.ERROR)
         return entry
 
     entry = fetch()
     entry_id = entry.get("id")
-    click.echo(f"[kandevd] run {entry.get('id')} of {job_id}: {entry.get('trigger_source')}, "
+    click.echo(f"[kandevd] run {entry.get('id')} of {name}: {entry.get('trigger_source')}, "
                f"session {entry.get('session_id')}, started {entry.get('started_at')}")
     printer = _TurnPrinter()
     while True:

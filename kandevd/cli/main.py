@@ -16,7 +16,7 @@ import click
 from kandevd import __version__, exits
 from kandevd.cli.common import client_options, config_option, echo_json, home_option, invoke
 from kandevd.cli.db import db
-from kandevd.cli.format import json_option
+from kandevd.cli.format import json_option, queue_line
 from kandevd.cli.init import init
 from kandevd.cli.jobs import jobs
 from kandevd.cli.methods import methods
@@ -29,7 +29,6 @@ from kandevd.cli.wait import wait
 from kandevd.cli.web import web
 from kandevd.config import ConfigError, load_config
 from kandevd.paths import HomeLayout, resolve_home
-from kandevd.timeutil import parse_rfc3339, utc_now
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -118,12 +117,7 @@ def status(home: str | None, socket_path: str | None, as_json: bool) -> None:
     click.echo(f"runtime  {runtime['active']}/{runtime['max_concurrent']} slots busy")
     runs = result.get("runs")
     if runs:
-        oldest = ""
-        if runs.get("oldest_queued_at"):
-            age = (utc_now() - parse_rfc3339(runs["oldest_queued_at"])).total_seconds()
-            oldest = f" (oldest waiting {max(age, 0):.0f}s)"
-        click.echo(f"queue    {runs['queued']} queued{oldest}, {runs['claimed']} claimed, "
-                   f"{runs['failed']} failed (dead letter), {runs['finished']} finished")
+        click.echo(f"queue    {queue_line(runs)}")
     store = result.get("store") or {}
     if store.get("status") == "degraded":
         click.echo(f"store    DEGRADED: {store.get('reason')}")

@@ -3,8 +3,10 @@
 Errors are values from a closed set (the supervisor habit): a handler raises
 one of the :class:`RpcError` subclasses below, the server turns it into the
 ``error`` member of the response. A ``sqlite3.DatabaseError`` that escapes a
-handler is :class:`Unavailable`; anything else a handler raises is logged
-with its traceback and answered as -32603 "internal error" without one.
+handler is :class:`Unavailable`, and so is an ``OSError`` (a file the method
+needed: a full disk, an I/O error), with the file's path; anything else a
+handler raises is logged with its traceback and answered as -32603 "internal
+error" without one.
 
 Every request line gets a precise answer: text that is not UTF-8 or holds an
 unpaired surrogate (raw or as a ``\\ud800`` escape), ``NaN``/``Infinity``,
@@ -103,6 +105,20 @@ class Unavailable(RpcError):
     """The store failed (locked, corrupt, disk full, gone): nothing the caller did."""
 
     kind = "unavailable"
+
+
+def file_unavailable(exc: OSError, *, writing: bool = False) -> Unavailable:
+    """A file the method needed that the file system refused (a full disk, an I/O error,
+    a read-only mount): ``unavailable`` with its path (also as ``data.path``), never
+    -32603, since the file system failed, not the daemon. ``writing``: the method wrote
+    it, atomically, so the file and the daemon's view of it are as they were."""
+    path = str(exc.filename) if exc.filename else None
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    if writing:
+        message = f"cannot write{f' {path}' if path else ''}: {reason}; nothing was changed"
+    else:
+        message = f"{reason} ({path})" if path else reason
+    return Unavailable(message, data={"path": path})
 
 
 def success(request_id: Any, result: Any) -> dict[str, Any]:

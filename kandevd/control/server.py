@@ -37,6 +37,7 @@ from kandevd.control.protocol import (
     Unavailable,
     encode,
     failure,
+    file_unavailable,
     parse_request,
     success,
 )
@@ -425,6 +426,10 @@ class ControlServer:
                 raise Conflict(f"the write conflicts with the stored data: {exc}") from None
             except sqlite3.DatabaseError as exc:
                 raise self._unavailable(name, exc) from None
+            except OSError as exc:  # a file the method needed: a full disk, an I/O error
+                refused = file_unavailable(exc)
+                log.warning("method %s: %s", name, refused.message)
+                raise refused from None
             self.requests_served += 1
             return result
         finally:

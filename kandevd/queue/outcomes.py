@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
 from typing import Any, Protocol
 
 from kandevd.bus import EventBus
@@ -54,6 +55,29 @@ _WRITE_RETRY_MAX_S = 2.0
 #: Refusals (other than a full disk or a busy database) after which an outcome is
 #: recorded as a plain failed attempt instead.
 _PLAIN_OUTCOME_AFTER = 10
+
+
+def note_ended(claim: Claim, result: ExecutionResult, *, once: bool = False) -> None:
+    """The ``==== attempt N ended <time>: <outcome> ====`` line that closes an attempt in
+    its log (``runs logs``). ``once``: unless the log already ends with it (an outcome
+    recorded after a restart, whose daemon may have written it before it died)."""
+    line = f"==== attempt {claim.run.attempt} ended "
+    if once and _last_line(result.log_path).startswith(f"[kandevd] {line}"):
+        return
+    ending = result.outcome + (f" ({result.error})" if result.error else "")
+    append_note(result.log_path, f"{line}{rfc3339(result.ended_at)}: {ending} ====")
+
+
+def _last_line(path: Path) -> str:
+    """The last non-empty line of a log ('' when it cannot be read)."""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(max(0, handle.seek(0, 2) - 4096))
+            tail = handle.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    lines = [line for line in tail.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
 
 
 class Observer(Protocol):
@@ -129,9 +153,7 @@ class OutcomeRecorder:
         """
         directory = self.live.folder(claim)
         if result.outcome != DETACHED:
-            ending = result.outcome + (f" ({result.error})" if result.error else "")
-            append_note(result.log_path, f"==== attempt {claim.run.attempt} "
-                                             f"ended {rfc3339(result.ended_at)}: {ending} ====")
+            note_ended(claim, result)
         if result.outcome == STOPPED:
             attempts.discard(directory)  # cancelled: the run row already says so
         elif result.outcome != DETACHED and not records.exit_file_tells(directory, result):

@@ -21,7 +21,7 @@ from typing import Any
 from kandevd.config import Config
 from kandevd.paths import HomeLayout
 from kandevd.queue.live import LiveRuns, Waker
-from kandevd.queue.outcomes import OutcomeRecorder
+from kandevd.queue.outcomes import OutcomeRecorder, note_ended
 from kandevd.runs.model import Claim
 from kandevd.runtime import INTERRUPTED, AgentRuntime, ExecutionResult, ExecutionSpec, attempts
 from kandevd.runtime.records import (
@@ -138,6 +138,7 @@ class Restorer:
     def _record_restored(self, claim: Claim, result: ExecutionResult) -> None:
         log.info("run %s: recording the outcome its execution left on disk (%s)",
                  claim.run.id, result.outcome)
+        note_ended(claim, result, once=True)  # (its daemon died before closing the attempt)
         with self.live.lock:
             self.live.agents[claim.run.id] = claim.run.agent_id
         self.outcomes.record(claim, result)

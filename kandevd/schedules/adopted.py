@@ -4,13 +4,16 @@ A turn runs with an execution record in ``<home>/turns/<key>/`` (see
 :mod:`kandevd.schedules.session`). When the daemon dies (or stops with
 ``runtime.keep_agents_on_stop``) during a turn, its agent keeps running under
 its shim. The next start marks the entry ``error: interrupted: server
-restarted``, as the specification says; then, before the orphan sweep, each
-such turn whose shim still runs is adopted here: the runtime waits for it
+restarted`` (a stale run, until shown otherwise); then, before the orphan
+sweep, each such turn whose shim still runs is adopted here, and its run is
+not stale: the entry reads ``running`` again, the runtime waits for the turn
 (its profile timeout applies), the job counts as running (no other session of
 it starts meanwhile; ``jobs stop``, its ``timeout_s`` and the shutdown reach
 the turn), and when it ends its real outcome, cost, evaluation and output are
-recorded on the entry, its stdout merged into its log and its record removed.
-A turn that ended meanwhile, or was not adopted, is settled by
+recorded, its stdout merged into its log, its record removed once that is
+written, and the run ends with the turn's outcome (``success`` included),
+which the job's state, notification and ``pause_after_failures`` follow as for
+any run. A turn that ended meanwhile, or was not adopted, is settled by
 :mod:`kandevd.schedules.stranded` on the first tick.
 """
 
@@ -115,29 +118,39 @@ def _adopt(stranded: Stranded, entry: dict[str, Any], position: int,
         conversation = None  # (nothing else runs yet at start: cannot happen)
     runner.hold(plan, control, deadline=deadline, timeout_s=timeout)
 
+    ended: list[dict[str, Any]] = []
+
     def release() -> None:
         if conversation is not None:
             conversation.release()
-        runner.release(plan, history)
+        runner.release(plan, history, ended[0] if ended else None)
 
     def on_done(result: ExecutionResult) -> None:
         try:
-            if result.outcome != DETACHED:
-                _record_end(history, stranded.entry_id, position, result, control)
+            if result.outcome != DETACHED:  # (else it runs on, for the next start)
+                # Its record goes once the outcome is on the entry (see Session.turn).
+                final = _record_end(history, stranded.entry_id, position, result, control,
+                                    after=lambda: remove_turn_record(record.record_dir))
+                if final is not None:
+                    ended.append(final)
+                    log.log(logging.WARNING if final["status"] == hist.ERROR
+                            else logging.INFO, "session %s of %s ended: %s%s",
+                            plan.session_id, job_key, final["status"],
+                            f" ({final['error']})" if final.get("error") else "")
         except Exception:
             log.exception("%s: the end of adopted turn %s could not be recorded",
                           job_key, key)
         finally:
-            if result.outcome != DETACHED:
-                remove_turn_record(record.record_dir)
             release()
 
     try:
         _mark_adopted(history, stranded.entry_id, position)
+        runner.reopened(job_key, entry)
         runtime.adopt(spec, record, on_done)
     except BaseException:
         release()
         _unmark(history, stranded.entry_id, position)
+        runner.reopened(job_key, None)
         raise
     log.info("%s: adopted turn %s of run %s (shim pid %d) left running by the previous "
              "daemon", job_key, key, stranded.entry_id, record.pid)
@@ -160,31 +173,51 @@ def _deadline(registry: JobRegistry, job_key: str, entry: dict[str, Any]
 
 
 def _mark_adopted(history: hist.History, entry_id: str, position: int) -> None:
-    """The turn runs again as far as readers know (the entry stays interrupted)."""
+    """The run goes on here: the entry (marked interrupted at start, stale until its turn
+    was found running) and the turn read ``running`` again."""
     def change(turn: dict[str, Any]) -> None:
         turn.update(status=hist.RUNNING, error=None, adopted_at=rfc3339(utc_now()))
-    _change_turn(history, entry_id, position, change)
+    _change_turn(history, entry_id, position, change, status=hist.RUNNING, error=None,
+                 completed_at=None, duration_ms=None)
 
 
 def _unmark(history: hist.History, entry_id: str, position: int) -> None:
-    """Adoption failed: the turn is interrupted again (its agent is stopped at start)."""
+    """Adoption failed: the run is interrupted again (its agent is stopped at start)."""
     def change(turn: dict[str, Any]) -> None:
         if turn.get("status") == hist.RUNNING:
             turn.update(status=hist.ERROR, error=hist.RESTART_ERROR)
     try:
-        _change_turn(history, entry_id, position, change)
+        _change_turn(history, entry_id, position, change, status=hist.ERROR,
+                     error=hist.RESTART_ERROR, completed_at=rfc3339(utc_now()))
     except Exception:
         log.exception("run %s: its turn could not be marked interrupted again", entry_id)
 
 
 def _record_end(history: hist.History, entry_id: str, position: int,
-                result: ExecutionResult, control: SessionControl) -> None:
+                result: ExecutionResult, control: SessionControl, *,
+                after: Any = None) -> dict[str, Any] | None:
+    """The adopted turn's end, and the run's: its real outcome, as a session ends (a stop
+    as a stop, a timeout as an error); the entry as written (None: it is gone)."""
     def change(turn: dict[str, Any]) -> None:
         apply_result(turn, result, stop_requested=control.stop_requested)
         if turn["status"] == hist.STOPPED and control.stop_status == hist.ERROR:
-            # A timeout: the entry keeps saying the daemon restarted, so the turn says it.
-            turn["status"], turn["error"] = hist.ERROR, control.stop_error
-    _change_turn(history, entry_id, position, change)
+            turn["status"], turn["error"] = hist.ERROR, control.stop_error  # a timeout
+
+    def end(entry: dict[str, Any]) -> dict[str, Any]:
+        if control.stop_requested:
+            status, error = control.stop_status, control.stop_error
+        else:
+            status, error = hist.outcome_after_restart(entry) or (hist.ERROR,
+                                                                  hist.RESTART_ERROR)
+        now = utc_now()
+        try:
+            took = max(0, int((now - parse_rfc3339(str(entry.get("started_at"))))
+                              .total_seconds() * 1000))
+        except ValueError:
+            took = None
+        return {"status": status, "error": error, "completed_at": rfc3339(now),
+                "duration_ms": took}
+    return _change_turn(history, entry_id, position, change, ending=end, after=after)
 
 
 def _conversation(registry: JobRegistry, entry: dict[str, Any]) -> Any:
@@ -200,14 +233,22 @@ def is_entry_id(value: str) -> bool:
     return 0 < len(value) <= 64 and all(c in "0123456789abcdef" for c in value)
 
 
-def _change_turn(history: hist.History, entry_id: str, position: int, change: Any) -> None:
+def _change_turn(history: hist.History, entry_id: str, position: int, change: Any, *,
+                 ending: Any = None, after: Any = None, **fields: Any
+                 ) -> dict[str, Any] | None:
+    """Change one turn of the entry (and the entry's ``fields``; ``ending(entry)``: more
+    fields from the changed entry); the entry as written (None: not in the file)."""
     entry = history.entry(entry_id)
     if entry is None:
-        return
+        return None
     turns = [dict(t) if isinstance(t, dict) else t for t in entry.get("turns") or []]
     if position >= len(turns) or not isinstance(turns[position], dict):
-        return
+        return None
     change(turns[position])
     cost = sum(t.get("cost_cents") or 0 for t in turns if isinstance(t, dict))
-    history.update_entry(entry_id, {**entry, "turns": turns, "cost_cents": cost})
+    changed = {**entry, **fields, "turns": turns, "cost_cents": cost}
+    if ending is not None:
+        changed.update(ending(changed))
+    history.update_entry(entry_id, changed, after)
+    return changed
 

@@ -121,6 +121,30 @@ def _running_turn(entry: dict[str, Any]) -> bool:
         isinstance(t, dict) and t.get("status") == RUNNING for t in turns)
 
 
+def outcome_after_restart(entry: dict[str, Any]) -> tuple[str, str | None] | None:
+    """How a run a previous daemon left ends, judged from its turns as a session judges
+    them as they end (a pulse's outcome never counts): ``(status, error)``. A turn with
+    no recorded end (none found, its record lost: it reads ``error: interrupted: server
+    restarted``) leaves the run interrupted; None while a turn still runs."""
+    turns = [t for t in entry.get("turns") or [] if isinstance(t, dict)]
+    if not turns:
+        return ERROR, RESTART_ERROR
+    for position, turn in enumerate(turns):
+        if turn.get("kind") == "pulse":
+            continue
+        status, error = turn.get("status"), turn.get("error")
+        if status == RUNNING:
+            return None
+        if status == SUCCESS:
+            continue
+        if status == ERROR and error == RESTART_ERROR:
+            return ERROR, RESTART_ERROR
+        if status == STOPPED:
+            return STOPPED, error
+        return ERROR, f"{turn.get('kind')} turn {turn.get('index', position)} failed: {error}"
+    return SUCCESS, None
+
+
 def left_running(entry: Any) -> bool:
     """An entry a dead daemon left running: itself, or a turn of it it had adopted."""
     return isinstance(entry, dict) and (entry.get("status") == RUNNING or _running_turn(entry))
@@ -135,6 +159,9 @@ class PendingWrites:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pending: dict[tuple[Path, str], tuple[History, dict[str, Any]]] = {}
+        #: What waits for a kept write to land (a turn's record, removed only once its
+        #: outcome is on the entry), by the same key.
+        self._after: dict[tuple[Path, str], list[Callable[[], None]]] = {}
         #: One lock per file, held across a write and its bookkeeping, so a retried
         #: (older) write never lands after a newer one of the same entry.
         self._files: dict[Path, threading.Lock] = {}
@@ -150,19 +177,24 @@ class PendingWrites:
             return len(self._pending)
 
     def keep(self, history: History, entry_id: str, fields: dict[str, Any],
-             error: OSError) -> None:
+             error: OSError, after: Callable[[], None] | None = None) -> None:
         with self._lock:
             first = not self._pending
             self._pending[(history.file.path, entry_id)] = (history, fields)
+            if after is not None:
+                self._after.setdefault((history.file.path, entry_id), []).append(after)
         if first:
             log.warning("%s: history write failed (%s); kept in memory and written again "
                         "until it lands", history.file.path, error.strerror or error)
         if self.wake is not None:
             self.wake()
 
-    def forget(self, history: History, entry_id: str) -> None:
+    def forget(self, history: History, entry_id: str) -> list[Callable[[], None]]:
+        """A newer write of the entry landed: nothing of it waits any more; what waited
+        for the kept one (to be called: that write carried its content too)."""
         with self._lock:
             self._pending.pop((history.file.path, entry_id), None)
+            return self._after.pop((history.file.path, entry_id), [])
 
     def flush(self) -> int:
         """Write what is pending; how many writes are still pending."""
@@ -181,12 +213,22 @@ class PendingWrites:
                     continue
                 with self._lock:
                     self._pending.pop(key, None)
+                    after = self._after.pop(key, [])
+            _call(after)
             written += 1
         left = len(self)
         if written:
             log.info("%d history write(s) that had failed are written now; %d still wait",
                      written, left)
         return left
+
+
+def _call(callbacks: list[Callable[[], None]]) -> None:
+    for callback in callbacks:
+        try:
+            callback()
+        except Exception:  # (removing a record: never worth stopping the writes for)
+            log.exception("an action after a history write failed")
 
 
 #: Every history file's failed writes, retried by the cron loop at each tick.
@@ -222,16 +264,21 @@ class History:
                 del entries[self.cap:]
         self._update(add)
 
-    def update_entry(self, entry_id: str, fields: dict[str, Any]) -> None:
+    def update_entry(self, entry_id: str, fields: dict[str, Any],
+                     after: Callable[[], None] | None = None) -> bool:
         """Merge ``fields`` into the entry ``entry_id``; a write that fails is kept in
-        :data:`BACKLOG` and written later (never raised: the session goes on)."""
+        :data:`BACKLOG` and written later (never raised: the session goes on). True when
+        it landed now. ``after()`` is called once it has landed, now or later (never, if
+        the process ends first: what it would undo then stays for the next start)."""
         with BACKLOG.file_lock(self.file.path):
             try:
                 self.write_entry(entry_id, fields)
             except OSError as exc:
-                BACKLOG.keep(self, entry_id, fields, exc)
-            else:
-                BACKLOG.forget(self, entry_id)
+                BACKLOG.keep(self, entry_id, fields, exc, after)
+                return False
+            waited = BACKLOG.forget(self, entry_id)
+        _call([*waited, *([after] if after is not None else [])])
+        return True
 
     def write_entry(self, entry_id: str, fields: dict[str, Any]) -> None:
         """Merge ``fields`` into the entry ``entry_id``; re-add it if someone removed it."""

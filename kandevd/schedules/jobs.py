@@ -67,8 +67,10 @@ class JobState:
     invalid: str | None = None
     #: A product job whose last run failed on a message: ``{index, message}`` to resume at.
     resume: dict[str, Any] | None = None
-    #: A fire that came due and waits for its jitter (``jitter_s``) until this moment.
+    #: A fire that came due and waits for its jitter (``jitter_s``) until this moment,
+    #: and its fire time (the intended one).
     delayed_until: datetime | None = None
+    delayed_for: datetime | None = None
     #: Fires missed while no daemon ran, within ``catchup_window_s``: one run at start.
     catchup: list[datetime] | None = None
 

@@ -131,7 +131,9 @@ class CronLoop(Loop):
             self._settled = True
             live = self.runner.is_live_turn
             if self.fire_gate is None:  # one daemon: the entries it left are ours
-                STRANDED.settle(self.runner.turns_folder, live=live)
+                STRANDED.settle(self.runner.turns_folder, live=live,
+                                ended=lambda item, entry: self.runner.settled(
+                                    str(item.job_key), entry, item.history))
             else:  # several: its records are this home's, its entries maybe another's
                 STRANDED.settle_records(self.runner.turns_folder, live)
         if self._late_since is not None and self.fire_gate is not None:

@@ -47,6 +47,19 @@ class NotRunning(Exception):
 class StartNotRecorded(Exception):
     """The session's start could not be written (a full disk): it does not start."""
 
+    def __init__(self, message: str, path: str | None = None) -> None:
+        super().__init__(message)
+        #: The file that could not be written.
+        self.path = path
+
+
+def not_recorded(exc: OSError) -> StartNotRecorded:
+    """Why a session did not start, naming the file that could not be written."""
+    path = str(exc.filename) if exc.filename else None
+    where = f" ({path})" if path else ""
+    return StartNotRecorded(f"its start could not be recorded: {exc.strerror or exc}{where}",
+                            path)
+
 
 class RunnerClosed(Exception):
     def __str__(self) -> str:
@@ -158,9 +171,35 @@ class SessionRunner:
         if deadline is not None and self._wake is not None:
             self._wake()
 
-    def release(self, plan: SessionPlan, history: History) -> None:
-        """An adopted turn ended: the job is free again (a buffered fire starts)."""
-        self._finish(plan, None, history)
+    def release(self, plan: SessionPlan, history: History,
+                entry: dict[str, Any] | None = None) -> None:
+        """An adopted turn ended: the job is free again (a buffered fire starts); its run
+        ended with ``entry`` (None: it did not end here, its agent was left running)."""
+        self._finish(plan, entry, history)
+
+    def reopened(self, job_key: str, entry: dict[str, Any] | None) -> None:
+        """A run a previous daemon left goes on here (its turn adopted): the job's state
+        no longer counts it as interrupted; its end is told by :meth:`release`. None:
+        the adoption failed after all, the run counts as interrupted again."""
+        try:
+            job = self._registry.by_key(job_key)
+        except JobNotFound:
+            return
+        job.source.reseed(job, str(entry.get("id")) if entry is not None else None)
+        if entry is not None:
+            job.state.last_run_at = entry.get("started_at")
+            job.state.last_session_id = entry.get("session_id")
+
+    def settled(self, job_key: str, entry: dict[str, Any], history: History) -> None:
+        """A run a previous daemon left ended with ``entry``, its turns' real outcome
+        found at start: the job's state, ``pause_after_failures`` and the notification
+        follow it, as for a run that ended here."""
+        try:
+            job = self._registry.by_key(job_key)
+        except JobNotFound:
+            return
+        job.source.reseed(job, str(entry.get("id")))
+        self._ended(job, entry, history)
 
     def buffer(self, job_id: str) -> bool | None:
         """Keep one fire for when the running session ends; False if one already waits,
@@ -179,15 +218,13 @@ class SessionRunner:
         try:
             session.begin()
         except OSError as exc:
-            raise StartNotRecorded(f"its start could not be recorded: "
-                                   f"{exc.strerror or exc} ({exc.filename or ''})".replace(
-                                       " ()", "")) from None
+            raise not_recorded(exc) from None
         try:
             job.source.started(job, utc_now())
         except OSError as exc:
-            reason = f"its start could not be recorded: {exc.strerror or exc}"
-            session.abandon(f"not started: {reason}")  # kept in memory until it lands
-            raise StartNotRecorded(reason) from None
+            refused = not_recorded(exc)
+            session.abandon(f"not started: {refused}")  # kept in memory until it lands
+            raise refused from None
         # The newest run is this one from now on (a replaced one's are history).
         job.state.last_run_at = session.entry["started_at"]
         job.state.last_session_id = session.plan.session_id
@@ -216,10 +253,7 @@ class SessionRunner:
             except JobNotFound:
                 pass
             else:
-                failures_before = job.state.consecutive_failures
-                job.source.finished(job, entry)
-                paused = self._pause_if_failing(job, entry)
-                self._notify(job, entry, failures_before, history, paused)
+                self._ended(job, entry, history)
         with self._lock:
             self._running.pop(plan.job_id, None)
             start_buffered = plan.job_id in self._buffered and not self._closed
@@ -234,6 +268,13 @@ class SessionRunner:
                 with self._lock:
                     self._handover.discard(plan.job_id)
                     self._idle.notify_all()
+
+    def _ended(self, job: Job, entry: dict[str, Any], history: History) -> None:
+        """A run of ``job`` ended with ``entry``: its state, the pause, the notification."""
+        failures_before = job.state.consecutive_failures
+        job.source.finished(job, entry)
+        paused = self._pause_if_failing(job, entry)
+        self._notify(job, entry, failures_before, history, paused)
 
     def _start_kept(self, job_id: str) -> None:
         try:

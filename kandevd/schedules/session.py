@@ -16,7 +16,10 @@ the entry is recorded ``stopped``. A turn runs with an execution record in
 ``<home>/turns/<key>/`` as a queued run does in its attempt folder, so a
 shutdown with ``runtime.keep_agents_on_stop`` leaves it running (the entry
 stays ``running``) and the next daemon adopts it
-(:mod:`kandevd.schedules.adopted`).
+(:mod:`kandevd.schedules.adopted`). The record is removed only once the turn's
+outcome is on the entry (a full disk delays that write), so whatever stops the
+daemon first, the next start finds the turn's end
+(:mod:`kandevd.schedules.stranded`).
 """
 
 from __future__ import annotations
@@ -47,6 +50,9 @@ log = logging.getLogger("kandevd.scheduler.session")
 MANUAL_STOP_ERROR = "stopped: scheduler.jobs.stop"
 #: How long a turn left running at a shutdown may take to detach before it is stopped.
 DETACH_WAIT_S = 5.0
+#: A turn whose agent started this much after it was sent (it waited for a slot) has its
+#: ``started_at`` written again while it runs (its end writes the exact start anyway).
+RESTAMP_AFTER_S = 1.0
 
 
 class TurnDetached(Exception):
@@ -298,45 +304,51 @@ class Session:
             return self.control.stop_status, self.control.stop_error
         return None
 
-    def _save(self) -> None:
-        self._history.update_entry(self.plan.entry_id, copy.deepcopy(self.entry))
+    def _save(self, after: Callable[[], None] | None = None) -> None:
+        self._history.update_entry(self.plan.entry_id, copy.deepcopy(self.entry), after)
 
     # -- one turn -------------------------------------------------------------------
     def turn(self, turn: TurnSpec) -> dict[str, Any]:
         """Run one turn to its end; return its record (also kept in the entry)."""
         index = self._turn_index
         self._turn_index += 1
+        # ``started_at`` from the moment it is sent, so a turn shown while it runs says
+        # when it began (its agent starts at once unless it waits for a slot).
+        sent = self.clock()
         record: dict[str, Any] = {"index": index, "kind": turn.kind, "message": turn.message,
                                   "workshop_mode": turn.workshop_mode, "status": hist.RUNNING,
-                                  "started_at": None, "duration_ms": None, "log_path": None,
-                                  "cost_cents": 0, "error": None}
+                                  "started_at": rfc3339(sent), "duration_ms": None,
+                                  "log_path": None, "cost_cents": 0, "error": None}
         # Known before it starts, so ``jobs logs --follow`` can show a turn as it runs.
         record["log_path"] = str(self.plan.program.log_path(self, index, turn.kind))
         self.entry["turns"].append(record)
         self._save()
-        result = self._execute(turn, index, record)
+        result = self._execute(turn, index, record, sent)
         if result is not None and result.outcome == DETACHED:
             raise TurnDetached(index)
         if result is not None:
             apply_result(record, result, stop_requested=self.control.stop_requested)
         self.entry["cost_cents"] = sum(t.get("cost_cents") or 0 for t in self.entry["turns"])
-        self._save()
-        # Once its outcome is on the entry (a crash before that settles it from here).
-        remove_turn_record(turn_record_dir(self.layout, self.plan.entry_id, index))
+        # The record goes once the turn's outcome is on the entry, which a full disk may
+        # delay (the write is kept until it lands); a daemon that stops before then
+        # leaves the record, and the next start settles the turn from it.
+        record_dir = turn_record_dir(self.layout, self.plan.entry_id, index)
+        self._save(after=lambda: remove_turn_record(record_dir))
         return record
 
-    def _execute(self, turn: TurnSpec, index: int, record: dict[str, Any]
+    def _execute(self, turn: TurnSpec, index: int, record: dict[str, Any], sent: datetime
                  ) -> ExecutionResult | None:
         plan = self.plan
         try:
             profile = self._config.profile(plan.program.agent_profile)
         except UnknownProfile as exc:
-            record.update(status=hist.ERROR, error=str(exc))
+            record.update(status=hist.ERROR, error=str(exc), started_at=None)
             return None
         try:
             ensure_dir(turn.cwd)  # 0700 for the parents it creates too
         except OSError as exc:
-            record.update(status=hist.ERROR, error=f"cannot create run folder {turn.cwd}: {exc}")
+            record.update(status=hist.ERROR, error=f"cannot create run folder {turn.cwd}: {exc}",
+                          started_at=None)
             return None
         key = turn_key(plan.entry_id, index)
         record_dir = turn_record_dir(self.layout, plan.entry_id, index)
@@ -362,8 +374,12 @@ class Session:
             record.update(status=hist.STOPPED,
                           error=self.control.stop_error or getattr(self._runtime, "held_reason",
                                                                    None)
-                          or "agent runtime is stopping")
+                          or "agent runtime is stopping", started_at=None)
             return None
+        started = self.clock()
+        if (started - sent).total_seconds() >= RESTAMP_AFTER_S:  # it waited for a slot
+            record["started_at"] = rfc3339(started)
+            self._save()
 
         def stop_turn() -> None:
             if self.control.detach:

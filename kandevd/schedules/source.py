@@ -84,6 +84,12 @@ class JobSource(Protocol):
     def finished(self, job: Job, entry: dict[str, Any]) -> None:
         """A session of ``job`` ended with the history ``entry``."""
 
+    def reseed(self, job: Job, without: str | None) -> None:
+        """Forget what the job's state took from the entry ``without`` (a run a previous
+        daemon left, marked interrupted at start), whose real end :meth:`finished` will
+        fold in: its turn was adopted, or its end was found. None: take every entry
+        as it reads now."""
+
     def skipped(self, job: Job, now: datetime) -> None:
         """A due occurrence of ``job`` did not run (paused, switched off, overlapping)."""
 

@@ -13,8 +13,9 @@ answer everywhere. The states, most decisive first:
 ``held``     the quiet rule holds a due product occurrence back (until ``held_until``)
 ``scheduled`` it fires at ``next_run_at``
 
-``next_run_at`` is None whenever the job would not fire (invalid, ended,
-disabled, blocked, paused), and ``held_until`` while it is held. Pure.
+``next_run_at`` is when the job really starts next, a ``jitter_s`` delay
+included; None whenever the job would not fire (invalid, ended, disabled,
+blocked, paused), and ``held_until`` while it is held. Pure.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from datetime import datetime
 from typing import Any
 
 from kandevd.schedules.jobs import Job
+from kandevd.schedules.options import jitter_delay
 from kandevd.schedules.settings import Switches
 from kandevd.timeutil import rfc3339
 
@@ -127,5 +129,14 @@ def _why_not(job: Job, around: Surroundings) -> tuple[str, str] | None:
 
 
 def _upcoming(job: Job) -> datetime | None:
+    """When the job really starts next: a hold's end, a fire waiting for its jitter, or
+    the next fire time plus its jitter delay (the same delay the fire will wait)."""
     state = job.state
-    return state.held_until or state.next_fire
+    if state.held_until is not None:
+        return state.held_until
+    if state.delayed_until is not None:
+        return state.delayed_until
+    if state.next_fire is None:
+        return None
+    jitter = job.spec.schedule.options.jitter_s
+    return state.next_fire + jitter_delay(job.key, state.next_fire, jitter)

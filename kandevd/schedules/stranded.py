@@ -2,23 +2,28 @@
 
 A turn runs under the shim like every agent execution, with an execution
 record in ``<home>/turns/<key>/`` (its shim's pid, its exit status, its
-stdout) until the turn's end is handled. When the daemon dies first (or stops
-leaving its agents running), the next start marks the session ``error:
-interrupted: server restarted`` (as the specification says), adopts the turns
-still running (:mod:`kandevd.schedules.adopted`, which takes their entries off
-the list here) and stops the agents it does not adopt. Then, on the cron
-loop's first tick (after those agents were stopped, so their shims have
-written their exit status), each turn of the other entries is settled here:
-its real outcome (the exit code, the agent's summary line as ``output``, its
-cost and evaluation) is recorded on the entry, its stdout is appended to its
-log, and its record is removed: nothing is left beside the logs. (Versions
-before the record folder kept those files beside the log,
+stdout) until the turn's outcome is on its history entry. When the daemon dies
+first (or stops leaving its agents running, or stops while a full disk keeps
+the entry's writes in memory), the next start marks the session ``error:
+interrupted: server restarted`` (stale until shown otherwise), adopts the
+turns still running (:mod:`kandevd.schedules.adopted`, which takes their
+entries off the list here) and stops the agents it does not adopt. Then, on
+the cron loop's first tick (after those agents were stopped, so their shims
+have written their exit status), each turn of the other entries is settled
+here: its real outcome (the exit code, the agent's summary line as
+``output``, its cost and evaluation) is recorded on the entry (turns the file
+never had are brought back from their records), its stdout is appended to its
+log, and its record is removed once that is written. A run whose turns all
+have a recorded end then ends with their outcome (``success`` included), told
+to the job as any run's end; only one whose turn has none stays interrupted.
+(Versions before the record folder kept those files beside the log,
 ``NN-<kind>.log.exit-<token>`` and ``.stdout-<token>``; they are settled too.)
 """
 
 from __future__ import annotations
 
 import glob
+import json
 import logging
 import threading
 from collections.abc import Callable
@@ -33,6 +38,7 @@ from kandevd.runtime.output import collect_stdout
 from kandevd.runtime.records import collect_output, outcome_from_record, read_record
 from kandevd.schedules import history as hist
 from kandevd.schedules.session import remove_turn_record, turn_key
+from kandevd.timeutil import rfc3339
 
 log = logging.getLogger("kandevd.scheduler")
 
@@ -68,21 +74,38 @@ class StrandedTurns:
             self._entries = [e for e in self._entries if e.entry_id != entry_id]
 
     def settle(self, turns_folder: Path | None = None, *,
-               live: Callable[[str], bool] = lambda key: False) -> int:
+               live: Callable[[str], bool] = lambda key: False,
+               ended: Callable[[Stranded, dict[str, Any]], None] | None = None) -> int:
         """Settle every entry added so far, then every other record left in
-        ``turns_folder`` (but the ``live`` ones: adopted); how many turns had files left."""
+        ``turns_folder`` (but the ``live`` ones: adopted); how many turns had files left.
+        ``ended(item, entry)``: an entry that ends with its turns' real outcome."""
         with self._lock:
             entries, self._entries = self._entries, []
         settled = 0
         for item in entries:
             history, entry_id = item.history, item.entry_id
             try:
-                settled += settle_entry(history, entry_id, turns_folder)
+                count, final = settle_entry(history, entry_id, turns_folder)
             except OSError as exc:  # a log that cannot be written: said, not fatal
                 log.warning("%s: the turns of run %s left by the previous daemon could not "
                             "be settled: %s", history.file.path, entry_id, exc)
+                continue
+            settled += count
+            if final is None:
+                continue
+            log.info("%s: run %s left running by the previous daemon ended %s (its turns' "
+                     "records tell)", item.job_key, entry_id, final["status"])
+            if ended is not None and item.job_key is not None:
+                try:
+                    ended(item, final)
+                except Exception:  # one job's bookkeeping must not stop the others
+                    log.exception("%s: the end of run %s could not be told", item.job_key,
+                                  entry_id)
         if turns_folder is not None:
-            settled += sweep_records(turns_folder, live)
+            # (the records of those entries are theirs: gone once their outcome is written)
+            prefixes = tuple(f"turn-{item.entry_id}-" for item in entries)
+            settled += sweep_records(turns_folder,
+                                     lambda name: live(name) or name.startswith(prefixes))
         if settled:
             log.info("settled %d scheduled turn(s) a previous daemon left running: their "
                      "outcome and output are on their runs", settled)
@@ -114,13 +137,16 @@ def repair_at_start(history: hist.History, now: datetime,
     return entries
 
 
-def settle_entry(history: hist.History, entry_id: str,
-                 turns_folder: Path | None = None) -> int:
-    """Record the real outcome of ``entry_id``'s turns that left files; how many."""
+def settle_entry(history: hist.History, entry_id: str, turns_folder: Path | None = None
+                 ) -> tuple[int, dict[str, Any] | None]:
+    """Record the real outcome of ``entry_id``'s turns that left files: how many, and the
+    entry when that outcome ends it (None: it stays as the start marked it). Their
+    records go once that is written (a full disk keeps them for the next start)."""
     entry = history.entry(entry_id)
     if entry is None or not isinstance(entry.get("turns"), list):
-        return 0
+        return 0, None
     turns = [dict(t) if isinstance(t, dict) else t for t in entry["turns"]]
+    done: list[Path] = []
     settled = 0
     for index, turn in enumerate(turns):
         if not isinstance(turn, dict):
@@ -128,11 +154,55 @@ def settle_entry(history: hist.History, entry_id: str,
         position = turn.get("index", index)
         record_dir = turns_folder / turn_key(entry_id, position) \
             if turns_folder is not None and isinstance(position, int) else None
-        settled += _settle_turn(turn, record_dir)
+        if _settle_turn(turn, record_dir):
+            settled += 1
+            if record_dir is not None and record_dir.is_dir():
+                done.append(record_dir)
+    if turns_folder is not None:  # turns whose start never reached the file (a full disk)
+        found = _unlisted_turns(entry_id, len(turns), turns_folder)
+        turns += [turn for turn, _ in found]
+        done += [folder for _, folder in found]
+        settled += len(found)
+    changed = {**entry, "turns": turns,
+               "cost_cents": sum(t.get("cost_cents") or 0 for t in turns
+                                 if isinstance(t, dict))}
+    outcome = hist.outcome_after_restart(changed)
+    final = None
+    if entry.get("error") == hist.RESTART_ERROR and outcome is not None \
+            and outcome != (hist.ERROR, hist.RESTART_ERROR):
+        changed["status"], changed["error"] = outcome  # not stale: its turns ended
+        final = changed
     if settled:
-        cost = sum(t.get("cost_cents") or 0 for t in turns if isinstance(t, dict))
-        history.update_entry(entry_id, {**entry, "turns": turns, "cost_cents": cost})
-    return settled
+        history.update_entry(entry_id, changed,
+                             after=lambda: [remove_turn_record(d) for d in done])
+    return settled, final
+
+
+def _unlisted_turns(entry_id: str, start: int, turns_folder: Path
+                    ) -> list[tuple[dict[str, Any], Path]]:
+    """Turns from ``start`` on that left a record but never reached the entry (their
+    start, or the entry's every write since, failed and was lost with the daemon): each
+    as the entry would have had it, from its record and its input file."""
+    found = []
+    for index in range(start, start + 1000):
+        folder = turns_folder / turn_key(entry_id, index)
+        record = read_record(folder) if folder.is_dir() else None
+        if record is None or record.run_id != entry_id:
+            break
+        try:
+            stdin = json.loads(record.input_path.read_text("utf-8"))
+        except (OSError, ValueError):
+            stdin = {}
+        stdin = stdin if isinstance(stdin, dict) else {}
+        about = stdin.get("turn") if isinstance(stdin.get("turn"), dict) else {}
+        turn: dict[str, Any] = {
+            "index": index, "kind": about.get("kind"), "message": stdin.get("message"),
+            "workshop_mode": stdin.get("workshop_mode"), "status": hist.ERROR,
+            "started_at": rfc3339(record.started_at), "duration_ms": None,
+            "log_path": str(record.log_path), "cost_cents": 0, "error": hist.RESTART_ERROR}
+        _settle_record(turn, folder, record.log_path)
+        found.append((turn, folder))
+    return found
 
 
 def sweep_records(turns_folder: Path, live: Callable[[str], bool]) -> int:
@@ -175,7 +245,8 @@ def _settle_turn(turn: dict[str, Any], record_dir: Path | None) -> bool:
 
 
 def _settle_record(turn: dict[str, Any], record_dir: Path, log_path: Path) -> None:
-    """A turn's record folder: its exit status and output recorded, the folder removed."""
+    """A turn's record folder: its exit status and output recorded (the caller removes
+    the folder once that is written)."""
     record = read_record(record_dir)
     result = outcome_from_record(record, record_dir, log_path) if record is not None else None
     if result is None and record is not None:  # no exit status: its output is kept anyway
@@ -183,13 +254,14 @@ def _settle_record(turn: dict[str, Any], record_dir: Path, log_path: Path) -> No
         _report(turn, report.summary, report.cost_cents, report.evaluation)
     if result is not None:
         turn["exit_code"] = result.exit_code
+        if turn.get("duration_ms") is None:
+            turn["duration_ms"] = int(result.duration_s * 1000)
         if result.succeeded:
             turn["status"], turn["error"] = hist.SUCCESS, None
         else:
             turn["status"] = hist.ERROR
             turn["error"] = f"exit code {result.exit_code} (the daemon had restarted)"
         _report(turn, result.summary, result.cost_cents, result.evaluation)
-    remove_turn_record(record_dir)
 
 
 def _report(turn: dict[str, Any], summary: Any, cost: int | None, evaluation: Any) -> None:

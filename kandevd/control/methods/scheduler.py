@@ -16,6 +16,7 @@ from kandevd.control.protocol import (
     Refused,
     ShuttingDown,
     Unavailable,
+    file_unavailable,
 )
 from kandevd.control.registry import Registry, object_schema, paging_properties
 from kandevd.control.services import Services
@@ -105,6 +106,8 @@ def register(registry: Registry, services: Services) -> None:
             raise Conflict(str(exc)) from None
         except ManifestError as exc:
             raise InvalidParams(str(exc)) from None
+        except OSError as exc:
+            raise unwritable(exc) from None
         loop.wake()
         return changed
 
@@ -113,7 +116,10 @@ def register(registry: Registry, services: Services) -> None:
         return {**jobs.pause.get(), **jobs.switches.as_dict()}
 
     def config_put(p: dict[str, Any]) -> dict[str, Any]:
-        jobs.pause.put(p["globally_paused"], p.get("paused_by"), utc_now())
+        try:
+            jobs.pause.put(p["globally_paused"], p.get("paused_by"), utc_now())
+        except OSError as exc:
+            raise unwritable(exc) from None
         return config_get({})
 
     # -- reading --------------------------------------------------------------------
@@ -208,6 +214,8 @@ def register(registry: Registry, services: Services) -> None:
             products.record_activity(p["user_id"], p["profile"], at)
         except JobNotFound as exc:
             raise NotFound(str(exc)) from None
+        except OSError as exc:
+            raise unwritable(exc) from None
         loop.wake()
         return {"user_id": p["user_id"], "profile": p["profile"], "at": rfc3339(at)}
 
@@ -224,7 +232,7 @@ def register(registry: Registry, services: Services) -> None:
         except run.RunnerClosed as exc:
             raise ShuttingDown(str(exc)) from None
         except run.StartNotRecorded as exc:
-            raise Unavailable(f"{job.id} not started: {exc}") from None
+            raise Unavailable(f"{job.id} not started: {exc}", data={"path": exc.path}) from None
         return {"id": job.id, "session_id": plan.session_id, "run_id": plan.entry_id,
                 "job": job_dict(job)}
 
@@ -311,6 +319,11 @@ def register(registry: Registry, services: Services) -> None:
     registry.add("products.activity", activity, object_schema(
         {"user_id": USER, "profile": WORKFLOW_NAME,
          "at": {"type": "string", "minLength": 1, "maxLength": 64}}, ("user_id", "profile")))
+
+
+def unwritable(exc: OSError) -> Unavailable:
+    """A file the method writes (atomically) that the file system refused."""
+    return file_unavailable(exc, writing=True)
 
 
 _RFC3339 = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d{1,6})?(Z|z|[+-]\d{2}:\d{2})")

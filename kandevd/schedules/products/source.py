@@ -12,6 +12,7 @@ of idle jobs cost nothing between ticks.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Iterable
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from kandevd.jsonfile import CorruptFile
 from kandevd.schedules import history as hist
 from kandevd.schedules.jobs import Job, JobNotFound, UserNeeded, last_success
+from kandevd.schedules.options import jitter_delay
 from kandevd.schedules.products import catalog, timing
 from kandevd.schedules.products.catalog import Product, User
 from kandevd.schedules.products.program import ProductProgram, failed_message, resume_index
@@ -121,7 +123,8 @@ class ProductSource:
 
         ``now`` is given at start: a pending cron occurrence whose time fell while no
         daemon ran (after ``last_seen``) is not replayed, as for workflow schedules;
-        one a running daemon had already seen (held by the quiet rule) is kept. The
+        one a running daemon had already seen (held by the quiet rule) is kept, and so
+        is a jittered one whose start (its time plus its delay) is still ahead. The
         jobs of a product whose file, or of a directory that, has a problem are kept
         from before, ``invalid``.
         """
@@ -180,12 +183,15 @@ class ProductSource:
             [e for e in self.history(job).entries()
              if isinstance(e, dict) and e.get("schedule_id") == spec.schedule.id])
         missed = job.state.next_fire
+        # (a jittered occurrence's time is its start: one still ahead waits for it)
+        start = missed + jitter_delay(job.key, missed, spec.schedule.options.jitter_s) \
+            if missed is not None else None
         if now is not None and spec.schedule.cron_expression is not None \
-                and missed is not None and missed <= now \
-                and (last_seen is None or missed > min(last_seen, now)):
+                and missed is not None and start is not None and start <= now \
+                and (last_seen is None or start > min(last_seen, now)):
             job.state.missed_while_down += 1
             window = spec.schedule.options.catchup_window_s
-            if window and (now - missed).total_seconds() <= window:
+            if window and (now - start).total_seconds() <= window:
                 log.info("%s: occurrence of %s missed while the daemon was down; within "
                          "catchup_window_s: run once now", job.key, rfc3339(missed))
                 job.state.catchup = [missed]
@@ -333,6 +339,10 @@ class ProductSource:
                 timing.apply(job, decision, now, self._last_active(job))
         self.save([job])
 
+    def reseed(self, job: Job, without: str | None) -> None:
+        """Nothing to forget: a product job's bookkeeping (the user's state file) never
+        took in a run its daemon did not see end."""
+
     def skipped(self, job: Job, now: datetime) -> None:
         """A due occurrence that did not run is not kept for later; the following one is
         computed as if a run started now."""
@@ -342,15 +352,23 @@ class ProductSource:
 
     # -- a user's override and activity ---------------------------------------------
     def set_enabled(self, job: Job, enabled: bool, now: datetime) -> Job:
-        """The user's override; product.yaml is not touched."""
+        """The user's override; product.yaml is not touched. OSError (naming the user's
+        state file) when it cannot be written: then nothing changed."""
         with self._lock:
+            before = dataclasses.replace(job.state)
             job.state.enabled = enabled
             job.state.next_check = None
             job.state.held_until = None
             passed = job.state.next_fire
             if enabled and passed is not None and passed <= now:
                 job.state.next_fire = None  # what passed while off is not kept for later
-        self.save([job])
+        try:
+            self.save([job], strict=True)
+        except OSError:
+            with self._lock:
+                job.state.enabled, job.state.next_check = before.enabled, before.next_check
+                job.state.held_until, job.state.next_fire = before.held_until, before.next_fire
+            raise
         return job
 
     def change(self, job: Job, fields: dict[str, Any] | None, now: datetime) -> Job | None:
@@ -365,17 +383,20 @@ class ProductSource:
                 raise JobNotFound(f"no product {profile_id!r} (products: {known})")
             if user_id not in self._users:
                 raise JobNotFound(f"no user {user_id!r} in {catalog.USERS_FILE}")
+
+        def change(state: dict[str, Any]) -> None:
+            state["activity"][profile_id] = rfc3339(at)
+        # Stored first: a state file that cannot be written (OSError) changes nothing.
+        UserState(self.root, user_id, on_corrupt=self._on_corrupt).update(change)
+        with self._lock:
             self._activity[(user_id, profile_id)] = at
             for job in self.registry.of("products").values():
                 if job.spec.user.id == user_id and job.spec.product.profile_id == profile_id:
                     job.state.next_check = None
 
-        def change(state: dict[str, Any]) -> None:
-            state["activity"][profile_id] = rfc3339(at)
-        UserState(self.root, user_id, on_corrupt=self._on_corrupt).update(change)
-
-    def save(self, jobs: Iterable[Job]) -> None:
-        """Write the jobs' bookkeeping into their users' state files (one write per user)."""
+    def save(self, jobs: Iterable[Job], *, strict: bool = False) -> None:
+        """Write the jobs' bookkeeping into their users' state files (one write per user);
+        a file that cannot be written is logged (``strict``: raised, as OSError)."""
         by_user: dict[str, list[Job]] = {}
         for job in jobs:
             by_user.setdefault(job.spec.user.id, []).append(job)
@@ -389,6 +410,8 @@ class ProductSource:
             try:
                 UserState(self.root, user_id, on_corrupt=self._on_corrupt).update(change)
             except OSError as exc:
+                if strict:
+                    raise
                 log.error("cannot write the product state of user %s: %s", user_id, exc)
 
 

@@ -181,7 +181,12 @@ class WorkflowSource:
                       last_seen: datetime | None) -> None:
         """Fires whose time fell while no daemon ran: after ``last_seen`` (else after the
         newest run, when no daemon left its mark). Those within ``catchup_window_s``
-        before ``now`` are kept for one catch-up run."""
+        before ``now`` are kept for one catch-up run.
+
+        A jittered fire's time is its start (the fire time plus its delay, the same for
+        every daemon): one whose start is still ahead was pending when the last daemon
+        stopped (or its fire time fell while none ran) and starts then, once; one whose
+        start passed while no daemon ran is missed like any other."""
         schedule = job.spec.schedule
         if not schedule.enabled:
             return
@@ -190,12 +195,31 @@ class WorkflowSource:
             since = hist.entry_time({"started_at": entries[0].get("started_at")})
         if since is None or since >= now:
             return
-        times = missed_times(schedule, since, now)
+        jitter = schedule.options.jitter_s
+        ran = _fired(entries) if jitter else set()
+
+        def start(moment: datetime) -> datetime:
+            return moment + jitter_delay(job.key, moment, jitter)
+
+        def unrun(after: datetime) -> list[datetime]:
+            """Fires (not run) whose start may lie after ``after`` (at most the cap)."""
+            return [t for t in missed_times(schedule, after - timedelta(seconds=jitter), now)
+                    if rfc3339(t) not in ran]
+        pending = next((t for t in unrun(now) if start(t) > now), None) if jitter else None
+        if pending is not None:
+            job.state.delayed_until, job.state.delayed_for = start(pending), pending
+            log.info("%s: the fire of %s (jitter_s) starts at %s, as it would have without "
+                     "the restart", job.id, rfc3339(pending), rfc3339(start(pending)))
+
+        def passed(after: datetime) -> list[datetime]:
+            """The fires whose start fell in ``(after, now]`` (before the pending one)."""
+            return [t for t in unrun(after) if after < start(t) <= now
+                    and (pending is None or t < pending)]
+        times = passed(since)
         missed = len(times)
         job.state.missed_while_down = missed
         window = schedule.options.catchup_window_s
-        caught = missed_times(schedule, max(since, now - timedelta(seconds=window)), now) \
-            if window else []
+        caught = passed(max(since, now - timedelta(seconds=window))) if window else []
         if caught:
             job.state.catchup = caught
             log.info("%s: %d fire(s) missed while the daemon was down since %s; %d within "
@@ -250,11 +274,12 @@ class WorkflowSource:
                 fired.append(job)
                 continue
             if state.delayed_until is not None:
-                if not job.enabled or not within_window(job.spec.schedule.options,
-                                                        state.due_at or now):
+                intended = state.delayed_for or state.due_at or now
+                if not job.enabled or not within_window(job.spec.schedule.options, intended):
                     state.delayed_until = None  # switched off while it waited: dropped
                 elif state.delayed_until <= now:
                     state.delayed_until = None
+                    state.due_at = intended
                     fired.append(job)
                 continue
             moment = state.next_fire
@@ -263,7 +288,7 @@ class WorkflowSource:
                 state.next_fire = next_fire(job.spec.schedule, max(moment, now))
                 delay = jitter_delay(job.key, moment, job.spec.schedule.options.jitter_s)
                 if moment + delay > now:
-                    state.delayed_until = moment + delay
+                    state.delayed_until, state.delayed_for = moment + delay, moment
                     continue
                 fired.append(job)
         return sorted(fired, key=lambda j: j.id)
@@ -293,6 +318,17 @@ class WorkflowSource:
 
     def finished(self, job: Job, entry: dict[str, Any]) -> None:
         job.state.record(entry)
+
+    def reseed(self, job: Job, without: str | None) -> None:
+        """The state was seeded from the history with ``without`` counted as it read at
+        start (interrupted: a failure): seeded again from the others."""
+        entries = [e for e in hist.latest_by_schedule(self.history(job).entries()).get(
+            job.spec.schedule.id, []) if e.get("id") != without]
+        fresh = seed_state(entries)
+        for name in ("last_status", "last_run_at", "last_session_id", "last_error",
+                     "last_duration_ms", "run_count", "consecutive_failures",
+                     "last_success_at"):
+            setattr(job.state, name, getattr(fresh, name))
 
     def skipped(self, job: Job, now: datetime) -> None:
         """Nothing to keep: the following fire was computed when this one came due."""
@@ -355,6 +391,19 @@ class WorkflowSource:
             jobs += [self._job(old, workflow, schedule, now) for schedule in workflow.schedules]
         self.registry.replace(self, jobs)
         return written
+
+
+def _fired(entries: list[dict[str, Any]]) -> set[str]:
+    """The fire times the job's retained runs stand for (a jittered fire records its own
+    as ``intended_at``; a catch-up run its ``fire_times``)."""
+    times: set[str] = set()
+    for entry in entries:
+        if isinstance(entry.get("intended_at"), str):
+            times.add(entry["intended_at"])
+        fired = entry.get("fire_times")
+        if isinstance(fired, list):
+            times.update(t for t in fired if isinstance(t, str))
+    return times
 
 
 def _kept_invalid(old: dict[str, Job], loaded: set[str], problems: list[Problem],

@@ -15,11 +15,23 @@ log = logging.getLogger("kandevd.store.runs")
 
 
 class Reads(RunRepositoryBase):
-    def oldest_queued_at(self) -> str | None:
-        """``requested_at`` of the oldest queued run (request order), or None."""
-        row = self.store.query_one("SELECT requested_at FROM runs WHERE status = 'queued'"
-                                   " ORDER BY seq LIMIT 1")
+    def oldest_queued_at(self, now: datetime) -> str | None:
+        """``requested_at`` of the oldest queued run ready to claim at ``now`` (request
+        order; a run waiting for its retry back-off is not ready), or None."""
+        row = self.store.query_one(
+            "SELECT requested_at FROM runs WHERE status = 'queued'"
+            " AND (scheduled_retry_at IS NULL OR scheduled_retry_at <= :now)"
+            " ORDER BY seq LIMIT 1", {"now": rfc3339(now)})
         return row[0] if row else None
+
+    def retrying(self, now: datetime) -> tuple[int, str | None]:
+        """Queued runs still waiting for their ``scheduled_retry_at`` at ``now``: how
+        many, and the earliest of those times (None: none waits)."""
+        row = self.store.query_one(
+            "SELECT COUNT(*), MIN(scheduled_retry_at) FROM runs INDEXED BY runs_queued_retry_at"
+            " WHERE status = 'queued' AND scheduled_retry_at IS NOT NULL"
+            " AND scheduled_retry_at > :now", {"now": rfc3339(now)})
+        return (int(row[0]), row[1]) if row else (0, None)
 
     def count_by_status(self) -> dict[str, int]:
         """``{status: number of runs}`` for every status (zeros included)."""

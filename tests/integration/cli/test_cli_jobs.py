@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,7 @@ from typing import Any
 import pytest
 
 from kandevd import exits
+from tests.support import workflows
 from tests.support.daemon import DaemonProcess, run_cli
 
 pytestmark = pytest.mark.integration
@@ -223,3 +226,42 @@ def test_commands_without_a_daemon_exit_69(tmp_path: Path) -> None:
         result = run_cli(home, *args)
         assert result.returncode == exits.UNAVAILABLE, (args, result.stderr)
         assert "no kandevd is listening" in result.stderr
+
+
+def test_jobs_logs_names_the_job_dates_a_running_turn_and_fails_in_one_line(
+        daemon_factory: Callable[..., DaemonProcess], tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    record = tmp_path / "record.jsonl"
+    workflows.write_workflow(home / "workspace", "w", [workflows.schedule(
+        "long", "0 0 1 1 *", messages=["HOLD"], workshop_mode="workshop")])
+    daemon = daemon_factory(workflows.recorder_config(record), home=home)
+
+    # an error is one line, as for every other command (the error object with --json)
+    missing = run_cli(home, "jobs", "logs", "nosuch")
+    assert missing.returncode == 1 and missing.stdout == ""
+    assert missing.stderr.startswith("kandevd: no job 'nosuch'")
+    assert missing.stderr.endswith("(not_found)\n") and missing.stderr.count("\n") == 1
+
+    started = daemon.call("scheduler.jobs.trigger", {"id": "long"})
+    daemon.wait_until(Path(str(record) + ".held").exists, what="the turn's agent holding")
+    follower = subprocess.Popen([sys.executable, "-m", "kandevd", "jobs", "logs", "long",
+                                 "--follow", "--home", str(home)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert follower.stdout is not None
+        header = follower.stdout.readline()  # (blocks until printed; the turn holds)
+        frame = follower.stdout.readline()
+        # the job by its id (a bare schedule id was given), the running turn with its start
+        assert header.startswith(f"[kandevd] run {started['run_id']} of workflow:w:long: "
+                                 f"manual, session {started['session_id']}, started 20")
+        assert re.fullmatch(r"\[kandevd\] ==== turn 1/1 message started "
+                            r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z ====\n", frame), frame
+        Path(str(record) + ".release").touch()
+        out, err = follower.communicate(timeout=60)
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+            follower.communicate()
+    assert follower.returncode == 0, err
+    assert "[kandevd] ==== turn 1/1 message ended: success" in out
+    assert out.rstrip().endswith(f"run {started['run_id']} success")

@@ -109,6 +109,12 @@ def test_an_outcome_the_database_never_took_is_recorded_at_the_next_start(
     second.wait_for_line(f"run {run['id']}: recording the outcome its execution left on disk")
     assert wait_status(second, run["id"], "finished")["output_summary"] == "echoed run"
     assert executions(touch) == [run["id"]]
+    # its log closes the attempt as any other (the daemon that started it could not)
+    shown = run_cli(home, "runs", "logs", run["id"])
+    frames = [line for line in shown.stdout.splitlines() if line.startswith("[kandevd] ====")]
+    assert [line.split()[2:5] for line in frames] == [["attempt", "1", "started"],
+                                                      ["attempt", "1", "ended"]], shown.stdout
+    assert frames[1].endswith(": succeeded ====")
 
 
 def test_a_cooldown_beyond_any_date_is_refused_at_the_api(daemon_factory: Factory) -> None:
@@ -159,6 +165,12 @@ def test_a_kill_after_the_agent_finished_is_recorded_from_its_exit_file(
     second.wait_for_line(f"run {run['id']}: recording the outcome its execution left on disk")
     assert wait_status(second, run["id"], "finished")["output_summary"] == "echoed run"
     assert executions(touch) == [run["id"]]
+    # its log closes the attempt as any other (the daemon that started it could not)
+    shown = run_cli(home, "runs", "logs", run["id"])
+    frames = [line for line in shown.stdout.splitlines() if line.startswith("[kandevd] ====")]
+    assert [line.split()[2:5] for line in frames] == [["attempt", "1", "started"],
+                                                      ["attempt", "1", "ended"]], shown.stdout
+    assert frames[1].endswith(": succeeded ====")
 
 
 def test_keep_agents_on_stop_lets_a_graceful_restart_interrupt_nothing(
@@ -224,6 +236,47 @@ def test_attempts_end_in_the_dead_letter_and_runs_retry_brings_a_run_back(
     assert f"{doomed['id']} queued" in result.stdout
     again = wait_status(daemon, doomed["id"], "failed")
     assert again["error_message"].startswith("gave up after 2 attempts")
+
+
+def test_a_run_waiting_for_its_back_off_is_retrying_not_waiting_in_the_queue(
+        daemon_factory: Factory) -> None:
+    """A failed attempt's run is queued again with a ``scheduled_retry_at``: until then it
+    is counted in ``runs.retrying`` (and ``kandevd_runs_retrying``), never as a queued run
+    waiting to be claimed (``oldest_queued_at``, ``kandevd_oldest_queued_age_seconds``),
+    so a queue-stall alert does not fire for a back-off; once due, it waits like any."""
+    daemon = daemon_factory(config(retry={"max_retries": 100, "delays_s": [10],
+                                          "jitter": 0}))
+    setup_agent(daemon)
+    run = enqueue(daemon, fail=True)
+    daemon.wait_until(lambda: daemon.call("runs.get", {"id": run["id"]})["retry_count"] == 1,
+                      what="the first attempt failed and the run waits for its retry")
+    daemon.call("agents.update", {"id": "a1", "status": "paused"})  # (its retry: not claimed)
+    waiting = daemon.call("runs.get", {"id": run["id"]})
+    assert waiting["status"] == "queued" and waiting["scheduled_retry_at"]
+    assert "retry_at" in daemon.call("runs.explain", {"id": run["id"]})["blockers"]
+    runs = daemon.call("daemon.status")["runs"]
+    assert (runs["queued"], runs["retrying"], runs["oldest_queued_at"]) == (1, 1, None)
+    metrics = run_cli(daemon.home, "metrics").stdout
+    assert "kandevd_runs_retrying 1.0" in metrics
+    assert "kandevd_oldest_queued_age_seconds 0.0" in metrics
+    assert 'kandevd_runs{status="queued"} 1.0' in metrics
+    shown = run_cli(daemon.home, "status").stdout
+    assert "queue    1 queued (none ready; 1 retrying after a back-off), 0 claimed" in shown
+
+    # a run ready to claim (its agent merely paused) is still counted as waiting
+    daemon.call("agents.create", {"id": "a2", "workspace_id": "ws", "name": "a2",
+                                  "status": "paused"})
+    ready = enqueue(daemon, "a2")
+    runs = daemon.call("daemon.status")["runs"]
+    assert (runs["queued"], runs["retrying"]) == (2, 1)
+    assert runs["oldest_queued_at"] == ready["requested_at"]
+    assert "2 queued (1 ready, oldest waiting" in run_cli(daemon.home, "status").stdout
+
+    # its back-off over, the first run waits in the queue again (no commit needed to say so)
+    runs = daemon.wait_until(lambda: (r := daemon.call("daemon.status")["runs"])["retrying"]
+                             == 0 and r, what="the back-off over")
+    assert runs["oldest_queued_at"] == run["requested_at"]
+    assert daemon.call("runs.get", {"id": run["id"]})["status"] == "queued"
 
 
 # -- 4. cancels stick --------------------------------------------------------------------------

@@ -5,6 +5,7 @@ kept in memory and lands once space returns."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from collections.abc import Callable, Iterator
@@ -13,11 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from kandevd.control.client import RpcCallError
 from kandevd.timeutil import utc_now
-from tests.support.daemon import DaemonProcess
-from tests.support.workflows import recorder_config, schedule, write_workflow
+from tests.support.daemon import DaemonProcess, run_cli
+from tests.support.workflows import recorder_config, records, schedule, write_workflow
 
 pytestmark = pytest.mark.integration
 
@@ -60,6 +62,12 @@ def entries(daemon: DaemonProcess) -> list[dict[str, Any]]:
     return items
 
 
+def turn_records(daemon: DaemonProcess) -> list[str]:
+    """The execution records of turns in the home (kept until their outcome is written)."""
+    folder = daemon.home / "turns"
+    return sorted(p.name for p in folder.iterdir()) if folder.exists() else []
+
+
 def test_a_full_root_refuses_starts_and_loses_no_record(
         small_root: Path, tmp_path: Path, daemon_factory: Callable[..., DaemonProcess]
         ) -> None:
@@ -84,8 +92,13 @@ def test_a_full_root_refuses_starts_and_loses_no_record(
     assert "No space left on device" in job["last_error"]
     with pytest.raises(RpcCallError) as refused:
         daemon.call("scheduler.jobs.trigger", {"id": JOB})
-    assert refused.value.error["data"]["kind"] == "unavailable"
-    assert "No space left on device" in refused.value.error["message"]
+    history = small_root / "Workflow" / "w" / "schedule-runs.json"
+    assert refused.value.error["data"] == {"kind": "unavailable", "path": str(history)}
+    assert refused.value.error["message"] == (
+        f"{JOB} not started: its start could not be recorded: No space left on device "
+        f"({history})")
+    assert f"cron fire skipped: its start could not be recorded: No space left on device " \
+        f"({history})" in daemon.log_text  # the skipped fire names the file too
     assert "Traceback" not in daemon.log_text
 
     # space returns: a session starts; its later writes fail and are kept in memory
@@ -101,10 +114,106 @@ def test_a_full_root_refuses_starts_and_loses_no_record(
         return next(e for e in entries(daemon) if e["session_id"] == started["session_id"])
     daemon.wait_for_line(f"session {started['session_id']} of {JOB} ended")
     assert ours()["status"] == "running"  # the file could not take its end
+    assert turn_records(daemon)  # (kept until the turn's outcome is on the entry)
     filler.unlink()
     recorded = daemon.wait_until(lambda: ours()["status"] == "stopped" and ours(),
                                  what="the kept entry written once space returned",
                                  timeout=30)
     assert recorded["error"] == "stopped: scheduler.jobs.stop"
+    daemon.wait_until(lambda: turn_records(daemon) == [], what="the turn's record removed")
     assert "Traceback" not in daemon.log_text
     assert daemon.stop() == 0
+
+
+def test_a_change_asked_on_a_full_root_answers_unavailable_with_the_path(
+        small_root: Path, tmp_path: Path, daemon_factory: Callable[..., DaemonProcess]
+        ) -> None:
+    write_workflow(small_root, "w", [schedule("s", "0 0 1 1 *")])
+    product = small_root / "products" / "helper"
+    product.mkdir(parents=True)
+    (product / "product.yaml").write_text(yaml.safe_dump({"profile": {
+        "id": "helper", "runtime": {"conversation": {"mode": "singleton"}},
+        "schedules": [{"id": "brief", "cron_expression": "0 8 * * *", "messages": ["one"]}]}}))
+    config = {**recorder_config(tmp_path / "record.jsonl"), "scheduler": {
+        "root": str(small_root)}}
+    daemon = daemon_factory(config, home=tmp_path / "home")
+    manifest = small_root / "Workflow" / "w" / "workflow.json"
+    before = manifest.read_text()
+    filler = fill(small_root)
+
+    def refused(method: str, params: dict[str, Any], path: Path) -> str:
+        with pytest.raises(RpcCallError) as caught:
+            daemon.call(method, params)
+        error = caught.value.error
+        assert (error["code"], error["data"]["kind"]) == (-32000, "unavailable"), error
+        assert error["data"]["path"] == str(path)
+        assert f"cannot write {path}: No space left on device" in error["message"]
+        return str(error["message"])
+
+    # a manifest edit: the file and the job as they were
+    refused("scheduler.jobs.disable", {"id": JOB}, manifest)
+    refused("scheduler.jobs.update", {"id": JOB, "schedule": {"cron_expression": "5 4 * * *"}},
+            manifest)
+    refused("scheduler.jobs.create", {"workflow": "w", "schedule": schedule("t")}, manifest)
+    assert manifest.read_text() == before
+    job = daemon.call("scheduler.jobs.get", {"id": JOB})
+    assert job["enabled"] is True and job["cron_expression"] == "0 0 1 1 *"
+    shown = run_cli(daemon.home, "jobs", "disable", JOB)
+    assert shown.returncode == 1 and shown.stderr == (
+        f"kandevd: cannot write {manifest}: No space left on device; nothing was changed "
+        "(unavailable)\n")
+
+    # the global pause, a user's override and activity (their state files)
+    refused("scheduler.config.put", {"globally_paused": True},
+            small_root / "config" / "scheduler.json")
+    assert daemon.call("scheduler.config.get")["globally_paused"] is False
+    state = small_root / "_users" / "local" / "chat_history" / "product-schedules.json"
+    refused("scheduler.jobs.disable", {"id": "product:helper:brief"}, state)
+    assert daemon.call("scheduler.jobs.get", {"id": "product:helper:brief"})["enabled"] is True
+    refused("products.activity", {"user_id": "local", "profile": "helper"}, state)
+    assert daemon.call("scheduler.jobs.get", {"id": "product:helper:brief"}
+                       )["last_activity_at"] is None
+    assert "Traceback" not in daemon.log_text and "internal error" not in daemon.log_text
+
+    # space returns: the same requests go through
+    filler.unlink()
+    assert daemon.call("scheduler.jobs.disable", {"id": JOB})["enabled"] is False
+    assert json.loads(manifest.read_text())["schedules"][0]["enabled"] is False
+    assert daemon.call("scheduler.jobs.disable", {"id": "product:helper:brief"}
+                       )["enabled"] is False
+    assert daemon.stop() == 0
+
+
+def test_a_stop_on_a_full_root_keeps_the_turns_record_for_the_next_start(
+        small_root: Path, tmp_path: Path, daemon_factory: Callable[..., DaemonProcess]
+        ) -> None:
+    """The session succeeds while its writes fail; the daemon stops before space returns,
+    so they are lost with it, but the turn's record stays (on the home's own file system)
+    and the next start records the run's real end from it: a success, not an error."""
+    write_workflow(small_root, "w", [schedule("s", "0 0 1 1 *", messages=["HOLD"],
+                                              workshop_mode="workshop")])
+    record = tmp_path / "record.jsonl"
+    config = {**recorder_config(record), "scheduler": {"root": str(small_root)}}
+    daemon = daemon_factory(config, home=tmp_path / "home")
+    started = daemon.call("scheduler.jobs.trigger", {"id": JOB})
+    daemon.wait_until(Path(str(record) + ".held").exists, what="the turn's agent holding")
+    filler = fill(small_root)
+    Path(str(record) + ".release").touch()
+    daemon.wait_for_line(f"session {started['session_id']} of {JOB} ended: success")
+    assert entries(daemon)[0]["status"] == "running"  # what the file could take
+    assert daemon.stop() == 0
+    daemon.wait_for_line("history write(s) could not be written before the stop")
+    assert (daemon.home / "turns" / f"turn-{started['run_id']}-0" / "record.json").exists()
+
+    filler.unlink()
+    daemon.start()
+    daemon.wait_for_line("settled 1 scheduled turn(s)")
+    [entry] = entries(daemon)
+    assert (entry["status"], entry["error"]) == ("success", None), entry
+    [turn] = entry["turns"]
+    assert (turn["status"], turn["exit_code"], turn["output"]) == ("success", 0, "did HOLD")
+    job = daemon.call("scheduler.jobs.get", {"id": JOB})
+    assert (job["last_status"], job["consecutive_failures"]) == ("success", 0)
+    assert turn_records(daemon) == []
+    assert [r["stdin"]["message"] for r in records(record)] == ["HOLD"]  # run once
+    assert "Traceback" not in daemon.log_text

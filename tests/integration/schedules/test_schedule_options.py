@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from kandevd.schedules.options import jitter_delay
 from kandevd.timeutil import parse_rfc3339, rfc3339, utc_now
 from tests.support.daemon import DaemonProcess, run_cli
 from tests.support.workflows import recorder_config, records, schedule, write_workflow
@@ -226,3 +227,47 @@ def test_replace_stops_the_running_session_for_the_cron_fire(start) -> None:
     assert newest["trigger_source"] == "cron"
     daemon.call("scheduler.jobs.stop", {"id": JOB})
     assert records(record)[0]["terminated"] is True
+
+
+@pytest.mark.parametrize("stop", ["sigint", "kill9"])
+def test_a_jittered_fire_pending_at_a_restart_runs_once_at_its_own_time(
+        start, tmp_path: Path, stop: str) -> None:
+    """A fire came due and waits for its jitter when the daemon stops (gracefully, or is
+    SIGKILLed); the next daemon, back before the fire's start, starts it then, once, and
+    says so in ``next_run_at`` meanwhile."""
+    jitter = 59
+    # the next minute, far enough ahead for a start; a schedule id whose delay for that
+    # minute leaves time to stop and start a daemon before the fire starts
+    minute = (utc_now() + timedelta(seconds=70)).replace(second=0, microsecond=0)
+    schedule_id = next(f"j{n}" for n in range(10_000)
+                       if jitter_delay(f"workflow:w:j{n}", minute, jitter)
+                       >= timedelta(seconds=40))
+    job_id = f"workflow:w:{schedule_id}"
+    begins = minute + jitter_delay(job_id, minute, jitter)
+    daemon, _record = start([schedule(schedule_id, "* * * * *", jitter_s=jitter,
+                                      workshop_mode="workshop")])
+    job = daemon.call("scheduler.jobs.get", {"id": job_id})
+    assert job["next_run_at"] in (rfc3339(begins), rfc3339(  # (or the minute before's)
+        minute - timedelta(minutes=1) + jitter_delay(job_id, minute - timedelta(minutes=1),
+                                                     jitter)))
+    alive = daemon.home / "workspace" / "config" / "scheduler.alive"
+    daemon.wait_until(lambda: alive.stat().st_mtime >= minute.timestamp(),
+                      what="the fire of the minute come due", timeout=120)
+    if stop == "sigint":
+        assert daemon.stop() == 0
+    else:
+        daemon.kill_daemon_only()
+    daemon.start()
+    assert utc_now() < begins, "the restart took longer than the fire's delay"
+    job = daemon.call("scheduler.jobs.get", {"id": job_id})
+    assert job["next_run_at"] == rfc3339(begins) and job["missed_while_down"] == 0
+
+    def of_the_minute() -> list[dict[str, Any]]:
+        return [e for e in daemon.call("scheduler.jobs.runs", {"id": job_id})["items"]
+                if e.get("intended_at") == rfc3339(minute)]
+    [entry] = daemon.wait_until(of_the_minute, what="the pending fire started",
+                                timeout=120)
+    assert entry["trigger_source"] == "cron"
+    assert parse_rfc3339(entry["started_at"]) >= begins
+    runs(daemon, 1, job_id)
+    assert len(of_the_minute()) == 1

@@ -27,7 +27,7 @@ def fake_status(**over: Any) -> dict[str, Any]:
         "runtime": {"active": 2, "max_concurrent": 4},
         "store": {"statements": 10, "status": "ok"},
         "runs": {"queued": 3, "claimed": 2, "finished": 7, "failed": 1, "cancelled": 0,
-                 "unrecorded_outcomes": 1, "adopted": 2,
+                 "unrecorded_outcomes": 1, "adopted": 2, "retrying": 1,
                  "oldest_queued_at": rfc3339(utc_now() - timedelta(seconds=90))},
         "stats": {"queue": {"ticks": 5, "claimed": 9, "outcome_commits": 4, "outcomes": 8},
                   "office": {"ticks": 3, "handler_errors": 1},
@@ -85,6 +85,8 @@ def test_exposition_parses_and_reads_status() -> None:
     assert got[("kandevd_runs", (("status", "queued"),))] == 3
     assert got[("kandevd_runs", (("status", "failed"),))] == 1
     assert ("kandevd_runs", (("status", "adopted"),)) not in got
+    assert ("kandevd_runs", (("status", "retrying"),)) not in got  # (queued, not a status)
+    assert got[("kandevd_runs_retrying", ())] == 1
     assert 89 <= got[("kandevd_oldest_queued_age_seconds", ())] < 200
     assert got[("kandevd_claims_total", ())] == 9
     assert got[("kandevd_outcomes_recorded_total", ())] == 8

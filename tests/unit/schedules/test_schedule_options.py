@@ -20,7 +20,7 @@ from kandevd.schedules.backfill import fire_times
 from kandevd.schedules.notify import Notifier, notify_event
 from kandevd.schedules.options import NotifySpec, jitter_delay
 from kandevd.schedules.workflows.source import next_fire
-from kandevd.timeutil import parse_rfc3339, utc_now
+from kandevd.timeutil import parse_rfc3339, rfc3339, utc_now
 from tests.support.workflows import history, schedule, write_workflow
 from tests.unit.schedules.test_scheduler_loop import T0, Agent, folder_of
 
@@ -115,6 +115,72 @@ def test_a_jittered_fire_waits_and_records_when_it_was_due(build, home) -> None:
     [entry] = history(folder_of(home))
     assert entry["intended_at"] == "2026-12-03T11:00:00.000000Z"
     assert agent.seen[0]["intended_at"] == "2026-12-03T11:00:00.000000Z"
+
+
+def test_next_run_at_is_when_the_fire_really_starts(build, home) -> None:
+    write_workflow(home.workspace, "w", [schedule("s", "0 11 * * *", jitter_s=600)])
+    loop, _agent = build()
+    due = datetime(2026, 12, 3, 11, tzinfo=UTC)
+    job = loop.registry.resolve("s")
+    assert job.state.next_fire == due
+    assert loop.describe(job)["next_run_at"] == rfc3339(due + jitter_delay(JOB, due, 600))
+    loop.tick(due)  # waiting for its jitter: still the same start
+    assert loop.describe(job)["next_run_at"] == rfc3339(due + jitter_delay(JOB, due, 600))
+
+
+def test_a_jittered_fire_pending_at_a_restart_starts_once_at_its_own_time(build,
+                                                                          home) -> None:
+    write_workflow(home.workspace, "w", [schedule("s", "0 11 * * *", jitter_s=600)])
+    due = datetime(2026, 12, 3, 11, tzinfo=UTC)
+    start = due + jitter_delay(JOB, due, 600)
+    loop, _agent = build(at=due - timedelta(minutes=1))
+    loop.tick(due)  # it came due and waits for its jitter; the daemon stops
+    loop, agent = build(at=due + (start - due) / 2)
+    job = loop.registry.resolve("s")
+    assert job.state.delayed_until == start and job.state.missed_while_down == 0
+    assert loop.describe(job)["next_run_at"] == rfc3339(start)
+    loop.tick(start - timedelta(seconds=1))
+    assert agent.seen == []
+    loop.tick(start)
+    loop.fanout.join()
+    [entry] = history(folder_of(home))
+    assert (entry["trigger_source"], entry["intended_at"]) == ("cron", rfc3339(due))
+    # started, then the daemon stops again: the fire is not run a second time
+    loop, agent = build(at=start + timedelta(seconds=1))
+    assert loop.registry.resolve("s").state.delayed_until is None
+    loop.tick(start + timedelta(seconds=2))
+    loop.fanout.join()
+    assert agent.seen == [] and len(history(folder_of(home))) == 1
+
+
+def test_a_jittered_fire_whose_time_fell_while_down_starts_at_its_own_time(build,
+                                                                           home) -> None:
+    write_workflow(home.workspace, "w", [schedule("s", "0 11 * * *", jitter_s=600)])
+    due = datetime(2026, 12, 3, 11, tzinfo=UTC)
+    start = due + jitter_delay(JOB, due, 600)
+    loop, _agent = build(at=due - timedelta(hours=1))  # down from before its fire time
+    loop, _agent = build(at=due + (start - due) / 2)
+    job = loop.registry.resolve("s")
+    assert (job.state.delayed_until, job.state.missed_while_down) == (start, 0)
+
+
+def test_a_jittered_fire_whose_start_passed_while_down_is_missed(build, home) -> None:
+    write_workflow(home.workspace, "w", [
+        schedule("s", "0 11 * * *", jitter_s=600),
+        schedule("c", "0 11 * * *", jitter_s=600, catchup_window_s=3600)])
+    due = datetime(2026, 12, 3, 11, tzinfo=UTC)
+    loop, _agent = build(at=due - timedelta(minutes=1))
+    loop.tick(due)  # both wait for their jitter; the daemon stops
+    loop, _agent = build(at=due + timedelta(seconds=601))  # their starts passed meanwhile
+    plain, caught = loop.registry.resolve("s"), loop.registry.resolve("c")
+    assert (plain.state.delayed_until, plain.state.missed_while_down) == (None, 1)
+    assert plain.state.catchup is None
+    assert caught.state.catchup == [due] and caught.state.missed_while_down == 1
+    loop.tick(due + timedelta(seconds=602))
+    loop.fanout.join()
+    [entry] = history(folder_of(home))
+    assert (entry["schedule_id"], entry["trigger_source"], entry["fire_times"]) == (
+        "c", "catchup", [rfc3339(due)])
 
 
 def test_start_at_and_end_at_bound_the_fires_and_end_the_job(build, home) -> None:

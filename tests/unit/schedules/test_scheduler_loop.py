@@ -24,9 +24,10 @@ from kandevd.runtime import AgentRuntime, ExecutionSpec, InProcessRunner
 from kandevd.schedules.build import build_registry
 from kandevd.schedules.history import SHUTDOWN_ERROR
 from kandevd.schedules.loop import CronLoop, Decision, decide_fire
+from kandevd.schedules.options import jitter_delay
 from kandevd.schedules.runner import SessionRunner
 from kandevd.schedules.settings import Switches
-from kandevd.timeutil import parse_rfc3339
+from kandevd.timeutil import parse_rfc3339, rfc3339
 from tests.support.workflows import history, schedule, write_workflow
 
 T0 = datetime(2026, 12, 3, 10, 0, 30, tzinfo=UTC)
@@ -408,6 +409,25 @@ def test_an_occurrence_that_fell_while_down_is_counted_missed_once(build, home) 
     loop.fanout.join()
     assert agent.seen == [] and job.state.missed_while_down == 1
     assert job.state.next_fire == datetime(2026, 12, 4, 11, tzinfo=UTC)
+
+
+def test_a_jittered_product_occurrence_whose_start_is_ahead_survives_a_restart(
+        build, home) -> None:
+    write_product(home.workspace, [{"id": "daily", "cron_expression": "0 11 * * *",
+                                    "jitter_s": 3600, "messages": ["m"]}])
+    eleven = datetime(2026, 12, 3, 11, tzinfo=UTC)
+    start = eleven + jitter_delay("product:helper:daily@local", eleven, 3600)
+    loop, agent = build()
+    loop.tick(T0)  # the daemon last watched at 10:00:30; 11:00 falls while it is down
+    loop, agent = build(at=eleven + (start - eleven) / 2)  # back before its start
+    [job] = loop.registry.jobs(source="products")
+    assert job.state.missed_while_down == 0 and job.state.next_fire == eleven
+    assert loop.describe(job)["next_run_at"] == rfc3339(start)
+    loop.tick(eleven + (start - eleven) / 2)
+    assert agent.seen == []
+    loop.tick(start)
+    loop.fanout.join()
+    assert [s["message"] for s in agent.seen] == ["m"]
 
 
 def test_a_retry_resumes_at_the_message_that_failed(build, home) -> None:

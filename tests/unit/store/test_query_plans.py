@@ -224,7 +224,8 @@ def exercise(env: OfficeEnv) -> None:
         repo.explain(run.id, later, runtime_full=False)
     repo.explain(first.run.id, later, runtime_full=True)
     repo.count_by_status()
-    repo.oldest_queued_at()
+    repo.oldest_queued_at(later)
+    repo.retrying(later)
     repo.has_queued()
     repo.next_due(later)
 

@@ -93,8 +93,10 @@ def write_open_page(root: Path, address: str) -> Path:
 @home_option
 @config_option("Config file (default: <home>/kandevd.yaml when it exists).")
 def open_(home: str | None, config_path: str | None) -> None:
-    """Open the console in a browser (where one exists), signed in by a local page that
-    posts the token (it stays out of the browser's history); else print its URL."""
+    """Open the console in a browser, signed in.
+
+    A local page posts a one-time code, so the token stays out of the browser's history;
+    with no browser at hand, print the console's URL."""
     address = console_url(home, config_path)
     root = resolve_home(home)
     try:

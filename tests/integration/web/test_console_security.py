@@ -44,7 +44,8 @@ def test_no_token_no_page_nor_data(console: tuple[DaemonProcess, ConsoleAddress]
     for path in PAGES:
         answer = request(address, "GET", path)
         assert answer.status == 401, path
-        assert "workflow:w" not in answer.body and "alert" not in answer.body
+        assert "workflow:w" not in answer.body and EVIL not in answer.body  # no data
+        assert 'action="/login"' in answer.body  # only the sign-in form
     wrong = request(address, "GET", "/?token=not-the-token")
     assert wrong.status == 403
     assert request(address, "GET", "/", cookie=f"{address.cookie_name}=forged").status == 401

@@ -432,8 +432,10 @@ def test_at_the_cap_the_longest_idle_connection_makes_room(tmp_path: Path) -> No
             sock.settimeout(TIMEOUT)
             sock.connect(str(srv.path))
             socks.append(sock)
-        socks[0].sendall(request(id=0, method="test.status"))  # 0 was active last: kept
-        assert read_answer(socks[0])["result"] == {"ok": True}
+        # An answer proves the connection was admitted; 1, then 2, then 0 were active last.
+        for index in (1, 2, 0):
+            socks[index].sendall(request(id=0, method="test.status"))
+            assert read_answer(socks[index])["result"] == {"ok": True}
         with Client(srv.path, timeout=TIMEOUT) as newcomer:
             assert newcomer.call("test.status") == {"ok": True}
             assert socks[1].recv(10) == b""  # the longest idle one was closed

@@ -39,6 +39,8 @@ from kandevd.queue.loop import QueueLoop
 from kandevd.queue.retention import RunPruner
 from kandevd.queue.service import RunQueue
 from kandevd.runtime import AgentRuntime
+from kandevd.runtime.keeperclient import KeeperClient
+from kandevd.runtime.keeperrunner import KeeperRunner
 from kandevd.schedules.build import build_cron_loop
 from kandevd.schedules.loop import CronLoop
 from kandevd.store.base import BaseStore
@@ -77,6 +79,8 @@ class Parts:
     metrics: DaemonMetrics
     status: StatusReporter
     server: ControlServer
+    #: The home's keeper as this daemon speaks to it (attached by the daemon's start).
+    keeper: KeeperClient
 
 
 def open_configured_store(config: Config, layout: HomeLayout) -> BaseStore:
@@ -121,7 +125,9 @@ def _assemble(config: Config, layout: HomeLayout, store: BaseStore, *, boot_id: 
               request_shutdown: Callable[[], None], state: Callable[[], str],
               started_at: str) -> Parts:
     bus = EventBus()
+    keeper = KeeperClient(layout.root)
     runtime = AgentRuntime(config.runtime.max_concurrent, config.runtime.stop_grace_s,
+                           runner=KeeperRunner(keeper, kill_grace_s=5.0),
                            shutdown_requested=stop_requested.is_set)
     cluster = _join_cluster(config, layout, store, boot_id) if store.shared else None
     metrics = DaemonMetrics()
@@ -149,7 +155,7 @@ def _assemble(config: Config, layout: HomeLayout, store: BaseStore, *, boot_id: 
                            fire_gate=cluster.fire_gate if cluster else None)
     loops["cron"] = cron
     status = StatusReporter(config, layout, store, runtime, queue, loops, cron, cluster,
-                            boot_id=boot_id, started_at=started_at, state=state)
+                            boot_id=boot_id, started_at=started_at, state=state, keeper=keeper)
     metrics.collect(status.status, cron.job_statuses)
     services = Services(config=config, layout=layout, store=store, bus=bus, runtime=runtime,
                         queue=queue,
@@ -161,7 +167,8 @@ def _assemble(config: Config, layout: HomeLayout, store: BaseStore, *, boot_id: 
         module.register(registry, services)
     server = ControlServer(layout.socket, registry, idle_timeout_s=config.control.idle_timeout_s)
     return Parts(store=store, bus=bus, runtime=runtime, queue=queue, cluster=cluster,
-                 loops=loops, cron=cron, metrics=metrics, status=status, server=server)
+                 loops=loops, cron=cron, metrics=metrics, status=status, server=server,
+                 keeper=keeper)
 
 
 def _join_cluster(config: Config, layout: HomeLayout, store: BaseStore, boot_id: str

@@ -32,6 +32,7 @@ from kandevd.config import Config
 from kandevd.control.sockets import NotASocket, SocketInUse
 from kandevd.lifecycle import StopSignal
 from kandevd.paths import HomeLayout
+from kandevd.runtime.keeperclient import KeeperUnavailable
 from kandevd.runtime.orphans import stop_orphan_agents
 from kandevd.schedules.adopted import adopt_turns
 from kandevd.sdnotify import notifier, queue_status
@@ -163,6 +164,15 @@ class Daemon:
                 stop_requested=self.stop_requested, request_shutdown=self.request_shutdown,
                 state=lambda: self.state, started_at=rfc3339(self.started_at))
             queue = parts.queue
+            # The keeper first: it holds the agents an earlier instance left and the
+            # exits that happened since (or it is started now).
+            try:
+                parts.keeper.connect()
+            except (KeeperUnavailable, OSError) as exc:
+                raise StartupError(f"the keeper cannot be started: {exc}",
+                                   exits.CANTCREAT) from None
+            started.append(("detach from the keeper",
+                            lambda: parts.keeper.close(quit_keeper=False)))
             if parts.cluster is not None:
                 # Heartbeats from now on: the claims restored below stay this daemon's.
                 # Another daemon's NOTIFY is worth a pass only with a free slot here.
@@ -196,6 +206,7 @@ class Daemon:
                                min(self.config.runtime.stop_grace_s, ORPHAN_GRACE_CAP_S),
                                keep=adopted)
             queue.recover_after_restart()
+            parts.runtime.release_unclaimed()
             if parts.cluster is not None:
                 self._settle_cluster(parts)
             for loop in parts.loops.values():
@@ -243,10 +254,13 @@ class Daemon:
         if parts.cluster is not None:  # it fires nothing more: the next leader, now
             steps.append(("give up the leader's lease", parts.cluster.resign))
         steps += [
-            # Left running (runtime.keep_agents_on_stop), each agent's shim records its exit
-            # status and the next start adopts it or records its outcome.
+            # Left running (runtime.keep_agents_on_stop), the keeper journals each agent's
+            # exit and the next start adopts it or records its outcome.
             ("stop agent runtime", lambda: parts.runtime.stop(
                 keep_agents=self.config.runtime.keep_agents_on_stop)),
+            # Its agents ended, the keeper ends too, unless they were left running.
+            ("detach from the keeper", lambda: parts.keeper.close(
+                quit_keeper=not self.config.runtime.keep_agents_on_stop)),
             # After the runtime: the heartbeat goes on while executions end, so no other
             # daemon takes this one for dead and runs its claims a second time.
             ("leave the cluster", lambda: self._leave_cluster(parts)),

@@ -14,6 +14,7 @@ import logging
 import os
 import sqlite3
 from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from kandevd import __version__
@@ -22,10 +23,11 @@ from kandevd.lifecycle import Loop
 from kandevd.paths import HomeLayout
 from kandevd.queue.service import RunQueue
 from kandevd.runtime import AgentRuntime
+from kandevd.runtime.keeperclient import KeeperClient
 from kandevd.schedules.loop import CronLoop
 from kandevd.store.base import BaseStore
 from kandevd.store.runs.retention import db_status
-from kandevd.timeutil import parse_rfc3339, utc_now
+from kandevd.timeutil import parse_rfc3339, rfc3339, utc_now
 
 if TYPE_CHECKING:
     from kandevd.cluster import Cluster
@@ -39,8 +41,9 @@ class StatusReporter:
     def __init__(self, config: Config, layout: HomeLayout, store: BaseStore,
                  runtime: AgentRuntime, queue: RunQueue, loops: Mapping[str, Loop],
                  cron: CronLoop, cluster: Cluster | None, *, boot_id: str, started_at: str,
-                 state: Callable[[], str]) -> None:
+                 state: Callable[[], str], keeper: KeeperClient | None = None) -> None:
         """``state()``: the daemon's (starting, running, stopping)."""
+        self.keeper = keeper
         self.config = config
         self.layout = layout
         self.store = store
@@ -73,6 +76,11 @@ class StatusReporter:
             "store": {"statements": store.statements,
                       "status": "degraded" if degraded else "ok"},
         }
+        if self.keeper is not None and self.keeper.state.pid:
+            result["runtime"]["keeper"] = {
+                "pid": self.keeper.state.pid,
+                "started_at": rfc3339(datetime.fromtimestamp(self.keeper.state.started_at, UTC)),
+                "agents": self.keeper.live_count(), "restarts": self.keeper.restarts}
         if store.shared:
             result["store"]["backend"] = store.dialect
             result["store"]["writer_wait_s"] = round(getattr(store, "writer_wait_s", 0.0), 3)

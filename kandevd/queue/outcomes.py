@@ -102,8 +102,12 @@ class OutcomeRecorder:
     def __init__(self, repo: RunRepository, live: LiveRuns, bus: EventBus, wake: Waker, *,
                  decide_retry: RetryDecider, clock: Callable[[], datetime], faults: Faults,
                  observer: Observer | None = None,
-                 monotonic: Callable[[], float] = time.monotonic) -> None:
+                 monotonic: Callable[[], float] = time.monotonic,
+                 release: Callable[[list[ExecutionResult]], None] | None = None) -> None:
+        """``release(results)``: these outcomes are recorded; what the runtime kept of
+        them for a restart (the keeper's exit record, the agent's stdout) may go."""
         self.repo = repo
+        self.release = release
         self.live = live
         self.bus = bus
         self.wake = wake
@@ -250,8 +254,11 @@ class OutcomeRecorder:
             self.live.folders.pop((run_id, claim.token), None)
             self.live.cancel_requested.discard(run_id)
             failures = self._failure_counts.pop(run_id, 0)
-        if result.outcome not in (INTERRUPTED, DETACHED):
+        # (An execution the keeper ran has a folder only when an outcome was written.)
+        if result.outcome not in (INTERRUPTED, DETACHED) and directory.is_dir():
             attempts.discard(directory)
+        if self.release is not None and result.outcome != DETACHED:
+            self.release([result])
         if failures:
             log.info("run %s: its outcome was written after %d refused attempt(s)", run_id,
                      failures)

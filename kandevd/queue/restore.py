@@ -28,7 +28,6 @@ from kandevd.runtime.records import (
     ExecutionRecord,
     locate,
     outcome_from_record,
-    read_record,
     record_alive,
 )
 from kandevd.runtime.stopping import FORCED_REASON
@@ -106,7 +105,9 @@ class Restorer:
         if not token or run_id in self.live.run_ids():  # settled here already
             return None
         directory = attempts.existing_attempt_dir(self.live.attempts_folder, run_id, token)
-        if not directory.is_dir():
+        kept = self.runtime.record_for(attempts.attempt_dir(self.live.attempts_folder, run_id,
+                                                            token))
+        if kept is None and not directory.is_dir():
             return None
         if directory != attempts.attempt_dir(self.live.attempts_folder, run_id, token):
             with self.live.lock:  # a legacy attempt: its journal stays where it is
@@ -118,7 +119,7 @@ class Restorer:
         interrupted = result is not None and result.outcome == INTERRUPTED
         if result is not None and not interrupted:
             return self._record_restored(claim, result)
-        record = read_record(directory)
+        record = kept if kept is not None else self.runtime.record_for(directory)
         if record is None:
             return None
         if record.run_id != run_id:  # (a recycled folder whose emptying a power cut lost)

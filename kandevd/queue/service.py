@@ -52,7 +52,8 @@ class RunQueue:
         self.wake = Waker()
         self.outcomes = OutcomeRecorder(
             repo, self.live, bus, self.wake, decide_retry=retry_decider(config.retry),
-            clock=clock, faults=faults, observer=observer, monotonic=monotonic)
+            clock=clock, faults=faults, observer=observer, monotonic=monotonic,
+            release=runtime.settle)
         self.dispatcher = Dispatcher(repo, runtime, self.outcomes, self.live, bus, config,
                                      layout, clock=clock, faults=faults, observer=observer,
                                      on_saturated=on_saturated)

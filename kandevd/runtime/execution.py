@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import signal
 import threading
 import time
@@ -119,6 +120,9 @@ class ExecutionResult:
     journaled: bool = False
     #: The agent's optional ``evaluation`` object (its last stdout line, contract 5).
     evaluation: dict[str, Any] | None = None
+    #: The keeper's name of the execution: the exit it keeps until the outcome is
+    #: recorded (:meth:`kandevd.runtime.pool.AgentRuntime.settle`); None for others.
+    execution_id: str | None = None
 
     @property
     def succeeded(self) -> bool:
@@ -157,6 +161,7 @@ class ExecutionControl:
         self._detach = False
         self._kill_now = False
         self._pgid: int | None = None
+        self._pidfd: int | None = None
         self._closed = False
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -228,6 +233,12 @@ class ExecutionControl:
             self._wake()
             return True
 
+    def notify(self) -> None:
+        """Wake the runner waiting on :attr:`wake_fd` (something it waits for happened)."""
+        with self._lock:
+            if not self._closed:
+                self._wake()
+
     def _wake(self) -> None:
         try:
             os.write(self._wake_w, b"\0")
@@ -242,26 +253,29 @@ class ExecutionControl:
         """SIGKILL the process group at once (forced exit); no grace, no waiting."""
         with self._lock:
             self._kill_now = True
-            pgid = self._pgid
+            pgid, pidfd = self._pgid, self._pidfd
         if pgid is not None:
-            signal_group(pgid, signal.SIGKILL)
+            _kill_group(pgid, pidfd)
 
-    def attach(self, pgid: int) -> None:
+    def attach(self, pgid: int, pidfd: int | None = None) -> None:
         """Record the live process group; called by the runner right after spawn.
 
         The runner must :meth:`detach` before it reaps the leader, so a pid the
-        kernel hands out again is never signalled by mistake.
+        kernel hands out again is never signalled by mistake; or it passes the
+        leader's ``pidfd`` (held until it detaches), which tells whether the group
+        is still the leader's when someone else reaps it (the keeper).
         """
         with self._lock:
-            self._pgid = pgid
+            self._pgid, self._pidfd = pgid, pidfd
             kill = self._kill_now
         if kill:
-            signal_group(pgid, signal.SIGKILL)
+            _kill_group(pgid, pidfd)
 
     def detach(self) -> None:
         """Forget the process group (before reaping the leader, or when leaving it)."""
         with self._lock:
             self._pgid = None
+            self._pidfd = None
 
     def drain_wake(self) -> None:
         """Empty the wake pipe so select() does not spin on it."""
@@ -327,6 +341,18 @@ def signal_group(pgid: int, sig: int) -> bool:
         return False
     return True
 
+
+
+def _kill_group(pgid: int, pidfd: int | None) -> None:
+    """SIGKILL the group of leader ``pgid``; with its pidfd, only while the leader has not
+    ended (after that its pid, and so the group's id, may be someone else's)."""
+    if pidfd is not None:
+        try:
+            if select.select([pidfd], [], [], 0)[0]:
+                return  # ended: its keeper kills what is left of its group
+        except (OSError, ValueError):
+            return
+    signal_group(pgid, signal.SIGKILL)
 
 
 def _signal_name(number: int) -> str:

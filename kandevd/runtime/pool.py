@@ -21,6 +21,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 
 from kandevd.runtime.execution import (
     ERROR,
@@ -30,7 +31,7 @@ from kandevd.runtime.execution import (
     Runner,
 )
 from kandevd.runtime.process import ProcessRunner
-from kandevd.runtime.records import ExecutionRecord
+from kandevd.runtime.records import ExecutionRecord, read_record
 from kandevd.runtime.stopping import LiveExecution, Stopping
 from kandevd.timeutil import utc_now
 
@@ -154,6 +155,30 @@ class AgentRuntime(Stopping):
         """Keys of every execution that holds a slot."""
         with self._cond:
             return frozenset(self._live)
+
+    def settle(self, results: list[ExecutionResult]) -> None:
+        """These outcomes are recorded for good: what kept them for a restart may go."""
+        self.settle_ids([r.execution_id for r in results if r.execution_id is not None])
+
+    def settle_ids(self, ids: list[str]) -> None:
+        """Like :meth:`settle`, by the executions' keeper names (a turn's record folder's)."""
+        settle = getattr(self._runner, "settle_ids", None)
+        if settle is not None and ids:
+            settle(ids)
+
+    def release_unclaimed(self) -> None:
+        """After the restart's restore: what the keeper still reports that nobody took up
+        (its run was re-queued, its turn settled) is forgotten, its agent stopped."""
+        release = getattr(self._runner, "release_unclaimed", None)
+        if release is not None:
+            release()
+
+    def record_for(self, record_dir: Path) -> ExecutionRecord | None:
+        """What is known of the execution whose record folder is ``record_dir``: the
+        keeper's record, else the ``record.json`` an older version's shim left there."""
+        find = getattr(self._runner, "record_for", None)
+        found = find(record_dir) if find is not None else None
+        return found if found is not None else read_record(record_dir)
 
     def add_slot_listener(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` whenever a slot frees (the queue loop's wake-up)."""

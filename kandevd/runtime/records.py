@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kandevd.fsutil import write_json
+from kandevd.keeper import journal
 from kandevd.runtime import shim
 from kandevd.runtime.attempts import (
     EXIT_FILE,
@@ -36,6 +37,7 @@ from kandevd.runtime.execution import (
     SUCCEEDED,
     ExecutionResult,
     describe_exit,
+    termination_text,
 )
 from kandevd.runtime.output import AgentReport, collect_stdout
 from kandevd.timeutil import parse_rfc3339, rfc3339
@@ -93,6 +95,12 @@ class ExecutionRecord:
     log_offset: int = 0
     #: The agent's stdout file; None stands for ``<record_dir>/stdout``.
     stdout_path: Path | None = None
+    #: The keeper's name of the execution, when the keeper started it (else a shim did).
+    keeper_id: str | None = None
+    #: How it ended as the keeper tells it (``code``, ``by``, ...), None while it runs
+    #: or not known yet (then :attr:`journal`, the keeper's journal, is read).
+    ended: dict[str, Any] | None = None
+    journal: Path | None = None
 
     def __post_init__(self) -> None:
         if self.stdout_path is None:
@@ -112,6 +120,8 @@ class ExecutionRecord:
             "timeout_s": self.timeout_s, "log_path": str(self.log_path),
             "input_path": str(self.input_path), "argv": list(self.argv),
             "log_offset": self.log_offset, "stdout_path": str(self.stdout_path),
+            **({"keeper_id": self.keeper_id, "journal": str(self.journal)}
+               if self.keeper_id is not None else {}),
         }
 
 
@@ -197,6 +207,10 @@ def _parse(record_dir: Path, document: Any) -> ExecutionRecord:
     offset = document.get("log_offset", 0)
     if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
         offset = 0
+    keeper_id = document.get("keeper_id")  # a record of an execution the keeper started
+    journal = document.get("journal")
+    if keeper_id is not None and not (isinstance(keeper_id, str) and isinstance(journal, str)):
+        raise TypeError("keeper_id and journal must be strings")
     stdout = document.get("stdout_path")  # absent from records of older versions
     if stdout is not None and not isinstance(stdout, str):
         raise TypeError("stdout_path must be a string")
@@ -206,7 +220,8 @@ def _parse(record_dir: Path, document: Any) -> ExecutionRecord:
         started_at=parse_rfc3339(text("started_at")), deadline=parse_rfc3339(text("deadline")),
         timeout_s=float(timeout), log_path=Path(text("log_path")),
         input_path=Path(text("input_path")), argv=tuple(argv), log_offset=offset,
-        stdout_path=Path(stdout) if stdout else None,
+        stdout_path=Path(stdout) if stdout else None, keeper_id=keeper_id,
+        journal=Path(journal) if journal else None,
     )
 
 
@@ -227,12 +242,16 @@ def locate(record: ExecutionRecord) -> ExecutionRecord:
 
 
 def record_alive(record: ExecutionRecord) -> bool:
-    """True while the record's shim still runs: same pid, same start time, ours.
+    """True while the record's agent still runs: the keeper says so, or its shim still
+    runs (same pid, same start time, ours).
 
     "Ours" means our uid and the command line of the shim writing this
     record's exit file (not one of another home or attempt); a pid the kernel
     handed to another process since has another start time.
     """
+    if record.keeper_id is not None:
+        return kept_end(record) is None and record.pid > 0 and \
+            shim.process_running(record.pid, record.pid_start)
     return (record.pid > 0 and shim.process_running(record.pid, record.pid_start)
             and shim.is_our_shim(record.pid, record.exit_path))
 
@@ -246,11 +265,53 @@ def outcome_from_record(record: ExecutionRecord, record_dir: Path | None = None,
     log (see :func:`collect_output`; calling this again is harmless). Its end
     is when the exit file was written.
     """
+    if record.keeper_id is not None:
+        return kept_outcome(record, log_path)
     directory = Path(record_dir) if record_dir is not None else record.record_dir
     exit_code = read_exit_status(directory)
     if exit_code is None:
         return None
     return result_for_exit(record, exit_code, directory, log_path)
+
+
+def kept_end(record: ExecutionRecord) -> dict[str, Any] | None:
+    """How the keeper says the execution ended: known to the daemon already, else from
+    the keeper's journal on disk (read at a start, for a record found in a folder)."""
+    if record.ended is not None or record.journal is None or record.keeper_id is None:
+        return record.ended
+    entry = journal.read(record.journal).get(record.keeper_id)
+    return entry.exit if entry is not None else None
+
+
+def kept_outcome(record: ExecutionRecord, log_path: Path | None = None
+                 ) -> ExecutionResult | None:
+    """How an execution the keeper started ended, from the keeper's exit record; None while
+    it runs or when its exit is unknown (it ended while no keeper watched it). Its stdout
+    goes into the log (once: the file is removed after)."""
+    ended = kept_end(record)
+    if ended is None or (ended.get("code") is None and not ended.get("by")):
+        return None
+    log_file = Path(log_path) if log_path is not None else record.log_path
+    assert record.stdout_path is not None
+    report = collect_stdout(record.stdout_path, log_file)
+    code = ended.get("code")
+    by = ended.get("by")
+    try:
+        ended_at = datetime.fromtimestamp(float(ended.get("at") or 0), record.started_at.tzinfo)
+    except (TypeError, ValueError, OverflowError):
+        ended_at = record.started_at
+    ended_at = max(ended_at, record.started_at)
+    if by:
+        outcome, error = str(by), termination_text(str(by), str(ended.get("reason") or ""),
+                                                    record.timeout_s)
+    else:
+        outcome = SUCCEEDED if code == 0 else FAILED
+        error = None if code == 0 else describe_exit(int(code))
+    return ExecutionResult(
+        key=record.key, outcome=outcome, exit_code=code, summary=report.summary,
+        cost_cents=report.cost_cents, error=error, started_at=record.started_at,
+        ended_at=ended_at, log_path=log_file, evaluation=report.evaluation, journaled=True,
+        execution_id=record.keeper_id)
 
 
 def result_for_exit(record: ExecutionRecord, exit_code: int, record_dir: Path | None = None,

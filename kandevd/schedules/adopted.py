@@ -24,7 +24,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from kandevd.runtime import DETACHED, ExecutionResult, ExecutionSpec
-from kandevd.runtime.records import ExecutionRecord, locate, read_record, record_alive
+from kandevd.runtime.records import ExecutionRecord, locate, record_alive
 from kandevd.schedules import history as hist
 from kandevd.schedules.history import SHUTDOWN_ERROR
 from kandevd.schedules.jobs import JobNotFound
@@ -74,7 +74,7 @@ def _adopt_entry(stranded: Stranded, registry: JobRegistry, runner: SessionRunne
         if not isinstance(index, int) or isinstance(index, bool) or index < 0:
             continue
         key = turn_key(stranded.entry_id, index)
-        record = read_record(runner.turns_folder / key)
+        record = runtime.record_for(runner.turns_folder / key)
         if record is None or record.run_id != stranded.entry_id or record.key != key:
             continue  # (not this turn's record: never adopted on its word)
         record = locate(record)
@@ -130,7 +130,8 @@ def _adopt(stranded: Stranded, entry: dict[str, Any], position: int,
             if result.outcome != DETACHED:  # (else it runs on, for the next start)
                 # Its record goes once the outcome is on the entry (see Session.turn).
                 final = _record_end(history, stranded.entry_id, position, result, control,
-                                    after=lambda: remove_turn_record(record.record_dir))
+                                    after=lambda: remove_turn_record(record.record_dir,
+                                                                     runtime.settle_ids))
                 if final is not None:
                     ended.append(final)
                     log.log(logging.WARNING if final["status"] == hist.ERROR
@@ -152,7 +153,7 @@ def _adopt(stranded: Stranded, entry: dict[str, Any], position: int,
         _unmark(history, stranded.entry_id, position)
         runner.reopened(job_key, None)
         raise
-    log.info("%s: adopted turn %s of run %s (shim pid %d) left running by the previous "
+    log.info("%s: adopted turn %s of run %s (agent pid %d) left running by the previous "
              "daemon", job_key, key, stranded.entry_id, record.pid)
 
 

@@ -133,9 +133,11 @@ class CronLoop(Loop):
             if self.fire_gate is None:  # one daemon: the entries it left are ours
                 STRANDED.settle(self.runner.turns_folder, live=live,
                                 ended=lambda item, entry: self.runner.settled(
-                                    str(item.job_key), entry, item.history))
+                                    str(item.job_key), entry, item.history),
+                                release=self.runner.settle_turns)
             else:  # several: its records are this home's, its entries maybe another's
-                STRANDED.settle_records(self.runner.turns_folder, live)
+                STRANDED.settle_records(self.runner.turns_folder, live,
+                                        self.runner.settle_turns)
         if self._late_since is not None and self.fire_gate is not None:
             since, self._late_since = self._late_since, None
             paused = self.registry.pause.get()["globally_paused"]

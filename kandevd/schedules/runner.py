@@ -229,6 +229,12 @@ class SessionRunner:
         job.state.last_run_at = session.entry["started_at"]
         job.state.last_session_id = session.plan.session_id
 
+    def settle_turns(self, names: list[str]) -> None:
+        """These turns' outcomes are on their entries: the runtime may let their exits go."""
+        settle = getattr(self._runtime, "settle_ids", None)
+        if settle is not None:
+            settle(names)
+
     def is_live_turn(self, key: str) -> bool:
         """Does a turn's execution of that key run here (adopted, or started since)?"""
         return bool(self._runtime.is_live(key))

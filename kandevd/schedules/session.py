@@ -69,11 +69,15 @@ def turn_record_dir(layout: HomeLayout, entry_id: str, index: int) -> Path:
     return layout.turns / turn_key(entry_id, index)
 
 
-def remove_turn_record(record_dir: Path) -> None:
+def remove_turn_record(record_dir: Path,
+                       settle: Callable[[list[str]], None] | None = None) -> None:
     """The record of an ended turn: its outcome is on the entry, so it goes (with its
-    stdout file, moved beside the folder once merged into the log)."""
+    stdout file, merged into the log); ``settle`` tells the runtime the keeper may forget
+    its exit."""
     shutil.rmtree(record_dir, ignore_errors=True)
     spent_stdout_path(record_dir).unlink(missing_ok=True)
+    if settle is not None:
+        settle([record_dir.name])
 
 
 def apply_result(record: dict[str, Any], result: ExecutionResult, *,
@@ -333,7 +337,7 @@ class Session:
         # delay (the write is kept until it lands); a daemon that stops before then
         # leaves the record, and the next start settles the turn from it.
         record_dir = turn_record_dir(self.layout, self.plan.entry_id, index)
-        self._save(after=lambda: remove_turn_record(record_dir))
+        self._save(after=lambda: remove_turn_record(record_dir, self._runtime.settle_ids))
         return record
 
     def _execute(self, turn: TurnSpec, index: int, record: dict[str, Any], sent: datetime

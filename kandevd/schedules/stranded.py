@@ -75,17 +75,19 @@ class StrandedTurns:
 
     def settle(self, turns_folder: Path | None = None, *,
                live: Callable[[str], bool] = lambda key: False,
-               ended: Callable[[Stranded, dict[str, Any]], None] | None = None) -> int:
+               ended: Callable[[Stranded, dict[str, Any]], None] | None = None,
+               release: Release | None = None) -> int:
         """Settle every entry added so far, then every other record left in
         ``turns_folder`` (but the ``live`` ones: adopted); how many turns had files left.
-        ``ended(item, entry)``: an entry that ends with its turns' real outcome."""
+        ``ended(item, entry)``: an entry that ends with its turns' real outcome.
+        ``release(names)``: the keeper may forget the exits of these turns (recorded)."""
         with self._lock:
             entries, self._entries = self._entries, []
         settled = 0
         for item in entries:
             history, entry_id = item.history, item.entry_id
             try:
-                count, final = settle_entry(history, entry_id, turns_folder)
+                count, final = settle_entry(history, entry_id, turns_folder, release)
             except OSError as exc:  # a log that cannot be written: said, not fatal
                 log.warning("%s: the turns of run %s left by the previous daemon could not "
                             "be settled: %s", history.file.path, entry_id, exc)
@@ -105,18 +107,24 @@ class StrandedTurns:
             # (the records of those entries are theirs: gone once their outcome is written)
             prefixes = tuple(f"turn-{item.entry_id}-" for item in entries)
             settled += sweep_records(turns_folder,
-                                     lambda name: live(name) or name.startswith(prefixes))
+                                     lambda name: live(name) or name.startswith(prefixes),
+                                     release)
         if settled:
             log.info("settled %d scheduled turn(s) a previous daemon left running: their "
                      "outcome and output are on their runs", settled)
         return settled
 
-    def settle_records(self, turns_folder: Path, live: Callable[[str], bool]) -> int:
+    def settle_records(self, turns_folder: Path, live: Callable[[str], bool],
+                       release: Release | None = None) -> int:
         """Several daemons: only this home's records (the entries may be another's)."""
         with self._lock:
             self._entries = []
-        return sweep_records(turns_folder, live)
+        return sweep_records(turns_folder, live, release)
 
+
+#: ``release(names)``: the keeper may forget the exits of these turns (their outcome is
+#: recorded); see :meth:`kandevd.runtime.pool.AgentRuntime.settle_ids`.
+Release = Callable[[list[str]], None]
 
 #: Filled when histories are repaired at start; settled by the cron loop's first tick.
 STRANDED = StrandedTurns()
@@ -137,8 +145,8 @@ def repair_at_start(history: hist.History, now: datetime,
     return entries
 
 
-def settle_entry(history: hist.History, entry_id: str, turns_folder: Path | None = None
-                 ) -> tuple[int, dict[str, Any] | None]:
+def settle_entry(history: hist.History, entry_id: str, turns_folder: Path | None = None,
+                 release: Release | None = None) -> tuple[int, dict[str, Any] | None]:
     """Record the real outcome of ``entry_id``'s turns that left files: how many, and the
     entry when that outcome ends it (None: it stays as the start marked it). Their
     records go once that is written (a full disk keeps them for the next start)."""
@@ -174,7 +182,7 @@ def settle_entry(history: hist.History, entry_id: str, turns_folder: Path | None
         final = changed
     if settled:
         history.update_entry(entry_id, changed,
-                             after=lambda: [remove_turn_record(d) for d in done])
+                             after=lambda: [remove_turn_record(d, release) for d in done])
     return settled, final
 
 
@@ -205,7 +213,8 @@ def _unlisted_turns(entry_id: str, start: int, turns_folder: Path
     return found
 
 
-def sweep_records(turns_folder: Path, live: Callable[[str], bool]) -> int:
+def sweep_records(turns_folder: Path, live: Callable[[str], bool],
+                  release: Release | None = None) -> int:
     """Records no entry led to (its run not loaded, its file gone, another daemon's
     entry): the agent's output is merged into the log its record names, the record
     removed. Nothing is left in ``<home>/turns/`` but the live turns' records."""
@@ -228,7 +237,7 @@ def sweep_records(turns_folder: Path, live: Callable[[str], bool]) -> int:
                 log.warning("%s: the output of a turn left by a previous daemon could not "
                             "be merged into %s: %s", folder, record.log_path, exc)
         log.warning("%s: a turn's record no history entry claims was removed", folder)
-        remove_turn_record(folder)
+        remove_turn_record(folder, release)
         swept += 1
     return swept
 

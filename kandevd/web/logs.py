@@ -7,8 +7,9 @@ opened, whatever the entry says.
 
 While an execution runs, its log holds what the agent writes to stderr (and
 the daemon's frames); its stdout goes to the execution's own file
-(``<home>/turns/turn-<entry>-<index>/stdout`` for a scheduled turn,
-``<home>/attempts/<run id>.<token>/stdout`` for a run's attempt) and joins
+(``<home>/turns/turn-<entry>-<index>.stdout`` for a scheduled turn,
+``<home>/attempts/<run id>.<token>.stdout`` for a run's attempt; an agent an
+older daemon started wrote ``stdout`` inside those folders) and joins
 the end of the log when it ends. A live view shows that file after the log,
 which is where it lands. Its path is made here from ids of plain
 characters and must resolve inside its folder.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +79,8 @@ def readable_log(console: Any, raw: Any, limit: int = TAIL_BYTES) -> dict[str, A
 #: Ids a stdout file's path is made of: nothing that could climb out of its folder.
 _PLAIN_ID = re.compile(r"[A-Za-z0-9_-]{1,200}")
 STDOUT_FILE = "stdout"
+#: The keeper's stdout file of an execution: beside its record folder, this suffix added.
+KEPT_SUFFIX = ".stdout"
 
 
 def _inside(path: Path, folder: Path) -> Path | None:
@@ -92,30 +96,45 @@ def turn_stdout_path(console: Any, entry_id: Any, index: int) -> Path | None:
     if not isinstance(entry_id, str) or not _PLAIN_ID.fullmatch(entry_id):
         return None
     turns = HomeLayout(Path(console.home)).turns
-    return _inside(turns / f"turn-{entry_id}-{int(index)}" / STDOUT_FILE, turns)
+    name = f"turn-{entry_id}-{int(index)}"
+    return _newest([turns / f"{name}{KEPT_SUFFIX}", turns / name / STDOUT_FILE], turns)
 
 
 def run_stdout_path(console: Any, run_id: Any) -> Path | None:
-    """Where the stdout of a run's current attempt is: the newest of its attempt folders
-    that holds one (None when there is none)."""
+    """Where the stdout of a run's current attempt is: the newest stdout file of its
+    attempts (None when there is none)."""
     if not isinstance(run_id, str) or not _PLAIN_ID.fullmatch(run_id):
         return None
     attempts = HomeLayout(Path(console.home)).attempts
-    found: list[tuple[float, Path]] = []
+    candidates: list[Path] = []
     try:
         with os.scandir(attempts) as entries:
             for entry in entries:
-                if entry.name.startswith(run_id + ".") and entry.is_dir(follow_symlinks=False):
-                    try:
-                        found.append((os.stat(Path(entry.path) / STDOUT_FILE).st_mtime,
-                                      Path(entry.path) / STDOUT_FILE))
-                    except OSError:
-                        continue
+                if not entry.name.startswith(run_id + "."):
+                    continue
+                if entry.name.endswith(KEPT_SUFFIX):
+                    candidates.append(Path(entry.path))
+                elif entry.is_dir(follow_symlinks=False):
+                    candidates.append(Path(entry.path) / STDOUT_FILE)
     except OSError:
         return None
+    return _newest(candidates, attempts)
+
+
+def _newest(candidates: list[Path], folder: Path) -> Path | None:
+    """The most recently written of the regular files among ``candidates`` inside
+    ``folder``."""
+    found: list[tuple[float, Path]] = []
+    for path in candidates:
+        try:
+            info = os.stat(path)
+        except OSError:
+            continue
+        if stat.S_ISREG(info.st_mode):
+            found.append((info.st_mtime, path))
     if not found:
         return None
-    return _inside(max(found)[1], attempts)
+    return _inside(max(found)[1], folder)
 
 
 def tail(path: Path | None, limit: int = TAIL_BYTES) -> dict[str, Any]:

@@ -4,8 +4,12 @@ Each round starts the real ``kandevd serve`` on a fresh home (SQLite, 100
 agents, ``runtime.max_concurrent`` 4, ``/bin/true`` agents), queues ``--runs``
 runs at once with ``runs.enqueue_many`` and times the drain until none is
 queued or claimed. It prints the drain rate and, per run, the CPU time of the
-daemon and of the processes it started (the shim and the agent: the
-``cutime``/``cstime`` of the daemon, which counts every child it reaped).
+daemon, of its keeper (``runtime.keeper.pid`` in ``daemon.status``; a version
+without one has none), and of the agents' processes: the ``cutime``/``cstime``
+of the keeper and of the daemon, which count every child each reaped (the
+agent; under an older version, the shim and the agent). It also times
+``/bin/true`` spawned directly (``posix_spawn`` and ``waitpid``), what the
+agents' processes cost at the least.
 
 ``--baseline DIR`` names a checkout of another version of kandevd: the two
 versions then alternate round by round (the baseline run from DIR's
@@ -54,7 +58,9 @@ def drain(home: Path, runs: int, command: list[str], env: dict[str, str]) -> dic
                   for i in range(100)]
         client = daemon.client()
         assert daemon.proc is not None
+        keeper = daemon.call("daemon.status")["runtime"].get("keeper", {}).get("pid")
         own0, children0 = cpu_s(daemon.proc.pid)
+        keeper0, kept0 = cpu_s(keeper) if keeper else (0.0, 0.0)
         started = time.perf_counter()
         for k in range(0, runs, 500):
             client.call("runs.enqueue_many", {"runs": [
@@ -65,11 +71,23 @@ def drain(home: Path, runs: int, command: list[str], env: dict[str, str]) -> dic
             time.sleep(0.02)
         elapsed = time.perf_counter() - started
         own1, children1 = cpu_s(daemon.proc.pid)
+        keeper1, kept1 = cpu_s(keeper) if keeper else (0.0, 0.0)
         client.close()
     finally:
         daemon.stop()
     return {"rate": runs / elapsed, "daemon_ms": (own1 - own0) * 1000 / runs,
-            "children_ms": (children1 - children0) * 1000 / runs}
+            "keeper_ms": (keeper1 - keeper0) * 1000 / runs,
+            "children_ms": (children1 - children0 + kept1 - kept0) * 1000 / runs}
+
+
+def direct_spawn_ms(count: int = 1500) -> float:
+    """Children's CPU per ``/bin/true`` spawned directly and reaped: the floor."""
+    before = os.times()
+    for _ in range(count):
+        os.waitpid(os.posix_spawn("/bin/true", ["/bin/true"], os.environ), 0)
+    after = os.times()
+    return ((after.children_user + after.children_system)
+            - (before.children_user + before.children_system)) * 1000 / count
 
 
 def main() -> None:
@@ -93,7 +111,8 @@ def main() -> None:
                 figures = drain(top / f"{name}-{round_no}" / "home", args.runs, command, env)
                 results[name].append(figures)
                 print(f"round {round_no} {name:8s} {figures['rate']:7.1f} runs/s; CPU per run: "
-                      f"daemon {figures['daemon_ms']:.2f} ms, its agents' processes "
+                      f"daemon {figures['daemon_ms']:.2f} ms, keeper "
+                      f"{figures['keeper_ms']:.2f} ms, agents' processes "
                       f"{figures['children_ms']:.2f} ms", flush=True)
     finally:
         shutil.rmtree(top, ignore_errors=True)
@@ -101,7 +120,9 @@ def main() -> None:
                for name, rounds in results.items()}
     for name, m in medians.items():
         print(f"median {name:8s} {m['rate']:7.1f} runs/s; daemon {m['daemon_ms']:.2f} ms/run, "
-              f"agents' processes {m['children_ms']:.2f} ms/run")
+              f"keeper {m['keeper_ms']:.2f} ms/run, agents' processes "
+              f"{m['children_ms']:.2f} ms/run")
+    print(f"/bin/true spawned directly: {direct_spawn_ms():.2f} ms of its own CPU")
     if "baseline" in medians:
         this, base = medians["this"], medians["baseline"]
         print(f"ratio this/baseline: drain rate {this['rate'] / base['rate']:.2f}x, "

@@ -159,10 +159,43 @@ class DaemonProcess:
                 raise AssertionError(f"agent processes {pids} survived SIGKILL")
             time.sleep(0.01)
 
+    def keeper_pids(self) -> list[int]:
+        """The home's keeper (``python -m kandevd.keeper HOME``), if one runs."""
+        wanted = [b"-m", b"kandevd.keeper", str(self.home).encode()]
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+                state = (entry / "stat").read_bytes().rsplit(b")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            if argv[1:4] == wanted and state != b"Z":
+                found.append(int(entry.name))
+        return found
+
+    def kill_keeper(self, timeout: float = 10.0) -> list[int]:
+        """SIGKILL the home's keeper; its pids (it is gone when this returns)."""
+        pids = self.keeper_pids()
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + timeout
+        while set(pids) & set(self.keeper_pids()):  # (a live daemon may start another)
+            if time.monotonic() > deadline:
+                raise AssertionError(f"keeper {pids} survived SIGKILL")
+            time.sleep(0.01)
+        return pids
+
     def kill9(self) -> None:
-        """SIGKILL the daemon's process group, then every agent it left behind."""
+        """SIGKILL the daemon's process group, its keeper, then every agent left behind
+        (the machine's crash, as far as this home goes)."""
         assert self.proc is not None
         os.killpg(self.proc.pid, signal.SIGKILL)  # dead first: it can start no new agent
+        self.kill_keeper()
         self._kill_agents()
         self.wait()
 
@@ -179,6 +212,7 @@ class DaemonProcess:
             except ProcessLookupError:
                 pass
             self.proc.wait(30)
+        self.kill_keeper()
         self._kill_agents()
 
     # -- talking ----------------------------------------------------------------

@@ -55,8 +55,11 @@ def test_status_reports_the_process_and_its_loops(
     assert set(status["loops"]) >= {"queue", "office", "cron"}
     assert set(status["loops"].values()) <= {"stopped", "running", "stopping"}
     assert status["loops"]["queue"] == "running"
+    keeper = status["runtime"].pop("keeper")
     assert status["runtime"] == {"active": 0, "max_concurrent": FAST_CONFIG["runtime"]
                                  ["max_concurrent"]}
+    assert keeper["pid"] in daemon.keeper_pids() and keeper["agents"] == 0
+    assert keeper["restarts"] == 0 and keeper["started_at"].endswith("Z")
     assert_graceful(daemon, daemon.stop())
 
 

@@ -31,27 +31,24 @@ def _state(pid: int) -> str:
     return stat[stat.rindex(")") + 2:].split()[0]
 
 
-def _agent_child(shim: int) -> bool:
-    """True once the shim's child runs the echo agent and sleeps in it.
+def _agent_asleep(pid: int) -> bool:
+    """True once the agent (the keeper's child, leading its own session) sleeps.
 
-    Not merely exec'd: the agent catches SIGTERM and is inside its sleep
+    Not merely exec'd: the echo agent catches SIGTERM and is inside its sleep
     (``clock_nanosleep``, system call 230 on x86-64, 115 on arm64), so the
     freeze below always catches it where the test means, however long its
     start-up takes on a loaded machine.
     """
     try:
-        children = Path(f"/proc/{shim}/task/{shim}/children").read_text().split()
-        for child in children:
-            if b"kandevd.agents.echo" not in Path(f"/proc/{child}/cmdline").read_bytes():
-                continue
-            caught = next((int(line.split()[1], 16) for line in
-                           Path(f"/proc/{child}/status").read_text().splitlines()
-                           if line.startswith("SigCgt:")), 0)
-            if not caught & (1 << (signal.SIGTERM - 1)):
-                return False
-            call = Path(f"/proc/{child}/syscall").read_text().split()
-            return bool(call) and call[0] in ("230", "115")
-        return False
+        if b"kandevd.agents.echo" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return False
+        caught = next((int(line.split()[1], 16) for line in
+                       Path(f"/proc/{pid}/status").read_text().splitlines()
+                       if line.startswith("SigCgt:")), 0)
+        if not caught & (1 << (signal.SIGTERM - 1)):
+            return False
+        call = Path(f"/proc/{pid}/syscall").read_text().split()
+        return bool(call) and call[0] in ("230", "115")
     except OSError:
         return False
 
@@ -65,15 +62,13 @@ def test_restart_stops_the_agents_of_a_killed_daemon_before_requeueing(
     daemon.call("agents.create", {"id": "a1", "workspace_id": "w1", "name": "a1"})
     run = daemon.call("runs.enqueue", {"workspace_id": "w1", "agent_id": "a1",
                                        "reason": "manual", "coalesce": False,
-                                       "payload": {"sleep_s": 2, "touch": str(touch)}})["run"]
+                                       "payload": {"sleep_s": 8, "touch": str(touch)}})["run"]
 
-    [old_agent] = daemon.wait_until(daemon.agent_pids, what="the agent's shim")
-    # The agent itself runs as the shim's child: wait until it has exec'd, so the
-    # freeze below catches the agent and not only its shim.
-    daemon.wait_until(lambda: _agent_child(old_agent), what="the agent under its shim")
+    [old_agent] = daemon.wait_until(daemon.agent_pids, what="the agent")
+    daemon.wait_until(lambda: _agent_asleep(old_agent), what="the agent asleep")
     # Freeze the first execution mid-sleep: whatever the restart takes, it cannot
     # finish on its own, and only the restart can end it (SIGTERM needs a SIGCONT).
-    os.killpg(old_agent, signal.SIGSTOP)  # the shim and its agent
+    os.killpg(old_agent, signal.SIGSTOP)
     pidfd = os.pidfd_open(old_agent)  # readable once that very process has exited
     try:
         assert daemon.kill_daemon_only() == -signal.SIGKILL

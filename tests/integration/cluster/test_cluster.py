@@ -277,15 +277,16 @@ def test_a_restarted_daemon_adopts_its_agents_and_no_other_daemon_takes_them(
     first = daemon_factory(config, home=tmp_path / "home")
     ws, agents = seed(first, 1)
     run = first.call("runs.enqueue", {"workspace_id": ws, "agent_id": agents[0],
-                                      "reason": "long", "payload": {"sleep_s": 6}})["run"]
+                                      "reason": "long",
+                                      "payload": {"wait_for": str(tmp_path / "go")}})["run"]
     wait_for(lambda: first.call("runs.get", {"id": run["id"]})["status"] == "claimed"
              and first.agent_pids(), 10, "the run executing on the first daemon")
     # The onlooker joins once the run is claimed, so the claim is certainly the first's.
     other = daemon_factory(config, home=tmp_path / "other")
-    first.kill_daemon_only()  # its agent runs on
-    time.sleep(1)
+    first.kill_daemon_only()  # its agent runs on (until it is told to end)
     again = daemon_factory(config, home=tmp_path / "home")
     assert again.call("daemon.status")["runs"]["adopted"] == 1
+    (tmp_path / "go").touch()
     wait_for(lambda: again.call("runs.get", {"id": run["id"]})["status"] == "finished", 20,
              "the adopted run finished")
     got = again.call("runs.get", {"id": run["id"]})

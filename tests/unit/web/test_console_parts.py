@@ -335,17 +335,22 @@ def test_a_running_executions_stdout_is_found_by_plain_ids_only(tmp_path) -> Non
 
     class Console:
         home = tmp_path
-    old = tmp_path / "attempts" / "run_1.aaa"
-    new = tmp_path / "attempts" / "run_1.bbb"
-    for folder in (old, new, tmp_path / "turns" / "turn-e1-2"):
+    old = tmp_path / "attempts" / "run_1.aaa"  # an older daemon's: stdout inside
+    new = tmp_path / "attempts" / "run_1.bbb.stdout"  # the keeper's: beside the record
+    for folder in (old, tmp_path / "turns" / "turn-e1-2"):
         folder.mkdir(parents=True)
         (folder / "stdout").write_text(f"out of {folder.name}\n")
+    new.write_text("out of run_1.bbb\n")
+    (tmp_path / "attempts" / "run_1.ccc").mkdir()  # a record folder without stdout
     os.utime(old / "stdout", (1, 1))
-    (tmp_path / "attempts" / "run_1.ccc.stdout").write_text("spent\n")  # a file: passed over
-    assert run_stdout_path(Console(), "run_1") == new / "stdout"
+    assert run_stdout_path(Console(), "run_1") == new
     assert tail(run_stdout_path(Console(), "run_1"))["text"] == "out of run_1.bbb\n"
+    new.unlink()
+    assert run_stdout_path(Console(), "run_1") == old / "stdout"
     assert run_stdout_path(Console(), "run_2") is None
     assert turn_stdout_path(Console(), "e1", 2) == tmp_path / "turns" / "turn-e1-2" / "stdout"
+    (tmp_path / "turns" / "turn-e1-3.stdout").write_text("kept\n")
+    assert turn_stdout_path(Console(), "e1", 3) == tmp_path / "turns" / "turn-e1-3.stdout"
     for bad in ("../x", "e1/..", "", None, "a.b"):
         assert turn_stdout_path(Console(), bad, 0) is None
         assert run_stdout_path(Console(), bad) is None

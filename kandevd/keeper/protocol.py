@@ -1,0 +1,113 @@
+"""The keeper's wire: JSON messages over a unix SOCK_SEQPACKET socket, file descriptors
+alongside.
+
+A SEQPACKET socket keeps message boundaries, so one ``sendmsg`` is one message
+and the descriptors passed with it (``SCM_RIGHTS``) belong to that message and
+no other: the daemon hands over an agent's stdin, stdout and log with its
+spawn request, the keeper hands back the agent's pidfd with its answer. Every
+message is one JSON object; ``op`` names a request (daemon to keeper), ``ev``
+an event (keeper to daemon). docs/keeper.md lists them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+VERSION = 1
+#: The largest message (a spawn request carries the agent's environment).
+MAX_MESSAGE = 256 * 1024
+#: At most this many descriptors travel with one message.
+MAX_FDS = 4
+#: Where a home's keeper lives.
+FOLDER = "keeper"
+SOCKET = "keeper.sock"
+JOURNAL = "journal"
+LOCK = "keeper.lock"
+
+
+class ProtocolError(Exception):
+    """A message that is not one (too large, not JSON, not an object)."""
+
+
+def folder(home: Path) -> Path:
+    return Path(home) / FOLDER
+
+
+def socket_path(home: Path) -> Path:
+    return folder(home) / SOCKET
+
+
+#: A unix socket's path must fit in ``sun_path`` (108 bytes, its NUL included).
+MAX_ADDRESS = 107
+
+
+@contextlib.contextmanager
+def address(path: Path) -> Iterator[str]:
+    """``path`` as a unix socket address, also in a home too deep for ``sun_path``.
+
+    A longer path is reached through its folder, opened for the call: Linux resolves
+    ``/proc/self/fd/<fd>/<name>`` to that folder's entry for ``bind`` and ``connect``.
+    """
+    text = str(path)
+    if len(os.fsencode(text)) <= MAX_ADDRESS:
+        yield text
+        return
+    fd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        yield f"/proc/self/fd/{fd}/{path.name}"
+    finally:
+        os.close(fd)
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    data = json.dumps(message, separators=(",", ":")).encode("utf-8")
+    if len(data) > MAX_MESSAGE:
+        raise ProtocolError(f"message of {len(data)} bytes is over {MAX_MESSAGE}")
+    return data
+
+
+def send(sock: socket.socket, message: dict[str, Any], fds: list[int] | None = None) -> None:
+    """One message (and its descriptors, which stay open here: the caller closes them)."""
+    data = encode(message)
+    if fds:
+        socket.send_fds(sock, [data], fds)
+    else:
+        sock.send(data)
+
+
+def receive(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
+    """The next message and the descriptors that came with it; None at the end.
+
+    Descriptors arrive close-on-exec; a malformed message's are closed before
+    ProtocolError is raised, so nothing leaks."""
+    data, fds, flags, _address = socket.recv_fds(sock, MAX_MESSAGE + 1, MAX_FDS,
+                                                 socket.MSG_CMSG_CLOEXEC)
+    if not data and not fds:
+        return None
+    try:
+        if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) or len(data) > MAX_MESSAGE:
+            raise ProtocolError("message truncated")
+        try:
+            message = json.loads(data)
+        except ValueError as exc:
+            raise ProtocolError(f"not JSON: {exc}") from None
+        if not isinstance(message, dict):
+            raise ProtocolError("not a JSON object")
+    except ProtocolError:
+        close_all(fds)
+        raise
+    return message, fds
+
+
+def close_all(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass

@@ -1,0 +1,127 @@
+"""The keeper's pure parts: its wire (messages, descriptors, deep homes) and its journal."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kandevd.keeper import protocol
+from kandevd.keeper.journal import Entry, Journal, read
+
+
+def test_a_message_carries_its_descriptors_and_a_bad_one_leaks_none(tmp_path: Path) -> None:
+    left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with left, right:
+        fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT, 0o600)
+        protocol.send(left, {"op": "spawn", "id": "a"}, [fd])
+        os.close(fd)
+        message, fds = protocol.receive(right)
+        assert message == {"op": "spawn", "id": "a"} and len(fds) == 1
+        os.write(fds[0], b"through the socket")
+        protocol.close_all(fds)
+        assert (tmp_path / "f").read_bytes() == b"through the socket"
+        fd = os.open(tmp_path / "f", os.O_RDONLY)
+        socket.send_fds(left, [b"[1, 2]"], [fd])
+        os.close(fd)
+        before = set(os.listdir("/proc/self/fd"))
+        with pytest.raises(protocol.ProtocolError, match="not a JSON object"):
+            protocol.receive(right)
+        assert set(os.listdir("/proc/self/fd")) <= before  # the descriptor was closed
+        with pytest.raises(protocol.ProtocolError):
+            protocol.encode({"env": "x" * protocol.MAX_MESSAGE})
+        left.close()
+        assert protocol.receive(right) is None
+
+
+def test_a_home_too_deep_for_sun_path_still_gets_its_socket(tmp_path: Path) -> None:
+    deep = tmp_path / ("d" * 80) / ("e" * 80)
+    deep.mkdir(parents=True)
+    path = deep / protocol.SOCKET
+    assert len(str(path)) > protocol.MAX_ADDRESS
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with listener:
+        with protocol.address(path) as where:
+            listener.bind(where)
+        listener.listen(1)
+        client = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with client:
+            with protocol.address(path) as where:
+                client.connect(where)
+            protocol.send(client, {"op": "hello"})
+            conn, _ = listener.accept()
+            with conn:
+                assert protocol.receive(conn) == ({"op": "hello"}, [])
+    assert path.exists()
+
+
+def entry(name: str) -> Entry:
+    return Entry(id=name, pid=100, start=5, deadline=0.0, grace=1.0, meta={"run": name})
+
+
+def test_the_journal_keeps_what_is_not_acknowledged_and_skips_a_torn_line(
+        tmp_path: Path) -> None:
+    path = tmp_path / "journal"
+    journal = Journal(path)
+    for name in ("a", "b", "c"):
+        journal.append(entry(name).spawn_line())
+    journal.append({"t": "exit", "id": "b", "code": 0, "by": None, "killed": False, "at": 1.0})
+    journal.acknowledge(["a"])
+    journal.close()
+    with open(path, "ab") as handle:
+        handle.write(b'{"t": "exit", "id": "c", "co')  # a crash in the middle of a write
+    kept = read(path)
+    assert sorted(kept) == ["b", "c"]
+    assert kept["b"].exit == {"code": 0, "by": None, "killed": False, "at": 1.0}
+    assert kept["c"].exit is None and kept["c"].meta == {"run": "c"}
+    journal = Journal(path)
+    journal.rewrite(list(kept.values()))
+    journal.append(entry("d").spawn_line())  # appends go to the new file
+    journal.close()
+    assert sorted(read(path)) == ["b", "c", "d"]
+    assert read(path)["b"].exit == kept["b"].exit
+
+
+@given(st.lists(st.tuples(st.sampled_from(["spawn", "exit", "ack"]),
+                          st.sampled_from(["a", "b", "c", "d"])), max_size=30))
+def test_compaction_never_changes_what_the_journal_says(tmp_path_factory, steps) -> None:
+    """Read before and after a rewrite: the same executions, the same exits."""
+    path = tmp_path_factory.mktemp("j") / "journal"
+    journal = Journal(path)
+    for kind, name in steps:
+        if kind == "spawn":
+            journal.append(entry(name).spawn_line())
+        elif kind == "exit":
+            journal.append({"t": "exit", "id": name, "code": 1, "by": None, "killed": False,
+                            "at": 2.0})
+        else:
+            journal.acknowledge([name])
+    before = read(path)
+    journal.rewrite(list(before.values()))
+    journal.close()
+    after = read(path)
+    assert {k: (e.pid, e.exit) for k, e in after.items()} == \
+        {k: (e.pid, e.exit) for k, e in before.items()}
+
+
+@pytest.mark.parametrize(("script", "code"), [("exit 3", 3), ("kill -TERM $$", -15)])
+def test_the_exit_of_an_ended_process_is_read_from_its_zombie(script: str, code: int) -> None:
+    """How a restarted keeper learns the exit of an agent its killed predecessor started."""
+    import subprocess
+
+    from kandevd.keeper.agents import foreign_exit_of, proc_stat
+
+    child = subprocess.Popen(["/bin/sh", "-c", script])
+    try:
+        pidfd = os.pidfd_open(child.pid)
+        start = proc_stat(child.pid)[1]
+        os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # ended, not reaped
+        assert foreign_exit_of(child.pid, start, None) == code
+        assert foreign_exit_of(child.pid, start + 1, None) is None  # another process
+    finally:
+        child.wait()
+        os.close(pidfd)

@@ -128,7 +128,7 @@ def _assemble(config: Config, layout: HomeLayout, store: BaseStore, *, boot_id: 
     keeper = KeeperClient(layout.root)
     runtime = AgentRuntime(config.runtime.max_concurrent, config.runtime.stop_grace_s,
                            runner=KeeperRunner(keeper, kill_grace_s=5.0),
-                           shutdown_requested=stop_requested.is_set)
+                           shutdown_requested=stop_requested.wait)
     cluster = _join_cluster(config, layout, store, boot_id) if store.shared else None
     metrics = DaemonMetrics()
     repo = RunRepository(store, boot_id, max_attempts=config.queue.max_attempts,

@@ -8,6 +8,8 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from kandevd import unixaddr
+
 
 class DaemonUnavailable(Exception):
     def __init__(self, path: Path, reason: str) -> None:
@@ -46,7 +48,8 @@ class Client:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(self.timeout)
         try:
-            self._sock.connect(str(self.path))
+            with unixaddr.address(Path(self.path)) as where:
+                self._sock.connect(where)
         except OSError as exc:
             self._sock.close()
             raise DaemonUnavailable(self.path, exc.strerror or str(exc)) from None

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kandevd import unixaddr
 from kandevd.control.protocol import (
     MAX_LINE_BYTES,
     Conflict,
@@ -113,7 +114,8 @@ class ControlServer:
         try:
             old_umask = os.umask(0o177)
             try:
-                listener.bind(str(temp))
+                with unixaddr.address(temp) as where:
+                    listener.bind(where)
             finally:
                 os.umask(old_umask)
             os.chmod(temp, 0o600)

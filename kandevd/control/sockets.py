@@ -8,6 +8,8 @@ import struct
 import time
 from pathlib import Path
 
+from kandevd import unixaddr
+
 _UCRED = struct.Struct("3i")
 
 
@@ -27,7 +29,8 @@ def socket_is_live(path: Path) -> bool:
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     probe.settimeout(1.0)
     try:
-        probe.connect(str(path))
+        with unixaddr.address(path) as where:
+            probe.connect(where)
     except OSError:
         return False
     finally:

@@ -11,11 +11,9 @@ an event (keeper to daemon). docs/keeper.md lists them.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import socket
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,28 +39,6 @@ def folder(home: Path) -> Path:
 
 def socket_path(home: Path) -> Path:
     return folder(home) / SOCKET
-
-
-#: A unix socket's path must fit in ``sun_path`` (108 bytes, its NUL included).
-MAX_ADDRESS = 107
-
-
-@contextlib.contextmanager
-def address(path: Path) -> Iterator[str]:
-    """``path`` as a unix socket address, also in a home too deep for ``sun_path``.
-
-    A longer path is reached through its folder, opened for the call: Linux resolves
-    ``/proc/self/fd/<fd>/<name>`` to that folder's entry for ``bind`` and ``connect``.
-    """
-    text = str(path)
-    if len(os.fsencode(text)) <= MAX_ADDRESS:
-        yield text
-        return
-    fd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        yield f"/proc/self/fd/{fd}/{path.name}"
-    finally:
-        os.close(fd)
 
 
 def encode(message: dict[str, Any]) -> bytes:

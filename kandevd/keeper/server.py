@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kandevd import unixaddr
 from kandevd.keeper import protocol
 from kandevd.keeper.agents import (
     Agent,
@@ -137,7 +138,7 @@ class Keeper:
         spare = self.folder / f".{protocol.SOCKET}.{os.getpid()}"
         spare.unlink(missing_ok=True)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        with protocol.address(spare) as where:
+        with unixaddr.address(spare) as where:
             listener.bind(where)
         os.chmod(spare, 0o600)
         listener.listen(4)

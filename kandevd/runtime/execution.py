@@ -330,6 +330,23 @@ def describe_exit(exit_code: int) -> str:
     return f"killed by signal {_signal_name(-exit_code)}"
 
 
+#: The signals a stop sends (SIGTERM from systemd or kill, SIGINT from a terminal's
+#: Ctrl-C, SIGHUP when the terminal closes, SIGKILL at last).
+STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGKILL})
+
+
+def ended_by_stop_signal(exit_code: int | None) -> bool:
+    """Did a stop signal end the agent: killed by one, or exiting ``128 + N`` for one?
+
+    The second form is how an agent that handles SIGTERM (a shell's trap, a Python
+    handler) conventionally reports it, so both count alike.
+    """
+    if exit_code is None:
+        return False
+    number = -exit_code if exit_code < 0 else exit_code - 128
+    return number in STOP_SIGNALS
+
+
 def signal_group(pgid: int, sig: int) -> bool:
     """Send ``sig`` to a process group; False when the group is already gone."""
     try:

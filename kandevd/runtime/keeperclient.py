@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import kandevd
+from kandevd import unixaddr
 from kandevd.keeper import protocol
 from kandevd.keeper.agents import foreign_exit_of
 
@@ -423,7 +424,7 @@ class KeeperClient:
 def _try_connect(path: Path) -> socket.socket | None:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
-        with protocol.address(path) as where:
+        with unixaddr.address(path) as where:
             sock.connect(where)
     except OSError:
         sock.close()

@@ -86,9 +86,10 @@ class AgentRuntime(Stopping):
 
     def __init__(self, max_concurrent: int, stop_grace_s: float, *,
                  runner: Runner | None = None, kill_grace_s: float = 5.0,
-                 shutdown_requested: Callable[[], bool] | None = None) -> None:
-        """``shutdown_requested``: the daemon's "stop requested" (set from its signal
-        handler): an agent that a signal ends then counts as interrupted."""
+                 shutdown_requested: Callable[[float], bool] | None = None) -> None:
+        """``shutdown_requested(timeout)``: waits up to ``timeout`` for the daemon's
+        "stop requested" (set from its signal handler): an agent that a signal ends
+        then counts as interrupted."""
         if max_concurrent < 1:
             raise ValueError(f"max_concurrent must be >= 1, not {max_concurrent!r}")
         if stop_grace_s < 0:

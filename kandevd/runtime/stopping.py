@@ -25,8 +25,13 @@ from kandevd.runtime.execution import (
     ExecutionResult,
     ExecutionSpec,
     describe_exit,
+    ended_by_stop_signal,
 )
 from kandevd.runtime.records import ExecutionRecord
+
+#: How long a foreign signal death waits for the daemon's own stop request before it
+#: counts as an ordinary failed attempt (see ``_stop_is_coming``).
+SIGNAL_STOP_WINDOW_S = 2.0
 
 log = logging.getLogger("kandevd.runtime")
 
@@ -60,7 +65,7 @@ class Stopping:
     _stopped: bool
     _pool_closed: bool
     _grace_deadline: float | None
-    _shutdown_requested: Callable[[], bool] | None
+    _shutdown_requested: Callable[[float], bool] | None
 
     def stop_execution(self, key: str, reason: str = "cancelled") -> bool:
         """Terminate a live execution (outcome ``stopped``).
@@ -217,27 +222,32 @@ class Stopping:
 
 
     def _stop_is_coming(self) -> bool:
-        """The runtime stops, its grace began, or the daemon's stop was requested.
+        """The runtime stops, its grace began, or the daemon's stop is requested soon.
 
         The last one matters when a signal reaches the agents together with the
         daemon (systemd's control group, a terminal's process group): an agent
-        may die before the shutdown has reached the runtime.
+        may die before the shutdown has reached the runtime, and even before the
+        daemon's main thread has run its signal handler (a busy machine can hold
+        it off while the keeper already reports the death). So the request is
+        awaited for up to :data:`SIGNAL_STOP_WINDOW_S`; only a death by a signal
+        nobody here sent pays that delay.
         """
         with self._cond:
             if self._stopping or self._grace_deadline is not None:
                 return True
         requested = self._shutdown_requested
-        return bool(requested is not None and requested())
+        return bool(requested is not None and requested(SIGNAL_STOP_WINDOW_S))
 
     def _interrupted_if_stopping(self, execution: LiveExecution,
                                  result: ExecutionResult) -> ExecutionResult:
-        """An agent a signal ended while the runtime stops, unasked by us, was interrupted.
+        """An agent a stop signal ended while the runtime stops, unasked by us, was
+        interrupted (killed by it, or exiting ``128 + N`` after handling it).
 
         The signal most likely came with the stop itself (a terminal's Ctrl-C reaching
         the whole process group, systemd's final SIGKILL): the run stays queued for the
         next start and uses no retry, instead of counting as an ordinary failure.
         """
-        if (result.outcome == FAILED and result.exit_code is not None and result.exit_code < 0
+        if (result.outcome == FAILED and ended_by_stop_signal(result.exit_code)
                 and execution.control.requested is None and self._stop_is_coming()):
             log.info("execution %s: %s while the runtime was stopping: interrupted",
                      result.key, describe_exit(result.exit_code))

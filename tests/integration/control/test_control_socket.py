@@ -19,7 +19,13 @@ from typing import Any
 import pytest
 
 from kandevd.control.client import Client, DaemonUnavailable, RpcCallError
-from tests.support.daemon import FAST_CONFIG, STARTED, DaemonProcess, blocked_stop_daemon
+from tests.support.daemon import (
+    FAST_CONFIG,
+    STARTED,
+    DaemonProcess,
+    blocked_stop_daemon,
+    run_cli,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -189,6 +195,19 @@ def test_socket_is_0600(daemon: DaemonProcess) -> None:
     mode = daemon.socket.stat().st_mode
     assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600
     assert not list(daemon.home.glob(".kandevd.sock.*"))  # the temp bind name is gone
+
+
+def test_a_home_too_deep_for_a_socket_path_still_serves_its_socket(
+        daemon_factory: Callable[..., DaemonProcess], tmp_path: Path) -> None:
+    """A unix socket path fits in 107 bytes; a deeper home is served all the same."""
+    home = tmp_path / ("h" * 60) / ("o" * 60) / "home"
+    assert len(str(home / "kandevd.sock")) > 107
+    daemon = daemon_factory(FAST_CONFIG, home=home)
+    assert daemon.call("daemon.status")["state"] == "running"
+    assert stat.S_IMODE(daemon.socket.stat().st_mode) == 0o600
+    shown = run_cli(home, "status")
+    assert shown.returncode == 0, shown.stderr
+    assert "running" in shown.stdout
 
 
 def test_during_shutdown_methods_answer_shutting_down_but_status_answers(

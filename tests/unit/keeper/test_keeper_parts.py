@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kandevd import unixaddr
 from kandevd.keeper import protocol
 from kandevd.keeper.journal import Entry, Journal, read
 
@@ -42,15 +43,15 @@ def test_a_home_too_deep_for_sun_path_still_gets_its_socket(tmp_path: Path) -> N
     deep = tmp_path / ("d" * 80) / ("e" * 80)
     deep.mkdir(parents=True)
     path = deep / protocol.SOCKET
-    assert len(str(path)) > protocol.MAX_ADDRESS
+    assert len(str(path)) > unixaddr.MAX_ADDRESS
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     with listener:
-        with protocol.address(path) as where:
+        with unixaddr.address(path) as where:
             listener.bind(where)
         listener.listen(1)
         client = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with client:
-            with protocol.address(path) as where:
+            with unixaddr.address(path) as where:
                 client.connect(where)
             protocol.send(client, {"op": "hello"})
             conn, _ = listener.accept()

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kandevd import unixaddr
 from kandevd.control.protocol import (
     MAX_LINE_BYTES,
     Conflict,
@@ -47,6 +46,7 @@ from kandevd.control.sockets import (
     KernelTimeouts,
     NotASocket,
     SocketInUse,
+    listen_private,
     peer_uid,
     send_all,
     shutdown,
@@ -105,29 +105,7 @@ class ControlServer:
             if socket_is_live(self.path):
                 raise SocketInUse(self.path)
             log.info("replacing stale control socket %s", self.path)
-        temp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        try:
-            temp.unlink()
-        except FileNotFoundError:
-            pass
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            old_umask = os.umask(0o177)
-            try:
-                with unixaddr.address(temp) as where:
-                    listener.bind(where)
-            finally:
-                os.umask(old_umask)
-            os.chmod(temp, 0o600)
-            listener.listen(128)
-            os.replace(temp, self.path)
-        except BaseException:
-            listener.close()
-            try:
-                temp.unlink()
-            except FileNotFoundError:
-                pass
-            raise
+        listener = listen_private(self.path)
         self._listener = listener
         self._accept_thread = threading.Thread(target=self._accept_loop,
                                                name="kandevd-control-accept")

@@ -3,6 +3,7 @@ and receives bounded by timeouts the kernel keeps."""
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import time
@@ -22,6 +23,39 @@ class NotASocket(RuntimeError):
     def __init__(self, path: Path) -> None:
         super().__init__(f"{path} exists and is not a socket; refusing to replace it "
                          "(move it away to start the daemon)")
+
+
+def listen_private(path: Path) -> socket.socket:
+    """A listening unix socket at ``path``, 0600 from its first moment.
+
+    It is bound under a temporary name with a umask that leaves only the owner, then
+    renamed over ``path``: no client ever sees a socket others may use, and a stale
+    socket file is replaced in one step.
+    """
+    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        temp.unlink()
+    except FileNotFoundError:
+        pass
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        old_umask = os.umask(0o177)
+        try:
+            with unixaddr.address(temp) as where:
+                listener.bind(where)
+        finally:
+            os.umask(old_umask)
+        os.chmod(temp, 0o600)
+        listener.listen(128)
+        os.replace(temp, path)
+    except BaseException:
+        listener.close()
+        try:
+            temp.unlink()
+        except FileNotFoundError:
+            pass
+        raise
+    return listener
 
 
 def socket_is_live(path: Path) -> bool:

@@ -104,8 +104,7 @@ def test_failures_are_announced_to_a_command_and_a_webhook_without_delaying_runs
     [body] = hook.wait(1)
     assert body["event"] == "failure" and body["job_id"] == JOB
     assert body["id"] == failed["id"] and body["status"] == "error"
-    assert "WARNING" in next(line for line in daemon.log_text.splitlines()
-                             if f"of {JOB} ended: error" in line)
+    assert "WARNING" in daemon.wait_for_line(f"of {JOB} ended: error")
     daemon.call("scheduler.jobs.trigger", {"id": "s"})
     runs(daemon, 2)
     assert hook.wait(2)[1]["event"] == "recovery"

@@ -154,15 +154,19 @@ def test_concurrent_shutdown_callers_all_return_after_the_last_step() -> None:
 
 SIGNAL_SCRIPT = textwrap.dedent("""
     import logging, sys, threading
-    from kandevd.app.shutdown import SignalWiring
+    from kandevd.app.shutdown import MainThreadWaiter, SignalWiring
 
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(message)s")
     requested = threading.Event()
     forced = []
     wiring = SignalWiring(requested, lambda: False, on_force=lambda: forced.append(1))
     wiring.install()
+    # As the daemon's main thread waits: an Event.wait() here could hold the Event's
+    # lock when the handler's set() needs it, and the process would hang.
+    waiter = MainThreadWaiter()
+    waiter.install()
     print("ready", flush=True)
-    requested.wait()
+    waiter.wait(requested)
     print("stop requested", flush=True)
     sys.stdin.readline()  # parked 'in the stop' until the second signal arrives
     print("not forced", flush=True)
@@ -176,6 +180,8 @@ def test_first_signal_only_sets_the_flag_the_second_forces_exit_1(
         first: signal.Signals, second: signal.Signals) -> None:
     proc = subprocess.Popen([sys.executable, "-c", SIGNAL_SCRIPT], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    guard = threading.Timer(3 * TIMEOUT, proc.kill)  # a hung child fails, not hangs, the test
+    guard.start()
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "ready"
@@ -184,6 +190,7 @@ def test_first_signal_only_sets_the_flag_the_second_forces_exit_1(
         proc.send_signal(second)
         _out, err = proc.communicate(timeout=TIMEOUT)
     finally:
+        guard.cancel()
         if proc.poll() is None:
             proc.kill()
             proc.wait()

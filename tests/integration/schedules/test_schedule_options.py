@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -211,6 +212,11 @@ def test_a_window_makes_a_job_wait_to_begin_or_end(start) -> None:
 
 
 def test_replace_stops_the_running_session_for_the_cron_fire(start) -> None:
+    # Begin early in a minute: the agent must have set up its SIGTERM handler (and so
+    # record that it was terminated) before the minute's cron fire replaces it.
+    into_minute = utc_now().second + utc_now().microsecond / 1e6
+    if into_minute > 20:
+        time.sleep(60.5 - into_minute)
     daemon, record = start([schedule("s", "* * * * *", messages=["SLEEP"],
                                       overlap_policy="replace")])
     started = daemon.call("scheduler.jobs.trigger", {"id": "s"})

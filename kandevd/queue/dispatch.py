@@ -34,9 +34,9 @@ from kandevd.runtime import (
     RuntimeStopped,
     attempts,
 )
+from kandevd.runtime.output import attempt_started
 from kandevd.runtime.specs import agent_execution
 from kandevd.store.runs import RunRepository
-from kandevd.timeutil import rfc3339
 
 log = logging.getLogger("kandevd.queue")
 
@@ -131,8 +131,8 @@ class Dispatcher:
                 self.outcomes.record(claim, result)
             return self.repo.claim_batch(now, slots, exclude_agents=self.live.agent_ids()) \
                 if slots else []
+        self.outcomes.settled_all(outcomes)
         for (claim, result), effect in zip(outcomes, effects, strict=True):
-            self.outcomes.settled(claim, result)
             self.outcomes.announce(claim, result, effect)
         return claims
 
@@ -148,7 +148,8 @@ class Dispatcher:
                    "agent_id": run.agent_id, "task_id": run.task_id,
                    "workspace_id": run.workspace_id, "reason": run.reason,
                    "payload": run.payload},
-            record_dir=attempts.attempt_dir(self.live.attempts_folder, run_id, claim.token))
+            record_dir=attempts.attempt_dir(self.live.attempts_folder, run_id, claim.token),
+            attempt=run.attempt if self.runtime.frames_logs else 0)
 
     def _dispatch(self, reservation: Reservation, claim: Claim) -> bool:
         """Start the claimed run's execution; False (and the claim settled) when it cannot.
@@ -163,8 +164,8 @@ class Dispatcher:
         try:
             self.faults.before_start(run_id)
             spec = self._spec(claim)
-            append_note(spec.log_path, f"==== attempt {run.attempt} started "
-                                           f"{rfc3339(self.clock())} ====")
+            if not spec.attempt:  # (a runner that frames logs notes it as it opens it)
+                append_note(spec.log_path, attempt_started(run.attempt, self.clock()))
             self.runtime.start(reservation, spec,
                                lambda result: self.outcomes.on_done(claim, result))
         except Exception as exc:
@@ -184,7 +185,7 @@ class Dispatcher:
             self.runtime.stop_execution(run_id, "cancelled")
         if self.observer is not None and run.attempt == 1 and run.claimed_at:
             self.observer.observe_first_claim(run.requested_at, run.claimed_at)
-        log.info("run %s claimed (agent %s, reason %s, seq %d)", run_id, run.agent_id,
+        log.debug("run %s claimed (agent %s, reason %s, seq %d)", run_id, run.agent_id,
                  run.reason, run.seq)
         self.bus.publish("run.claimed", {"run": run})
         return True

@@ -38,9 +38,9 @@ from kandevd.runtime import (
     attempts,
     records,
 )
+from kandevd.runtime.output import attempt_ended
 from kandevd.store.base import is_environmental
 from kandevd.store.runs import RunRepository
-from kandevd.timeutil import rfc3339
 
 log = logging.getLogger("kandevd.queue")
 
@@ -61,11 +61,11 @@ def note_ended(claim: Claim, result: ExecutionResult, *, once: bool = False) -> 
     """The ``==== attempt N ended <time>: <outcome> ====`` line that closes an attempt in
     its log (``runs logs``). ``once``: unless the log already ends with it (an outcome
     recorded after a restart, whose daemon may have written it before it died)."""
-    line = f"==== attempt {claim.run.attempt} ended "
-    if once and _last_line(result.log_path).startswith(f"[kandevd] {line}"):
+    if once and _last_line(result.log_path).startswith(
+            f"[kandevd] ==== attempt {claim.run.attempt} ended "):
         return
-    ending = result.outcome + (f" ({result.error})" if result.error else "")
-    append_note(result.log_path, f"{line}{rfc3339(result.ended_at)}: {ending} ====")
+    append_note(result.log_path, attempt_ended(claim.run.attempt, result.ended_at,
+                                               result.outcome, result.error))
 
 
 def _last_line(path: Path) -> str:
@@ -156,7 +156,7 @@ class OutcomeRecorder:
         ``outcome.json`` first. A refused write writes it too.
         """
         directory = self.live.folder(claim)
-        if result.outcome != DETACHED:
+        if result.outcome != DETACHED and not result.framed:
             note_ended(claim, result)
         if result.outcome == STOPPED:
             attempts.discard(directory)  # cancelled: the run row already says so
@@ -247,21 +247,30 @@ class OutcomeRecorder:
 
     def settled(self, claim: Claim, result: ExecutionResult) -> None:
         """The database has the outcome (or it needs none): the run is no longer live here."""
-        run_id = claim.run.id
-        directory = self.live.folder(claim)
-        with self.live.lock:
-            self.live.agents.pop(run_id, None)
-            self.live.folders.pop((run_id, claim.token), None)
-            self.live.cancel_requested.discard(run_id)
-            failures = self._failure_counts.pop(run_id, 0)
-        # (An execution the keeper ran has a folder only when an outcome was written.)
-        if result.outcome not in (INTERRUPTED, DETACHED) and directory.is_dir():
-            attempts.discard(directory)
-        if self.release is not None and result.outcome != DETACHED:
-            self.release([result])
-        if failures:
-            log.info("run %s: its outcome was written after %d refused attempt(s)", run_id,
-                     failures)
+        self.settled_all([(claim, result)])
+
+    def settled_all(self, outcomes: list[tuple[Claim, ExecutionResult]]) -> None:
+        """:meth:`settled` for outcomes written in one commit: what kept them for a restart
+        (the keeper's journal) is released in one message."""
+        released: list[ExecutionResult] = []
+        for claim, result in outcomes:
+            run_id = claim.run.id
+            directory = self.live.folder(claim)
+            with self.live.lock:
+                self.live.agents.pop(run_id, None)
+                self.live.folders.pop((run_id, claim.token), None)
+                self.live.cancel_requested.discard(run_id)
+                failures = self._failure_counts.pop(run_id, 0)
+            # (An execution the keeper ran has a folder only when an outcome was written.)
+            if result.outcome not in (INTERRUPTED, DETACHED) and directory.is_dir():
+                attempts.discard(directory)
+            if result.outcome != DETACHED:
+                released.append(result)
+            if failures:
+                log.info("run %s: its outcome was written after %d refused attempt(s)",
+                         run_id, failures)
+        if self.release is not None and released:
+            self.release(released)
 
     def apply(self, claim: Claim, result: ExecutionResult) -> Any:
         """The database side of an outcome; returns what :meth:`announce` reports.
@@ -296,7 +305,7 @@ class OutcomeRecorder:
             log.info("run %s: agent process stopped (%s)", run_id, result.error)
         elif result.succeeded:
             if effect:
-                log.info("run %s finished", run_id)
+                log.debug("run %s finished", run_id)
                 self.bus.publish("run.finished", {"run_id": run_id,
                                                   "agent_id": claim.run.agent_id,
                                                   "cost_cents": result.cost_cents})

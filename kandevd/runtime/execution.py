@@ -73,6 +73,10 @@ class ExecutionSpec:
     run_id: str = ""
     home: str = ""
     record_dir: Path | None = None
+    #: A queued run's attempt number (0: none). A runner that ``frames_logs`` opens
+    #: and closes the attempt in its log itself (``==== attempt N started/ended``),
+    #: with the log open anyway, instead of the queue opening it twice more.
+    attempt: int = 0
 
     def __post_init__(self) -> None:
         # Reject bad specs at construction so the mistake surfaces at the
@@ -123,6 +127,8 @@ class ExecutionResult:
     #: The keeper's name of the execution: the exit it keeps until the outcome is
     #: recorded (:meth:`kandevd.runtime.pool.AgentRuntime.settle`); None for others.
     execution_id: str | None = None
+    #: The runner closed the attempt in its log (``spec.attempt``): nobody else does.
+    framed: bool = False
 
     @property
     def succeeded(self) -> bool:

@@ -44,7 +44,14 @@ from kandevd.runtime.execution import (
     termination_text,
 )
 from kandevd.runtime.keeperclient import Handle, KeeperClient, KeeperUnavailable
-from kandevd.runtime.output import NO_REPORT, AgentReport, LogSink, parse_report
+from kandevd.runtime.output import (
+    NO_REPORT,
+    AgentReport,
+    LogSink,
+    attempt_ended,
+    attempt_started,
+    parse_report,
+)
 from kandevd.runtime.process import DETACHED_ERROR, ProcessRunner
 from kandevd.runtime.records import ExecutionRecord, kept_outcome, write_record
 from kandevd.timeutil import after, parse_rfc3339, rfc3339, utc_now
@@ -73,6 +80,9 @@ def stdout_path(spec: ExecutionSpec, execution: str) -> Path:
 
 
 class KeeperRunner:
+    #: A run's attempt is opened and closed in its log here (``ExecutionSpec.attempt``).
+    frames_logs = True
+
     def __init__(self, client: KeeperClient, kill_grace_s: float) -> None:
         self.client = client
         self.kill_grace_s = kill_grace_s
@@ -89,7 +99,14 @@ class KeeperRunner:
             return self._result(spec, started_at, ERROR,
                                 error=f"cannot open log file {spec.log_path}: {exc}")
         try:
-            return self._run(spec, control, sink, started_at)
+            if spec.attempt:
+                sink.note(attempt_started(spec.attempt, started_at))
+            result = self._run(spec, control, sink, started_at)
+            if spec.attempt and result.outcome != DETACHED:
+                sink.note(attempt_ended(spec.attempt, result.ended_at, result.outcome,
+                                        result.error))
+                result = dataclasses.replace(result, framed=True)
+            return result
         finally:
             sink.close()
 

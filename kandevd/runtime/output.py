@@ -15,10 +15,12 @@ import json
 import logging
 import math
 import os
+from datetime import datetime
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from kandevd.runtime import shim
+from kandevd.timeutil import rfc3339
 
 log = logging.getLogger("kandevd.runtime.process")
 
@@ -182,6 +184,17 @@ def _read_summary_state(path: Path) -> tuple[AgentReport, int] | None:
     report = AgentReport(summary, float(cost) if cost is not None else None,
                          _evaluation(document.get("evaluation")))
     return report, log_size
+
+
+def attempt_started(attempt: int, at: datetime) -> str:
+    """The note that opens a queued run's attempt in its log (``runs logs``)."""
+    return f"==== attempt {attempt} started {rfc3339(at)} ===="
+
+
+def attempt_ended(attempt: int, at: datetime, outcome: str, error: str | None) -> str:
+    """The note that closes it: when, and how it ended."""
+    ending = outcome + (f" ({error})" if error else "")
+    return f"==== attempt {attempt} ended {rfc3339(at)}: {ending} ===="
 
 
 class LogSink:

@@ -38,7 +38,6 @@ from kandevd.timeutil import utc_now
 log = logging.getLogger("kandevd.runtime")
 
 
-
 class RuntimeFull(Exception):
     """Every slot is taken; the caller should try again when a slot frees."""
 
@@ -97,11 +96,12 @@ class AgentRuntime(Stopping):
         self._max = max_concurrent
         self._stop_grace_s = stop_grace_s
         self._runner: Runner = runner if runner is not None else ProcessRunner(kill_grace_s)
+        #: The runner opens and closes a run's attempt in its log (``ExecutionSpec.attempt``).
+        self.frames_logs: bool = getattr(self._runner, "frames_logs", False)
         lock = threading.RLock()
         self._cond = threading.Condition(lock)
-        #: The pool's idle workers wait here, on the same lock but apart from ``_cond``:
-        #: the runtime's many notify_all() calls (a slot freed, a reservation given
-        #: back) must not wake every idle worker each time, only a new execution one.
+        #: Idle workers wait here, apart from ``_cond``: its many notify_all() calls (a
+        #: slot freed, a reservation given back) must wake only ``_cond``'s waiters.
         self._work_ready = threading.Condition(lock)
         self._held = 0  # reservations not yet started or released
         self._live: dict[str, LiveExecution] = {}
@@ -159,7 +159,7 @@ class AgentRuntime(Stopping):
 
     def settle(self, results: list[ExecutionResult]) -> None:
         """These outcomes are recorded for good: what kept them for a restart may go."""
-        self.settle_ids([r.execution_id for r in results if r.execution_id is not None])
+        self.settle_ids([r.execution_id for r in results if r.execution_id])
 
     def settle_ids(self, ids: list[str]) -> None:
         """Like :meth:`settle`, by the executions' keeper names (a turn's record folder's)."""

@@ -23,7 +23,7 @@ ECHO_AGENT = echo_argv()
 def agent_execution(profile: AgentProfile, layout: HomeLayout, *, kind: str, key: str,
                     stdin: Mapping[str, Any], session_id: str, run_id: str = "",
                     cwd: Path | None = None, log_path: Path | None = None,
-                    record_dir: Path | None = None) -> ExecutionSpec:
+                    record_dir: Path | None = None, attempt: int = 0) -> ExecutionSpec:
     """The ExecutionSpec that runs ``profile`` for one run, launch or turn.
 
     Runs and launches work in ``<home>/runs/<key>/``; a workflow turn passes its
@@ -37,5 +37,5 @@ def agent_execution(profile: AgentProfile, layout: HomeLayout, *, kind: str, key
         stdin=stdin, cwd=cwd if cwd is not None else layout.runs / key,
         log_path=log_path if log_path is not None else layout.run_logs / f"{key}.log",
         timeout_s=profile.timeout_s, env=dict(profile.env), session_id=session_id,
-        run_id=run_id, home=str(layout.root), record_dir=record_dir,
+        run_id=run_id, home=str(layout.root), record_dir=record_dir, attempt=attempt,
     )

@@ -147,7 +147,7 @@ def test_a_restart_adopts_a_running_agent_which_runs_once(
     setup_agent(first)
     # Longer than a daemon takes to start on a busy machine: it is adopted while it runs.
     run = enqueue(first, touch=str(touch), sleep_s=8)
-    first.wait_for_line(f"run {run['id']} claimed")
+    wait_status(first, run["id"], "claimed")
     first.wait_until(lambda: first.agent_pids(), what="the agent process")
     first.kill_daemon_only()
     assert first.agent_pids(), "the agent must outlive the daemon"
@@ -166,7 +166,7 @@ def test_a_kill_after_the_agent_finished_is_recorded_from_its_exit_file(
     first = daemon_factory(config(), home=home)
     setup_agent(first)
     run = enqueue(first, touch=str(touch), sleep_s=0.5)
-    first.wait_for_line(f"run {run['id']} claimed")
+    wait_status(first, run["id"], "claimed")
     first.wait_until(lambda: first.agent_pids(), what="the agent process")
     first.kill_daemon_only()
     first.wait_until(lambda: not first.agent_pids(), what="the agent to end on its own")
@@ -193,7 +193,7 @@ def test_keep_agents_on_stop_lets_a_graceful_restart_interrupt_nothing(
     first = daemon_factory(cfg, home=home)
     setup_agent(first)
     run = enqueue(first, touch=str(touch), sleep_s=8)
-    first.wait_for_line(f"run {run['id']} claimed")
+    wait_status(first, run["id"], "claimed")
     # The claim is logged as the execution is handed to a worker; a stop before the
     # spawn starts nothing (the run simply waits for the next start): wait for the agent.
     first.wait_until(first.agent_pids, what="the agent to be running")
@@ -213,7 +213,7 @@ def test_without_adoption_a_restart_stops_the_agent_and_runs_it_again(
     first = daemon_factory(cfg, home=home)
     setup_agent(first)
     run = enqueue(first, touch=str(touch), sleep_s=3)
-    first.wait_for_line(f"run {run['id']} claimed")
+    wait_status(first, run["id"], "claimed")
     first.wait_until(lambda: first.agent_pids(), what="the agent process")
     first.kill_daemon_only()
     second = daemon_factory(cfg, home=home)
@@ -434,7 +434,7 @@ def test_a_signal_to_the_whole_group_on_stop_uses_no_retry(
     first = daemon_factory(config(), home=home)
     setup_agent(first)
     run = enqueue(first, touch=str(touch), sleep_s=30)
-    first.wait_for_line(f"run {run['id']} claimed")
+    wait_status(first, run["id"], "claimed")
     [agent] = first.wait_until(first.agent_pids, what="the agent")
     assert first.proc is not None
     os.kill(first.proc.pid, signal.SIGTERM)

@@ -9,7 +9,17 @@ from typing import Any
 
 from kandevd.store.base import BaseStore
 from kandevd.store.runs.base import RunRepositoryBase
-from kandevd.store.runs.statements import CLAIM, FINISH, HEADS, exclusion
+from kandevd.store.runs.statements import (
+    CLAIM,
+    ELIGIBLE,
+    FINISH,
+    HEADS,
+    QUEUE_HEAD,
+    exclusion,
+)
+
+#: How many runs at the head of the queue a claim looks at before it asks every agent.
+HEAD_WINDOW = 16
 
 
 class SqliteRuns:
@@ -45,13 +55,22 @@ class SqliteRuns:
               ) -> tuple[list[Any], dict[str, str]]:
         """One ``UPDATE ... RETURNING`` under SQLite's one writer lock; then the profiles.
 
+        The runs are found at the head of the queue when they are there (a busy
+        queue's usual case: a few rows read); else every agent is asked for its
+        oldest due run (HEADS), so a deep backlog of busy agents is never walked.
         (No subquery in RETURNING: SQLite evaluates it with a full scan of its table.)
         """
         if repo.claim_gate is not None:
             excluded.update(repo.claim_gate(conn, now))
-        rows = conn.execute(CLAIM + " WHERE status = 'queued' AND seq IN ("
-                            + HEADS.format(exclusion=exclusion(excluded, params))
-                            + ") RETURNING *", params).fetchall()
+        seqs = heads_at_the_front(conn, excluded, str(params["now"]), limit)
+        if seqs is None:
+            where = "seq IN (" + HEADS.format(exclusion=exclusion(excluded, params)) + ")"
+        elif seqs:
+            where = "seq IN (" + ", ".join(str(int(seq)) for seq in seqs) + ")"
+        else:
+            return [], {}
+        rows = conn.execute(CLAIM + " WHERE status = 'queued' AND " + where + " RETURNING *",
+                            params).fetchall()
         if not rows:
             return [], {}
         agents = sorted({r["agent_id"] for r in rows})
@@ -77,3 +96,30 @@ class SqliteRuns:
 
     def earlier_instances_only(self, dead_after_s: float | None, held: Sequence[str]) -> str:
         return ""
+
+
+def heads_at_the_front(conn: Any, excluded: set[str], now: str, limit: int
+                       ) -> list[int] | None:
+    """What HEADS would claim, found among the first queued runs; None when they do not
+    tell (the front holds fewer than ``limit`` claimable runs and more runs wait behind).
+
+    The first due run of each agent in the queue's front is that agent's oldest due
+    run, and every agent whose oldest due run lies further back comes after them.
+    """
+    window = max(HEAD_WINDOW, 4 * limit)
+    front = conn.execute(QUEUE_HEAD, {"window": window}).fetchall()
+    first: dict[str, int] = {}  # each agent's first due run in the front, in seq order
+    for seq, agent, retry_at in front:
+        if agent not in first and agent not in excluded and (retry_at is None
+                                                              or retry_at <= now):
+            first[agent] = seq
+    if first:
+        agents = list(first)
+        eligible = {row[0] for row in conn.execute(
+            ELIGIBLE.format(agents=", ".join("?" * len(agents))), [*agents, now])}
+        seqs = [seq for agent, seq in first.items() if agent in eligible][:limit]
+    else:
+        seqs = []
+    if len(seqs) < limit and len(front) == window:
+        return None
+    return seqs

@@ -33,6 +33,18 @@ HEADS = """
     ) AS heads WHERE s IS NOT NULL ORDER BY s LIMIT :limit
 """
 
+#: The head of the queue: its first queued runs in request order, due or not (the
+#: walk stops after ``:window`` rows, however many retries wait there).
+QUEUE_HEAD = ("SELECT seq, agent_id, scheduled_retry_at FROM runs INDEXED BY"
+              " idx_runs_status_seq WHERE status = 'queued' ORDER BY seq LIMIT :window")
+
+#: Which of some agents may take a run now: active, cooled down, no claimed run.
+ELIGIBLE = """
+    SELECT a.id FROM agents a WHERE a.id IN ({agents}) AND a.status = 'active'
+      AND (a.cooldown_until IS NULL OR a.cooldown_until <= ?)
+      AND NOT EXISTS (SELECT 1 FROM runs c WHERE c.agent_id = a.id AND c.status = 'claimed')
+"""
+
 #: A claim's row, less what it claims.
 CLAIM = ("UPDATE runs SET status = 'claimed', claimed_at = :now,"
          " claim_token = :token || '.' || seq, claimed_by = :boot,"

@@ -103,6 +103,9 @@ class KeeperClient:
         self._closing = False
         self._ready = threading.Event()
         self.restarts = 0
+        #: No keeper could be started after the last one died: nobody reports exits, and
+        #: the daemon watches its agents' pidfds itself.
+        self.lost = False
 
     # -- attach --------------------------------------------------------------------------
 
@@ -356,7 +359,12 @@ class KeeperClient:
         except (KeeperUnavailable, OSError) as exc:
             log.error("no keeper could be started (%s): agents cannot start until the "
                       "daemon restarts", exc)
+            self.lost = True
             self._ready.set()  # (requests fail at once instead of waiting)
+            with self._lock:
+                running = [h for h in self._handles.values() if h.spawned and h.exit is None]
+            for handle in running:
+                handle.wake()  # (each watches its agent's pidfd from now on)
             return
         with self._lock:
             orphans = [h for h in self._handles.values() if h.spawned and h.exit is None]

@@ -16,6 +16,7 @@ shim are waited for the old way (:class:`~kandevd.runtime.process.ProcessRunner`
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -63,6 +64,9 @@ _TAIL = 1024 * 1024
 _COPY = 1024 * 1024
 #: After the agent's pidfd says it ended, how long the keeper's word is waited for.
 _EXIT_WORD_S = 2.0
+#: While the keeper is there its word ends the wait; after this long without one the
+#: agent's pidfd is watched too (a keeper that is alive but wedged).
+_KEEPER_WORD_S = 5.0
 
 
 def execution_id(spec: ExecutionSpec) -> str:
@@ -155,7 +159,9 @@ class KeeperRunner:
             os.close(fd_in)
             return refuse(f"cannot create the agent's stdout file {out_path}: {exc}")
         meta = _meta(spec, started_at, out_path, log_offset)
-        handle = Handle(execution, meta, wake=control.notify)
+        handle = Handle(execution, meta)
+        handle.wake = functools.partial(_on_event, handle, control,
+                                        spec.kind == "turn" and spec.record_dir is not None)
         try:
             try:
                 self.client.spawn(handle, path=path, argv=list(spec.argv), env=env,
@@ -210,6 +216,7 @@ class KeeperRunner:
         stop_sent: tuple[str, str] | None = None
         grace_sent: float | None = None
         gone = False  # the agent's pidfd says it ended
+        watch_pidfd = False  # the keeper has been silent a while: watch the agent too
         attached = False
         while handle.exit is None and handle.refused is None:
             if handle.spawned and not attached:  # (a forced exit kills it from here)
@@ -231,12 +238,15 @@ class KeeperRunner:
             elif control.detach_requested and handle.spawned and request is None:
                 return DETACHED
             watched = [control.wake_fd]
-            if handle.pidfd is not None and not gone:
+            if handle.pidfd is not None and not gone and (watch_pidfd or self.client.lost):
                 watched.append(handle.pidfd)
-            ready, _, _ = select.select(watched, [], [], _EXIT_WORD_S if gone else None)
+            timeout = _EXIT_WORD_S if gone else None if len(watched) > 1 else _KEEPER_WORD_S
+            ready, _, _ = select.select(watched, [], [], timeout)
             control.drain_wake()
             if handle.pidfd is not None and handle.pidfd in ready:
                 gone = True  # ended: the keeper's word comes within moments
+            elif not ready and not gone:
+                watch_pidfd = True
             elif not ready and gone and handle.exit is None:
                 # The keeper is gone and no other took over: learn the exit here.
                 code = foreign_exit_of(handle.pid, handle.start, handle.pidfd)
@@ -350,6 +360,18 @@ def record_of(handle: Handle) -> ExecutionRecord:
         log_path=Path(meta["log_path"]), input_path=Path(meta["input_path"]),
         argv=tuple(meta["argv"]), log_offset=int(meta.get("log_offset", 0)),
         stdout_path=Path(meta["stdout_path"]), keeper_id=handle.id, ended=handle.exit)
+
+
+def _on_event(handle: Handle, control: ExecutionControl, wake_on_spawn: bool) -> None:
+    """The keeper said something of ``handle`` (in its reader's thread). A spawn is
+    attached to the control here; the waiting runner is woken only when it has
+    something to do: an exit, a refusal, a stop or detach waiting for the spawn, a
+    turn's record to write."""
+    if handle.spawned and handle.exit is None and handle.refused is None:
+        control.attach(handle.pid, handle.pidfd)
+        if not (wake_on_spawn or control.requested is not None or control.detach_requested):
+            return
+    control.notify()
 
 
 def _with_exit(record: ExecutionRecord, handle: Handle) -> ExecutionRecord:

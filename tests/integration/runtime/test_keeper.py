@@ -120,6 +120,29 @@ def test_a_keeper_killed_mid_drain_is_replaced_and_every_run_runs_once(
         assert conn.execute("SELECT max(retry_count) FROM runs").fetchone()[0] == 0
 
 
+def test_an_exit_a_wedged_keeper_does_not_report_is_read_by_the_daemon(
+        daemon_factory: Factory, tmp_path: Path) -> None:
+    """The daemon waits for the keeper's word of an exit; a keeper that is alive but
+    says nothing (stopped here) does not hold the run: the daemon reads the exit from
+    the agent it follows itself, within seconds."""
+    daemon = daemon_factory(config())
+    setup(daemon, ["a1"])
+    go = tmp_path / "go"
+    run = enqueue(daemon, "a1", wait_for=str(go))
+    daemon.wait_until(daemon.agent_pids, what="the agent")
+    keeper = keeper_of(daemon)["pid"]
+    os.kill(keeper, signal.SIGSTOP)
+    try:
+        go.touch()
+        finished = wait_status(daemon, run["id"], "finished", "failed")
+        assert finished["status"] == "finished"
+        daemon.wait_for_line("the keeper did not report the exit of agent")
+    finally:
+        os.kill(keeper, signal.SIGCONT)
+    again = enqueue(daemon, "a1")
+    assert wait_status(daemon, again["id"], "finished")["output_summary"] == "echoed run"
+
+
 def test_daemon_and_keeper_killed_together_lose_nothing_and_run_nothing_twice(
         daemon_factory: Factory, tmp_path: Path) -> None:
     touch = tmp_path / "windows"

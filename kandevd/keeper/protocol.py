@@ -17,7 +17,8 @@ import socket
 from pathlib import Path
 from typing import Any
 
-VERSION = 1
+#: 2: ``hello`` carries the daemon's environment, a ``spawn`` only what it changes.
+VERSION = 2
 #: The largest message (a spawn request carries the agent's environment).
 MAX_MESSAGE = 256 * 1024
 #: At most this many descriptors travel with one message.
@@ -27,6 +28,11 @@ FOLDER = "keeper"
 SOCKET = "keeper.sock"
 JOURNAL = "journal"
 LOCK = "keeper.lock"
+
+
+# (plain ints: the flags' enum arithmetic costs more than the rest of a receive)
+_CLOEXEC = int(socket.MSG_CMSG_CLOEXEC)
+_TRUNCATED = int(socket.MSG_TRUNC | socket.MSG_CTRUNC)
 
 
 class ProtocolError(Exception):
@@ -62,12 +68,11 @@ def receive(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
 
     Descriptors arrive close-on-exec; a malformed message's are closed before
     ProtocolError is raised, so nothing leaks."""
-    data, fds, flags, _address = socket.recv_fds(sock, MAX_MESSAGE + 1, MAX_FDS,
-                                                 socket.MSG_CMSG_CLOEXEC)
+    data, fds, flags, _address = socket.recv_fds(sock, MAX_MESSAGE + 1, MAX_FDS, _CLOEXEC)
     if not data and not fds:
         return None
     try:
-        if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) or len(data) > MAX_MESSAGE:
+        if flags & _TRUNCATED or len(data) > MAX_MESSAGE:
             raise ProtocolError("message truncated")
         try:
             message = json.loads(data)

@@ -79,6 +79,8 @@ class Keeper:
         #: Ended executions the daemon has not acknowledged: id -> (entry).
         self.ended: dict[str, Entry] = {}
         self.conn: socket.socket | None = None
+        #: The connected daemon's environment (its ``hello``), which spawns add to.
+        self.env_base: dict[str, str] | None = None
         self.quitting = False
         self.idle_since = time.monotonic()
         self.sel = selectors.DefaultSelector()
@@ -267,6 +269,9 @@ class Keeper:
         elif op == "adopt":
             self._adopt(message, fds)
         elif op == "hello":
+            env = message.get("env")
+            self.env_base = {str(k): str(v) for k, v in env.items()} \
+                if isinstance(env, dict) else None
             self._hello()
         elif op == "quit":
             self.quitting = True
@@ -296,8 +301,8 @@ class Keeper:
             return
         try:
             pid = spawn(str(message["path"]), [str(a) for a in message["argv"]],
-                        {str(k): str(v) for k, v in message["env"].items()},
-                        str(message["cwd"]), (fds[0], fds[1], fds[2]))
+                        self._environment(message), str(message["cwd"]),
+                        (fds[0], fds[1], fds[2]))
         except OSError as exc:
             self._send({"ev": "refused", "id": execution,
                         "error": f"cannot start agent {message['argv'][0]}: {exc}"})
@@ -315,6 +320,13 @@ class Keeper:
         self.journal.append(entry.spawn_line())
         self._send({"ev": "spawned", "id": execution, "pid": pid, "start": entry.start},
                    [pidfd] if pidfd is not None else None)
+
+    def _environment(self, message: dict[str, Any]) -> dict[str, str]:
+        """The agent's environment: the daemon's (from its ``hello``) and the spawn's own."""
+        if "env" in message:  # (all of it: a daemon of version 1)
+            return {str(k): str(v) for k, v in message["env"].items()}
+        base = self.env_base if self.env_base is not None else dict(os.environ)
+        return {**base, **{str(k): str(v) for k, v in message["env_set"].items()}}
 
     def _adopt(self, message: dict[str, Any], fds: list[int]) -> None:
         """An agent of a keeper that died, handed over by the daemon (with its pidfd)."""
@@ -382,8 +394,7 @@ class Keeper:
         agent.close()
         self.ended[entry.id] = entry
         self.journal.append({"t": "exit", "id": entry.id, **entry.exit})
-        self._send({"ev": "exit", "id": entry.id, "pid": entry.pid, "meta": entry.meta,
-                    **entry.exit})
+        self._send({"ev": "exit", "id": entry.id, "pid": entry.pid, **entry.exit})
 
     def _close(self) -> None:
         try:

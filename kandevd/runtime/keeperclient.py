@@ -30,21 +30,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import kandevd
-from kandevd import unixaddr
 from kandevd.keeper import protocol
 from kandevd.keeper.agents import foreign_exit_of
+from kandevd.runtime.keeperstart import START_TIMEOUT_S, KeeperLauncher, KeeperUnavailable
 
 log = logging.getLogger("kandevd.runtime.keeper")
-
-#: How long a new keeper may take to listen.
-START_TIMEOUT_S = 20.0
-_CONNECT_POLL_S = 0.02
-
-
-class KeeperUnavailable(Exception):
-    """No keeper could be reached or started (an execution cannot start now)."""
-
 
 @dataclass(eq=False)
 class Handle:
@@ -85,6 +75,7 @@ class KeeperState:
 
     pid: int = 0
     started_at: float = 0.0
+    version: int = 1
     live: dict[str, Handle] = field(default_factory=dict)
     ended: dict[str, Handle] = field(default_factory=dict)
 
@@ -99,10 +90,12 @@ class KeeperClient:
         self._handles: dict[str, Handle] = {}
         self._sock: socket.socket | None = None
         self._reader: threading.Thread | None = None
-        self._process: subprocess.Popen[bytes] | None = None
+        self._launcher = KeeperLauncher(self.home, python)
         self._closing = False
         self._ready = threading.Event()
         self.restarts = 0
+        #: The environment every agent starts from (the daemon's; sent once per connection).
+        self._environ = dict(os.environ)
         #: No keeper could be started after the last one died: nobody reports exits, and
         #: the daemon watches its agents' pidfds itself.
         self.lost = False
@@ -120,7 +113,7 @@ class KeeperClient:
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             try:
-                self._hello(self._connect_or_start(), first=first)
+                self._hello(self._launcher.connect_or_start(), first=first)
                 return
             except (KeeperUnavailable, OSError, protocol.ProtocolError) as exc:
                 if time.monotonic() >= deadline:
@@ -147,7 +140,8 @@ class KeeperClient:
         self._ready.set()
 
     def _take_state(self, sock: socket.socket) -> KeeperState:
-        protocol.send(sock, {"op": "hello", "version": protocol.VERSION})
+        protocol.send(sock, {"op": "hello", "version": protocol.VERSION,
+                             "env": self._environ})
         state = KeeperState()
         while True:
             got = protocol.receive(sock)
@@ -157,6 +151,7 @@ class KeeperClient:
             event = message.get("ev")
             if event == "hello":
                 state.pid, state.started_at = int(message["pid"]), float(message["started_at"])
+                state.version = int(message.get("version", 1))
             elif event == "live":
                 handle = self._known(message)
                 handle.pid, handle.start = int(message["pid"]), int(message["start"])
@@ -178,48 +173,6 @@ class KeeperClient:
         return handle if handle is not None else Handle(str(message["id"]),
                                                          dict(message.get("meta") or {}))
 
-    def _connect_or_start(self) -> socket.socket:
-        path = protocol.socket_path(self.home)
-        sock = _try_connect(path)
-        if sock is not None:
-            return sock
-        self._start_keeper()
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            sock = _try_connect(path)
-            if sock is not None:
-                return sock
-            if self._process is not None and self._process.poll() is not None:
-                # (Another keeper won the lock meanwhile, or this one failed: try once more.)
-                sock = _try_connect(path)
-                if sock is not None:
-                    return sock
-                raise KeeperUnavailable(f"the keeper exited at its start (status "
-                                        f"{self._process.returncode}); see "
-                                        f"{self.home / 'logs' / 'keeper.log'}")
-            time.sleep(_CONNECT_POLL_S)
-        raise KeeperUnavailable(f"no keeper listens on {path} after {START_TIMEOUT_S:g}s")
-
-    def _start_keeper(self) -> None:
-        logs = self.home / "logs"
-        logs.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd = os.open(logs / "keeper.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
-                     0o600)
-        try:
-            if self._process is not None:
-                self._process.poll()  # (a keeper that died: reaped)
-            # The keeper runs the daemon's own kandevd (a checkout, an installed copy).
-            source = str(Path(kandevd.__file__).resolve().parent.parent)
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-                [source, *filter(None, [os.environ.get("PYTHONPATH")])])}
-            self._process = subprocess.Popen(
-                [self.python, "-m", "kandevd.keeper", str(self.home)],
-                stdin=subprocess.DEVNULL, stdout=fd, stderr=fd, cwd="/", env=env,
-                start_new_session=True, close_fds=True)
-        finally:
-            os.close(fd)
-        log.info("keeper started (pid %d)", self._process.pid)
-
     # -- requests ------------------------------------------------------------------------
 
     def handle(self, execution: str) -> Handle | None:
@@ -232,13 +185,23 @@ class KeeperClient:
 
     def spawn(self, handle: Handle, *, path: str, argv: list[str], env: dict[str, str],
               cwd: str, stdio: list[int], timeout_s: float, grace: float) -> None:
-        """Ask for ``handle``'s agent; the answer (``spawned`` or ``refused``) arrives on it."""
+        """Ask for ``handle``'s agent; the answer (``spawned`` or ``refused``) arrives on it.
+
+        ``env``: what the agent's environment adds to the daemon's (:attr:`environ`)."""
         handle.deadline, handle.grace = time.time() + timeout_s, grace
         handle.owned = True
         self.register(handle)
+        # A keeper of version 1 (one that outlived an upgrade) takes the whole of it.
+        environment = {"env_set": env} if self.state.version >= 2 \
+            else {"env": {**self._environ, **env}}
         self._request({"op": "spawn", "id": handle.id, "path": path, "argv": argv,
-                       "env": env, "cwd": cwd, "timeout_s": timeout_s, "grace": grace,
+                       **environment, "cwd": cwd, "timeout_s": timeout_s, "grace": grace,
                        "meta": handle.meta}, stdio)
+
+    @property
+    def environ(self) -> dict[str, str]:
+        """The environment every agent starts from: the daemon's, as it started."""
+        return self._environ
 
     def stop(self, handle: Handle, outcome: str, reason: str, grace: float) -> None:
         handle.stop = (outcome, reason, grace)
@@ -414,9 +377,9 @@ class KeeperClient:
         sock.close()
         if self._reader is not None:
             self._reader.join(5.0)
-        if quit_keeper and self._process is not None:
+        if quit_keeper and self._launcher.process is not None:
             try:
-                self._process.wait(5.0)
+                self._launcher.process.wait(5.0)
             except subprocess.TimeoutExpired:
                 pass
         with self._lock:
@@ -427,14 +390,3 @@ class KeeperClient:
     @property
     def keeper_pid(self) -> int:
         return self.state.pid
-
-
-def _try_connect(path: Path) -> socket.socket | None:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    try:
-        with unixaddr.address(path) as where:
-            sock.connect(where)
-    except OSError:
-        sock.close()
-        return None
-    return sock

@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import select
-import shutil
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,14 @@ from kandevd.agents.profiles import executable_problem
 from kandevd.fsutil import ensure_dir
 from kandevd.keeper import protocol
 from kandevd.keeper.agents import foreign_exit_of
-from kandevd.runtime import attempts
+from kandevd.runtime.agentfiles import (
+    execution_id,
+    merge_stdout,
+    resolve,
+    stdout_path,
+    unlink_stdout,
+    write_input,
+)
 from kandevd.runtime.execution import (
     DETACHED,
     ERROR,
@@ -51,7 +57,6 @@ from kandevd.runtime.output import (
     LogSink,
     attempt_ended,
     attempt_started,
-    parse_report,
 )
 from kandevd.runtime.process import DETACHED_ERROR, ProcessRunner
 from kandevd.runtime.records import ExecutionRecord, kept_outcome, write_record
@@ -59,28 +64,11 @@ from kandevd.timeutil import after, parse_rfc3339, rfc3339, utc_now
 
 log = logging.getLogger("kandevd.runtime.process")
 
-#: Only this much of the stdout file's end is read for the summary line.
-_TAIL = 1024 * 1024
-_COPY = 1024 * 1024
 #: After the agent's pidfd says it ended, how long the keeper's word is waited for.
 _EXIT_WORD_S = 2.0
 #: While the keeper is there its word ends the wait; after this long without one the
 #: agent's pidfd is watched too (a keeper that is alive but wedged).
 _KEEPER_WORD_S = 5.0
-
-
-def execution_id(spec: ExecutionSpec) -> str:
-    """The keeper's name of an execution: its record folder's (one per attempt or turn)."""
-    if spec.record_dir is not None:
-        return spec.record_dir.name
-    return f"{spec.kind}-{spec.key}-{os.urandom(6).hex()}"
-
-
-def stdout_path(spec: ExecutionSpec, execution: str) -> Path:
-    """Where the agent's stdout is kept until it is merged into the log and recorded."""
-    if spec.record_dir is not None:
-        return attempts.spent_stdout_path(spec.record_dir)
-    return spec.log_path.with_name(f"{spec.log_path.name}.{execution}.stdout")
 
 
 class KeeperRunner:
@@ -128,17 +116,18 @@ class KeeperRunner:
         if control.detach_requested and spec.record_dir is not None:
             return refuse("interrupted: the daemon stopped before the agent started",
                           INTERRUPTED)
-        env = {**os.environ, **spec.env, "KANDEVD_RUN_ID": spec.run_id,
+        env = {**spec.env, "KANDEVD_RUN_ID": spec.run_id,  # (added to the daemon's)
                "KANDEVD_SESSION_ID": spec.session_id, "KANDEVD_HOME": spec.home,
                "KANDEVD_INPUT": str(spec.input_path)}
+        search_path = env.get("PATH", self.client.environ.get("PATH"))
         try:
             ensure_dir(spec.cwd)
         except OSError as exc:
             return refuse(f"cannot create working directory {spec.cwd}: {exc}")
-        problem = executable_problem(spec.argv[0], spec.cwd, env.get("PATH"))
+        problem = executable_problem(spec.argv[0], spec.cwd, search_path)
         if problem is not None:
             return refuse(problem)
-        path = resolve(spec.argv[0], spec.cwd, env.get("PATH"))
+        path = resolve(spec.argv[0], spec.cwd, search_path)
         execution = execution_id(spec)
         out_path = stdout_path(spec, execution)
         log_offset = sink.size()
@@ -147,7 +136,7 @@ class KeeperRunner:
         except (TypeError, ValueError) as exc:
             return refuse(f"stdin object is not JSON serializable: {exc}")
         try:
-            fd_in = _write_input(spec.input_path, stdin)
+            fd_in = write_input(spec.input_path, stdin)
         except OSError as exc:
             return refuse(f"cannot write agent input {spec.input_path}: {exc}")
         try:
@@ -175,7 +164,7 @@ class KeeperRunner:
             control.detach()
             if handle.refused is not None:
                 self.client.forget(execution)
-                _unlink(out_path)
+                unlink_stdout(out_path)
                 return refuse(handle.refused)
             if waited == DETACHED:
                 self.client.forget(execution)
@@ -183,10 +172,10 @@ class KeeperRunner:
                          handle.pid)
                 return self._result(spec, started_at, DETACHED, error=DETACHED_ERROR)
             _note_termination(sink, handle, self.kill_grace_s, spec.timeout_s)
-            report = _merge_stdout(fd_out, sink)
+            report = merge_stdout(fd_out, sink)
         except KeeperUnavailable as exc:
             self.client.forget(execution)
-            _unlink(out_path)
+            unlink_stdout(out_path)
             return refuse(f"cannot start agent {spec.argv[0]}: {exc}")
         finally:
             os.close(fd_out)
@@ -326,7 +315,7 @@ class KeeperRunner:
         for execution in ids:
             handle = self.client.handle(execution)
             if handle is not None and handle.meta.get("stdout_path"):
-                _unlink(Path(handle.meta["stdout_path"]))
+                unlink_stdout(Path(handle.meta["stdout_path"]))
         if ids:
             try:
                 self.client.acknowledge(ids)
@@ -388,28 +377,6 @@ def _meta(spec: ExecutionSpec, started_at: datetime, out_path: Path, log_offset:
             "record_dir": str(spec.record_dir) if spec.record_dir is not None else None}
 
 
-def resolve(name: str, cwd: Path, path_env: str | None) -> str:
-    """The file ``execvp`` would run for ``name`` (checked by ``executable_problem``)."""
-    if "/" in name:
-        return name if os.path.isabs(name) else str(cwd / name)
-    found = shutil.which(name, path=path_env if path_env is not None else os.defpath)
-    return found if found is not None else name
-
-
-def _write_input(path: Path, data: bytes) -> int:
-    """The agent's stdin on disk (``$KANDEVD_INPUT``), open for the agent to read."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.lseek(fd, 0, os.SEEK_SET)
-    except OSError:
-        os.close(fd)
-        raise
-    return fd
-
-
 def _note_termination(sink: LogSink, handle: Handle, grace: float, timeout_s: float) -> None:
     """In the log: how the keeper ended the agent (its stderr came before)."""
     ended = handle.exit or {}
@@ -422,33 +389,3 @@ def _note_termination(sink: LogSink, handle: Handle, grace: float, timeout_s: fl
         sink.note(f"still running {grace:g}s after SIGTERM: SIGKILL sent")
 
 
-def _merge_stdout(fd_out: int, sink: LogSink) -> AgentReport:
-    """The agent's report from its stdout's last line; then its stdout goes into the log."""
-    try:
-        size = os.fstat(fd_out).st_size
-    except OSError:
-        return NO_REPORT
-    if not size:
-        return NO_REPORT
-    start = max(size - _TAIL, 0)
-    tail = os.pread(fd_out, size - start, start)
-    lines = [line.strip() for line in tail.split(b"\n")]
-    last = next((line for line in reversed(lines) if line), b"")
-    report = parse_report(last.decode("utf-8", errors="replace") if last else None)
-    offset = 0
-    while offset < size:
-        chunk = os.pread(fd_out, min(_COPY, size - offset), offset)
-        if not chunk:
-            break
-        sink.write(chunk)
-        offset += len(chunk)
-    return report
-
-
-def _unlink(path: Path) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        log.warning("cannot remove the agent's stdout file %s (%s)", path, exc)

@@ -77,10 +77,17 @@ def keeper_of(daemon: DaemonProcess) -> dict[str, Any]:
 
 def test_an_agent_is_the_keepers_own_child_with_no_shell_between(
         daemon_factory: Factory, tmp_path: Path) -> None:
-    daemon = daemon_factory(config())
+    daemon = daemon_factory(config(agents={"default": {"env": {"FROM_PROFILE": "p"}}}),
+                            env={"FROM_DAEMON": "d", "FROM_PROFILE": "overridden"})
     setup(daemon, ["a1"])
     run = enqueue(daemon, "a1", wait_for=str(tmp_path / "go"))
     [agent] = daemon.wait_until(daemon.agent_pids, what="the agent")
+    # its environment: the daemon's, the profile's over it, then the run's own
+    environ = dict(item.split(b"=", 1) for item in
+                   Path(f"/proc/{agent}/environ").read_bytes().split(b"\0") if item)
+    assert (environ[b"FROM_DAEMON"], environ[b"FROM_PROFILE"]) == (b"d", b"p")
+    assert environ[b"KANDEVD_RUN_ID"] == run["id"].encode()
+    assert environ[b"PATH"] == os.environ["PATH"].encode()
     keeper = keeper_of(daemon)
     assert parent_of(agent) == keeper["pid"] and keeper["agents"] == 1
     argv = Path(f"/proc/{agent}/cmdline").read_bytes().split(b"\0")

@@ -1,0 +1,88 @@
+"""An execution's files on the daemon's side, for the keeper runner: the agent's input
+(``$KANDEVD_INPUT``, also its stdin), its stdout until it is merged into the log (the
+summary is its last line), and the program ``execvp`` would run."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from kandevd.runtime import attempts
+from kandevd.runtime.execution import ExecutionSpec
+from kandevd.runtime.output import NO_REPORT, AgentReport, LogSink, parse_report
+
+log = logging.getLogger("kandevd.runtime.process")
+
+#: Only this much of the stdout file's end is read for the summary line.
+_TAIL = 1024 * 1024
+_COPY = 1024 * 1024
+
+
+def execution_id(spec: ExecutionSpec) -> str:
+    """The keeper's name of an execution: its record folder's (one per attempt or turn)."""
+    if spec.record_dir is not None:
+        return spec.record_dir.name
+    return f"{spec.kind}-{spec.key}-{os.urandom(6).hex()}"
+
+
+def stdout_path(spec: ExecutionSpec, execution: str) -> Path:
+    """Where the agent's stdout is kept until it is merged into the log and recorded."""
+    if spec.record_dir is not None:
+        return attempts.spent_stdout_path(spec.record_dir)
+    return spec.log_path.with_name(f"{spec.log_path.name}.{execution}.stdout")
+
+
+def resolve(name: str, cwd: Path, path_env: str | None) -> str:
+    """The file ``execvp`` would run for ``name`` (checked by ``executable_problem``)."""
+    if "/" in name:
+        return name if os.path.isabs(name) else str(cwd / name)
+    found = shutil.which(name, path=path_env if path_env is not None else os.defpath)
+    return found if found is not None else name
+
+
+def write_input(path: Path, data: bytes) -> int:
+    """The agent's stdin on disk (``$KANDEVD_INPUT``), open for the agent to read."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.lseek(fd, 0, os.SEEK_SET)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def merge_stdout(fd_out: int, sink: LogSink) -> AgentReport:
+    """The agent's report from its stdout's last line; then its stdout goes into the log."""
+    try:
+        size = os.fstat(fd_out).st_size
+    except OSError:
+        return NO_REPORT
+    if not size:
+        return NO_REPORT
+    start = max(size - _TAIL, 0)
+    tail = os.pread(fd_out, size - start, start)
+    lines = [line.strip() for line in tail.split(b"\n")]
+    last = next((line for line in reversed(lines) if line), b"")
+    report = parse_report(last.decode("utf-8", errors="replace") if last else None)
+    offset = 0
+    while offset < size:
+        chunk = os.pread(fd_out, min(_COPY, size - offset), offset)
+        if not chunk:
+            break
+        sink.write(chunk)
+        offset += len(chunk)
+    return report
+
+
+def unlink_stdout(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("cannot remove the agent's stdout file %s (%s)", path, exc)

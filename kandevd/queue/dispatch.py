@@ -72,8 +72,11 @@ class Dispatcher:
         started.
         """
         outcomes = self.outcomes.take()
-        if not outcomes and not self.repo.has_queued():
-            return 0  # idle: touch neither the runtime's slots nor the write lock
+        if not outcomes and (self.runtime.active >= self.runtime.max_concurrent
+                             or not self.repo.has_queued()):
+            # Every slot runs (an enqueue's wake-up while the queue drains) or nothing
+            # waits: touch neither the database nor the runtime's slots.
+            return 0
         reservations: list[Reservation] = []
         started = 0
         try:

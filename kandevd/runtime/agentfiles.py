@@ -42,9 +42,22 @@ def resolve(name: str, cwd: Path, path_env: str | None) -> str:
     return found if found is not None else name
 
 
+def open_empty(path: Path) -> int:
+    """``path`` opened read-write, created (0600) or emptied: truncated only when it
+    has something in it (an earlier attempt's), not on the usual path of a new file."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        if os.fstat(fd).st_size:
+            os.ftruncate(fd, 0)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
 def write_input(path: Path, data: bytes) -> int:
     """The agent's stdin on disk (``$KANDEVD_INPUT``), open for the agent to read."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    fd = open_empty(path)
     try:
         view = memoryview(data)
         while view:

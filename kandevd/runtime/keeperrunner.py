@@ -32,6 +32,7 @@ from kandevd.keeper.agents import foreign_exit_of
 from kandevd.runtime.agentfiles import (
     execution_id,
     merge_stdout,
+    open_empty,
     resolve,
     stdout_path,
     unlink_stdout,
@@ -142,8 +143,7 @@ class KeeperRunner:
         try:
             if spec.kind != "run":  # (a queued run's folder is made at the daemon's start)
                 ensure_dir(out_path.parent)
-            fd_out = os.open(out_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
-                             0o600)
+            fd_out = open_empty(out_path)
         except OSError as exc:
             os.close(fd_in)
             return refuse(f"cannot create the agent's stdout file {out_path}: {exc}")

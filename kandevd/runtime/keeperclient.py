@@ -33,6 +33,7 @@ from typing import Any
 from kandevd.keeper import protocol
 from kandevd.keeper.agents import foreign_exit_of
 from kandevd.runtime.keeperstart import START_TIMEOUT_S, KeeperLauncher, KeeperUnavailable
+from kandevd.runtime.orphans import find_sessions
 
 log = logging.getLogger("kandevd.runtime.keeper")
 
@@ -55,6 +56,8 @@ class Handle:
     grace: float = 0.0
     #: Someone here waits for it (spawned by this daemon, or adopted at its start).
     owned: bool = False
+    #: The connection (its number) its spawn request went out on (0: not sent).
+    asked_on: int = 0
 
     @property
     def spawned(self) -> bool:
@@ -94,6 +97,7 @@ class KeeperClient:
         self._closing = False
         self._ready = threading.Event()
         self.restarts = 0
+        self._connection = 0  # numbers the connections to keepers, one after another
         #: The environment every agent starts from (the daemon's; sent once per connection).
         self._environ = dict(os.environ)
         #: No keeper could be started after the last one died: nobody reports exits, and
@@ -127,12 +131,15 @@ class KeeperClient:
         except BaseException:
             sock.close()
             raise
-        self._sock = sock
+        with self._send_lock:
+            self._sock = sock
+            self._connection += 1
         self.state = state
         with self._lock:
             for handle in (*state.live.values(), *state.ended.values()):
                 self._handles.setdefault(handle.id, handle)
         if not first:
+            self._answer_lost_spawns()
             self._hand_over()
         self._reader = threading.Thread(target=self._read, args=(sock,),
                                         name="kandevd-keeper-reader", daemon=True)
@@ -196,7 +203,7 @@ class KeeperClient:
             else {"env": {**self._environ, **env}}
         self._request({"op": "spawn", "id": handle.id, "path": path, "argv": argv,
                        **environment, "cwd": cwd, "timeout_s": timeout_s, "grace": grace,
-                       "meta": handle.meta}, stdio)
+                       "meta": handle.meta}, stdio, spawning=handle)
 
     @property
     def environ(self) -> dict[str, str]:
@@ -224,7 +231,8 @@ class KeeperClient:
         if handle is not None:
             handle.close()
 
-    def _request(self, message: dict[str, Any], fds: list[int] | None = None) -> None:
+    def _request(self, message: dict[str, Any], fds: list[int] | None = None,
+                 spawning: Handle | None = None) -> None:
         self._ready.wait(START_TIMEOUT_S)
         with self._send_lock:
             sock = self._sock
@@ -234,6 +242,8 @@ class KeeperClient:
                 protocol.send(sock, message, fds)
             except OSError as exc:
                 raise KeeperUnavailable(f"the keeper cannot be reached: {exc}") from None
+            if spawning is not None:
+                spawning.asked_on = self._connection
 
     def release_unowned(self) -> list[str]:
         """Executions an earlier daemon left that nobody here took up: ended ones are
@@ -323,6 +333,7 @@ class KeeperClient:
             log.error("no keeper could be started (%s): agents cannot start until the "
                       "daemon restarts", exc)
             self.lost = True
+            self._answer_lost_spawns()
             self._ready.set()  # (requests fail at once instead of waiting)
             with self._lock:
                 running = [h for h in self._handles.values() if h.spawned and h.exit is None]
@@ -334,6 +345,29 @@ class KeeperClient:
         for handle in orphans:
             if handle.id in self.state.ended:
                 handle.wake()
+
+    def _answer_lost_spawns(self) -> None:
+        """Spawns the dead keeper never answered, and the new one does not know (not in
+        its journal): the agent is found by its session in ``/proc`` (spawned, then the
+        keeper died before it journaled it) and followed on, or it never started and
+        its execution is refused, so nobody waits for it for ever."""
+        with self._lock:
+            unanswered = [h for h in self._handles.values()
+                          if h.owned and h.asked_on and h.asked_on < self._connection
+                          and not h.spawned and h.refused is None and h.exit is None
+                          and h.id not in self.state.live and h.id not in self.state.ended]
+        if not unanswered:
+            return
+        found = find_sessions(self.home, [h.meta.get("session_id", "") for h in unanswered])
+        for handle in unanswered:
+            agent = found.get(handle.meta.get("session_id", ""))
+            if agent is not None:
+                handle.pid, handle.start, handle.pidfd = agent
+                log.warning("execution %s: its keeper died as it started agent %d; the "
+                            "agent is followed on", handle.id, handle.pid)
+            else:
+                handle.refused = "the keeper ended before it started the agent"
+            handle.wake()
 
     def _hand_over(self) -> None:
         """Agents this side follows that the new keeper did not find in its journal."""

@@ -43,6 +43,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kandevd.keeper.agents import open_pidfd, start_time
+
 log = logging.getLogger("kandevd.runtime.orphans")
 
 _PROC = Path("/proc")
@@ -125,6 +127,25 @@ def scan(home: Path, *, keep: frozenset[int] = frozenset()) -> list[Orphan]:
         pid, run_id, session_id = next((m for m in members if m[0] == sid), members[0])
         orphans.append(Orphan(pid, run_id, session_id, tuple(m[0] for m in members)))
     return sorted(orphans, key=lambda orphan: orphan.pid)
+
+
+def find_sessions(home: Path, session_ids: list[str], *, settle_s: float = 0.1
+                  ) -> dict[str, tuple[int, int, int | None]]:
+    """The agents of these execution sessions that run: ``{session id: (pid, start
+    time, pidfd)}``. Looked for twice, ``settle_s`` apart, so an agent between its
+    spawn and its ``exec`` (its environment not yet its own) is not missed."""
+    wanted = {s for s in session_ids if s}
+    found: dict[str, tuple[int, int, int | None]] = {}
+    for attempt in range(2):
+        if attempt:
+            time.sleep(settle_s)
+        for orphan in scan(home):
+            if orphan.session_id in wanted and orphan.session_id not in found:
+                start = start_time(orphan.pid)
+                found[orphan.session_id] = (orphan.pid, start, open_pidfd(orphan.pid, start))
+        if len(found) == len(wanted):
+            break
+    return found
 
 
 def stop_orphan_agents(home: Path, grace_s: float, *,

@@ -150,6 +150,32 @@ def test_an_exit_a_wedged_keeper_does_not_report_is_read_by_the_daemon(
     assert wait_status(daemon, again["id"], "finished")["output_summary"] == "echoed run"
 
 
+def test_a_spawn_the_dying_keeper_never_read_is_refused_and_retried_not_left_waiting(
+        daemon_factory: Factory, tmp_path: Path) -> None:
+    """The keeper dies with a spawn request still unread: the keeper that replaces it
+    has no word of it, and nothing was started. The execution is refused (a failed
+    attempt under the retry policy) instead of waiting for an answer for ever."""
+    touch = tmp_path / "windows"
+    daemon = daemon_factory(config(retry={"delays_s": [0], "jitter": 0}))
+    setup(daemon, ["a1"])
+    keeper = keeper_of(daemon)["pid"]
+    os.kill(keeper, signal.SIGSTOP)  # (it reads nothing more: the request waits unread)
+    try:
+        run = enqueue(daemon, "a1", touch=str(touch))
+        wait_status(daemon, run["id"], "claimed")
+        # its stdout file is created just before the request is sent
+        daemon.wait_until(lambda: list((daemon.home / "attempts").glob(
+            f"{run['id']}.*.stdout")), what="the spawn request about to be sent")
+    finally:
+        os.kill(keeper, signal.SIGKILL)
+        os.kill(keeper, signal.SIGCONT)
+    finished = wait_status(daemon, run["id"], "finished")
+    assert list(windows(touch)) == [run["id"]] and len(windows(touch)[run["id"]]) == 1
+    if finished["attempt"] == 2:  # (else the request went out only to the new keeper)
+        assert finished["retry_count"] == 1
+        daemon.wait_for_line("the keeper ended before it started the agent")
+
+
 def test_daemon_and_keeper_killed_together_lose_nothing_and_run_nothing_twice(
         daemon_factory: Factory, tmp_path: Path) -> None:
     touch = tmp_path / "windows"

@@ -65,8 +65,9 @@ class SqliteRuns:
         seqs = heads_at_the_front(conn, excluded, str(params["now"]), limit)
         if seqs is None:
             where = "seq IN (" + HEADS.format(exclusion=exclusion(excluded, params)) + ")"
-        elif seqs:
-            where = "seq IN (" + ", ".join(str(int(seq)) for seq in seqs) + ")"
+        elif seqs:  # (bound, not spelled out: the statement is prepared once per count)
+            where = "seq IN (" + ", ".join(f":s{n}" for n in range(len(seqs))) + ")"
+            params.update({f"s{n}": int(seq) for n, seq in enumerate(seqs)})
         else:
             return [], {}
         rows = conn.execute(CLAIM + " WHERE status = 'queued' AND " + where + " RETURNING *",

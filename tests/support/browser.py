@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from selenium import webdriver
+from selenium.common.exceptions import WebDriverException
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.expected_conditions import staleness_of
@@ -59,9 +60,22 @@ def chromium(width: int = 1280, height: int = 900, *, dark: bool = False,
             shutil.rmtree(profile, ignore_errors=True)
 
 
+#: What ChromeDriver answers when a command meets a page that is being replaced (a
+#: navigation under way), instead of a stale element: the next poll sees the new page.
+_IN_TRANSITION = ("Cannot find context with specified id", "unhandled inspector error",
+                  "Execution context was destroyed")
+
+
 def wait_for(driver: Any, condition: Callable[[Any], Any], timeout: float = 20.0,
              what: str = "condition") -> Any:
-    return WebDriverWait(driver, timeout).until(condition, message=f"waiting for {what}")
+    def polled(d: Any) -> Any:
+        try:
+            return condition(d)
+        except WebDriverException as exc:
+            if any(text in str(exc) for text in _IN_TRANSITION):
+                return False
+            raise
+    return WebDriverWait(driver, timeout).until(polled, message=f"waiting for {what}")
 
 
 def ready(driver: Any) -> bool:

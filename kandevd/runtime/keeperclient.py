@@ -56,8 +56,9 @@ class Handle:
     grace: float = 0.0
     #: Someone here waits for it (spawned by this daemon, or adopted at its start).
     owned: bool = False
-    #: The connection (its number) its spawn request went out on (0: not sent).
+    #: The connection (its number) its spawn request went out on (0: not sent), when.
     asked_on: int = 0
+    asked_at: float = 0.0
 
     @property
     def spawned(self) -> bool:
@@ -100,6 +101,7 @@ class KeeperClient:
         self._connection = 0  # numbers the connections to keepers, one after another
         #: The environment every agent starts from (the daemon's; sent once per connection).
         self._environ = dict(os.environ)
+        self._env_sent = False  # the last hello carried it
         #: No keeper could be started after the last one died: nobody reports exits, and
         #: the daemon watches its agents' pidfds itself.
         self.lost = False
@@ -147,8 +149,13 @@ class KeeperClient:
         self._ready.set()
 
     def _take_state(self, sock: socket.socket) -> KeeperState:
-        protocol.send(sock, {"op": "hello", "version": protocol.VERSION,
-                             "env": self._environ})
+        try:
+            protocol.send(sock, {"op": "hello", "version": protocol.VERSION,
+                                 "env": self._environ})
+            self._env_sent = True
+        except protocol.ProtocolError:  # (too large: each spawn carries it, as in version 1)
+            protocol.send(sock, {"op": "hello", "version": protocol.VERSION})
+            self._env_sent = False
         state = KeeperState()
         while True:
             got = protocol.receive(sock)
@@ -199,7 +206,7 @@ class KeeperClient:
         handle.owned = True
         self.register(handle)
         # A keeper of version 1 (one that outlived an upgrade) takes the whole of it.
-        environment = {"env_set": env} if self.state.version >= 2 \
+        environment = {"env_set": env} if self.state.version >= 2 and self._env_sent \
             else {"env": {**self._environ, **env}}
         self._request({"op": "spawn", "id": handle.id, "path": path, "argv": argv,
                        **environment, "cwd": cwd, "timeout_s": timeout_s, "grace": grace,
@@ -243,7 +250,7 @@ class KeeperClient:
             except OSError as exc:
                 raise KeeperUnavailable(f"the keeper cannot be reached: {exc}") from None
             if spawning is not None:
-                spawning.asked_on = self._connection
+                spawning.asked_on, spawning.asked_at = self._connection, time.time()
 
     def release_unowned(self) -> list[str]:
         """Executions an earlier daemon left that nobody here took up: ended ones are
@@ -333,7 +340,7 @@ class KeeperClient:
             log.error("no keeper could be started (%s): agents cannot start until the "
                       "daemon restarts", exc)
             self.lost = True
-            self._answer_lost_spawns()
+            self._answer_lost_spawns(no_keeper=True)
             self._ready.set()  # (requests fail at once instead of waiting)
             with self._lock:
                 running = [h for h in self._handles.values() if h.spawned and h.exit is None]
@@ -346,19 +353,24 @@ class KeeperClient:
             if handle.id in self.state.ended:
                 handle.wake()
 
-    def _answer_lost_spawns(self) -> None:
+    def _answer_lost_spawns(self, *, no_keeper: bool = False) -> None:
         """Spawns the dead keeper never answered, and the new one does not know (not in
         its journal): the agent is found by its session in ``/proc`` (spawned, then the
         keeper died before it journaled it) and followed on, or it never started and
         its execution is refused, so nobody waits for it for ever."""
+        # (``no_keeper``: none replaced the dead one, so the current connection is the
+        # dead one's and its spawns are unanswered too.)
+        last = self._connection + 1 if no_keeper else self._connection
         with self._lock:
             unanswered = [h for h in self._handles.values()
-                          if h.owned and h.asked_on and h.asked_on < self._connection
+                          if h.owned and h.asked_on and h.asked_on < last
                           and not h.spawned and h.refused is None and h.exit is None
-                          and h.id not in self.state.live and h.id not in self.state.ended]
+                          and (no_keeper or (h.id not in self.state.live
+                                             and h.id not in self.state.ended))]
         if not unanswered:
             return
-        found = find_sessions(self.home, [h.meta.get("session_id", "") for h in unanswered])
+        found = find_sessions(self.home, {h.meta.get("session_id", ""): h.asked_at - 2.0
+                                          for h in unanswered})
         for handle in unanswered:
             agent = found.get(handle.meta.get("session_id", ""))
             if agent is not None:

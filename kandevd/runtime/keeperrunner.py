@@ -48,6 +48,7 @@ from kandevd.runtime.execution import (
     ExecutionResult,
     ExecutionSpec,
     describe_exit,
+    ended_by_stop_signal,
     termination_error,
     termination_text,
 )
@@ -95,7 +96,10 @@ class KeeperRunner:
             if spec.attempt:
                 sink.note(attempt_started(spec.attempt, started_at))
             result = self._run(spec, control, sink, started_at)
-            if spec.attempt and result.outcome != DETACHED:
+            # (A death by a stop signal nobody here asked for may yet turn out to be the
+            # shutdown's: the runtime decides, and the ending is noted after it.)
+            if spec.attempt and result.outcome != DETACHED and not (
+                    result.outcome == FAILED and ended_by_stop_signal(result.exit_code)):
                 sink.note(attempt_ended(spec.attempt, result.ended_at, result.outcome,
                                         result.error))
                 result = dataclasses.replace(result, framed=True)
@@ -149,7 +153,7 @@ class KeeperRunner:
             return refuse(f"cannot create the agent's stdout file {out_path}: {exc}")
         meta = _meta(spec, started_at, out_path, log_offset)
         handle = Handle(execution, meta)
-        handle.wake = functools.partial(_on_event, handle, control,
+        handle.wake = functools.partial(_on_event, handle, control, self.client,
                                         spec.kind == "turn" and spec.record_dir is not None)
         try:
             try:
@@ -351,14 +355,16 @@ def record_of(handle: Handle) -> ExecutionRecord:
         stdout_path=Path(meta["stdout_path"]), keeper_id=handle.id, ended=handle.exit)
 
 
-def _on_event(handle: Handle, control: ExecutionControl, wake_on_spawn: bool) -> None:
+def _on_event(handle: Handle, control: ExecutionControl, client: KeeperClient,
+              wake_on_spawn: bool) -> None:
     """The keeper said something of ``handle`` (in its reader's thread). A spawn is
     attached to the control here; the waiting runner is woken only when it has
     something to do: an exit, a refusal, a stop or detach waiting for the spawn, a
     turn's record to write."""
     if handle.spawned and handle.exit is None and handle.refused is None:
         control.attach(handle.pid, handle.pidfd)
-        if not (wake_on_spawn or control.requested is not None or control.detach_requested):
+        if not (wake_on_spawn or control.requested is not None or control.detach_requested
+                or client.lost):
             return
     control.notify()
 

@@ -129,23 +129,39 @@ def scan(home: Path, *, keep: frozenset[int] = frozenset()) -> list[Orphan]:
     return sorted(orphans, key=lambda orphan: orphan.pid)
 
 
-def find_sessions(home: Path, session_ids: list[str], *, settle_s: float = 0.1
+def find_sessions(home: Path, sessions: dict[str, float], *, settle_s: float = 0.1
                   ) -> dict[str, tuple[int, int, int | None]]:
-    """The agents of these execution sessions that run: ``{session id: (pid, start
-    time, pidfd)}``. Looked for twice, ``settle_s`` apart, so an agent between its
-    spawn and its ``exec`` (its environment not yet its own) is not missed."""
-    wanted = {s for s in session_ids if s}
+    """The agents of these execution sessions that run, each started no earlier than
+    its time (epoch seconds; a session's turns share its id, and what an earlier turn
+    left behind is not this one's agent): ``{session id: (pid, start time, pidfd)}``.
+    Looked for twice, ``settle_s`` apart, so an agent between its spawn and its
+    ``exec`` (its environment not yet its own) is not missed."""
+    wanted = {s: after for s, after in sessions.items() if s}
     found: dict[str, tuple[int, int, int | None]] = {}
+    ticks, booted = os.sysconf("SC_CLK_TCK"), _boot_time()
     for attempt in range(2):
         if attempt:
             time.sleep(settle_s)
         for orphan in scan(home):
             if orphan.session_id in wanted and orphan.session_id not in found:
                 start = start_time(orphan.pid)
+                if booted + start / ticks < wanted[orphan.session_id]:
+                    continue
                 found[orphan.session_id] = (orphan.pid, start, open_pidfd(orphan.pid, start))
         if len(found) == len(wanted):
             break
     return found
+
+
+def _boot_time() -> float:
+    """When the machine booted (epoch seconds): ``/proc`` counts start times from it."""
+    try:
+        for line in Path(_PROC, "stat").read_text().splitlines():
+            if line.startswith("btime "):
+                return float(line.split()[1])
+    except OSError:
+        pass
+    return 0.0
 
 
 def stop_orphan_agents(home: Path, grace_s: float, *,

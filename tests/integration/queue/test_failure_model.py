@@ -444,6 +444,10 @@ def test_a_signal_to_the_whole_group_on_stop_uses_no_retry(
         row = conn.execute("SELECT status, retry_count FROM runs WHERE id = ?",
                            (run["id"],)).fetchone()
     assert (row["status"], row["retry_count"]) == ("claimed", 0)  # left for the next start
+    # its log closes the attempt as what it was: interrupted, not failed
+    frames = [line for line in (home / "logs" / "runs" / f"{run['id']}.log").read_text()
+              .splitlines() if line.startswith("[kandevd] ==== attempt 1 ended")]
+    assert len(frames) == 1 and ": interrupted" in frames[0], frames
     second = daemon_factory(config(), home=home)
     second.call("runs.get", {"id": run["id"]})
     requeued = wait_status(second, run["id"], "queued", "claimed")

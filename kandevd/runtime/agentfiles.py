@@ -4,7 +4,6 @@ summary is its last line), and the program ``execvp`` would run."""
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 from pathlib import Path
@@ -12,8 +11,6 @@ from pathlib import Path
 from kandevd.runtime import attempts
 from kandevd.runtime.execution import ExecutionSpec
 from kandevd.runtime.output import NO_REPORT, AgentReport, LogSink, parse_report
-
-log = logging.getLogger("kandevd.runtime.process")
 
 #: Only this much of the stdout file's end is read for the summary line.
 _TAIL = 1024 * 1024
@@ -90,12 +87,3 @@ def merge_stdout(fd_out: int, sink: LogSink) -> AgentReport:
         sink.write(chunk)
         offset += len(chunk)
     return report
-
-
-def unlink_stdout(path: Path) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        log.warning("cannot remove the agent's stdout file %s (%s)", path, exc)

@@ -35,7 +35,6 @@ from kandevd.runtime.agentfiles import (
     open_empty,
     resolve,
     stdout_path,
-    unlink_stdout,
     write_input,
 )
 from kandevd.runtime.execution import (
@@ -59,6 +58,7 @@ from kandevd.runtime.output import (
     LogSink,
     attempt_ended,
     attempt_started,
+    unlink_stdout,
 )
 from kandevd.runtime.process import DETACHED_ERROR, ProcessRunner
 from kandevd.runtime.records import ExecutionRecord, kept_outcome, write_record

@@ -133,13 +133,18 @@ def collect_stdout(stdout_path: Path, log_path: Path, state_path: Path | None = 
         except OSError as exc:
             log.debug("the agent's stdout file %s not kept as %s (%s); removed", stdout_path,
                       keep_as, exc)
+    unlink_stdout(stdout_path)
+    return report
+
+
+def unlink_stdout(path: Path) -> None:
+    """The agent's stdout file is merged and recorded: it goes (gone already is fine)."""
     try:
-        os.unlink(stdout_path)
+        os.unlink(path)
     except FileNotFoundError:
         pass
     except OSError as exc:
-        log.warning("cannot remove the agent's stdout file %s (%s)", stdout_path, exc)
-    return report
+        log.warning("cannot remove the agent's stdout file %s (%s)", path, exc)
 
 
 def _append_stdout(stdout_path: Path, log_path: Path, size: int, report: AgentReport,

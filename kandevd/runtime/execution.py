@@ -20,7 +20,7 @@ import select
 import signal
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -169,6 +169,8 @@ class ExecutionControl:
         self._pgid: int | None = None
         self._pidfd: int | None = None
         self._closed = False
+        #: Told of every request (see :meth:`listen`), outside the lock.
+        self._listener: Callable[[], None] | None = None
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -213,7 +215,10 @@ class ExecutionControl:
             self.kill_grace_s = kill_grace_s
             self._requested.set()
             self._wake()
-            return True
+            listener = self._listener
+        if listener is not None:
+            listener()
+        return True
 
     def hasten_kill(self, kill_grace_s: float) -> None:
         """An execution being terminated gets SIGKILL no later than ``kill_grace_s`` from
@@ -225,6 +230,9 @@ class ExecutionControl:
                 else min(self.kill_grace_s, kill_grace_s)
             self.hasten_at = time.monotonic() + kill_grace_s
             self._wake()
+            listener = self._listener
+        if listener is not None:
+            listener()
 
     def request_detach(self) -> bool:
         """Ask the runner to stop waiting and leave the process running.
@@ -237,13 +245,22 @@ class ExecutionControl:
                 return False
             self._detach = True
             self._wake()
-            return True
+            listener = self._listener
+        if listener is not None:
+            listener()
+        return True
 
     def notify(self) -> None:
         """Wake the runner waiting on :attr:`wake_fd` (something it waits for happened)."""
         with self._lock:
             if not self._closed:
                 self._wake()
+
+    def listen(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` after each termination, kill-hastening or detach request
+        (for an execution no thread waits for: its runner hands it to one then)."""
+        with self._lock:
+            self._listener = listener
 
     def _wake(self) -> None:
         try:
@@ -298,6 +315,7 @@ class ExecutionControl:
                 return
             self._closed = True
             self._pgid = None
+            self._listener = None
         for fd in (self._wake_r, self._wake_w):
             try:
                 os.close(fd)

@@ -2,11 +2,14 @@
 
 For one execution the daemon writes the agent's input, creates its stdout
 file and opens its log, and hands the three descriptors to the keeper with
-the argv and environment; the keeper spawns the agent directly (no shell),
-journals the spawn and later the exit, and enforces the time limit itself,
-daemon or not. This side waits for the exit on the execution's control (a
-stop, a detach and the keeper's events all wake it), then merges the agent's
-stdout into the log and reads its summary. The exit stays in the keeper's
+the argv and environment (:meth:`KeeperRunner.begin`); the keeper spawns the
+agent directly (no shell), journals the spawn and later the exit, and enforces
+the time limit itself, daemon or not. :meth:`KeeperRunner.finish` then merges
+the agent's stdout into the log and reads its summary: where the keeper's word
+of the exit arrived, when nothing else is left to do (no thread waits for
+most executions, see :mod:`kandevd.runtime.threadless`), else in a thread that
+waits for the exit on the execution's control (a stop, a detach and the
+keeper's events all wake it). The exit stays in the keeper's
 journal, and the stdout file on disk, until :meth:`settle` says the outcome
 is recorded: a daemon that dies in between learns the outcome again, never
 by running the agent again. Executions an older version started under its
@@ -21,9 +24,11 @@ import json
 import logging
 import os
 import select
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
 
 from kandevd.agents.profiles import executable_problem
 from kandevd.fsutil import ensure_dir
@@ -52,6 +57,12 @@ from kandevd.runtime.execution import (
     termination_text,
 )
 from kandevd.runtime.keeperclient import Handle, KeeperClient, KeeperUnavailable
+from kandevd.runtime.keeperrecords import (
+    KeeperAdoption,
+    meta_of,
+    note_termination,
+    record_of,
+)
 from kandevd.runtime.output import (
     NO_REPORT,
     AgentReport,
@@ -61,8 +72,8 @@ from kandevd.runtime.output import (
     unlink_stdout,
 )
 from kandevd.runtime.process import DETACHED_ERROR, ProcessRunner
-from kandevd.runtime.records import ExecutionRecord, kept_outcome, write_record
-from kandevd.timeutil import after, parse_rfc3339, rfc3339, utc_now
+from kandevd.runtime.records import write_record
+from kandevd.timeutil import utc_now
 
 log = logging.getLogger("kandevd.runtime.process")
 
@@ -73,7 +84,32 @@ _EXIT_WORD_S = 2.0
 _KEEPER_WORD_S = 5.0
 
 
-class KeeperRunner:
+#: Of a threadless execution (:class:`Begun`): nobody told yet; a thread waits for it;
+#: it ended, finished where the word came; it never started (its caller was told).
+_PENDING, _WAITED, _ENDED, _DONE = "pending", "waited", "ended", "done"
+#: A stdout file larger than this is merged into the log by a thread of its own, not
+#: in the keeper's reader (which other executions' events wait for).
+_QUICK_STDOUT = 256 * 1024
+
+
+@dataclass(eq=False)
+class Begun:
+    """An execution whose agent the keeper was asked for, until :meth:`KeeperRunner.finish`."""
+
+    spec: ExecutionSpec
+    sink: LogSink
+    started_at: datetime
+    handle: Handle
+    fd_out: int
+    out_path: Path
+    on_ready: Callable[[Begun, bool], None] | None
+    state: str = _PENDING
+    #: The keeper said nothing of it for a while: watch the agent's pidfd at once.
+    silent: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class KeeperRunner(KeeperAdoption):
     #: A run's attempt is opened and closed in its log here (``ExecutionSpec.attempt``).
     frames_logs = True
 
@@ -85,6 +121,29 @@ class KeeperRunner:
     # -- a new execution ---------------------------------------------------------------
 
     def run(self, spec: ExecutionSpec, control: ExecutionControl) -> ExecutionResult:
+        begun = self.begin(spec, control)
+        if isinstance(begun, ExecutionResult):
+            return begun
+        return self.finish(begun, control)
+
+    def threadless(self, spec: ExecutionSpec) -> bool:
+        """Can ``spec`` start without a thread waiting for it (:meth:`begin` with
+        ``on_ready``)? Not a scheduled turn that keeps a record folder: its record is
+        written once the agent is spawned, by a thread."""
+        return not (spec.kind == "turn" and spec.record_dir is not None)
+
+    def begin(self, spec: ExecutionSpec, control: ExecutionControl,
+              on_ready: Callable[[Begun, bool], None] | None = None
+              ) -> Begun | ExecutionResult:
+        """Write the execution's files and ask the keeper for its agent; the result at
+        once when it cannot start. :meth:`finish` ends what this began.
+
+        With ``on_ready`` nobody needs to wait for the agent: ``on_ready(begun, True)``
+        comes once the keeper's word leaves nothing to wait for (call :meth:`finish`,
+        which then returns at once, in that thread), or ``on_ready(begun, False)`` once
+        a thread must wait in :meth:`finish` (a stop or detach was asked, the keeper is
+        lost or silent, or ending it may take a while); exactly one of the two.
+        """
         started_at = utc_now()
         try:
             ensure_dir(spec.log_path.parent)
@@ -95,25 +154,59 @@ class KeeperRunner:
         try:
             if spec.attempt:
                 sink.note(attempt_started(spec.attempt, started_at))
-            result = self._run(spec, control, sink, started_at)
-            # (A death by a stop signal nobody here asked for may yet turn out to be the
-            # shutdown's: the runtime decides, and the ending is noted after it.)
-            if spec.attempt and result.outcome != DETACHED and not (
-                    result.outcome == FAILED and ended_by_stop_signal(result.exit_code)):
-                sink.note(attempt_ended(spec.attempt, result.ended_at, result.outcome,
-                                        result.error))
-                result = dataclasses.replace(result, framed=True)
-            return result
-        finally:
+            begun = self._spawn(spec, control, sink, started_at, on_ready)
+        except BaseException:
             sink.close()
+            raise
+        if isinstance(begun, ExecutionResult):
+            try:
+                return self._framed(spec, sink, begun)
+            finally:
+                sink.close()
+        return begun
 
-    def _run(self, spec: ExecutionSpec, control: ExecutionControl, sink: LogSink,
-             started_at: datetime) -> ExecutionResult:
+    def finish(self, begun: Begun, control: ExecutionControl) -> ExecutionResult:
+        """Wait for what :meth:`begin` started to end; its result."""
+        try:
+            return self._framed(begun.spec, begun.sink, self._after_spawn(begun, control))
+        finally:
+            begun.sink.close()
+
+    def hurry(self, begun: Begun) -> None:
+        """``begun`` has waited without a thread for a while: a thread waits for it now,
+        watching its agent's pidfd too (the keeper may be alive but wedged)."""
+        with begun.lock:
+            if begun.state != _PENDING:
+                return
+            begun.state, begun.silent = _WAITED, True
+        if begun.on_ready is not None:
+            begun.on_ready(begun, False)
+
+    def _framed(self, spec: ExecutionSpec, sink: LogSink, result: ExecutionResult
+                ) -> ExecutionResult:
+        """The attempt's end noted in its log (``spec.attempt``), unless left to others.
+
+        (A death by a stop signal nobody here asked for may yet turn out to be the
+        shutdown's: the runtime decides, and the ending is noted after it.)"""
+        if spec.attempt and result.outcome != DETACHED and not (
+                result.outcome == FAILED and ended_by_stop_signal(result.exit_code)):
+            sink.note(attempt_ended(spec.attempt, result.ended_at, result.outcome,
+                                    result.error))
+            return dataclasses.replace(result, framed=True)
+        return result
+
+    def _refuse(self, spec: ExecutionSpec, sink: LogSink, started_at: datetime,
+                message: str, outcome: str = ERROR) -> ExecutionResult:
+        if outcome == ERROR:
+            log.error("execution %s: %s", spec.key, message)
+        sink.note(message if outcome == ERROR else f"not started: {message}")
+        return self._result(spec, started_at, outcome, error=message)
+
+    def _spawn(self, spec: ExecutionSpec, control: ExecutionControl, sink: LogSink,
+               started_at: datetime, on_ready: Callable[[Begun, bool], None] | None
+               ) -> Begun | ExecutionResult:
         def refuse(message: str, outcome: str = ERROR) -> ExecutionResult:
-            if outcome == ERROR:
-                log.error("execution %s: %s", spec.key, message)
-            sink.note(message if outcome == ERROR else f"not started: {message}")
-            return self._result(spec, started_at, outcome, error=message)
+            return self._refuse(spec, sink, started_at, message, outcome)
 
         request = control.requested
         if request is not None:  # stopped before it even started: start nothing
@@ -151,38 +244,80 @@ class KeeperRunner:
         except OSError as exc:
             os.close(fd_in)
             return refuse(f"cannot create the agent's stdout file {out_path}: {exc}")
-        meta = _meta(spec, started_at, out_path, log_offset)
-        handle = Handle(execution, meta)
-        handle.wake = functools.partial(_on_event, handle, control, self.client,
-                                        spec.kind == "turn" and spec.record_dir is not None)
+        handle = Handle(execution, meta_of(spec, started_at, out_path, log_offset))
+        begun = Begun(spec, sink, started_at, handle, fd_out, out_path, on_ready)
+        if on_ready is None:
+            handle.wake = functools.partial(_on_event, handle, control, self.client,
+                                            spec.kind == "turn" and spec.record_dir is not None)
+        else:
+            handle.wake = functools.partial(self._event, begun, control, True)
+            control.listen(functools.partial(self._event, begun, control, False))
         try:
-            try:
-                self.client.spawn(handle, path=path, argv=list(spec.argv), env=env,
-                                  cwd=str(spec.cwd), stdio=[fd_in, fd_out, sink.fd],
-                                  timeout_s=float(spec.timeout_s), grace=self.kill_grace_s)
-            finally:
-                os.close(fd_in)
+            self.client.spawn(handle, path=path, argv=list(spec.argv), env=env,
+                              cwd=str(spec.cwd), stdio=[fd_in, fd_out, sink.fd],
+                              timeout_s=float(spec.timeout_s), grace=self.kill_grace_s)
+        except KeeperUnavailable as exc:
+            message = f"cannot start agent {spec.argv[0]}: {exc}"
+            with begun.lock:
+                taken = begun.state != _PENDING
+                begun.state = begun.state if taken else _DONE
+            if taken:  # (a stop came first: the thread that waits for it learns this)
+                handle.refused = message
+                handle.wake()
+                return begun
+            self.client.forget(execution)
+            os.close(fd_out)
+            unlink_stdout(out_path)
+            return refuse(message)
+        finally:
+            os.close(fd_in)
+        return begun
+
+    def _event(self, begun: Begun, control: ExecutionControl, from_keeper: bool) -> None:
+        """The keeper said something of a threadless execution (``from_keeper``), or a
+        stop or detach was asked of it: tell ``on_ready`` when nothing is left to wait
+        for, or when a thread must wait for it; else (spawned) only note the agent."""
+        handle = begun.handle
+        with begun.lock:
+            pending = begun.state == _PENDING
+            if pending:
+                if handle.exit is not None or handle.refused is not None:
+                    begun.state = _ENDED if _quick_to_end(begun) else _WAITED
+                elif (control.requested is not None or control.detach_requested
+                      or self.client.lost):
+                    begun.state = _WAITED
+                else:
+                    if handle.spawned:
+                        control.attach(handle.pid, handle.pidfd)
+                    return
+                ended = begun.state == _ENDED
+        if not pending:
+            if from_keeper:  # (a thread may wait for it: wake it)
+                _on_event(handle, control, self.client, False)
+            return
+        assert begun.on_ready is not None
+        begun.on_ready(begun, ended)
+
+    def _after_spawn(self, begun: Begun, control: ExecutionControl) -> ExecutionResult:
+        spec, sink, handle, started_at = begun.spec, begun.sink, begun.handle, begun.started_at
+        try:
             if spec.kind == "turn" and spec.record_dir is not None:
                 self._write_turn_record(spec, handle, control)
-            waited = self._wait(spec, control, handle)
+            waited = self._wait(spec, control, handle, begun.silent)
             control.detach()
             if handle.refused is not None:
-                self.client.forget(execution)
-                unlink_stdout(out_path)
-                return refuse(handle.refused)
+                self.client.forget(handle.id)
+                unlink_stdout(begun.out_path)
+                return self._refuse(spec, sink, started_at, handle.refused)
             if waited == DETACHED:
-                self.client.forget(execution)
+                self.client.forget(handle.id)
                 log.info("execution %s detached: agent pid %d keeps running", spec.key,
                          handle.pid)
                 return self._result(spec, started_at, DETACHED, error=DETACHED_ERROR)
-            _note_termination(sink, handle, self.kill_grace_s, spec.timeout_s)
-            report = merge_stdout(fd_out, sink)
-        except KeeperUnavailable as exc:
-            self.client.forget(execution)
-            unlink_stdout(out_path)
-            return refuse(f"cannot start agent {spec.argv[0]}: {exc}")
+            note_termination(sink, handle, self.kill_grace_s, spec.timeout_s)
+            report = merge_stdout(begun.fd_out, sink)
         finally:
-            os.close(fd_out)
+            os.close(begun.fd_out)
         return self._ended(spec, started_at, handle, report)
 
     def _write_turn_record(self, spec: ExecutionSpec, handle: Handle,
@@ -204,12 +339,14 @@ class KeeperRunner:
             log.warning("execution %s: cannot write its record in %s (%s); it cannot be "
                         "adopted after a restart", spec.key, spec.record_dir, exc)
 
-    def _wait(self, spec: ExecutionSpec, control: ExecutionControl, handle: Handle) -> str:
-        """Until the agent ended (or was refused, or is left running: DETACHED)."""
+    def _wait(self, spec: ExecutionSpec, control: ExecutionControl, handle: Handle,
+              silent: bool = False) -> str:
+        """Until the agent ended (or was refused, or is left running: DETACHED).
+        ``silent``: the keeper said nothing for a while already (watch the pidfd now)."""
         stop_sent: tuple[str, str] | None = None
         grace_sent: float | None = None
         gone = False  # the agent's pidfd says it ended
-        watch_pidfd = False  # the keeper has been silent a while: watch the agent too
+        watch_pidfd = silent  # the keeper has been silent a while: watch the agent too
         attached = False
         while handle.exit is None and handle.refused is None:
             if handle.spawned and not attached:  # (a forced exit kills it from here)
@@ -280,80 +417,6 @@ class KeeperRunner:
             journaled=execution is not None, evaluation=report.evaluation,
             execution_id=execution)
 
-    # -- an execution an earlier daemon started --------------------------------------------
-
-    def adopt(self, spec: ExecutionSpec, control: ExecutionControl,
-              record: ExecutionRecord) -> ExecutionResult:
-        if record.keeper_id is None:  # started by an older version, under its shim
-            return self.legacy.adopt(spec, control, record)
-        handle = self.client.handle(record.keeper_id)
-        if handle is None or handle.exit is not None:
-            ended = kept_outcome(record)
-            return ended if ended is not None else self._result(
-                spec, record.started_at, ERROR, error="the agent's exit status is unknown")
-        handle.wake, handle.owned = control.notify, True
-        handle.wake()
-        log.info("execution %s adopted: agent pid %d (started by the keeper)", spec.key,
-                 record.pid)
-        waited = self._wait(spec, control, handle)
-        control.detach()
-        if waited == DETACHED:
-            self.client.forget(handle.id)
-            return self._result(spec, record.started_at, DETACHED, error=DETACHED_ERROR)
-        sink = LogSink.open_or_disabled(record.log_path)
-        try:
-            _note_termination(sink, handle, self.kill_grace_s, record.timeout_s)
-        finally:
-            sink.close()
-        result = kept_outcome(_with_exit(record, handle))
-        if result is None:
-            return self._result(spec, record.started_at, ERROR,
-                                error="the agent's exit status is unknown",
-                                execution=handle.id)
-        return result
-
-    # -- after the outcome is recorded --------------------------------------------------------
-
-    def settle_ids(self, ids: list[str]) -> None:
-        """These outcomes are recorded: the keeper forgets their exits, their stdout goes."""
-        for execution in ids:
-            handle = self.client.handle(execution)
-            if handle is not None and handle.meta.get("stdout_path"):
-                unlink_stdout(Path(handle.meta["stdout_path"]))
-        if ids:
-            try:
-                self.client.acknowledge(ids)
-            except KeeperUnavailable as exc:
-                log.warning("could not tell the keeper %d exit(s) are recorded (%s); it "
-                            "reports them again, and they are recorded once", len(ids), exc)
-
-    def release_unclaimed(self) -> None:
-        released = self.client.release_unowned()
-        if released:
-            log.info("the keeper's record of %d execution(s) of an earlier instance that "
-                     "nothing took up is released", len(released))
-
-    def record_for(self, record_dir: Path) -> ExecutionRecord | None:
-        """The keeper's record of the execution whose record folder is ``record_dir``."""
-        handle = self.client.handle(record_dir.name)
-        if handle is None or handle.meta.get("record_dir") != str(record_dir):
-            return None
-        return _with_exit(record_of(handle), handle)
-
-
-def record_of(handle: Handle) -> ExecutionRecord:
-    """An :class:`ExecutionRecord` from what the keeper keeps of an execution."""
-    meta = handle.meta
-    started = parse_rfc3339(meta["started_at"])
-    return ExecutionRecord(
-        record_dir=Path(meta.get("record_dir") or "."), pid=handle.pid, pid_start=handle.start,
-        key=str(meta["key"]), run_id=str(meta.get("run_id", "")),
-        session_id=str(meta.get("session_id", "")), started_at=started,
-        deadline=after(started, float(meta["timeout_s"])), timeout_s=float(meta["timeout_s"]),
-        log_path=Path(meta["log_path"]), input_path=Path(meta["input_path"]),
-        argv=tuple(meta["argv"]), log_offset=int(meta.get("log_offset", 0)),
-        stdout_path=Path(meta["stdout_path"]), keeper_id=handle.id, ended=handle.exit)
-
 
 def _on_event(handle: Handle, control: ExecutionControl, client: KeeperClient,
               wake_on_spawn: bool) -> None:
@@ -369,29 +432,15 @@ def _on_event(handle: Handle, control: ExecutionControl, client: KeeperClient,
     control.notify()
 
 
-def _with_exit(record: ExecutionRecord, handle: Handle) -> ExecutionRecord:
-    return dataclasses.replace(record, ended=handle.exit)
-
-
-def _meta(spec: ExecutionSpec, started_at: datetime, out_path: Path, log_offset: int
-          ) -> dict[str, Any]:
-    return {"key": spec.key, "kind": spec.kind, "run_id": spec.run_id,
-            "session_id": spec.session_id, "started_at": rfc3339(started_at),
-            "timeout_s": float(spec.timeout_s), "log_path": str(spec.log_path),
-            "input_path": str(spec.input_path), "stdout_path": str(out_path),
-            "argv": list(spec.argv), "log_offset": log_offset,
-            "record_dir": str(spec.record_dir) if spec.record_dir is not None else None}
-
-
-def _note_termination(sink: LogSink, handle: Handle, grace: float, timeout_s: float) -> None:
-    """In the log: how the keeper ended the agent (its stderr came before)."""
-    ended = handle.exit or {}
-    by = ended.get("by")
-    if not by:
-        return
-    text = termination_text(str(by), str(ended.get("reason") or ""), timeout_s)
-    sink.note(f"{text}: SIGTERM sent to process group {handle.pid}")
-    if ended.get("killed"):
-        sink.note(f"still running {grace:g}s after SIGTERM: SIGKILL sent")
-
-
+def _quick_to_end(begun: Begun) -> bool:
+    """Can the keeper's last word be finished in the thread it came on? Not a death by a
+    stop signal (the runtime may wait to learn whether the shutdown's), nor an exit
+    status lost, nor a large stdout to merge."""
+    ended = begun.handle.exit or {}
+    code = ended.get("code")
+    if begun.handle.refused is None and (code is None or ended_by_stop_signal(int(code))):
+        return False
+    try:
+        return os.fstat(begun.fd_out).st_size <= _QUICK_STDOUT
+    except OSError:
+        return False

@@ -10,7 +10,9 @@ a run only once it knows a slot is free)::
          +------------------------- release() ------------------------> free
 
 Executions run on a pool of non-daemon workers owned here (started on demand,
-reused, joined by ``stop()``; see :mod:`kandevd.runtime.stopping`). ``adopt()``
+reused, joined by ``stop()``; see :mod:`kandevd.runtime.workers` and
+:mod:`kandevd.runtime.stopping`), except those the runner can begin with no
+thread waiting for them (:mod:`kandevd.runtime.threadless`). ``adopt()``
 takes over an execution an earlier daemon instance started; it takes a slot
 even beyond ``max_concurrent`` (the work exists already).
 """
@@ -24,7 +26,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kandevd.runtime.execution import (
-    ERROR,
     ExecutionControl,
     ExecutionResult,
     ExecutionSpec,
@@ -33,7 +34,8 @@ from kandevd.runtime.execution import (
 from kandevd.runtime.process import ProcessRunner
 from kandevd.runtime.records import ExecutionRecord, read_record
 from kandevd.runtime.stopping import LiveExecution, Stopping
-from kandevd.timeutil import utc_now
+from kandevd.runtime.threadless import Threadless
+from kandevd.runtime.workers import Workers
 
 log = logging.getLogger("kandevd.runtime")
 
@@ -80,7 +82,7 @@ class Reservation:
         return f"<Reservation {self._state}>"
 
 
-class AgentRuntime(Stopping):
+class AgentRuntime(Stopping, Threadless, Workers):
     """A bounded pool of agent executions; see the module docstring."""
 
     def __init__(self, max_concurrent: int, stop_grace_s: float, *,
@@ -121,6 +123,7 @@ class AgentRuntime(Stopping):
         self._shutdown_requested = shutdown_requested
         #: Why no execution starts now (a fenced daemon), else None.
         self.held_reason: str | None = None
+        self._init_threadless()
 
     # -- introspection -----------------------------------------------------
 
@@ -263,7 +266,10 @@ class AgentRuntime(Stopping):
             self.release(reservation)
             raise problem
         log.debug("starting %s execution %s", spec.kind, spec.key)
-        self._start_worker(execution)
+        if self._threadless(execution):
+            self._begin(execution)
+        else:
+            self._start_worker(execution)
 
     def adopt(self, spec: ExecutionSpec, record: ExecutionRecord,
               on_done: Callable[[ExecutionResult], None]) -> None:
@@ -294,50 +300,6 @@ class AgentRuntime(Stopping):
         execution = LiveExecution(spec, control, on_done, record=record)
         self._live[spec.key] = execution
         return execution
-
-    def _start_worker(self, execution: LiveExecution) -> None:
-        """Queue ``execution`` for the pool, starting a worker if none is idle."""
-        with self._cond:
-            self._jobs.append(execution)
-            if len(self._jobs) <= self._idle_workers:
-                self._work_ready.notify()
-                return
-            self._threads = [t for t in self._threads if t.is_alive()]
-            self._workers_started += 1
-            thread = threading.Thread(target=self._worker, daemon=False,
-                                      name=f"kandevd-exec-worker-{self._workers_started}")
-            try:
-                thread.start()
-            except BaseException:  # e.g. "can't start new thread": give the slot back
-                self._jobs.remove(execution)
-                self._live.pop(execution.spec.key, None)
-                self._cond.notify_all()
-                failed = True
-            else:
-                self._threads.append(thread)
-                failed = False
-        if failed:
-            execution.control.close()
-            self._notify_slot_listeners()
-            raise RuntimeError(f"cannot start a worker thread for execution "
-                               f"{execution.spec.key}")
-
-    def _worker(self) -> None:
-        """A pool worker: run executions one after another until the pool closes."""
-        me = threading.current_thread()
-        while True:
-            with self._cond:
-                while not self._jobs and not self._pool_closed:
-                    self._idle_workers += 1
-                    try:
-                        self._work_ready.wait()
-                    finally:
-                        self._idle_workers -= 1
-                if not self._jobs:
-                    return
-                execution = self._jobs.popleft()
-                execution.thread = me
-            self._work(execution)
 
     def launch(self, spec: ExecutionSpec, on_done: Callable[[ExecutionResult], None]) -> None:
         """Reserve and start in one step; raises RuntimeFull or RuntimeStopped."""
@@ -397,54 +359,3 @@ class AgentRuntime(Stopping):
         """Make every :meth:`launch_when_free` re-check its ``cancelled``."""
         with self._cond:
             self._cond.notify_all()
-
-    def _work(self, execution: LiveExecution) -> None:
-        spec = execution.spec
-        record = execution.record
-        fatal: BaseException | None = None
-        try:
-            try:
-                if record is not None:
-                    result = self._runner.adopt(spec, execution.control, record)
-                else:
-                    result = self._runner.run(spec, execution.control)
-            except BaseException as exc:  # a runner bug must not kill the worker silently
-                if not isinstance(exc, Exception):
-                    # Not ours to swallow (SystemExit, KeyboardInterrupt): this worker
-                    # dies after the execution is settled; the pool starts another.
-                    fatal = exc
-                log.exception("runner failed for execution %s", spec.key)
-                now = utc_now()
-                result = ExecutionResult(
-                    key=spec.key, outcome=ERROR, exit_code=None, summary=None,
-                    cost_cents=None, error=f"runner failed: {type(exc).__name__}: {exc}",
-                    started_at=min(now, record.started_at) if record is not None else now,
-                    ended_at=now, log_path=spec.log_path,
-                )
-            result = self._interrupted_if_stopping(execution, result)
-            with self._cond:
-                execution.finished = True
-            execution.control.close()
-            try:
-                execution.on_done(result)
-            except Exception:
-                log.exception("on_done for execution %s raised; ignored", spec.key)
-        finally:
-            execution.control.close()
-            with self._cond:
-                if self._live.get(spec.key) is execution:
-                    del self._live[spec.key]
-                self._cond.notify_all()
-            self._notify_slot_listeners()
-        if fatal is not None:
-            raise fatal
-
-
-    def _notify_slot_listeners(self) -> None:
-        with self._cond:
-            listeners = list(self._listeners)
-        for callback in listeners:
-            try:
-                callback()
-            except Exception:
-                log.exception("slot listener %r raised; ignored", callback)

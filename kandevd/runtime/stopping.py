@@ -16,6 +16,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from kandevd.runtime.execution import (
     FAILED,
@@ -49,6 +50,10 @@ class LiveExecution:
     thread: threading.Thread | None = None
     finished: bool = False  # the runner returned: the child is reaped (or left running)
     record: ExecutionRecord | None = None  # set for an adopted execution
+    #: What the runner began with no thread waiting (see kandevd.runtime.threadless).
+    begun: Any = None
+    #: The result already known when a worker takes it up (it could not even start).
+    preset: ExecutionResult | None = None
 
 
 class Stopping:
@@ -66,6 +71,7 @@ class Stopping:
     _pool_closed: bool
     _grace_deadline: float | None
     _shutdown_requested: Callable[[float], bool] | None
+    _close_watch: Callable[[], None]
 
     def stop_execution(self, key: str, reason: str = "cancelled") -> bool:
         """Terminate a live execution (outcome ``stopped``).
@@ -189,6 +195,8 @@ class Stopping:
                 self._cond.wait()
             self._pool_closed = True
             self._work_ready.notify_all()
+        self._close_watch()
+        with self._cond:
             threads = list(self._threads)
         self._join_all(threads, me)
         with self._cond:

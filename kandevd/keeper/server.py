@@ -40,12 +40,12 @@ from kandevd import unixaddr
 from kandevd.keeper import protocol
 from kandevd.keeper.agents import (
     Agent,
+    StartClock,
     code_from_status,
     foreign_exit,
     open_pidfd,
     running,
     spawn,
-    start_time,
 )
 from kandevd.keeper.journal import COMPACT_AFTER, Entry, Journal, read
 
@@ -76,6 +76,7 @@ class Keeper:
             raise AlreadyRunning(str(self.folder)) from None
         self.started_at = time.time()
         self.agents: dict[str, Agent] = {}
+        self.clock = StartClock()
         #: Ended executions the daemon has not acknowledged: id -> (entry).
         self.ended: dict[str, Entry] = {}
         self.conn: socket.socket | None = None
@@ -300,15 +301,18 @@ class Keeper:
                         "error": "already known" if len(fds) == 3 else "needs 3 descriptors"})
             return
         try:
+            before = self.clock.now()
             pid = spawn(str(message["path"]), [str(a) for a in message["argv"]],
                         self._environment(message), str(message["cwd"]),
                         (fds[0], fds[1], fds[2]))
+            after = self.clock.now()
         except OSError as exc:
             self._send({"ev": "refused", "id": execution,
                         "error": f"cannot start agent {message['argv'][0]}: {exc}"})
             return
+        started = self.clock.start_of(pid, before, after)
         timeout = float(message["timeout_s"])
-        entry = Entry(id=execution, pid=pid, start=start_time(pid),
+        entry = Entry(id=execution, pid=pid, start=started,
                       deadline=time.time() + timeout, grace=float(message["grace"]),
                       meta=dict(message.get("meta") or {}))
         try:

@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 
 from kandevd import unixaddr
 from kandevd.keeper import protocol
+from kandevd.keeper.agents import _TICK_NS as TICK
+from kandevd.keeper.agents import StartClock, start_time
 from kandevd.keeper.journal import Entry, Journal, read
 
 
@@ -126,3 +128,31 @@ def test_the_exit_of_an_ended_process_is_read_from_its_zombie(script: str, code:
     finally:
         child.wait()
         os.close(pidfd)
+
+
+def test_a_start_time_told_by_the_boot_clock_is_the_one_in_proc() -> None:
+    clock = StartClock()
+    told = 0
+    for _ in range(40):
+        before = clock.now()
+        pid = os.posix_spawn("/bin/true", ["/bin/true"], os.environ)
+        after = clock.now()
+        try:
+            assert clock.start_of(pid, before, after) == start_time(pid)
+            told += clock.trusted is True and before // TICK == after // TICK
+        finally:
+            os.waitpid(pid, 0)
+    assert clock.trusted is True and told > 0
+
+
+def test_a_boot_clock_that_disagrees_with_proc_is_not_used_again() -> None:
+    clock = StartClock()
+    pid = os.posix_spawn("/bin/true", ["/bin/true"], os.environ)
+    try:
+        real = start_time(pid)
+        wrong = (real + 5) * TICK  # (a clock five ticks off, both readings in one tick)
+        assert clock.start_of(pid, wrong, wrong) == real
+        assert clock.trusted is False
+        assert clock.start_of(pid, wrong, wrong) == real  # /proc from now on
+    finally:
+        os.waitpid(pid, 0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,11 @@ def ensure_dir(path: Path) -> Path:
     ``Path.mkdir(parents=True, mode=...)`` applies the mode to the leaf only.
     NotADirectoryError when ``path`` exists and is not a folder.
     """
+    try:  # (the usual case, once per execution: it exists; one stat)
+        if stat.S_ISDIR(os.stat(path).st_mode):
+            return path
+    except OSError:
+        pass
     missing: list[Path] = []
     current = path
     while not current.exists():

@@ -17,6 +17,9 @@ def utc_now() -> datetime:
 
 def rfc3339(moment: datetime) -> str:
     """Format an aware datetime as fixed-width RFC 3339 UTC with microseconds."""
+    if moment.tzinfo is UTC:  # (the usual case, spelled out: half the time)
+        return (f"{moment.year:04d}-{moment.month:02d}-{moment.day:02d}T{moment.hour:02d}:"
+                f"{moment.minute:02d}:{moment.second:02d}.{moment.microsecond:06d}Z")
     if moment.tzinfo is None:
         raise ValueError("naive datetime: kandevd only writes aware instants")
     if moment.utcoffset():

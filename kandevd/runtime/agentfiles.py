@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from pathlib import Path
 
+from kandevd.agents.profiles import executable_problem
 from kandevd.runtime import attempts
 from kandevd.runtime.execution import ExecutionSpec
 from kandevd.runtime.output import NO_REPORT, AgentReport, LogSink, parse_report
@@ -87,3 +89,34 @@ def merge_stdout(fd_out: int, sink: LogSink) -> AgentReport:
         sink.write(chunk)
         offset += len(chunk)
     return report
+
+
+#: How long a program found on disk is taken to be there still (one check a second).
+PROGRAM_KNOWN_S = 1.0
+
+
+class Programs:
+    """The files agents' commands name, as ``execvp`` would find them, found lately."""
+
+    def __init__(self) -> None:
+        #: (name, folder if relative, PATH) -> (when found, the file).
+        self._found: dict[tuple[str, str, str | None], tuple[float, str]] = {}
+
+    def find(self, name: str, cwd: Path, search_path: str | None) -> tuple[str | None, str]:
+        """(Why ``name`` cannot run, the file to run.) A program found is remembered for
+        :data:`PROGRAM_KNOWN_S`: one that goes away in that moment is refused by the
+        keeper instead, with the system's word for it."""
+        key = (name, str(cwd) if "/" in name and not os.path.isabs(name) else "",
+               search_path)
+        now = time.monotonic()
+        known = self._found.get(key)
+        if known is not None and now - known[0] < PROGRAM_KNOWN_S:
+            return None, known[1]
+        problem = executable_problem(name, cwd, search_path)
+        if problem is not None:
+            return problem, name
+        path = resolve(name, cwd, search_path)
+        if len(self._found) >= 64:
+            self._found.clear()
+        self._found[key] = (now, path)
+        return None, path

@@ -171,14 +171,25 @@ class ExecutionControl:
         self._closed = False
         #: Told of every request (see :meth:`listen`), outside the lock.
         self._listener: Callable[[], None] | None = None
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        #: The self-pipe, made when first needed (most executions never wait on it).
+        self._wake_r = self._wake_w = -1
 
     @property
     def wake_fd(self) -> int:
-        """Readable whenever a termination or detach was requested (for selectors)."""
-        return self._wake_r
+        """Readable whenever a termination or detach was requested (for selectors).
+
+        Made on first use (OSError when no descriptor is left), or by the first wake-up,
+        whichever comes first: a wake-up before anyone waits is not lost."""
+        with self._lock:
+            self._pipe()
+            return self._wake_r
+
+    def _pipe(self) -> None:
+        if self._wake_r < 0 and not self._closed:
+            read, write = os.pipe()
+            os.set_blocking(read, False)
+            os.set_blocking(write, False)
+            self._wake_r, self._wake_w = read, write
 
     @property
     def requested(self) -> tuple[str, str] | None:
@@ -264,8 +275,11 @@ class ExecutionControl:
 
     def _wake(self) -> None:
         try:
+            self._pipe()
             os.write(self._wake_w, b"\0")
         except BlockingIOError:  # pipe full: the runner is already awake
+            pass
+        except OSError:  # no pipe could be made: nobody waits on one (wake_fd fails too)
             pass
 
     def wait_requested(self, timeout: float | None = None) -> bool:
@@ -316,7 +330,10 @@ class ExecutionControl:
             self._closed = True
             self._pgid = None
             self._listener = None
-        for fd in (self._wake_r, self._wake_w):
+            fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1
+        for fd in fds:
+            if fd < 0:
+                continue
             try:
                 os.close(fd)
             except OSError:

@@ -30,15 +30,14 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from kandevd.agents.profiles import executable_problem
 from kandevd.fsutil import ensure_dir
 from kandevd.keeper import protocol
 from kandevd.keeper.agents import foreign_exit_of
 from kandevd.runtime.agentfiles import (
+    Programs,
     execution_id,
     merge_stdout,
     open_empty,
-    resolve,
     stdout_path,
     write_input,
 )
@@ -117,6 +116,7 @@ class KeeperRunner(KeeperAdoption):
         self.client = client
         self.kill_grace_s = kill_grace_s
         self.legacy = ProcessRunner(kill_grace_s)
+        self._programs = Programs()
 
     # -- a new execution ---------------------------------------------------------------
 
@@ -222,10 +222,9 @@ class KeeperRunner(KeeperAdoption):
             ensure_dir(spec.cwd)
         except OSError as exc:
             return refuse(f"cannot create working directory {spec.cwd}: {exc}")
-        problem = executable_problem(spec.argv[0], spec.cwd, search_path)
+        problem, path = self._programs.find(spec.argv[0], spec.cwd, search_path)
         if problem is not None:
             return refuse(problem)
-        path = resolve(spec.argv[0], spec.cwd, search_path)
         execution = execution_id(spec)
         out_path = stdout_path(spec, execution)
         log_offset = sink.size()

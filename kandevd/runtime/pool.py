@@ -294,10 +294,12 @@ class AgentRuntime(Stopping, Threadless, Workers):
                   record: ExecutionRecord | None) -> LiveExecution:
         """A live execution with its (unstarted) worker; the caller holds the lock.
 
-        Raises (registering nothing) when the control's pipe cannot be made.
+        Raises (registering nothing) when the pipe a worker waits on cannot be made.
         """
         control = ExecutionControl()
         execution = LiveExecution(spec, control, on_done, record=record)
+        if not self._threadless(execution):
+            control.wake_fd  # noqa: B018 (made now: a worker waits on it)
         self._live[spec.key] = execution
         return execution
 

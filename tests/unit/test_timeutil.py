@@ -25,6 +25,15 @@ def test_every_instant_is_written_in_utc_at_a_fixed_width_and_parses_back(moment
     assert parse_rfc3339(text) == moment
 
 
+@given(instants)
+def test_an_instant_in_utc_is_written_as_in_any_other_zone(moment: datetime) -> None:
+    # (UTC's own instants take a shorter way: the same text.)
+    in_utc = moment.astimezone(UTC)
+    assert rfc3339(in_utc) == rfc3339(moment)
+    assert rfc3339(in_utc) == in_utc.replace(tzinfo=None).isoformat(
+        timespec="microseconds") + "Z"
+
+
 @given(instants, instants)
 def test_the_text_sorts_as_the_instants_do(first: datetime, second: datetime) -> None:
     assert (rfc3339(first) < rfc3339(second)) == (first < second)

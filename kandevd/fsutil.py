@@ -22,9 +22,15 @@ def ensure_dir(path: Path) -> Path:
     ``Path.mkdir(parents=True, mode=...)`` applies the mode to the leaf only.
     NotADirectoryError when ``path`` exists and is not a folder.
     """
-    try:  # (the usual case, once per execution: it exists; one stat)
+    try:  # (the usual cases, once per execution: it exists; or only its leaf is missing)
         if stat.S_ISDIR(os.stat(path).st_mode):
             return path
+    except FileNotFoundError:
+        try:
+            os.mkdir(path, 0o700)
+            return path
+        except OSError:
+            pass
     except OSError:
         pass
     missing: list[Path] = []

@@ -14,6 +14,7 @@ next daemon instance to adopt).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import select
@@ -98,7 +99,7 @@ class ExecutionSpec:
         if not self.timeout_s > 0:  # also rejects NaN
             raise ValueError(f"ExecutionSpec.timeout_s must be > 0, not {self.timeout_s!r}")
 
-    @property
+    @functools.cached_property
     def input_path(self) -> Path:
         """``<log stem>.input.json`` beside the log (a turn's ``NN-<kind>.input.json``): the
         stdin object on disk, named by ``$KANDEVD_INPUT``."""

@@ -24,7 +24,7 @@ from typing import Any
 import jsonschema
 
 from kandevd import yamlsafe
-from kandevd.fence import FenceTiming, fence_timing, fencing_problem
+from kandevd.cluster.timing import FenceTiming, fence_timing, fencing_problem
 from kandevd.listen import ListenError, MetricsConfig, WebConfig, parse_listen
 from kandevd.schemacheck import format_validation_error
 from kandevd.urls import POSTGRES_SCHEMES, redact_url

@@ -51,7 +51,7 @@ from kandevd.store.runs.retention import ExpiredRuns
 from kandevd.urls import redact_url
 
 if TYPE_CHECKING:
-    from kandevd.cluster import Cluster
+    from kandevd.cluster.membership import Cluster
 
 log = logging.getLogger("kandevd.daemon")
 
@@ -174,7 +174,7 @@ def _assemble(config: Config, layout: HomeLayout, store: BaseStore, *, boot_id: 
 def _join_cluster(config: Config, layout: HomeLayout, store: BaseStore, boot_id: str
                   ) -> Cluster:
     """This daemon as a member of the daemons sharing ``store`` (PostgreSQL)."""
-    from kandevd.cluster import Cluster  # psycopg: only with a PostgreSQL store
+    from kandevd.cluster.membership import Cluster  # psycopg: only with a PostgreSQL store
 
     cluster = Cluster(store, config.cluster, boot_id, str(layout.root))  # type: ignore[arg-type]
     try:

@@ -30,7 +30,7 @@ from kandevd.store.runs.retention import db_status
 from kandevd.timeutil import parse_rfc3339, rfc3339, utc_now
 
 if TYPE_CHECKING:
-    from kandevd.cluster import Cluster
+    from kandevd.cluster.membership import Cluster
 
 log = logging.getLogger("kandevd.daemon")
 

@@ -16,7 +16,7 @@ need them. Differences that matter, and why:
   or deadlock on, a count row).
 - Version 7 is the cluster's: ``daemons`` (who is alive) and ``fires`` (one
   row per cron occurrence fired, so an occurrence fires once across daemons).
-- Version 8 is the leader's ``leases`` (see :mod:`kandevd.cluster`).
+- Version 8 is the leader's ``leases`` (see :mod:`kandevd.store.cluster`).
 """
 
 from __future__ import annotations

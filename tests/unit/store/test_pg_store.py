@@ -179,7 +179,7 @@ def test_a_claim_never_takes_a_run_a_concurrent_cancel_committed(pg_url: str) ->
 def test_a_daemon_alone_tells_no_one_that_its_slots_filled(pg_url: str) -> None:
     """The NOTIFY after a saturated queue pass is for other daemons: a daemon alone on
     the database sends none, and sends them again once another daemon heartbeats."""
-    from kandevd.cluster import Cluster
+    from kandevd.cluster.membership import Cluster
     from kandevd.config import ClusterConfig
 
     config = ClusterConfig(heartbeat_s=0.1, dead_after_s=1.0)

@@ -8,7 +8,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kandevd.fence import Fence, fence_timing, fencing_problem
+from kandevd.cluster.fence import Fence
+from kandevd.cluster.timing import fence_timing, fencing_problem
 
 
 class Clock:

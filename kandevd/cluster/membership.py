@@ -13,21 +13,27 @@ on a protocol of our own:
   fenced by their claim tokens). A daemon that starts on a home marks the
   earlier daemons of that same host and home stopped (the home lock proves
   they are), so it restores and adopts their executions itself.
-- **Wake-ups.** Each daemon ``LISTEN``s on :data:`CHANNEL`. A run queued,
-  finished, failed or cancelled here (each can make a run claimable) sends one
+- **Wake-ups.** Each daemon ``LISTEN``s on the queue's channel
+  (:data:`kandevd.store.cluster.CHANNEL`). A run queued, finished, failed or
+  cancelled here (each can make a run claimable) sends one
   ``NOTIFY`` (bursts coalesce into one), and the other daemons wake their
   queue loops at once; the safety pass stays as it was.
 - **The leader** (Office maintenance, cron fires) holds the lease
-  ``leases('leader')`` (:mod:`kandevd.leadership`), renewed at each heartbeat
+  ``leases('leader')``, renewed at each heartbeat
   and ending on its own side first; another daemon takes it once expired, so
   leadership moves within ``dead_after_s + heartbeat_s``. A new leader fires,
-  late, the occurrences of the gap that have no row in ``fires``.
+  late, the occurrences of the gap that have no row in ``fires``: an
+  occurrence is fired after inserting its ``(job, intended time)`` row in
+  ``fires`` in a statement that checks the lease, so it fires once, and never
+  by a deposed leader.
 - **Fencing.** A daemon whose heartbeats stop completing stops its own agents
-  before the others take it for dead (:mod:`kandevd.fence`).
+  before the others take it for dead (:mod:`kandevd.cluster.fence`).
 - **Lost claims.** A run of this daemon's that is no longer claimed by it
   (cancelled on another daemon, or rescued because this daemon was taken for
   dead) has its execution stopped here, so it does not run on after another
   daemon took it over.
+
+The statements themselves are :mod:`kandevd.store.cluster`'s.
 """
 
 from __future__ import annotations
@@ -45,17 +51,15 @@ from typing import Any
 
 import psycopg
 
+from kandevd.cluster.fence import Fence
+from kandevd.cluster.timing import boot_clock
 from kandevd.config import ClusterConfig
-from kandevd.fence import Fence, boot_clock
-from kandevd.leadership import LEASE_SQL, claim_fire, machine_id, prune
+from kandevd.store import cluster as tables
 from kandevd.store.postgres import PgStore, connect_raw
 from kandevd.timeutil import rfc3339
 from kandevd.urls import scrub_secrets
 
 log = logging.getLogger("kandevd.cluster")
-
-#: The LISTEN/NOTIFY channel of the run queue.
-CHANNEL = "kandevd_queue"
 #: Bus events after which a run may be claimable on another daemon. (An outcome frees
 #: an agent, but its daemon claims again in the same pass: it tells the others only
 #: when its own slots are full, see :meth:`Cluster.notify`.)
@@ -76,11 +80,29 @@ def _iso(moment: datetime | None) -> str | None:
     return rfc3339(moment) if moment is not None else None
 
 
+def machine_id() -> str:
+    """This machine's id (``/etc/machine-id``), or "" where there is none.
+
+    With the host name and the home it tells this daemon's earlier instances
+    from a daemon of another machine that happens to share both.
+    """
+    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
+        try:
+            with open(path, encoding="ascii") as handle:
+                value = handle.read().strip()
+        except (OSError, UnicodeDecodeError):
+            continue
+        if value.isalnum():
+            return value
+    return ""
+
+
 class Cluster:
     """This daemon's membership in the cluster sharing ``store``."""
 
     def __init__(self, store: PgStore, config: ClusterConfig, boot_id: str, home: str) -> None:
         self.store = store
+        self.tables = tables.ClusterTables(store)
         self.config = config
         self.boot_id = boot_id
         self.home = home
@@ -128,23 +150,10 @@ class Cluster:
         other daemon re-queues those claims in the meantime. Returns their
         boot ids.
         """
-        with self.store.transaction() as conn:
-            # This host (its name and machine id) and home: running, or stopped with
-            # claims left behind (a graceful stop leaves its interrupted runs claimed).
-            self.held = [row[0] for row in conn.execute(
-                "SELECT d.boot_id FROM daemons d WHERE d.host = ? AND d.machine = ?"
-                " AND d.home = ? AND d.boot_id != ? AND (d.stopped_at IS NULL OR EXISTS"
-                " (SELECT 1 FROM runs r WHERE r.status = 'claimed'"
-                " AND r.claimed_by = d.boot_id))",
-                (self.host, self.machine, self.home, self.boot_id)).fetchall()]
-            self._earlier = set(self.held)
-            if self.held:
-                conn.execute("UPDATE daemons SET heartbeat_at = clock_timestamp(),"
-                             " stopped_at = NULL WHERE boot_id = ANY(?)", (self.held,))
-            conn.execute(
-                "INSERT INTO daemons (boot_id, host, machine, pid, home, started_at,"
-                " heartbeat_at) VALUES (?, ?, ?, ?, ?, now(), clock_timestamp())",
-                (self.boot_id, self.host, self.machine, os.getpid(), self.home))
+        # This host (its name and machine id) and home: running, or stopped with
+        # claims left behind (a graceful stop leaves its interrupted runs claimed).
+        self.held = self.tables.join(self.boot_id, self.host, self.machine, self.home)
+        self._earlier = set(self.held)
         log.info("cluster: joined as %s (host %s, pid %d); heartbeat every %gs, dead after %gs",
                  self.boot_id, self.host, os.getpid(), self.config.heartbeat_s,
                  self.config.dead_after_s)
@@ -156,14 +165,12 @@ class Cluster:
         held, self.held = self.held, []
         self._settled = True
         if held:  # if this fails they are taken for dead after dead_after_s all the same
-            self.store.execute("UPDATE daemons SET stopped_at = now() WHERE boot_id = ANY(?)",
-                               (held,))
+            self.tables.mark_stopped(held)
 
     def leave(self) -> None:
         """Mark this daemon stopped (its claims are settled by now: the runtime stopped)."""
         try:
-            self.store.execute("UPDATE daemons SET stopped_at = now() WHERE boot_id = ?",
-                               (self.boot_id,))
+            self.tables.mark_stopped([self.boot_id])
         except sqlite3.Error as exc:
             log.warning("cluster: could not mark this daemon stopped (%s); the others will "
                         "take it for dead after %gs", exc, self.config.dead_after_s)
@@ -181,7 +188,7 @@ class Cluster:
 
     def fire_gate(self, job: str, intended: datetime) -> bool:
         """The cron loop's gate: the leader fires an occurrence, once across daemons."""
-        return self.is_leader() and claim_fire(self.store, self.boot_id, job, intended)
+        return self.is_leader() and self.tables.claim_fire(self.boot_id, job, intended)
 
     # -- fencing -------------------------------------------------------------------
     def _fenced(self, reason: str) -> None:
@@ -193,15 +200,10 @@ class Cluster:
 
     def members(self) -> list[dict[str, Any]]:
         """Every daemon not stopped: who, where, and whether it is alive."""
-        rows = self.store.query(
-            "SELECT boot_id, host, pid, home, started_at, heartbeat_at,"
-            " heartbeat_at >= now() - make_interval(secs => ?) AS alive"
-            " FROM daemons WHERE stopped_at IS NULL ORDER BY started_at",
-            (float(self.config.dead_after_s),))
-        return [{"boot_id": r["boot_id"], "host": r["host"], "pid": r["pid"],
-                 "home": r["home"], "started_at": _iso(r["started_at"]),
-                 "heartbeat_at": _iso(r["heartbeat_at"]), "alive": bool(r["alive"]),
-                 "self": r["boot_id"] == self.boot_id} for r in rows]
+        return [{"boot_id": m.boot_id, "host": m.host, "pid": m.pid, "home": m.home,
+                 "started_at": _iso(m.started_at), "heartbeat_at": _iso(m.heartbeat_at),
+                 "alive": m.alive, "self": m.boot_id == self.boot_id}
+                for m in self.tables.members(self.config.dead_after_s)]
 
     def status(self) -> dict[str, Any]:
         """``daemon.status``'s ``cluster`` member."""
@@ -248,7 +250,7 @@ class Cluster:
         ``on_beat(rescue)`` at every heartbeat once settled: stop executions
         lost here, and with ``rescue`` (steady for dead_after_s) re-queue dead
         daemons' claims. ``on_fence(reason)``: stop claiming and stop every
-        agent (:mod:`kandevd.fence`); ``on_heal(seconds fenced)``: heartbeats
+        agent (:mod:`kandevd.cluster.fence`); ``on_heal(seconds fenced)``: heartbeats
         complete again. ``on_leader(since)``: this daemon became the leader;
         ``since`` is when the previous leader's lease was last renewed, when it
         took over an expired one (occurrences since then may lack their fire).
@@ -273,8 +275,7 @@ class Cluster:
         self._resigned = True
         self._step_down("this daemon is stopping")
         try:
-            self.store.execute("UPDATE leases SET expires_at = now() WHERE name = 'leader'"
-                               " AND holder = ?", (self.boot_id,))
+            self.tables.give_up_lease(self.boot_id)
         except sqlite3.Error as exc:  # it expires after dead_after_s all the same
             log.debug("cluster: giving up the lease failed: %s", exc)
 
@@ -306,9 +307,16 @@ class Cluster:
                 if self._on_beat is not None:
                     self._on_beat(steady)
                 if self._leader and self.beats % 1000 <= 1:  # (takes the write lock too)
-                    prune(self.store, PRUNE_AFTER_S)
+                    self._prune()
             except Exception:
                 log.exception("cluster: settling with the other daemons failed")
+
+    def _prune(self) -> None:
+        """The leader forgets fires and stopped daemons older than a week."""
+        try:
+            self.tables.prune(PRUNE_AFTER_S)
+        except sqlite3.Error as exc:
+            log.debug("cluster: pruning fires and daemons failed: %s", exc)
 
     def _connect(self, name: str) -> psycopg.Connection[Any]:
         """A connection whose calls fail within about ``dead_after_s`` when the network
@@ -330,7 +338,7 @@ class Cluster:
                 if conn is None or conn.closed or conn.broken:
                     conn = self._connect("kandevd-notify")
                     self._notifier_pid = conn.info.backend_pid
-                conn.execute(f"NOTIFY {CHANNEL}")
+                tables.notify(conn)
             except (psycopg.Error, sqlite3.Error) as exc:
                 log.warning("cluster: NOTIFY failed (%s); the others find the work on their "
                             "safety pass", scrub_secrets(str(exc), self.store.url))
@@ -339,7 +347,7 @@ class Cluster:
         try:  # wake our own listener, so it stops now rather than at its timeout
             if conn is None or conn.closed or conn.broken:
                 conn = self._connect("kandevd-notify")
-            conn.execute(f"NOTIFY {CHANNEL}, 'stop:{self.boot_id}'")
+            tables.notify(conn, f"stop:{self.boot_id}")
         except (psycopg.Error, sqlite3.Error):
             pass  # the listener stops at its next timeout (heartbeat_s) instead
         finally:
@@ -354,7 +362,7 @@ class Cluster:
             try:
                 if conn is None or conn.closed or conn.broken:
                     conn = self._connect("kandevd-cluster")
-                    conn.execute(f"LISTEN {CHANNEL}")
+                    tables.listen(conn)
                     self._wake()  # anything missed while not listening
                 timeout = max(0.0, next_beat - time.monotonic())
                 for note in conn.notifies(timeout=timeout, stop_after=1):
@@ -387,18 +395,11 @@ class Cluster:
         The fence counts from when it was sent (no later than the stamp)."""
         sent = boot_clock()
         ours = [self.boot_id, *self.held]
-        stamped = conn.execute("UPDATE daemons SET heartbeat_at = clock_timestamp()"
-                               " WHERE boot_id = ANY(%s) AND stopped_at IS NULL", (ours,))
-        if stamped.rowcount < 1:  # (marked stopped by another's mistake, or deleted)
+        present, self.peers_alive = tables.heartbeat(conn, ours, self.boot_id,
+                                                     self.config.dead_after_s)
+        if not present:  # (marked stopped by another's mistake, or deleted)
             log.warning("cluster: this daemon's heartbeat row is gone or marked stopped; "
                         "writing it again")
-            conn.execute("UPDATE daemons SET stopped_at = NULL, heartbeat_at ="
-                         " clock_timestamp() WHERE boot_id = %s", (self.boot_id,))
-        row = conn.execute("SELECT EXISTS (SELECT 1 FROM daemons WHERE boot_id != ALL(%s)"
-                           " AND stopped_at IS NULL AND heartbeat_at > clock_timestamp()"
-                           " - make_interval(secs => %s))",
-                           (ours, self.config.dead_after_s)).fetchone()
-        self.peers_alive = bool(row and row[0])
         self.beats += 1
         if not self.fence.fenced and not self._resigned:
             self._lease(conn, sent)
@@ -419,9 +420,8 @@ class Cluster:
 
     def _lease(self, conn: psycopg.Connection[Any], sent: float) -> None:
         """Take or renew the leader's lease; on a takeover, tell ``on_leader``."""
-        row = conn.execute(LEASE_SQL, {"me": self.boot_id, "lease": self.lease_s}).fetchone()
-        # (row: previous holder, its expiry, seconds since that expiry on the database's clock)
-        if row is None:  # another daemon holds a lease that has not expired
+        lease = tables.take_lease(conn, self.boot_id, self.lease_s)
+        if lease is None:  # another daemon holds a lease that has not expired
             self._step_down("another daemon holds the lease")
             return
         self._lease_until = sent + self.lease_s - self._lease_margin_s
@@ -429,14 +429,14 @@ class Cluster:
             return
         self._leader = True
         self.leader_changes += 1
-        previous, expired_at, lapsed_s = row[0], row[1], row[2]
+        previous, expired_at, lapsed_s = lease
         since = None
         # A lease that lapsed lately (not a cold start of the whole cluster): the fires
         # since its last renewal may be missing, also when it was this daemon's own (it
         # stepped down, then healed before anyone took over). Not an earlier instance of
         # this home's: a restart does not replay what fell due while it was down.
         if expired_at is not None and lapsed_s is not None \
-                and float(lapsed_s) <= LATE_FIRES_MAX_S and previous not in self._earlier:
+                and lapsed_s <= LATE_FIRES_MAX_S and previous not in self._earlier:
             since = expired_at - timedelta(seconds=self.lease_s)
         if previous is not None and previous != self.boot_id:
             log.warning("cluster: this daemon is the leader (Office maintenance, cron), "

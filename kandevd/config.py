@@ -23,11 +23,11 @@ from typing import Any
 
 import jsonschema
 
-from kandevd import yamlsafe
 from kandevd.cluster.timing import FenceTiming, fence_timing, fencing_problem
-from kandevd.listen import ListenError, MetricsConfig, WebConfig, parse_listen
-from kandevd.schemacheck import format_validation_error
-from kandevd.urls import POSTGRES_SCHEMES, redact_url
+from kandevd.formats import yamlsafe
+from kandevd.formats.schemacheck import format_validation_error
+from kandevd.net.listen import ListenError, MetricsConfig, WebConfig, parse_listen
+from kandevd.net.urls import POSTGRES_SCHEMES, redact_url
 
 DEFAULTS: dict[str, Any] = {
     "store": {"url": None},

@@ -27,6 +27,7 @@ from kandevd.control.services import Services
 from kandevd.faults import Faults
 from kandevd.lifecycle import Loop, StopSignal
 from kandevd.model.service import WorkspaceService
+from kandevd.net.urls import redact_url
 from kandevd.office.budgets import (
     HARD_BUDGET_PROBE_SQL,
     RETENTION_KEEPS_COUNTED_RUNS,
@@ -48,7 +49,6 @@ from kandevd.store.check import DatabaseUnusable, open_checked
 from kandevd.store.open import open_store
 from kandevd.store.runs import RunRepository
 from kandevd.store.runs.retention import ExpiredRuns
-from kandevd.urls import redact_url
 
 if TYPE_CHECKING:
     from kandevd.cluster.membership import Cluster

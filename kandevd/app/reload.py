@@ -11,8 +11,8 @@ import dataclasses
 import logging
 from pathlib import Path
 
+from kandevd.app.logsetup import current_level, set_level
 from kandevd.config import Config, ConfigError, config_changes, load_config
-from kandevd.logsetup import current_level, set_level
 from kandevd.schedules.loop import CronLoop
 from kandevd.sdnotify import notifier
 from kandevd.store.backend import backend_problem

@@ -13,10 +13,10 @@ import click
 from kandevd import exits
 from kandevd.app.homelock import HomeLock, HomeLocked
 from kandevd.cli.common import home_option
+from kandevd.net.urls import POSTGRES_SCHEMES, redact_url, scrub_secrets
 from kandevd.paths import HomeLayout, resolve_home
 from kandevd.store.backend import POSTGRES_EXTRA
 from kandevd.store.check import DatabaseUnusable, backup, check_file
-from kandevd.urls import POSTGRES_SCHEMES, redact_url, scrub_secrets
 
 
 @click.group()

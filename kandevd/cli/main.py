@@ -55,7 +55,7 @@ def serve(home: str | None, config_path: str | None, log_format: str,
           log_level: str | None) -> None:
     """Run the daemon in the foreground until SIGINT/SIGTERM or `daemon.shutdown`."""
     from kandevd.app.daemon import Daemon
-    from kandevd.logsetup import configure_logging, set_level
+    from kandevd.app.logsetup import configure_logging, set_level
 
     configure_logging(log_format, log_level or "INFO")
     root = resolve_home(home)

@@ -11,11 +11,12 @@ from typing import Any
 
 import click
 
-from kandevd import exits, jsonstrict
+from kandevd import exits
 from kandevd.cli.common import client_options, connect, echo_json, error_line, invoke
 from kandevd.cli.format import json_option, print_file_from, table
 from kandevd.control.client import RpcCallError
 from kandevd.control.protocol import MAX_DEPTH, MAX_LINE_BYTES, depth_exceeds
+from kandevd.formats import jsonstrict
 from kandevd.paths import HomeLayout, resolve_home
 from kandevd.runs.model import STATUSES
 

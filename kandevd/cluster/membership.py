@@ -54,10 +54,10 @@ import psycopg
 from kandevd.cluster.fence import Fence
 from kandevd.cluster.timing import boot_clock
 from kandevd.config import ClusterConfig
+from kandevd.net.urls import scrub_secrets
 from kandevd.store import cluster as tables
 from kandevd.store.postgres import PgStore, connect_raw
 from kandevd.timeutil import rfc3339
-from kandevd.urls import scrub_secrets
 
 log = logging.getLogger("kandevd.cluster")
 #: Bus events after which a run may be claimable on another daemon. (An outcome frees

@@ -8,7 +8,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from kandevd import unixaddr
+from kandevd.net import unixaddr
 
 
 class DaemonUnavailable(Exception):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kandevd import jsonstrict
+from kandevd.formats import jsonstrict
 
 PARSE_ERROR = -32700
 INVALID_REQUEST = -32600

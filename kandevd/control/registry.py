@@ -22,7 +22,7 @@ from typing import Any
 import jsonschema
 
 from kandevd.control.protocol import InvalidParams, MethodNotFound
-from kandevd.schemacheck import format_validation_error
+from kandevd.formats.schemacheck import format_validation_error
 
 Handler = Callable[[dict[str, Any]], Any]
 

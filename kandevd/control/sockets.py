@@ -9,7 +9,7 @@ import struct
 import time
 from pathlib import Path
 
-from kandevd import unixaddr
+from kandevd.net import unixaddr
 
 _UCRED = struct.Struct("3i")
 

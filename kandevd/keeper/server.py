@@ -36,7 +36,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kandevd import unixaddr
 from kandevd.keeper import protocol
 from kandevd.keeper.agents import (
     Agent,
@@ -48,6 +47,7 @@ from kandevd.keeper.agents import (
     spawn,
 )
 from kandevd.keeper.journal import COMPACT_AFTER, Entry, Journal, read
+from kandevd.net import unixaddr
 
 log = logging.getLogger("kandevd.keeper")
 

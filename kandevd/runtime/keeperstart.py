@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 import kandevd
-from kandevd import unixaddr
 from kandevd.keeper import protocol
+from kandevd.net import unixaddr
 
 log = logging.getLogger("kandevd.runtime.keeper")
 

@@ -14,7 +14,7 @@ line), so a run can be judged without its logs; a product run that resumed
 after a failed one says where with ``first_message``.
 
 ``status`` is ``running`` while the session runs, then ``success``, ``error`` or
-``stopped``. Entries are written through :class:`kandevd.jsonfile.JsonFile`
+``stopped``. Entries are written through :class:`kandevd.formats.jsonfile.JsonFile`
 (atomic, locked), so another process appending at the same time loses nothing.
 Terminal entries older than the retention are pruned whenever a new run is
 recorded; ``running`` entries and entries without a readable date are kept.
@@ -29,7 +29,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from kandevd.jsonfile import CorruptReporter, JsonFile
+from kandevd.formats.jsonfile import CorruptReporter, JsonFile
 from kandevd.timeutil import parse_rfc3339, rfc3339
 
 log = logging.getLogger("kandevd.scheduler.history")

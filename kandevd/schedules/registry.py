@@ -16,7 +16,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from kandevd.jsonfile import CorruptFile
+from kandevd.formats.jsonfile import CorruptFile
 from kandevd.schedules.alive import AliveMark
 from kandevd.schedules.jobs import Job, JobNotFound
 from kandevd.schedules.settings import PauseState, Switches

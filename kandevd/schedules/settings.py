@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kandevd.config import SchedulerConfig
-from kandevd.jsonfile import CorruptReporter, JsonFile, stat_key
+from kandevd.formats.jsonfile import CorruptReporter, JsonFile, stat_key
 from kandevd.timeutil import rfc3339
 
 PAUSE_FILE = Path("config") / "scheduler.json"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.util
 
 from kandevd.config import Config
-from kandevd.urls import redact_url
+from kandevd.net.urls import redact_url
 
 POSTGRES_EXTRA = "pip install 'kandevd[postgres]'"
 

@@ -48,8 +48,8 @@ import psycopg
 from psycopg import errors as pg_errors
 from psycopg.pq import TransactionStatus
 
+from kandevd.net.urls import redact_url, scrub_secrets
 from kandevd.store.base import BUSY_TIMEOUT_MS, BaseStore, StoreUnavailable
-from kandevd.urls import redact_url, scrub_secrets
 
 log = logging.getLogger("kandevd.store.pg")
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from cheroot import wsgi
 
-from kandevd.listen import is_loopback
+from kandevd.net.listen import is_loopback
 from kandevd.web.app import ConsoleApp
 from kandevd.web.auth import Guard, ensure_token
 from kandevd.web.context import Console, Dispatch

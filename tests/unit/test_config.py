@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 
-from kandevd import yamlsafe
 from kandevd.config import (
     DEFAULTS,
     Config,
@@ -17,6 +16,7 @@ from kandevd.config import (
     build_config,
     load_config,
 )
+from kandevd.formats import yamlsafe
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -327,7 +327,7 @@ def test_config_changes_names_sections_and_profiles_but_not_the_log_level() -> N
 
 
 def test_the_store_url_takes_postgresql_urls_and_never_shows_a_password() -> None:
-    from kandevd.urls import redact_url
+    from kandevd.net.urls import redact_url
 
     secret = "postgresql://kan:s3cret@db.example:5432/kandevd"
     assert build_config({"store": {"url": secret}}, environ={}).store.url == secret

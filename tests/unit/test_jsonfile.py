@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kandevd.jsonfile import CorruptFile, JsonFile, JsonFileError
+from kandevd.formats.jsonfile import CorruptFile, JsonFile, JsonFileError
 
 
 def test_write_then_read_round_trips_and_leaves_no_temp_file(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ import jsonschema
 from kandevd.control.protocol import Conflict, InvalidParams, NotFound
 from kandevd.control.registry import Registry, object_schema, paging_properties
 from kandevd.control.services import Services
+from kandevd.formats.schemacheck import format_validation_error
 from kandevd.runs.model import (
     STATUSES,
     BatchItemError,
@@ -16,7 +17,6 @@ from kandevd.runs.model import (
     RunNotFound,
     RunReferenceError,
 )
-from kandevd.schemacheck import format_validation_error
 
 ID = {"type": "string", "minLength": 1, "maxLength": 200}
 

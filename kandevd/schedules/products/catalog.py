@@ -21,12 +21,12 @@ from typing import Any
 
 import jsonschema
 
+from kandevd.formats.schemacheck import validation_problems
+from kandevd.formats.yamlsafe import YamlError
+from kandevd.formats.yamlsafe import load_file as load_yaml
 from kandevd.schedules.products import schedule as product_schedule
 from kandevd.schedules.products.schedule import ProductSchedule
 from kandevd.schedules.workflows.manifest import ManifestError, Problem, check_workflow_name
-from kandevd.schemacheck import validation_problems
-from kandevd.yamlsafe import YamlError
-from kandevd.yamlsafe import load_file as load_yaml
 
 PRODUCTS_DIR = "products"
 PRODUCT_FILE = "product.yaml"

@@ -25,6 +25,7 @@ from typing import Any
 import jsonschema
 
 from kandevd.cron import CronError, CronSchedule, parse_cron, parse_timezone
+from kandevd.formats.schemacheck import validation_problems
 from kandevd.schedules.options import (
     NO_OPTIONS,
     OPTION_FIELDS,
@@ -33,7 +34,6 @@ from kandevd.schedules.options import (
     parse_options,
     with_options,
 )
-from kandevd.schemacheck import validation_problems
 
 SUCCESS = "success"
 ERROR = "error"

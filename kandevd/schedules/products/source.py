@@ -21,7 +21,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kandevd.jsonfile import CorruptFile
+from kandevd.formats.jsonfile import CorruptFile
 from kandevd.schedules import history as hist
 from kandevd.schedules.jobs import Job, JobNotFound, UserNeeded, last_success
 from kandevd.schedules.options import jitter_delay

@@ -10,7 +10,7 @@
     _users/<id>/Chats/<profile>/schedule-runs.json     history, newest 200 entries
     _users/<id>/Chats/<profile>/conversation.json      {session_id, created_at}
 
-All through :class:`kandevd.jsonfile.JsonFile` (atomic, locked, corrupt files
+All through :class:`kandevd.formats.jsonfile.JsonFile` (atomic, locked, corrupt files
 moved aside). ``enabled`` is the user's override of the product's default;
 absent means the default.
 """
@@ -24,7 +24,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from kandevd.jsonfile import CorruptReporter, JsonFile
+from kandevd.formats.jsonfile import CorruptReporter, JsonFile
 from kandevd.schedules.history import History
 from kandevd.schedules.jobs import JobState
 from kandevd.timeutil import parse_rfc3339, rfc3339, utc_now

@@ -13,7 +13,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from kandevd.jsonfile import CorruptReporter, JsonFile
+from kandevd.formats.jsonfile import CorruptReporter, JsonFile
 from kandevd.timeutil import rfc3339
 
 DECISIONS = "decisions.json"

@@ -26,7 +26,8 @@ from typing import Any
 import jsonschema
 
 from kandevd.cron import CronError, CronSchedule, parse_cron, parse_timezone
-from kandevd.jsonfile import JsonFile, JsonFileError
+from kandevd.formats.jsonfile import JsonFile, JsonFileError
+from kandevd.formats.schemacheck import validation_problems
 from kandevd.schedules.options import (
     NO_OPTIONS,
     OPTION_FIELDS,
@@ -35,7 +36,6 @@ from kandevd.schedules.options import (
     parse_options,
     with_options,
 )
-from kandevd.schemacheck import validation_problems
 from kandevd.suggest import did_you_mean
 
 WORKFLOW_DIR = "Workflow"

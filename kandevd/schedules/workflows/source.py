@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kandevd.cron import next_fire_times
-from kandevd.jsonfile import CorruptFile
+from kandevd.formats.jsonfile import CorruptFile
 from kandevd.schedules import history as hist
 from kandevd.schedules.jobs import AmbiguousJob, Job, JobNotFound, seed_state
 from kandevd.schedules.options import jitter_delay, within_window

@@ -28,12 +28,12 @@ from click.testing import CliRunner
 from kandevd.app.homelock import HomeLock, read_pid
 from kandevd.cli import cli
 from kandevd.model import repository
+from kandevd.net.urls import redact_url
 from kandevd.store import copy
 from kandevd.store.base import BaseStore
 from kandevd.store.open import open_store
 from kandevd.store.runs import RunRepository
 from kandevd.timeutil import utc_now
-from kandevd.urls import redact_url
 from tests.support.daemon import FAST_CONFIG, DaemonProcess, run_cli
 
 pytestmark = pytest.mark.integration

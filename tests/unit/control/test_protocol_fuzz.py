@@ -25,9 +25,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kandevd import jsonstrict
 from kandevd.control.methods import MODULES
 from kandevd.control.registry import Registry
+from kandevd.formats import jsonstrict
 from tests.support.daemon import FAST_CONFIG, DaemonProcess
 
 EXAMPLES = int(os.environ.get("KANDEVD_FUZZ_EXAMPLES", "600"))

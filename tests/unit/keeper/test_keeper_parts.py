@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kandevd import unixaddr
 from kandevd.keeper import protocol
 from kandevd.keeper.agents import _TICK_NS as TICK
 from kandevd.keeper.agents import StartClock, start_time
 from kandevd.keeper.journal import Entry, Journal, read
+from kandevd.net import unixaddr
 
 
 def test_a_message_carries_its_descriptors_and_a_bad_one_leaks_none(tmp_path: Path) -> None:

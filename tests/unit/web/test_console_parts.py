@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kandevd.listen import is_loopback
+from kandevd.net.listen import is_loopback
 from kandevd.store.open import open_store
 from kandevd.store.runs import RunRepository
 from kandevd.store.runs.activity import read_activity

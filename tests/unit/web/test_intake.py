@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kandevd.listen import WebConfig, remote_problem
+from kandevd.net.listen import WebConfig, remote_problem
 from kandevd.web.http import MAX_BODY
 from kandevd.web.intake import Gathering, request_size
 

@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 from filelock import FileLock
 
-from kandevd import jsonstrict
+from kandevd.formats import jsonstrict
 from kandevd.fsutil import ensure_dir, fsync_dir, replace_atomically
 from kandevd.timeutil import utc_now
 
@@ -62,7 +62,7 @@ CorruptReporter = Callable[[CorruptFile], None]
 
 
 def loads(text: str) -> Any:
-    """Strict JSON (see :mod:`kandevd.jsonstrict`): what kandevd reads it can write back."""
+    """Strict JSON (see :mod:`kandevd.formats.jsonstrict`): what kandevd reads it can write back."""
     return jsonstrict.loads(text)
 
 

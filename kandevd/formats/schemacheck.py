@@ -12,7 +12,7 @@ from typing import Any
 
 import jsonschema
 
-from kandevd import yamlsafe
+from kandevd.formats import yamlsafe
 from kandevd.suggest import did_you_mean
 
 MAX_MESSAGE = 300

@@ -96,7 +96,7 @@ class HomeLayout:
     @cached_property
     def turns(self) -> Path:
         """One folder per scheduled turn while it runs (its execution record), so a
-        later daemon can adopt the turn (see :mod:`kandevd.schedules.adopted`)."""
+        later daemon can adopt the turn (see :mod:`kandevd.schedules.restart.adopted`)."""
         return self.root / "turns"
 
     @cached_property

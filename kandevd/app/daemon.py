@@ -34,7 +34,7 @@ from kandevd.lifecycle import StopSignal
 from kandevd.paths import HomeLayout
 from kandevd.runtime.keeperclient import KeeperUnavailable
 from kandevd.runtime.orphans import stop_orphan_agents
-from kandevd.schedules.adopted import adopt_turns
+from kandevd.schedules.restart.adopted import adopt_turns
 from kandevd.sdnotify import notifier, queue_status
 from kandevd.timeutil import rfc3339, utc_now
 from kandevd.web.server import WebConsole

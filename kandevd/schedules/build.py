@@ -13,7 +13,7 @@ from kandevd.paths import HomeLayout
 from kandevd.schedules.loop import CronLoop
 from kandevd.schedules.products.source import ProductSource
 from kandevd.schedules.registry import JobRegistry
-from kandevd.schedules.runner import SessionRunner
+from kandevd.schedules.sessions.runner import SessionRunner
 from kandevd.schedules.settings import Switches
 from kandevd.schedules.source import JobSource
 from kandevd.schedules.workflows.source import WorkflowSource

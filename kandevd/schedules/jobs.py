@@ -19,8 +19,8 @@ from kandevd.schedules import history as hist
 from kandevd.timeutil import rfc3339
 
 if TYPE_CHECKING:
+    from kandevd.schedules.rules.states import JobStatus
     from kandevd.schedules.source import JobSource, JobSpec
-    from kandevd.schedules.states import JobStatus
 
 
 class JobNotFound(LookupError):

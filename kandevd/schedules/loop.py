@@ -27,18 +27,18 @@ from typing import Any
 
 from kandevd.lifecycle import Loop, StopSignal
 from kandevd.schedules import history as hist
-from kandevd.schedules.backfill import Backfills
+from kandevd.schedules.catchup.backfill import Backfills
+from kandevd.schedules.catchup.late import fire_late
 from kandevd.schedules.jobs import Job, job_dict
-from kandevd.schedules.late import fire_late
 from kandevd.schedules.registry import JobRegistry
-from kandevd.schedules.runner import (
+from kandevd.schedules.restart.stranded import STRANDED
+from kandevd.schedules.rules.states import JobStatus, Surroundings, job_status
+from kandevd.schedules.sessions.runner import (
     AlreadyRunning,
     RunnerClosed,
     SessionRunner,
     StartNotRecorded,
 )
-from kandevd.schedules.states import JobStatus, Surroundings, job_status
-from kandevd.schedules.stranded import STRANDED
 from kandevd.timeutil import utc_now
 
 log = logging.getLogger("kandevd.scheduler")

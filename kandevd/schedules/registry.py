@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from kandevd.formats.jsonfile import CorruptFile
-from kandevd.schedules.alive import AliveMark
 from kandevd.schedules.jobs import Job, JobNotFound
+from kandevd.schedules.restart.alive import AliveMark
 from kandevd.schedules.settings import PauseState, Switches
 from kandevd.schedules.source import JobSource
 

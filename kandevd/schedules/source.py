@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from kandevd.schedules.history import History
     from kandevd.schedules.jobs import Job
-    from kandevd.schedules.session import SessionPlan
+    from kandevd.schedules.sessions.session import SessionPlan
     from kandevd.schedules.settings import Switches
 
 

@@ -22,12 +22,12 @@ from kandevd.control.registry import Registry, object_schema, paging_properties
 from kandevd.control.services import Services
 from kandevd.cron import CronError, describe_times, next_fire_times, parse_cron, parse_timezone
 from kandevd.schedules import history as hist
-from kandevd.schedules import runner as run
-from kandevd.schedules.backfill import BackfillRunning, RangeTooLarge, fire_times
+from kandevd.schedules.catchup.backfill import BackfillRunning, RangeTooLarge, fire_times
 from kandevd.schedules.jobs import AmbiguousJob, Job, JobNotFound, UserNeeded
-from kandevd.schedules.options import option_properties
 from kandevd.schedules.products.source import ProductSource
-from kandevd.schedules.states import STATES
+from kandevd.schedules.rules.options import option_properties
+from kandevd.schedules.rules.states import STATES
+from kandevd.schedules.sessions import runner as run
 from kandevd.schedules.workflows.manifest import (
     ManifestError,
     ManifestUnusable,

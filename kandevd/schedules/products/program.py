@@ -19,7 +19,7 @@ from kandevd.schedules import history as hist
 from kandevd.schedules.products.catalog import Product
 from kandevd.schedules.products.schedule import ProductSchedule
 from kandevd.schedules.products.state import chats_folder
-from kandevd.schedules.session import Session, TurnSpec
+from kandevd.schedules.sessions.session import Session, TurnSpec
 
 _conversations: dict[tuple[Path, str, str], threading.Lock] = {}
 _conversations_lock = threading.Lock()

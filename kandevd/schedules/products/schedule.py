@@ -26,7 +26,7 @@ import jsonschema
 
 from kandevd.cron import CronError, CronSchedule, parse_cron, parse_timezone
 from kandevd.formats.schemacheck import validation_problems
-from kandevd.schedules.options import (
+from kandevd.schedules.rules.options import (
     NO_OPTIONS,
     OPTION_FIELDS,
     ScheduleOptions,

@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 from kandevd.formats.jsonfile import CorruptFile
 from kandevd.schedules import history as hist
 from kandevd.schedules.jobs import Job, JobNotFound, UserNeeded, last_success
-from kandevd.schedules.options import jitter_delay
 from kandevd.schedules.products import catalog, timing
 from kandevd.schedules.products.catalog import Product, User
 from kandevd.schedules.products.program import ProductProgram, failed_message, resume_index
@@ -37,9 +36,10 @@ from kandevd.schedules.products.state import (
     state_to_file,
     stored_time,
 )
-from kandevd.schedules.session import SessionPlan
+from kandevd.schedules.restart.stranded import repair_at_start
+from kandevd.schedules.rules.options import jitter_delay
+from kandevd.schedules.sessions.session import SessionPlan
 from kandevd.schedules.settings import Switches
-from kandevd.schedules.stranded import repair_at_start
 from kandevd.schedules.workflows.manifest import Problem
 from kandevd.timeutil import rfc3339, utc_now
 

@@ -19,7 +19,6 @@ from datetime import datetime, timedelta
 from kandevd.cron import next_fire_times
 from kandevd.schedules.history import SUCCESS
 from kandevd.schedules.jobs import Job, JobState
-from kandevd.schedules.options import jitter_delay
 from kandevd.schedules.products.schedule import (
     DEFERRAL_CAP,
     QUIET,
@@ -28,6 +27,7 @@ from kandevd.schedules.products.schedule import (
     decide,
 )
 from kandevd.schedules.products.state import stored_time
+from kandevd.schedules.rules.options import jitter_delay
 from kandevd.timeutil import rfc3339
 
 log = logging.getLogger("kandevd.scheduler.products")

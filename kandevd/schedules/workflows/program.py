@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kandevd.schedules import history as hist
-from kandevd.schedules.session import Session, TurnSpec
+from kandevd.schedules.sessions.session import Session, TurnSpec
 from kandevd.schedules.workflows.decisions import Decisions
 from kandevd.schedules.workflows.manifest import Schedule, Workflow
 

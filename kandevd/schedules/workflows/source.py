@@ -20,10 +20,10 @@ from kandevd.cron import next_fire_times
 from kandevd.formats.jsonfile import CorruptFile
 from kandevd.schedules import history as hist
 from kandevd.schedules.jobs import AmbiguousJob, Job, JobNotFound, seed_state
-from kandevd.schedules.options import jitter_delay, within_window
-from kandevd.schedules.session import SessionPlan
+from kandevd.schedules.restart.stranded import repair_at_start
+from kandevd.schedules.rules.options import jitter_delay, within_window
+from kandevd.schedules.sessions.session import SessionPlan
 from kandevd.schedules.settings import Switches
-from kandevd.schedules.stranded import repair_at_start
 from kandevd.schedules.workflows import manifest
 from kandevd.schedules.workflows.manifest import Problem, Schedule, Workflow
 from kandevd.schedules.workflows.program import WorkflowProgram

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from kandevd.schedules.options import jitter_delay
+from kandevd.schedules.rules.options import jitter_delay
 from kandevd.timeutil import parse_rfc3339, rfc3339, utc_now
 from tests.support.daemon import DaemonProcess, run_cli
 from tests.support.workflows import recorder_config, records, schedule, write_workflow

@@ -17,7 +17,7 @@ from kandevd.app.metrics import DaemonMetrics, MetricsHTTPServer
 from kandevd.app.status import health
 from kandevd.config import ConfigError, build_config
 from kandevd.schedules.jobs import JobState
-from kandevd.schedules.states import JobStatus
+from kandevd.schedules.rules.states import JobStatus
 from kandevd.timeutil import rfc3339, utc_now
 
 

@@ -10,9 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kandevd.schedules.jobs import Job, JobState
-from kandevd.schedules.options import NO_OPTIONS, ScheduleOptions
-from kandevd.schedules.settings import Switches
-from kandevd.schedules.states import (
+from kandevd.schedules.rules.options import NO_OPTIONS, ScheduleOptions
+from kandevd.schedules.rules.states import (
     BLOCKED,
     BUFFERED,
     DISABLED,
@@ -25,6 +24,7 @@ from kandevd.schedules.states import (
     Surroundings,
     job_status,
 )
+from kandevd.schedules.settings import Switches
 
 T0 = datetime(2026, 12, 3, 10, tzinfo=UTC)
 

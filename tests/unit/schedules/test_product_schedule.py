@@ -14,7 +14,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kandevd.cron import next_fire_times, parse_cron
-from kandevd.schedules.options import NO_OPTIONS
 from kandevd.schedules.products import schedule as ps
 from kandevd.schedules.products.schedule import (
     Decision,
@@ -22,6 +21,7 @@ from kandevd.schedules.products.schedule import (
     ScheduleState,
     decide,
 )
+from kandevd.schedules.rules.options import NO_OPTIONS
 
 PROPERTY = settings(max_examples=40, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])

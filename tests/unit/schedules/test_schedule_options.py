@@ -16,9 +16,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kandevd.schedules import history as hist
-from kandevd.schedules.backfill import fire_times
-from kandevd.schedules.notify import Notifier, notify_event
-from kandevd.schedules.options import NotifySpec, jitter_delay
+from kandevd.schedules.catchup.backfill import fire_times
+from kandevd.schedules.rules.options import NotifySpec, jitter_delay
+from kandevd.schedules.sessions.notify import Notifier, notify_event
 from kandevd.schedules.workflows.source import next_fire
 from kandevd.timeutil import parse_rfc3339, rfc3339, utc_now
 from tests.support.workflows import history, schedule, write_workflow

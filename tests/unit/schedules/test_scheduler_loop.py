@@ -24,8 +24,8 @@ from kandevd.runtime import AgentRuntime, ExecutionSpec, InProcessRunner
 from kandevd.schedules.build import build_registry
 from kandevd.schedules.history import SHUTDOWN_ERROR
 from kandevd.schedules.loop import CronLoop, Decision, decide_fire
-from kandevd.schedules.options import jitter_delay
-from kandevd.schedules.runner import SessionRunner
+from kandevd.schedules.rules.options import jitter_delay
+from kandevd.schedules.sessions.runner import SessionRunner
 from kandevd.schedules.settings import Switches
 from kandevd.timeutil import parse_rfc3339, rfc3339
 from tests.support.workflows import history, schedule, write_workflow

@@ -13,7 +13,7 @@ from typing import Any
 from kandevd.runtime import attempts
 from kandevd.runtime.records import ExecutionRecord, write_record
 from kandevd.schedules import history as hist
-from kandevd.schedules.stranded import settle_entry, sweep_records
+from kandevd.schedules.restart.stranded import settle_entry, sweep_records
 from kandevd.timeutil import rfc3339
 
 NOW = datetime(2026, 12, 5, 9, 0, tzinfo=UTC)

@@ -1,7 +1,7 @@
 """Scheduled turns a previous daemon left running, adopted at start.
 
 A turn runs with an execution record in ``<home>/turns/<key>/`` (see
-:mod:`kandevd.schedules.session`). When the daemon dies (or stops with
+:mod:`kandevd.schedules.sessions.session`). When the daemon dies (or stops with
 ``runtime.keep_agents_on_stop``) during a turn, its agent keeps running under
 its shim. The next start marks the entry ``error: interrupted: server
 restarted`` (a stale run, until shown otherwise); then, before the orphan
@@ -14,7 +14,7 @@ recorded, its stdout merged into its log, its record removed once that is
 written, and the run ends with the turn's outcome (``success`` included),
 which the job's state, notification and ``pause_after_failures`` follow as for
 any run. A turn that ended meanwhile, or was not adopted, is settled by
-:mod:`kandevd.schedules.stranded` on the first tick.
+:mod:`kandevd.schedules.restart.stranded` on the first tick.
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ from kandevd.schedules.history import SHUTDOWN_ERROR
 from kandevd.schedules.jobs import JobNotFound
 from kandevd.schedules.products.program import conversation_lock
 from kandevd.schedules.registry import JobRegistry
-from kandevd.schedules.runner import SessionRunner
-from kandevd.schedules.session import (
+from kandevd.schedules.restart.stranded import STRANDED, Stranded
+from kandevd.schedules.sessions.runner import SessionRunner
+from kandevd.schedules.sessions.session import (
     MANUAL_STOP_ERROR,
     SessionControl,
     SessionPlan,
@@ -39,7 +40,6 @@ from kandevd.schedules.session import (
     remove_turn_record,
     turn_key,
 )
-from kandevd.schedules.stranded import STRANDED, Stranded
 from kandevd.timeutil import parse_rfc3339, rfc3339, utc_now
 
 log = logging.getLogger("kandevd.scheduler")

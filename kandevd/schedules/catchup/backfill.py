@@ -20,13 +20,13 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from kandevd.schedules.jobs import Job, JobNotFound
-from kandevd.schedules.runner import (
+from kandevd.schedules.rules.states import paused_after_failures
+from kandevd.schedules.sessions.runner import (
     AlreadyRunning,
     RunnerClosed,
     SessionRunner,
     StartNotRecorded,
 )
-from kandevd.schedules.states import paused_after_failures
 from kandevd.timeutil import rfc3339
 
 log = logging.getLogger("kandevd.scheduler.backfill")

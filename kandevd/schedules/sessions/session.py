@@ -16,10 +16,10 @@ the entry is recorded ``stopped``. A turn runs with an execution record in
 ``<home>/turns/<key>/`` as a queued run does in its attempt folder, so a
 shutdown with ``runtime.keep_agents_on_stop`` leaves it running (the entry
 stays ``running``) and the next daemon adopts it
-(:mod:`kandevd.schedules.adopted`). The record is removed only once the turn's
+(:mod:`kandevd.schedules.restart.adopted`). The record is removed only once the turn's
 outcome is on the entry (a full disk delays that write), so whatever stops the
 daemon first, the next start finds the turn's end
-(:mod:`kandevd.schedules.stranded`).
+(:mod:`kandevd.schedules.restart.stranded`).
 """
 
 from __future__ import annotations

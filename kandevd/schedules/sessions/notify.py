@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kandevd.schedules.options import NotifySpec
+from kandevd.schedules.rules.options import NotifySpec
 from kandevd.timeutil import rfc3339, utc_now
 
 log = logging.getLogger("kandevd.scheduler.notify")

@@ -6,7 +6,7 @@ holds the one buffered fire of a ``buffer_one`` (or ``replace``) schedule and
 starts it when the running session ends; it stops a session on request, when
 it outlives its ``timeout_s``, or at shutdown. When a session ends it tells
 the job's source, pauses a job that failed ``pause_after_failures`` times in a
-row, and hands a notification to the :class:`~kandevd.schedules.notify.Notifier`.
+row, and hands a notification to the :class:`~kandevd.schedules.sessions.notify.Notifier`.
 """
 
 from __future__ import annotations
@@ -24,11 +24,16 @@ from kandevd.paths import HomeLayout
 from kandevd.schedules import history as hist
 from kandevd.schedules.history import SHUTDOWN_ERROR, History
 from kandevd.schedules.jobs import Job, JobNotFound
-from kandevd.schedules.notify import Notifier, notify_event
-from kandevd.schedules.options import NotifySpec
 from kandevd.schedules.registry import JobRegistry
-from kandevd.schedules.session import MANUAL_STOP_ERROR, Session, SessionControl, SessionPlan
-from kandevd.schedules.states import paused_after_failures
+from kandevd.schedules.rules.options import NotifySpec
+from kandevd.schedules.rules.states import paused_after_failures
+from kandevd.schedules.sessions.notify import Notifier, notify_event
+from kandevd.schedules.sessions.session import (
+    MANUAL_STOP_ERROR,
+    Session,
+    SessionControl,
+    SessionPlan,
+)
 from kandevd.timeutil import rfc3339, utc_now
 
 log = logging.getLogger("kandevd.scheduler")

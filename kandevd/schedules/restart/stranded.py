@@ -6,7 +6,7 @@ stdout) until the turn's outcome is on its history entry. When the daemon dies
 first (or stops leaving its agents running, or stops while a full disk keeps
 the entry's writes in memory), the next start marks the session ``error:
 interrupted: server restarted`` (stale until shown otherwise), adopts the
-turns still running (:mod:`kandevd.schedules.adopted`, which takes their
+turns still running (:mod:`kandevd.schedules.restart.adopted`, which takes their
 entries off the list here) and stops the agents it does not adopt. Then, on
 the cron loop's first tick (after those agents were stopped, so their shims
 have written their exit status), each turn of the other entries is settled
@@ -37,7 +37,7 @@ from kandevd.runtime.attempts import SPENT_SUFFIX
 from kandevd.runtime.output import collect_stdout
 from kandevd.runtime.records import collect_output, outcome_from_record, read_record
 from kandevd.schedules import history as hist
-from kandevd.schedules.session import remove_turn_record, turn_key
+from kandevd.schedules.sessions.session import remove_turn_record, turn_key
 from kandevd.timeutil import rfc3339
 
 log = logging.getLogger("kandevd.scheduler")

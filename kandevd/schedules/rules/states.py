@@ -25,7 +25,7 @@ from datetime import datetime
 from typing import Any
 
 from kandevd.schedules.jobs import Job
-from kandevd.schedules.options import jitter_delay
+from kandevd.schedules.rules.options import jitter_delay
 from kandevd.schedules.settings import Switches
 from kandevd.timeutil import rfc3339
 

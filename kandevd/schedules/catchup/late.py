@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable
 from datetime import datetime, timedelta
 
-from kandevd.schedules.backfill import BackfillRunning, Backfills
+from kandevd.schedules.catchup.backfill import BackfillRunning, Backfills
 from kandevd.schedules.jobs import Job
 from kandevd.schedules.registry import JobRegistry
 from kandevd.timeutil import rfc3339

@@ -98,7 +98,8 @@ def test_a_refused_outcome_write_is_retried_and_the_agent_runs_once(
     assert attempt_dirs(daemon.home, run["id"]) == []  # the outcome file is cleaned up
     # Its stdout was merged into the log and removed once the outcome was written.
     assert list((daemon.home / "attempts").glob(f"{run['id']}.*.stdout")) == []
-    assert kept_exit(daemon.home, run["id"]) is None  # the keeper forgot its exit
+    # The keeper forgets the exit once the acknowledgement sent after that commit reaches it.
+    daemon.wait_until(lambda: kept_exit(daemon.home, run["id"]) is None)
     # The agent was busy only until the outcome was written: the next run goes through.
     second = enqueue(daemon, touch=str(touch))
     wait_status(daemon, second["id"], "finished")

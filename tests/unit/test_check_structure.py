@@ -87,7 +87,8 @@ def test_each_rule_is_found(cs: ModuleType, tree: Path) -> None:
 
 
 def test_report(cs: ModuleType, tree: Path) -> None:
-    lines, problems = cs.check(tree, 10, show_sizes=True, layers=LAYERS, pairs=[])
+    lines, problems = cs.check(tree, 10, show_sizes=True, layers=LAYERS, pairs=[],
+                               sql_waiting=())
     text = "\n".join(lines)
     assert "kandevd/big.py:1: 12 lines (> 10)" in text
     assert "circle 1 (2 modules): kandevd.room.a, kandevd.room.b" in text
@@ -97,11 +98,50 @@ def test_report(cs: ModuleType, tree: Path) -> None:
     assert problems == 3
     assert lines[-1] == "structure: 3 problem(s)"
 
-    strict, problems = cs.check(tree, 100, strict=True, layers=LAYERS, pairs=[])
+    strict, problems = cs.check(tree, 100, strict=True, layers=LAYERS, pairs=[],
+                                sql_waiting=())
     assert problems == 3  # no size problem; the unplaced module counts
     assert strict[-1] == "structure: 3 problem(s)"
 
     (tree / "kandevd/leaf.py").write_text("")
     (tree / "kandevd/room/b.py").write_text("")
-    lines, problems = cs.check(tree, 100, layers=LAYERS, pairs=[])
+    lines, problems = cs.check(tree, 100, layers=LAYERS, pairs=[], sql_waiting=())
     assert (problems, lines[-1]) == (0, "structure: ok")
+
+
+def test_rooms_sql_and_json_shaped_signatures(cs: ModuleType, tmp_path: Path) -> None:
+    files = {
+        "kandevd/__init__.py": "",
+        "kandevd/store/__init__.py": "",
+        "kandevd/store/runs.py": 'Q = "SELECT 1 FROM runs"\n',  # the store may
+        "kandevd/room/__init__.py": "",
+        "kandevd/room/a.py": (
+            '"""SELECT nothing: a docstring is no statement."""\n'
+            "from typing import Any\n"
+            'def go(conn, x: dict[str, Any]) -> dict[str, Any]:\n'
+            '    return conn.execute(f"UPDATE runs SET x = {x}")\n'
+            "def _private(x: dict[str, Any]) -> None: ...\n"
+        ),
+        "kandevd/room/b.py": 'WHERE = " AND status = 1"  # a fragment, not a statement\n',
+        "kandevd/room/c.py": 'OLD = "DELETE FROM runs"\n',
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    modules = cs.find_modules(tmp_path)
+    assert cs.sql_outside_store(modules, tmp_path) == [
+        ("kandevd.room.a", "kandevd/room/a.py", 4), ("kandevd.room.c", "kandevd/room/c.py", 1)]
+    assert cs.dict_any_in_signatures(modules) == 2
+    assert cs.dict_any_in_signatures(modules, ("kandevd.room",)) == 0
+    assert cs.crowded(modules, {"kandevd.room": 3}) == [("kandevd.room", 4, 3)]
+
+    layers = {"kandevd": 0, "kandevd.store": 2, "kandevd.room": 3}
+    lines, problems = cs.check(tmp_path, layers=layers, pairs=[], crowding={"kandevd.room": 3},
+                               sql_waiting=("kandevd.room.c", "kandevd.gone"), dict_ceiling=1)
+    text = "\n".join(lines)
+    assert "kandevd/room/a.py:4: SQL outside kandevd/store/" in text
+    assert "== SQL outside the store: 1 new, 1 not yet moved (in 1 module(s))" in text
+    assert "kandevd.gone: holds no SQL any more" in text
+    assert "kandevd.room: 4 modules directly in it (> 3)" in text
+    assert "2 > 1: pass a typed value instead" in text
+    assert problems == 4

@@ -22,18 +22,13 @@ from typing import TYPE_CHECKING, Any
 
 from kandevd.bus import EventBus
 from kandevd.config import Config, UnknownProfile
-from kandevd.model import repository as sql
 from kandevd.model.actions import ActionError, run_queue_run, target_agent_id, validate_action
-from kandevd.model.repository import (
-    ConflictError,
-    InvalidReference,
-    LaunchRefused,
-    NotFoundError,
-)
+from kandevd.model.errors import ConflictError, InvalidReference, LaunchRefused, NotFoundError
 from kandevd.paths import HomeLayout
 from kandevd.queue.service import RunQueue
 from kandevd.runtime import AgentRuntime, ExecutionResult, RuntimeFull
 from kandevd.runtime.specs import agent_execution
+from kandevd.store import workspace as sql
 from kandevd.store.base import BaseStore
 from kandevd.timeutil import rfc3339, utc_now
 
@@ -105,7 +100,7 @@ class WorkspaceService:
 
     @staticmethod
     def _free_id(conn: sqlite3.Connection, table: str, what: str, ident: str) -> None:
-        if conn.execute(f"SELECT 1 FROM {table} WHERE id = ?", (ident,)).fetchone():
+        if sql.id_taken(conn, table, ident):
             raise ConflictError(f"{what} {ident!r} already exists")
 
     def _announce_update(self, kind: str, before: Mapping[str, Any],
@@ -313,10 +308,7 @@ class WorkspaceService:
             self._free_id(conn, "tasks", "task", row["id"])
             self._workspace_ref(conn, row["workspace_id"])
             if row["step_id"] is None:
-                first = conn.execute("SELECT id FROM workflow_steps WHERE workflow_id = ?"
-                                     " ORDER BY position LIMIT 1",
-                                     (row["workflow_id"],)).fetchone()
-                row["step_id"] = first["id"] if first is not None else None
+                row["step_id"] = sql.first_step_id(conn, row["workflow_id"])
             self._task_refs(conn, row)
             sql.insert_task(conn, row)
             task = self._need(sql.get_task(conn, row["id"]), "task", row["id"])
@@ -359,11 +351,7 @@ class WorkspaceService:
                 raise InvalidReference(f"step_id: step {step_id!r} does not exist in workflow "
                                        f"{before['workflow_id']!r}")
             sql.update_task(conn, task_id, {"step_id": step_id, "updated_at": self._now()})
-            if before["step_id"] != step_id:
-                conn.execute("UPDATE tasks SET step_entry = step_entry + 1 WHERE id = ?",
-                             (task_id,))
-            entry = conn.execute("SELECT step_entry FROM tasks WHERE id = ?",
-                                 (task_id,)).fetchone()[0]
+            entry = sql.enter_step(conn, task_id, new_entry=before["step_id"] != step_id)
             after = self._need(sql.get_task(conn, task_id), "task", task_id)
         changes = changed_fields(before, after)
         if "step_id" not in changes:

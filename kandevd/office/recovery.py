@@ -51,12 +51,12 @@ from __future__ import annotations
 import logging
 from datetime import datetime, timedelta
 
-from kandevd.model.repository import RUNNER_SQL
 from kandevd.office.predicate import OFFICE_TASK_SQL, office_adopted
 from kandevd.office.subscribers import REASON, task_assigned_key
 from kandevd.queue.service import RunQueue
 from kandevd.runs.model import RunReferenceError
 from kandevd.store.base import BaseStore
+from kandevd.store.workspace import RUNNER_SQL
 from kandevd.timeutil import rfc3339
 
 from . import HandlerResult

@@ -17,7 +17,7 @@ from kandevd.control.protocol import Conflict, InvalidParams, NotFound, Refused,
 from kandevd.control.registry import Registry, object_schema, paging_properties
 from kandevd.control.services import Services
 from kandevd.model.actions import ACTION_SCHEMA
-from kandevd.model.repository import ConflictError, InvalidReference, LaunchRefused, NotFoundError
+from kandevd.model.errors import ConflictError, InvalidReference, LaunchRefused, NotFoundError
 from kandevd.model.service import AGENT_STATUSES, STYLES
 from kandevd.runtime import RuntimeStopped
 

@@ -27,9 +27,9 @@ from click.testing import CliRunner
 
 from kandevd.app.homelock import HomeLock, read_pid
 from kandevd.cli import cli
-from kandevd.model import repository
 from kandevd.net.urls import redact_url
 from kandevd.store import copy
+from kandevd.store import workspace as repository
 from kandevd.store.base import BaseStore
 from kandevd.store.open import open_store
 from kandevd.store.runs import RunRepository

@@ -1,10 +1,10 @@
-"""SQL for the workspace model: workspaces, agents, workflows (+ ordered steps), tasks.
+"""The workspace model's tables: workspaces, agents, workflows (+ ordered steps), tasks.
 
-Every function takes the connection it runs on, so the service can put a
-reference check and the write that depends on it into one ``BEGIN
-IMMEDIATE`` transaction. Nothing here validates references or publishes
-events (that is :mod:`kandevd.model.service`); what comes out are plain
-dicts, the objects the control socket returns.
+Every statement of the model. Every function takes the connection it runs
+on, so the service can put a reference check and the write that depends on
+it into one ``BEGIN IMMEDIATE`` transaction. Nothing here validates
+references or publishes events (that is :mod:`kandevd.model.service`); what
+comes out are plain dicts, the objects the control socket returns.
 
 A task's effective runner is defined once, here, in both languages:
 :data:`RUNNER_SQL` for queries that join ``tasks t`` with its current step
@@ -17,27 +17,6 @@ import json
 import sqlite3
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
-
-
-class ModelError(Exception):
-    """Base of the model's errors; the message is meant for the caller."""
-
-
-class NotFoundError(ModelError, LookupError):
-    """The object the request names (its ``id``) does not exist."""
-
-
-class ConflictError(ModelError):
-    """The object cannot be created as asked (e.g. its id is taken)."""
-
-
-class InvalidReference(ModelError, ValueError):
-    """A field refers to something that does not exist or does not fit; names the field."""
-
-
-class LaunchRefused(ModelError):
-    """The runtime cannot start the launch now (full, or the agent is paused)."""
-
 
 #: The effective runner of ``tasks t`` joined with its current step ``workflow_steps s``.
 RUNNER_SQL = "COALESCE(NULLIF(t.runner_agent_id, ''), NULLIF(s.agent_id, ''))"
@@ -234,3 +213,27 @@ def list_tasks(conn: sqlite3.Connection, *, limit: int, offset: int,
              " ON s.workflow_id = t.workflow_id AND s.id = t.step_id")
     return _page(conn, TASK_SELECT, count, where, params, "t.rowid", limit, offset,
                  task_from_row)
+
+
+# -- checks and step entries ---------------------------------------------------------
+
+def id_taken(conn: sqlite3.Connection, table: str, ident: str) -> bool:
+    """Is ``ident`` an id in ``table`` (one of the model's own tables) already?"""
+    if table not in ("workspaces", "agents", "workflows", "tasks"):
+        raise ValueError(f"not a table of the workspace model: {table!r}")
+    return conn.execute(f"SELECT 1 FROM {table} WHERE id = ?", (ident,)).fetchone() is not None
+
+
+def first_step_id(conn: sqlite3.Connection, workflow_id: str) -> str | None:
+    """The id of ``workflow_id``'s first step, or None for a workflow without steps."""
+    row = conn.execute("SELECT id FROM workflow_steps WHERE workflow_id = ?"
+                       " ORDER BY position LIMIT 1", (workflow_id,)).fetchone()
+    return row["id"] if row is not None else None
+
+
+def enter_step(conn: sqlite3.Connection, task_id: str, *, new_entry: bool) -> int:
+    """The task's step entry counter, counted up first when it entered a different step."""
+    if new_entry:
+        conn.execute("UPDATE tasks SET step_entry = step_entry + 1 WHERE id = ?", (task_id,))
+    return int(conn.execute("SELECT step_entry FROM tasks WHERE id = ?",
+                            (task_id,)).fetchone()[0])

@@ -1,6 +1,6 @@
 """Office: autonomous work for Office tasks, routines and budgets.
 
-* :mod:`~kandevd.office.predicate` - what an Office task is (once, SQL + Python)
+* :mod:`~kandevd.store.office.predicate` - what an Office task is (once, SQL + Python)
 * :mod:`~kandevd.office.subscribers` - assignment -> one ``task_assigned`` run
 * :mod:`~kandevd.office.recovery` - unstarted Office tasks get their run
 * :mod:`~kandevd.office.routines` - cron routines -> ``routine_trigger`` runs

@@ -42,17 +42,19 @@ from __future__ import annotations
 
 import logging
 import sqlite3
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
 from kandevd.bus import EventBus
-from kandevd.office.predicate import PROBE_TAG
 from kandevd.store.base import BaseStore
-from kandevd.store.runs.retention import KeepRule
-from kandevd.timeutil import rfc3339
+from kandevd.store.office import budgets as sql
+from kandevd.store.office.budgets import HARD_BUDGET_PROBE_SQL, spent_cents
 
 from . import HandlerResult
+
+__all__ = ["HARD_BUDGET_PROBE_SQL", "RETENTION_KEEPS_COUNTED_RUNS", "BudgetGuard",
+           "budget_blocker", "exceeded_hard_budgets", "period_of", "spent_cents"]
 
 log = logging.getLogger("kandevd.office.budgets")
 
@@ -60,18 +62,6 @@ SCOPE_TYPES = ("agent", "workspace")
 PERIODS = ("monthly", "lifetime")
 ACTIONS = ("notify_only", "pause_agent")
 ALERT_TOPIC = "budget.alert"
-
-_PROBE_SQL = f"{PROBE_TAG} SELECT EXISTS(SELECT 1 FROM office_budget_policies)"
-#: True when some ``pause_agent`` policy exists: false means no agent is over a hard budget
-#: (the claim gate's first look; see ``RunRepository(claim_gate_probe=...)``).
-HARD_BUDGET_PROBE_SQL = (f"{PROBE_TAG} SELECT EXISTS(SELECT 1 FROM office_budget_policies"
-                         " WHERE action_on_exceed = 'pause_agent')")
-_HARD_POLICIES_SQL = (
-    "/* office:budget-claim */ SELECT id, workspace_id, scope_type, scope_id, limit_cents,"
-    " period FROM office_budget_policies WHERE action_on_exceed = 'pause_agent'")
-#: the order in which policies are looked at: the first exceeded one names the blocker
-_POLICY_ORDER = " ORDER BY created_at, id"
-_SCOPE_COLUMN = {"agent": "agent_id", "workspace": "workspace_id"}
 
 
 def period_of(period: str, now: datetime) -> tuple[str, datetime | None]:
@@ -86,41 +76,24 @@ def period_of(period: str, now: datetime) -> tuple[str, datetime | None]:
 #: Retention keeps a costed run while a budget counts it: deleting it would lower what
 #: an agent or workspace has spent and could lift a hard budget. For a ``lifetime``
 #: budget always, for a ``monthly`` one while it ended in the current (UTC) month.
-RETENTION_KEEPS_COUNTED_RUNS = KeepRule(
-    sql="r.cost_cents IS NOT NULL AND EXISTS ("
-        " SELECT 1 FROM office_budget_policies p"
-        " WHERE ((p.scope_type = 'agent' AND p.scope_id = r.agent_id)"
-        "        OR (p.scope_type = 'workspace' AND p.scope_id = r.workspace_id))"
-        "   AND (p.period != 'monthly'"
-        "        OR COALESCE(r.finished_at, r.requested_at) >= :month_start))",
-    params=lambda now: {"month_start": rfc3339(period_of("monthly", now)[1] or now)})
-
-
-def spent_cents(conn: sqlite3.Connection, scope_type: str, scope_id: str,
-                start: datetime | None) -> float:
-    """Sum of ``cost_cents`` of the scope's runs recorded since ``start`` (None: ever)."""
-    sql = (f"/* office:budget-scan */ SELECT COALESCE(SUM(cost_cents), 0) FROM runs"
-           f" WHERE {_SCOPE_COLUMN[scope_type]} = ? AND cost_cents IS NOT NULL")
-    params: list[Any] = [scope_id]
-    if start is not None:
-        sql += " AND COALESCE(finished_at, requested_at) >= ?"
-        params.append(rfc3339(start))
-    return float(conn.execute(sql, params).fetchone()[0])
+RETENTION_KEEPS_COUNTED_RUNS = sql.counted_runs_rule(
+    lambda now: period_of("monthly", now)[1] or now)
 
 
 def thresholds(policy: Mapping[str, Any]) -> list[float]:
     return sorted({float(policy["alert_threshold_pct"]), 100.0})
 
 
-def _exceeded(conn: sqlite3.Connection, now: datetime, where: str = "",
-              params: Sequence[Any] = ()) -> Iterator[Mapping[str, Any]]:
-    """The ``pause_agent`` policies (narrowed by ``where``) spent to 100 % or more, in order.
+def _exceeded(conn: sqlite3.Connection, now: datetime, covering: tuple[str, str] | None = None
+              ) -> Iterator[Mapping[str, Any]]:
+    """The ``pause_agent`` policies (those covering an agent, with ``covering``) spent to
+    100 % or more, in order.
 
     One existence probe first: without a ``pause_agent`` policy nothing else runs.
     """
-    if not conn.execute(HARD_BUDGET_PROBE_SQL).fetchone()[0]:
+    if not sql.any_hard_policy(conn):
         return
-    for policy in conn.execute(_HARD_POLICIES_SQL + where + _POLICY_ORDER, params).fetchall():
+    for policy in sql.hard_policies(conn, covering):
         _, start = period_of(policy["period"], now)
         if spent_cents(conn, policy["scope_type"], policy["scope_id"], start) \
                 >= float(policy["limit_cents"]):
@@ -133,18 +106,16 @@ def exceeded_hard_budgets(conn: sqlite3.Connection, now: datetime) -> dict[str, 
     Every agent in the scope (the agent; for ``workspace``, every agent of the
     workspace) of a ``pause_agent`` policy whose spend in the period holding
     ``now`` is >= its ``limit_cents``. When several policies block an agent it
-    names the first (by ``created_at``, ``id``). Read-only and pure SQL on
-    ``conn``, so it can run inside the claim's transaction; without any
-    ``pause_agent`` policy it is one tiny existence query returning ``{}``.
+    names the first (by ``created_at``, ``id``). Read-only on ``conn``, so it
+    can run inside the claim's transaction; without any ``pause_agent`` policy
+    it is one tiny existence query returning ``{}``.
     """
     blocked: dict[str, str] = {}
     for policy in _exceeded(conn, now):
         if policy["scope_type"] == "agent":
             agents = [policy["scope_id"]]
         else:
-            agents = [row[0] for row in conn.execute(
-                "/* office:budget-claim */ SELECT id FROM agents WHERE workspace_id = ?",
-                (policy["scope_id"],))]
+            agents = sql.workspace_agents(conn, policy["scope_id"])
         for agent in agents:
             blocked.setdefault(agent, policy["id"])
     return blocked
@@ -158,9 +129,7 @@ def budget_blocker(conn: sqlite3.Connection, agent_id: str, workspace_id: str,
     an agent of ``workspace_id``, but only the policies whose scope covers the
     agent are evaluated.
     """
-    where = (" AND ((scope_type = 'agent' AND scope_id = ?)"
-             " OR (scope_type = 'workspace' AND scope_id = ?))")
-    for policy in _exceeded(conn, now, where, (agent_id, workspace_id)):
+    for policy in _exceeded(conn, now, (agent_id, workspace_id)):
         return str(policy["id"])
     return None
 
@@ -173,15 +142,13 @@ class BudgetGuard:
         self.bus = bus
 
     def active(self) -> bool:
-        return bool(self.store.query_one(_PROBE_SQL)[0])
+        return sql.any_policy(self.store)
 
     def tick(self, now: datetime) -> HandlerResult:
         if not self.active():
             return HandlerResult(scanned=False)
-        policies = self.store.query(
-            "/* office:budget-scan */ SELECT * FROM office_budget_policies ORDER BY created_at, id")
         alerts = 0
-        for policy in policies:
+        for policy in sql.all_policies(self.store):
             alerts += self.evaluate(policy, now)
         return HandlerResult(scanned=True, acted=alerts)
 
@@ -195,16 +162,12 @@ class BudgetGuard:
             for pct in thresholds(policy):
                 if spent < limit * pct / 100.0:
                     break
-                inserted = conn.execute(
-                    "INSERT INTO office_budget_alerts (policy_id, period_key,"
-                    " threshold_pct, spent_cents, created_at) VALUES (?, ?, ?, ?, ?)"
-                    " ON CONFLICT DO NOTHING",
-                    (policy["id"], period_key, pct, spent, rfc3339(now))).rowcount
-                if not inserted:
+                if not sql.record_alert(conn, policy["id"], period_key, pct, spent, now):
                     continue
                 paused: list[str] = []
                 if pct >= 100.0 and policy["action_on_exceed"] == "pause_agent":
-                    paused = self._pause(conn, policy, now)
+                    paused = sql.pause_agents(conn, policy["scope_type"], policy["scope_id"],
+                                              now)
                 events.append({
                     "policy_id": policy["id"], "workspace_id": policy["workspace_id"],
                     "scope_type": policy["scope_type"], "scope_id": policy["scope_id"],
@@ -221,12 +184,3 @@ class BudgetGuard:
                         if event["paused_agents"] else "")
             self.bus.publish(ALERT_TOPIC, event)
         return len(events)
-
-    @staticmethod
-    def _pause(conn: sqlite3.Connection, policy: Mapping[str, Any], now: datetime
-               ) -> list[str]:
-        column = "id" if policy["scope_type"] == "agent" else "workspace_id"
-        rows = conn.execute(
-            f"UPDATE agents SET status = 'paused', updated_at = ? WHERE {column} = ?"
-            " AND status = 'active' RETURNING id", (rfc3339(now), policy["scope_id"])).fetchall()
-        return sorted(r["id"] for r in rows)

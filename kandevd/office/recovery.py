@@ -42,7 +42,7 @@ the next attempt's idempotency key
 failed run inside the 24 h window would otherwise dedupe forever.
 
 Gate: the handler only scans when Office adoption exists
-(:func:`kandevd.office.predicate.office_adopted`); otherwise a tick costs one
+(:func:`kandevd.store.office.predicate.office_adopted`); otherwise a tick costs one
 tiny existence query and touches no ``tasks`` row.
 """
 
@@ -51,12 +51,12 @@ from __future__ import annotations
 import logging
 from datetime import datetime, timedelta
 
-from kandevd.office.predicate import OFFICE_TASK_SQL, office_adopted
 from kandevd.office.subscribers import REASON, task_assigned_key
 from kandevd.queue.service import RunQueue
 from kandevd.runs.model import RunReferenceError
 from kandevd.store.base import BaseStore
-from kandevd.store.workspace import RUNNER_SQL
+from kandevd.store.office import tasks as sql
+from kandevd.store.office.predicate import office_adopted
 from kandevd.timeutil import rfc3339
 
 from . import HandlerResult
@@ -70,47 +70,6 @@ CANDIDATES = MAX_PER_TICK * 4
 
 #: ``task_assigned`` runs recovery lets a task have within the lookback window
 MAX_CHAINS_PER_TASK = 3
-
-_BLOCKING = "('queued', 'claimed', 'finished')"
-#: cancel reasons the daemon writes itself; any other cancel is a user's
-SYSTEM_CANCEL_REASONS = ("reassigned", "run_too_old")
-_WITHDRAWN = "(c.status = 'cancelled' AND COALESCE(c.cancel_reason, '') = 'reassigned')"
-#: chains used by task ``t``: its ``task_assigned`` runs since ``:cutoff``, withdrawals aside
-_CHAINS_SQL = (f"(SELECT COUNT(*) FROM runs c WHERE c.task_id = t.id AND c.reason = '{REASON}'"
-               f" AND c.requested_at >= :cutoff AND NOT {_WITHDRAWN})")
-
-#: The run-side rules for a task aliased ``t`` (params ``:cutoff``, ``:max_chains``):
-#: nothing live or finished, the latest run not a user cancel, chains left.
-#: Every subquery is a probe of ``runs(task_id)``.
-RECOVERABLE_SQL = f"""(
-  NOT EXISTS (SELECT 1 FROM runs r WHERE r.task_id = t.id AND r.status IN {_BLOCKING})
-  AND NOT EXISTS (
-    SELECT 1 FROM runs l
-    WHERE l.seq = (SELECT MAX(m.seq) FROM runs m WHERE m.task_id = t.id)
-      AND l.status = 'cancelled'
-      AND COALESCE(l.cancel_reason, '') NOT IN {SYSTEM_CANCEL_REASONS!r})
-  AND {_CHAINS_SQL} < :max_chains
-)"""
-
-_SCAN_SQL = f"""/* office:recovery-scan */
-SELECT t.id, t.workspace_id, {RUNNER_SQL} AS runner
-FROM tasks t
-JOIN workspaces w ON w.id = t.workspace_id
-LEFT JOIN workflow_steps s ON s.workflow_id = t.workflow_id AND s.id = t.step_id
-WHERE t.state = 'TODO' AND t.created_at >= :cutoff
-  AND {OFFICE_TASK_SQL}
-  AND {RUNNER_SQL} IS NOT NULL
-  AND {RECOVERABLE_SQL}
-ORDER BY t.created_at, t.id
-LIMIT :limit
-"""
-
-#: The same run rules for one task, re-checked inside the enqueue's transaction;
-#: also returns the chains used so far.
-_RECHECK_SQL = f"""/* office:recovery-recheck */
-SELECT {_CHAINS_SQL} AS chains
-FROM tasks t WHERE t.id = :task AND {RECOVERABLE_SQL}
-"""
 
 
 class UnstartedTaskRecovery:
@@ -133,8 +92,8 @@ class UnstartedTaskRecovery:
         if not self.active():
             return HandlerResult(scanned=False)
         cutoff = rfc3339(now - self.lookback)
-        candidates = self.store.query(_SCAN_SQL, {"cutoff": cutoff, "limit": CANDIDATES,
-                                                  "max_chains": self.max_chains})
+        candidates = sql.recoverable_tasks(self.store, REASON, cutoff, self.max_chains,
+                                           CANDIDATES)
         queued = 0
         for row in candidates:
             if queued >= self.max_per_tick:
@@ -152,15 +111,13 @@ class UnstartedTaskRecovery:
         """
         try:
             with self.store.transaction() as conn:
-                recheck = conn.execute(_RECHECK_SQL, {"task": task_id, "cutoff": cutoff,
-                                                      "max_chains": self.max_chains}).fetchone()
-                if recheck is None:
+                chains = sql.chains_if_recoverable(conn, task_id, REASON, cutoff,
+                                                   self.max_chains)
+                if chains is None:
                     log.debug("recovery: task %s no longer qualifies", task_id)
                     return False
-                chain = recheck["chains"] + 1
-                attempt = conn.execute(
-                    "SELECT COUNT(*) FROM runs WHERE task_id = ? AND agent_id = ?"
-                    " AND reason = ?", (task_id, agent, REASON)).fetchone()[0]
+                chain = chains + 1
+                attempt = sql.assignment_runs(conn, task_id, agent, REASON)
                 result = self.queue.enqueue(
                     workspace_id=workspace_id, agent_id=agent, reason=REASON, task_id=task_id,
                     payload={"task_id": task_id},

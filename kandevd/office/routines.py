@@ -44,10 +44,10 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from kandevd.cron import CronError, CronSchedule, parse_cron
-from kandevd.office.predicate import PROBE_TAG
 from kandevd.queue.service import RunQueue
 from kandevd.runs.model import RunReferenceError
 from kandevd.store.base import BaseStore
+from kandevd.store.office import routines as sql
 from kandevd.timeutil import parse_rfc3339, rfc3339
 
 from . import HandlerResult
@@ -59,9 +59,6 @@ CONCURRENCY_POLICIES = ("skip_if_active", "always_create")
 CATCH_UP_POLICIES = ("skip_missed", "enqueue_missed_with_cap")
 STATUSES = ("active", "paused")
 
-_PROBE_SQL = f"{PROBE_TAG} SELECT EXISTS(SELECT 1 FROM office_routines WHERE status = 'active')"
-_DUE_SQL = ("/* office:routine-scan */ SELECT * FROM office_routines WHERE status = 'active'"
-            " AND (next_run_at IS NULL OR next_run_at <= ?) ORDER BY next_run_at, id")
 _ONE_MICROSECOND = timedelta(microseconds=1)
 
 
@@ -148,10 +145,10 @@ class RoutineScheduler:
         self.queue = queue
 
     def active(self) -> bool:
-        return bool(self.store.query_one(_PROBE_SQL)[0])
+        return sql.any_active(self.store)
 
     def due(self, now: datetime) -> list[sqlite3.Row]:
-        return self.store.query(_DUE_SQL, (rfc3339(now),))
+        return sql.due(self.store, rfc3339(now))
 
     def tick(self, now: datetime) -> HandlerResult:
         if not self.active():
@@ -176,11 +173,8 @@ class RoutineScheduler:
         following = fire_after(trigger, now)
         next_s = rfc3339(following) if following is not None else None
         with self.store.transaction() as conn:
-            claimed = conn.execute(
-                "UPDATE office_routines SET next_run_at = ?, updated_at = ?"
-                " WHERE id = ? AND next_run_at IS ? AND status = 'active'",
-                (next_s, rfc3339(now), routine["id"], routine["next_run_at"])).rowcount
-            if not claimed:
+            if not sql.claim_fire(conn, routine["id"], routine["next_run_at"], next_s,
+                                  rfc3339(now)):
                 log.debug("routine %s: fire already claimed by another tick", routine["id"])
                 return 0
             if routine["next_run_at"] is None:
@@ -211,17 +205,13 @@ class RoutineScheduler:
                 enqueued += 1
                 last_fired = scheduled
         if last_fired is not None:
-            conn.execute("UPDATE office_routines SET last_run_at = ? WHERE id = ?",
-                         (rfc3339(last_fired), routine["id"]))
+            sql.fired(conn, routine["id"], rfc3339(last_fired))
         log.debug("routine %s: next run at %s", routine["id"], next_s)
         return enqueued
 
     @staticmethod
     def _active_run(conn: sqlite3.Connection, routine: Mapping[str, Any]) -> sqlite3.Row | None:
-        return conn.execute(
-            "SELECT id, status FROM runs WHERE agent_id = ? AND reason = ?"
-            " AND status IN ('queued', 'claimed') AND json_extract(payload, '$.routine_id') = ?"
-            " ORDER BY seq LIMIT 1", (routine["agent_id"], REASON, routine["id"])).fetchone()
+        return sql.active_run(conn, routine["agent_id"], REASON, routine["id"])
 
     def _enqueue(self, routine: Mapping[str, Any], scheduled: datetime) -> bool:
         payload = dict(json.loads(routine["payload"] or "{}"))

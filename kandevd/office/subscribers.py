@@ -1,7 +1,7 @@
 """Office assignment subscribers: an Office task that gets a runner is queued.
 
 On ``task.created`` and ``task.updated`` the subscriber looks at the task the
-event carries. When it is an Office task (:mod:`kandevd.office.predicate`)
+event carries. When it is an Office task (:mod:`kandevd.store.office.predicate`)
 in state ``TODO`` with an effective runner, one ``task_assigned`` run is
 enqueued for the runner with payload ``{"task_id"}`` and the idempotency key
 ``task_assigned:<task>:<agent>``. A reassignment to another agent names a
@@ -26,10 +26,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from kandevd.bus import EventBus
-from kandevd.office.predicate import is_office_task
 from kandevd.queue.service import RunQueue
 from kandevd.runs.model import EnqueueResult, RunConflict, RunNotFound, RunReferenceError
 from kandevd.store.base import BaseStore
+from kandevd.store.office import tasks as sql
+from kandevd.store.office.predicate import is_office_task
 
 #: Statuses of an earlier assignment run that do not stand for the work being done.
 VOID = frozenset({"cancelled", "failed"})
@@ -75,9 +76,7 @@ class AssignmentSubscriber:
             bus.subscribe(topic, self.on_task_event)
 
     def _office_workflow_id(self, workspace_id: str) -> str | None:
-        row = self.store.query_one("SELECT office_workflow_id FROM workspaces WHERE id = ?",
-                                   (workspace_id,))
-        return row["office_workflow_id"] if row is not None else None
+        return sql.office_workflow_id(self.store, workspace_id)
 
     def on_task_event(self, topic: str, event: Mapping[str, Any]) -> None:
         task = event.get("task")
@@ -109,16 +108,13 @@ class AssignmentSubscriber:
         Only ``queued`` runs are cancelled (reason ``reassigned``); one already
         claimed is work in progress and is left to finish.
         """
-        rows = self.store.query(
-            "SELECT id FROM runs WHERE task_id = ? AND agent_id = ? AND reason = ?"
-            " AND status = 'queued'", (task_id, agent, REASON))
-        for row in rows:
+        for run_id in sql.queued_assignment_runs(self.store, task_id, agent, REASON):
             try:
-                self.queue.cancel(row["id"], "reassigned", only_queued=True)
+                self.queue.cancel(run_id, "reassigned", only_queued=True)
             except (RunConflict, RunNotFound):
                 continue  # claimed or finished meanwhile: nothing to withdraw
             log.info("task %s reassigned: %s run %s of %s cancelled", task_id, REASON,
-                     row["id"], agent)
+                     run_id, agent)
 
     def enqueue(self, task: Mapping[str, Any], agent: str) -> None:
         try:
@@ -126,9 +122,7 @@ class AssignmentSubscriber:
             if result.deduplicated and result.run.status in VOID:
                 # Assigned to this agent before, and that run was withdrawn or failed: a new
                 # assignment is new work (the same attempt-numbered key recovery uses).
-                attempt = self.store.query_one(
-                    "SELECT COUNT(*) FROM runs WHERE task_id = ? AND agent_id = ?"
-                    " AND reason = ?", (task["id"], agent, REASON))[0]
+                attempt = sql.assignment_runs(self.store, task["id"], agent, REASON)
                 result = self._enqueue(task, agent, attempt=attempt)
         except RunReferenceError as exc:
             log.warning("task %s: cannot queue %s for %s: %s", task["id"], REASON, agent, exc)

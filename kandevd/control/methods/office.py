@@ -35,6 +35,7 @@ from kandevd.office.routines import (
     first_next_run_at,
 )
 from kandevd.store.base import BaseStore
+from kandevd.store.office import admin as sql
 from kandevd.timeutil import rfc3339, utc_now
 
 NEW_ID = {"type": "string", "pattern": r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$"}
@@ -104,21 +105,21 @@ def budget_from_row(row: Mapping[str, Any]) -> dict[str, Any]:
 # -- checks ------------------------------------------------------------------------
 
 def _workspace_ref(conn: sqlite3.Connection, workspace_id: str) -> None:
-    if conn.execute("SELECT 1 FROM workspaces WHERE id = ?", (workspace_id,)).fetchone() is None:
+    if not sql.workspace_exists(conn, workspace_id):
         raise InvalidParams(f"workspace_id: workspace {workspace_id!r} does not exist")
 
 
 def _agent_ref(conn: sqlite3.Connection, field: str, agent_id: str, workspace_id: str) -> None:
-    row = conn.execute("SELECT workspace_id FROM agents WHERE id = ?", (agent_id,)).fetchone()
-    if row is None:
+    home = sql.agent_workspace(conn, agent_id)
+    if home is None:
         raise InvalidParams(f"{field}: agent {agent_id!r} does not exist")
-    if row["workspace_id"] != workspace_id:
+    if home != workspace_id:
         raise InvalidParams(f"{field}: agent {agent_id!r} belongs to workspace "
-                            f"{row['workspace_id']!r}, not {workspace_id!r}")
+                            f"{home!r}, not {workspace_id!r}")
 
 
 def _free_id(conn: sqlite3.Connection, table: str, what: str, ident: str) -> None:
-    if conn.execute(f"SELECT 1 FROM {table} WHERE id = ?", (ident,)).fetchone() is not None:
+    if sql.id_taken(conn, table, ident):
         raise Conflict(f"{what} {ident!r} already exists")
 
 
@@ -129,15 +130,10 @@ def _next_run_at(cron_expression: str, timezone: str, now: datetime) -> str | No
         raise InvalidParams(str(exc)) from None
 
 
-def _page(store: BaseStore, table: str, params: Mapping[str, Any], filters: tuple[str, ...],
-          mapper: Any) -> dict[str, Any]:
-    where = [f"{name} = ?" for name in filters if params.get(name) is not None]
-    values = [params[name] for name in filters if params.get(name) is not None]
-    clause = (" WHERE " + " AND ".join(where)) if where else ""
+def _page(store: BaseStore, table: str, params: Mapping[str, Any], mapper: Any
+          ) -> dict[str, Any]:
     limit, offset = params.get("limit", 50), params.get("offset", 0)
-    total = store.query_one(f"SELECT COUNT(*) FROM {table}{clause}", values)[0]
-    rows = store.query(f"SELECT * FROM {table}{clause} ORDER BY created_at, id LIMIT ? OFFSET ?",
-                       [*values, limit, offset])
+    total, rows = sql.page(store, table, params, limit, offset)
     return {"items": [mapper(r) for r in rows], "total": total, "limit": limit,
             "offset": offset}
 
@@ -154,8 +150,8 @@ def register(registry: Registry, services: Services) -> None:
         with store.transaction() as conn:
             _free_id(conn, "office_projects", "project", project["id"])
             _workspace_ref(conn, project["workspace_id"])
-            conn.execute("INSERT INTO office_projects (id, workspace_id, name, created_at)"
-                         " VALUES (:id, :workspace_id, :name, :created_at)", project)
+            sql.insert(conn, "office_projects", project,
+                       ("id", "workspace_id", "name", "created_at"))
         return project
 
     def create_routine(p: dict[str, Any]) -> dict[str, Any]:
@@ -178,18 +174,15 @@ def register(registry: Registry, services: Services) -> None:
             _free_id(conn, "office_routines", "routine", routine["id"])
             _workspace_ref(conn, routine["workspace_id"])
             _agent_ref(conn, "agent_id", routine["agent_id"], routine["workspace_id"])
-            columns = [c for c in ROUTINE_COLUMNS if c in routine]
-            row = conn.execute(
-                f"INSERT INTO office_routines ({', '.join(columns)}) VALUES"
-                f" ({', '.join(':' + c for c in columns)}) RETURNING *", routine).fetchone()
+            row = sql.insert(conn, "office_routines", routine,
+                             [c for c in ROUTINE_COLUMNS if c in routine])
         return routine_from_row(row)
 
     def update_routine(p: dict[str, Any]) -> dict[str, Any]:
         now = utc_now()
         now_s = rfc3339(now)
         with store.transaction() as conn:
-            before = conn.execute("SELECT * FROM office_routines WHERE id = ?",
-                                  (p["id"],)).fetchone()
+            before = sql.get(conn, "office_routines", p["id"])
             if before is None:
                 raise NotFound(f"routine {p['id']!r} does not exist")
             fields = {name: p[name] for name in ROUTINE_FIELDS if name in p}
@@ -205,9 +198,7 @@ def register(registry: Registry, services: Services) -> None:
                 fields["next_run_at"] = _next_run_at(after["cron_expression"],
                                                      after["timezone"], now)
             fields["updated_at"] = now_s
-            row = conn.execute(
-                f"UPDATE office_routines SET {', '.join(f'{k} = :{k}' for k in fields)}"
-                " WHERE id = :id RETURNING *", {**fields, "id": p["id"]}).fetchone()
+            row = sql.update(conn, "office_routines", p["id"], fields)
         return routine_from_row(row)
 
     def create_budget(p: dict[str, Any]) -> dict[str, Any]:
@@ -228,24 +219,19 @@ def register(registry: Registry, services: Services) -> None:
                 raise InvalidParams(
                     f"scope_id: a workspace budget's scope_id must be its workspace_id "
                     f"{budget['workspace_id']!r}, not {budget['scope_id']!r}")
-            row = conn.execute(
-                f"INSERT INTO office_budget_policies ({', '.join(BUDGET_COLUMNS)}) VALUES"
-                f" ({', '.join(':' + c for c in BUDGET_COLUMNS)}) RETURNING *",
-                budget).fetchone()
+            row = sql.insert(conn, "office_budget_policies", budget, BUDGET_COLUMNS)
         return budget_from_row(row)
 
     registry.add("office.projects.create", create_project, SCHEMAS["office.projects.create"])
     registry.add("office.projects.list",
-                 lambda p: _page(store, "office_projects", p, ("workspace_id",),
-                                 project_from_row), SCHEMAS["office.projects.list"])
+                 lambda p: _page(store, "office_projects", p, project_from_row),
+                 SCHEMAS["office.projects.list"])
     registry.add("office.routines.create", create_routine, SCHEMAS["office.routines.create"])
     registry.add("office.routines.update", update_routine, SCHEMAS["office.routines.update"])
     registry.add("office.routines.list",
-                 lambda p: _page(store, "office_routines", p,
-                                 ("workspace_id", "agent_id", "status"), routine_from_row),
+                 lambda p: _page(store, "office_routines", p, routine_from_row),
                  SCHEMAS["office.routines.list"])
     registry.add("office.budgets.create", create_budget, SCHEMAS["office.budgets.create"])
     registry.add("office.budgets.list",
-                 lambda p: _page(store, "office_budget_policies", p,
-                                 ("workspace_id", "scope_type", "scope_id"), budget_from_row),
+                 lambda p: _page(store, "office_budget_policies", p, budget_from_row),
                  SCHEMAS["office.budgets.list"])

@@ -9,7 +9,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kandevd.office.predicate import OFFICE_TASK_SQL, PROBE_TAG, is_office_task, office_adopted
+from kandevd.store.office.predicate import (
+    OFFICE_TASK_SQL,
+    PROBE_TAG,
+    is_office_task,
+    office_adopted,
+)
 from kandevd.store.open import open_store
 from kandevd.store.sqlite import Store
 

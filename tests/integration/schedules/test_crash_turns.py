@@ -164,7 +164,8 @@ def test_a_turn_still_running_at_start_is_adopted_and_its_end_recorded(crashed) 
     daemon.wait_until(lambda: not daemon.call("scheduler.jobs.get", {"id": JOB})["running"],
                       what="the job free again")
     daemon.call("scheduler.jobs.trigger", {"id": JOB})  # and it runs again
-    daemon.wait_until(lambda: len(records(record)) == 2, what="a new session's first turn")
+    # (its second turn may follow at once: two records more, seen together)
+    daemon.wait_until(lambda: len(records(record)) >= 2, what="a new session's first turn")
 
 
 def test_a_turn_adopted_then_left_again_is_adopted_by_the_next_start(crashed) -> None:
@@ -275,4 +276,5 @@ def test_with_adoption_off_a_live_turn_is_stopped_first_then_recorded(
     assert leftovers(daemon) == []
     Path(str(record) + ".release").touch()
     daemon.call("scheduler.jobs.trigger", {"id": JOB})  # the job runs again at once
-    daemon.wait_until(lambda: len(records(record)) == 2, what="a new session's first turn")
+    # (its second turn may follow at once: two records more, seen together)
+    daemon.wait_until(lambda: len(records(record)) >= 2, what="a new session's first turn")

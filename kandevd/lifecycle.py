@@ -41,7 +41,7 @@ import enum
 import logging
 import sqlite3
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from datetime import datetime
 from typing import Any
@@ -211,7 +211,10 @@ class Loop(abc.ABC):
         clock: Callable[[], datetime] = utc_now,
         parent: StopSignal | None = None,
         logger: logging.Logger | None = None,
+        wakeup: threading.Event | None = None,
     ) -> None:
+        """``wakeup``: set to run the next tick now; given, when something built before
+        the loop must be able to wake it (else the loop makes its own)."""
         self.name = name
         self.log = logger or logging.getLogger(f"kandevd.{name}")
         self._clock = clock
@@ -219,7 +222,7 @@ class Loop(abc.ABC):
         self._state = LoopState.STOPPED
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
-        self._wakeup = threading.Event()
+        self._wakeup = wakeup if wakeup is not None else threading.Event()
         self.fanout = FanOut(name, self.log)
         self.ticks = 0
         self._last_db_error: str | None = None  # the last database error a tick logged
@@ -346,13 +349,3 @@ def _wait_seconds(value: object) -> float:
         raise ValueError("tick returned NaN")
     return min(max(delay, MIN_WAIT_S), MAX_WAIT_S)
 
-
-def stop_all(loops: Iterable[Loop]) -> list[tuple[str, BaseException]]:
-    """Stop loops in the given order, collecting failures instead of skipping the rest."""
-    failures: list[tuple[str, BaseException]] = []
-    for loop in loops:
-        try:
-            loop.stop()
-        except BaseException as exc:  # keep stopping the others
-            failures.append((loop.name, exc))
-    return failures

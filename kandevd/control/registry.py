@@ -102,13 +102,6 @@ class Registry:
             return self.reader()
         return nullcontext()
 
-    def method(self, name: str, schema: dict[str, Any] | None = None, **kwargs: Any
-               ) -> Callable[[Handler], Handler]:
-        def decorate(handler: Handler) -> Handler:
-            self.add(name, handler, schema, **kwargs)
-            return handler
-        return decorate
-
     def get(self, name: str) -> Method:
         try:
             return self._methods[name]

@@ -28,10 +28,6 @@ class LiveRuns:
         self.folders: dict[tuple[str, str], Path] = {}
         self.cancel_requested: set[str] = set()  # claimed runs cancelled, maybe not started
 
-    def add(self, claim: Claim) -> None:
-        with self.lock:
-            self.agents[claim.run.id] = claim.run.agent_id
-
     def run_ids(self) -> frozenset[str]:
         with self.lock:
             return frozenset(self.agents)

@@ -283,10 +283,6 @@ class ExecutionControl:
         except OSError:  # no pipe could be made: nobody waits on one (wake_fd fails too)
             pass
 
-    def wait_requested(self, timeout: float | None = None) -> bool:
-        """Block until a termination is requested (for runners without fds)."""
-        return self._requested.wait(timeout)
-
     def kill_now(self) -> None:
         """SIGKILL the process group at once (forced exit); no grace, no waiting."""
         with self._lock:

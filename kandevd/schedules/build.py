@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Any
 from kandevd.config import Config
 from kandevd.lifecycle import StopSignal
 from kandevd.paths import HomeLayout
+from kandevd.schedules.history import PendingWrites
 from kandevd.schedules.loop import CronLoop
 from kandevd.schedules.products.source import ProductSource
 from kandevd.schedules.registry import JobRegistry
@@ -28,7 +30,8 @@ def scheduler_root(config: Config, home: Path) -> Path:
     return HomeLayout(home).workspace
 
 
-def build_registry(root: Path, switches: Switches, retention_days: float) -> JobRegistry:
+def build_registry(root: Path, switches: Switches, retention_days: float,
+                   backlog: PendingWrites | None = None) -> JobRegistry:
     """The registry of ``root``'s jobs, of both kinds (not loaded yet)."""
     def sources(registry: JobRegistry) -> dict[str, JobSource]:
         return {"workflows": WorkflowSource(registry, retention_days=retention_days,
@@ -36,7 +39,7 @@ def build_registry(root: Path, switches: Switches, retention_days: float) -> Job
                 "products": ProductSource(registry, retention_days=retention_days,
                                           on_corrupt=registry.report_corrupt)}
 
-    return JobRegistry(root, switches=switches, sources=sources)
+    return JobRegistry(root, switches=switches, sources=sources, backlog=backlog)
 
 
 def build_cron_loop(config: Config, layout: HomeLayout, runtime: Any, *,
@@ -44,9 +47,11 @@ def build_cron_loop(config: Config, layout: HomeLayout, runtime: Any, *,
                     fire_gate: Callable[[str, datetime], bool] | None = None) -> CronLoop:
     """The cron loop over the home's workflow root, its jobs loaded (histories a dead
     daemon left ``running`` are closed here, before anything can start a session)."""
+    wakeup = threading.Event()  # the loop's; set when a failed history write is kept
     registry = build_registry(scheduler_root(config, layout.root),
                               Switches.from_config(config.scheduler),
-                              config.scheduler.history_retention_days)
+                              config.scheduler.history_retention_days,
+                              PendingWrites(wake=wakeup.set))
     registry.load_at_start(utc_now())
 
     def runner(loop: CronLoop) -> SessionRunner:
@@ -56,4 +61,4 @@ def build_cron_loop(config: Config, layout: HomeLayout, runtime: Any, *,
 
     return CronLoop(registry, runner_factory=runner,
                     stop_grace_s=config.runtime.stop_grace_s, parent=parent,
-                    fire_gate=fire_gate)
+                    fire_gate=fire_gate, wakeup=wakeup)

@@ -153,10 +153,12 @@ def left_running(entry: Any) -> bool:
 class PendingWrites:
     """History writes that failed (a full disk, a read-only remount): kept in memory
     and written again until they land, as run outcomes are, so a session's record is
-    never lost to a passing lack of space. Process-wide (:data:`BACKLOG`), keyed by
-    the file and the entry; the newest fields of an entry win."""
+    never lost to a passing lack of space. One per workflow root (its registry's),
+    shared by every :class:`History` of it, keyed by the file and the entry; the
+    newest fields of an entry win."""
 
-    def __init__(self) -> None:
+    def __init__(self, wake: Callable[[], None] | None = None) -> None:
+        """``wake()`` when a write is kept (the cron loop's, so it retries soon)."""
         self._lock = threading.Lock()
         self._pending: dict[tuple[Path, str], tuple[History, dict[str, Any]]] = {}
         #: What waits for a kept write to land (a turn's record, removed only once its
@@ -165,8 +167,7 @@ class PendingWrites:
         #: One lock per file, held across a write and its bookkeeping, so a retried
         #: (older) write never lands after a newer one of the same entry.
         self._files: dict[Path, threading.Lock] = {}
-        #: Called when a write is kept (the cron loop's wake, so it retries soon).
-        self.wake: Callable[[], None] | None = None
+        self.wake = wake
 
     def file_lock(self, path: Path) -> threading.Lock:
         with self._lock:
@@ -231,16 +232,14 @@ def _call(callbacks: list[Callable[[], None]]) -> None:
             log.exception("an action after a history write failed")
 
 
-#: Every history file's failed writes, retried by the cron loop at each tick.
-BACKLOG = PendingWrites()
-
-
 class History:
     """The history file of one workflow."""
 
-    def __init__(self, folder: Path, *, retention_days: float,
+    def __init__(self, folder: Path, *, retention_days: float, backlog: PendingWrites,
                  on_corrupt: CorruptReporter | None = None, cap: int | None = None) -> None:
-        """``cap``: keep at most that many entries (the newest), as product histories do."""
+        """``backlog``: where a failed write waits (the root's); ``cap``: keep at most that
+        many entries (the newest), as product histories do."""
+        self.backlog = backlog
         self.file = JsonFile(folder / HISTORY, on_corrupt=on_corrupt, indent=None, cache=True)
         self.retention_days = retention_days
         self.cap = cap
@@ -267,16 +266,16 @@ class History:
     def update_entry(self, entry_id: str, fields: dict[str, Any],
                      after: Callable[[], None] | None = None) -> bool:
         """Merge ``fields`` into the entry ``entry_id``; a write that fails is kept in
-        :data:`BACKLOG` and written later (never raised: the session goes on). True when
+        the backlog and written later (never raised: the session goes on). True when
         it landed now. ``after()`` is called once it has landed, now or later (never, if
         the process ends first: what it would undo then stays for the next start)."""
-        with BACKLOG.file_lock(self.file.path):
+        with self.backlog.file_lock(self.file.path):
             try:
                 self.write_entry(entry_id, fields)
             except OSError as exc:
-                BACKLOG.keep(self, entry_id, fields, exc, after)
+                self.backlog.keep(self, entry_id, fields, exc, after)
                 return False
-            waited = BACKLOG.forget(self, entry_id)
+            waited = self.backlog.forget(self, entry_id)
         _call([*waited, *([after] if after is not None else [])])
         return True
 

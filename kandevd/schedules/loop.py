@@ -26,12 +26,10 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from kandevd.lifecycle import Loop, StopSignal
-from kandevd.schedules import history as hist
 from kandevd.schedules.catchup.backfill import Backfills
 from kandevd.schedules.catchup.late import fire_late
 from kandevd.schedules.jobs import Job, job_dict
 from kandevd.schedules.registry import JobRegistry
-from kandevd.schedules.restart.stranded import STRANDED
 from kandevd.schedules.rules.states import JobStatus, Surroundings, job_status
 from kandevd.schedules.sessions.runner import (
     AlreadyRunning,
@@ -89,13 +87,15 @@ class CronLoop(Loop):
     def __init__(self, registry: JobRegistry, *, runner_factory: Callable[[CronLoop],
                  SessionRunner], stop_grace_s: float, parent: StopSignal | None = None,
                  clock: Callable[[], datetime] = utc_now,
-                 fire_gate: Callable[[str, datetime], bool] | None = None) -> None:
+                 fire_gate: Callable[[str, datetime], bool] | None = None,
+                 wakeup: threading.Event | None = None) -> None:
+        """``wakeup``: the event the registry's history backlog sets when it keeps a
+        failed write (so the loop retries it soon)."""
         super().__init__("cron", clock=clock, parent=parent,
-                         logger=logging.getLogger("kandevd.scheduler"))
+                         logger=logging.getLogger("kandevd.scheduler"), wakeup=wakeup)
         self.registry = registry
         self.runner = runner_factory(self)
         self.backfills = Backfills(self.runner, self.fanout.spawn, registry.by_key)
-        hist.BACKLOG.wake = self.wake  # a history write kept after a failure: retry soon
         self._stop_grace_s = stop_grace_s
         self._reload = threading.Event()
         self._settled = False
@@ -131,12 +131,12 @@ class CronLoop(Loop):
             self._settled = True
             live = self.runner.is_live_turn
             if self.fire_gate is None:  # one daemon: the entries it left are ours
-                STRANDED.settle(self.runner.turns_folder, live=live,
+                self.registry.stranded.settle(self.runner.turns_folder, live=live,
                                 ended=lambda item, entry: self.runner.settled(
                                     str(item.job_key), entry, item.history),
                                 release=self.runner.settle_turns)
             else:  # several: its records are this home's, its entries maybe another's
-                STRANDED.settle_records(self.runner.turns_folder, live,
+                self.registry.stranded.settle_records(self.runner.turns_folder, live,
                                         self.runner.settle_turns)
         if self._late_since is not None and self.fire_gate is not None:
             since, self._late_since = self._late_since, None
@@ -147,7 +147,8 @@ class CronLoop(Loop):
                              is Decision.RUN)
             self.late_fires += len(late)
             self.late_max_s = max([self.late_max_s, *late])
-        if len(hist.BACKLOG) and hist.BACKLOG.flush():
+        backlog = self.registry.backlog
+        if len(backlog) and backlog.flush():
             deadline = min(d for d in (deadline, now + RETRY_WRITES) if d is not None)
         due = self.registry.due(now)
         self.registry.alive.touch(now)
@@ -290,7 +291,7 @@ class CronLoop(Loop):
     def on_stopped(self) -> None:
         """The sessions are over: a last try at history writes that failed; what still
         cannot be written is said (it is lost with the process)."""
-        if len(hist.BACKLOG) and (left := hist.BACKLOG.flush()):
+        if len(self.registry.backlog) and (left := self.registry.backlog.flush()):
             log.error("%d history write(s) could not be written before the stop and are "
                       "lost (the files' last good content stays)", left)
 

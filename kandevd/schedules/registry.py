@@ -17,8 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from kandevd.formats.jsonfile import CorruptFile
+from kandevd.schedules.history import PendingWrites
 from kandevd.schedules.jobs import Job, JobNotFound
 from kandevd.schedules.restart.alive import AliveMark
+from kandevd.schedules.restart.stranded import StrandedTurns
 from kandevd.schedules.settings import PauseState, Switches
 from kandevd.schedules.source import JobSource
 
@@ -30,8 +32,10 @@ class JobRegistry:
 
     def __init__(self, root: Path, *, switches: Switches,
                  sources: Callable[[JobRegistry], dict[str, JobSource]],
-                 on_corrupt: Callable[[CorruptFile], None] | None = None) -> None:
-        """``sources(registry)``: the kinds of job, by name, in lookup order."""
+                 on_corrupt: Callable[[CorruptFile], None] | None = None,
+                 backlog: PendingWrites | None = None) -> None:
+        """``sources(registry)``: the kinds of job, by name, in lookup order; ``backlog``:
+        where the root's failed history writes wait (else one that wakes no one)."""
         self.root = root
         self.switches = switches
         self._external_corrupt = on_corrupt
@@ -39,6 +43,11 @@ class JobRegistry:
         self._corrupt_files: list[CorruptFile] = []
         self.pause = PauseState(root, on_corrupt=self.report_corrupt)
         self.alive = AliveMark(root)
+        #: The root's history writes that failed, retried by the cron loop.
+        self.backlog = backlog if backlog is not None else PendingWrites()
+        #: What a dead daemon's runs left, found while loading at start (adopted by the
+        #: daemon's start, settled by the cron loop's first tick).
+        self.stranded = StrandedTurns()
         self.sources = sources(self)
         self._jobs: dict[str, dict[str, Job]] = {name: {} for name in self.sources}
 

@@ -206,11 +206,12 @@ class ProductSource:
         product become ``error`` (their turns are settled on the first tick)."""
         history = product_history(self.root, user_id, profile_id,
                                   retention_days=self.retention_days,
+                                  backlog=self.registry.backlog,
                                   on_corrupt=self._on_corrupt)
         def job_key(entry: dict[str, Any]) -> str:
             return f"{product_job_id(profile_id, str(entry.get('schedule_id')))}@{user_id}"
 
-        repair_at_start(history, now, job_key)
+        repair_at_start(history, now, job_key, self.registry.stranded)
 
     def _kept_invalid(self, old: dict[str, Job], loaded: set[str], problems: list[Problem],
                       user_problems: list[Problem]) -> list[Job]:
@@ -314,7 +315,7 @@ class ProductSource:
     def history(self, job: Job) -> hist.History:
         return product_history(self.root, job.spec.user.id, job.spec.product.profile_id,
                                retention_days=self.retention_days,
-                               on_corrupt=self._on_corrupt)
+                               backlog=self.registry.backlog, on_corrupt=self._on_corrupt)
 
     def started(self, job: Job, now: datetime) -> None:
         """A run began: its occurrence is spent, even if the daemon dies during it."""

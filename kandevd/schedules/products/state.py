@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from kandevd.formats.jsonfile import CorruptReporter, JsonFile
-from kandevd.schedules.history import History
+from kandevd.schedules.history import History, PendingWrites
 from kandevd.schedules.jobs import JobState
 from kandevd.timeutil import parse_rfc3339, rfc3339, utc_now
 
@@ -73,9 +73,10 @@ def _shaped(stored: dict[str, Any]) -> dict[str, Any]:
 
 
 def product_history(root: Path, user_id: str, profile_id: str, *, retention_days: float,
-                    on_corrupt: CorruptReporter | None = None) -> History:
+                    backlog: PendingWrites, on_corrupt: CorruptReporter | None = None
+                    ) -> History:
     return History(chats_folder(root, user_id, profile_id), retention_days=retention_days,
-                   on_corrupt=on_corrupt, cap=HISTORY_CAP)
+                   backlog=backlog, on_corrupt=on_corrupt, cap=HISTORY_CAP)
 
 
 def conversation_session(root: Path, user_id: str, profile_id: str, *,

@@ -30,7 +30,7 @@ from kandevd.schedules.history import SHUTDOWN_ERROR
 from kandevd.schedules.jobs import JobNotFound
 from kandevd.schedules.products.program import conversation_lock
 from kandevd.schedules.registry import JobRegistry
-from kandevd.schedules.restart.stranded import STRANDED, Stranded
+from kandevd.schedules.restart.stranded import Stranded
 from kandevd.schedules.sessions.runner import SessionRunner
 from kandevd.schedules.sessions.session import (
     MANUAL_STOP_ERROR,
@@ -50,7 +50,7 @@ def adopt_turns(registry: JobRegistry, runner: SessionRunner, runtime: Any, home
     """Adopt every live turn of the entries repaired at start; the adopted shims' pids
     (which the orphan sweep must leave alone)."""
     kept: set[int] = set()
-    for stranded in STRANDED.pending():
+    for stranded in registry.stranded.pending():
         try:
             pid = _adopt_entry(stranded, registry, runner, runtime, home)
         except Exception:  # one broken entry must not keep the daemon from starting
@@ -81,7 +81,7 @@ def _adopt_entry(stranded: Stranded, registry: JobRegistry, runner: SessionRunne
         if not record_alive(record):
             continue  # ended meanwhile: settled on the first tick
         _adopt(stranded, entry, position, record, registry, runner, runtime, home)
-        STRANDED.discard(stranded.entry_id)
+        registry.stranded.discard(stranded.entry_id)
         return record.pid
     return None
 

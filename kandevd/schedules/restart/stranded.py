@@ -53,7 +53,7 @@ class Stranded:
 
 
 class StrandedTurns:
-    """The entries repaired at start whose turns may have left files (process-wide)."""
+    """The entries repaired at start whose turns may have left files (the registry's)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -126,21 +126,18 @@ class StrandedTurns:
 #: recorded); see :meth:`kandevd.runtime.pool.AgentRuntime.settle_ids`.
 Release = Callable[[list[str]], None]
 
-#: Filled when histories are repaired at start; settled by the cron loop's first tick.
-STRANDED = StrandedTurns()
-
-
 def repair_at_start(history: hist.History, now: datetime,
-                    job_key: Callable[[dict[str, Any]], str | None]) -> list[Any]:
+                    job_key: Callable[[dict[str, Any]], str | None],
+                    stranded: StrandedTurns) -> list[Any]:
     """The history's entries once the runs a dead daemon left ``running`` are ``error``
-    (logged), their turns noted to be adopted or settled (``job_key(entry)``: the
-    key of the job the entry is a run of)."""
+    (logged), their turns noted in ``stranded`` (the registry's) to be adopted or
+    settled (``job_key(entry)``: the key of the job the entry is a run of)."""
     entries, repaired = history.repair_after_restart(now)
     if repaired:
         log.warning("%s: %d run(s) left running by a previous daemon marked 'error' (%s)",
                     history.file.path, len(repaired), hist.RESTART_ERROR)
         by_id = {e.get("id"): e for e in entries if isinstance(e, dict)}
-        STRANDED.add(history, [Stranded(history, entry_id, job_key(by_id.get(entry_id, {})))
+        stranded.add(history, [Stranded(history, entry_id, job_key(by_id.get(entry_id, {})))
                                for entry_id in repaired])
     return entries
 

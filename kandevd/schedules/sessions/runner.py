@@ -123,11 +123,6 @@ class SessionRunner:
         with self._lock:
             return frozenset(self._buffered)
 
-    def session_of(self, job_id: str) -> SessionPlan | None:
-        with self._lock:
-            flight = self._running.get(job_id)
-            return flight.plan if flight else None
-
     # -- starting -------------------------------------------------------------------
     def start(self, job: Job, trigger_source: str, *, intended_at: datetime | None = None,
               fire_times: list[datetime] | None = None) -> SessionPlan:

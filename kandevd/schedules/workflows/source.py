@@ -106,7 +106,7 @@ class WorkflowSource:
     # -- files ----------------------------------------------------------------------
     def history_of(self, workflow: Workflow) -> hist.History:
         return hist.History(workflow.folder, retention_days=self.retention_days,
-                            on_corrupt=self.on_corrupt)
+                            backlog=self.registry.backlog, on_corrupt=self.on_corrupt)
 
     def history(self, job: Job) -> hist.History:
         return self.history_of(job.spec.workflow)
@@ -154,7 +154,8 @@ class WorkflowSource:
         if now is None:
             return hist.latest_by_schedule(history.entries())
         return hist.latest_by_schedule(repair_at_start(
-            history, now, lambda e: workflow_job_id(workflow.name, str(e.get("schedule_id")))))
+            history, now, lambda e: workflow_job_id(workflow.name, str(e.get("schedule_id"))),
+            self.registry.stranded))
 
     def _job(self, old: dict[str, Job], workflow: Workflow, schedule: Schedule,
              now: datetime) -> Job:

@@ -312,15 +312,18 @@ def test_catch_up_looks_at_the_newest_missed_fires(build, home) -> None:
 
 
 def test_a_retried_history_write_never_overwrites_a_newer_one(tmp_path: Path) -> None:
-    history_file = hist.History(tmp_path, retention_days=90)
+    woken: list[bool] = []
+    backlog = hist.PendingWrites(wake=lambda: woken.append(True))
+    history_file = hist.History(tmp_path, retention_days=90, backlog=backlog)
     history_file.record_start({"id": "e", "status": "running"}, T0)
-    hist.BACKLOG.keep(history_file, "e", {"id": "e", "status": "running", "turns": [1]},
-                      OSError(28, "No space left on device"))
+    backlog.keep(history_file, "e", {"id": "e", "status": "running", "turns": [1]},
+                 OSError(28, "No space left on device"))
+    assert woken == [True]  # the cron loop is told to retry soon
     history_file.update_entry("e", {"id": "e", "status": "success"})  # lands: forgets
-    hist.BACKLOG.flush()
+    backlog.flush()
     [entry] = history_file.entries()
     assert entry["status"] == "success" and "turns" not in entry
-    assert len(hist.BACKLOG) == 0
+    assert len(backlog) == 0
 
 
 def test_a_webhook_that_answers_garbage_does_not_stop_the_notifier() -> None:

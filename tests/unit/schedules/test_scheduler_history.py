@@ -56,7 +56,7 @@ def test_pages_cover_one_schedule_in_order(specs: list[dict[str, Any]], limit: i
 
 
 def test_record_start_prunes_and_puts_the_new_entry_first(tmp_path: Path) -> None:
-    history = hist.History(tmp_path, retention_days=90)
+    history = hist.History(tmp_path, retention_days=90, backlog=hist.PendingWrites())
     old = {"id": "old", "status": "success", "completed_at": rfc3339(NOW - timedelta(days=91))}
     stale_running = {"id": "r", "status": "running",
                      "started_at": rfc3339(NOW - timedelta(days=200))}
@@ -68,7 +68,7 @@ def test_record_start_prunes_and_puts_the_new_entry_first(tmp_path: Path) -> Non
 
 
 def test_repair_after_restart_marks_error_with_the_restart_message(tmp_path: Path) -> None:
-    history = hist.History(tmp_path, retention_days=90)
+    history = hist.History(tmp_path, retention_days=90, backlog=hist.PendingWrites())
     history.file.write([{"id": "x", "status": "running", "started_at": rfc3339(NOW)},
                         {"id": "y", "status": "success"}])
     entries, fixed = history.repair_after_restart(NOW + timedelta(seconds=3))
@@ -83,7 +83,8 @@ def test_repair_after_restart_marks_error_with_the_restart_message(tmp_path: Pat
 def test_a_corrupt_history_is_moved_aside_and_a_fresh_one_started(tmp_path: Path) -> None:
     (tmp_path / hist.HISTORY).write_text('[{"id": "x"')
     reports: list[Any] = []
-    history = hist.History(tmp_path, retention_days=90, on_corrupt=reports.append)
+    history = hist.History(tmp_path, retention_days=90, backlog=hist.PendingWrites(),
+                           on_corrupt=reports.append)
     history.record_start({"id": "new", "status": "running"}, NOW)
     assert [e["id"] for e in history.entries()] == ["new"]
     [aside] = [p for p in tmp_path.iterdir() if ".corrupt-" in p.name]
@@ -106,7 +107,7 @@ def test_seed_state_reads_the_newest_entry_and_the_failure_streak() -> None:
 
 
 def test_repair_after_restart_also_closes_the_turn_that_was_running(tmp_path: Path) -> None:
-    history = hist.History(tmp_path, retention_days=90)
+    history = hist.History(tmp_path, retention_days=90, backlog=hist.PendingWrites())
     history.file.write([{"id": "x", "status": "running", "started_at": rfc3339(NOW),
                          "turns": [{"kind": "message", "status": "success"},
                                    {"kind": "message", "status": "running"}]}])
@@ -117,7 +118,7 @@ def test_repair_after_restart_also_closes_the_turn_that_was_running(tmp_path: Pa
 
 def test_repair_after_restart_reports_an_adopted_turn_whose_adopter_died(
         tmp_path: Path) -> None:
-    history = hist.History(tmp_path, retention_days=90)
+    history = hist.History(tmp_path, retention_days=90, backlog=hist.PendingWrites())
     interrupted = {"id": "y", "status": "error", "error": hist.RESTART_ERROR,
                    "completed_at": rfc3339(NOW), "started_at": rfc3339(NOW),
                    "turns": [{"kind": "message", "status": "running", "adopted_at": "t"}]}

@@ -74,7 +74,7 @@ def test_settling_ends_the_run_and_brings_back_turns_its_file_never_had(
     the first turn running, the records have both turns' ends."""
     turns, logs = tmp_path / "turns", tmp_path / "logs"
     logs.mkdir()
-    history = hist.History(tmp_path / "wf", retention_days=90)
+    history = hist.History(tmp_path / "wf", retention_days=90, backlog=hist.PendingWrites())
     history.record_start({"id": "e1", "schedule_id": "s", "status": "error",
                           "error": hist.RESTART_ERROR, "started_at": rfc3339(NOW),
                           "turns": [{"index": 0, "kind": "message", "message": "a",

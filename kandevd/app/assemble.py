@@ -162,7 +162,7 @@ def _assemble(config: Config, layout: HomeLayout, store: BaseStore, *, boot_id: 
                         model=WorkspaceService(store, bus, queue, runtime, config, layout),
                         cron=cron, status=status.status, request_shutdown=request_shutdown,
                         metrics_text=metrics.exposition)
-    registry = Registry()
+    registry = Registry(reader=store.reading)  # a read never waits behind a write
     for module in MODULES:
         module.register(registry, services)
     server = ControlServer(layout.socket, registry, idle_timeout_s=config.control.idle_timeout_s)

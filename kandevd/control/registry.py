@@ -21,6 +21,7 @@ from typing import Any
 
 import jsonschema
 
+from kandevd.control.errors import domain_error
 from kandevd.control.protocol import InvalidParams, MethodNotFound
 from kandevd.formats.schemacheck import format_validation_error
 
@@ -76,11 +77,27 @@ READ_SUFFIXES = (".get", ".list")
 Reader = Callable[[], AbstractContextManager[Any]]
 
 
+def _translating(handler: Handler) -> Handler:
+    """``handler`` raising the domain's errors in the protocol's words (errors.py)."""
+
+    def call(params: dict[str, Any]) -> Any:
+        try:
+            return handler(params)
+        except Exception as exc:
+            translated = domain_error(exc)
+            if translated is None:
+                raise
+            raise translated from None
+
+    call.__doc__ = handler.__doc__
+    return call
+
+
 class Registry:
     def __init__(self, reader: Reader | None = None) -> None:
         self._methods: dict[str, Method] = {}
         self.reader = reader
-        """``Store.reading`` (set by the daemon's method modules); None: reads use the writer."""
+        """``Store.reading`` (given by the composition root); None: reads use the writer."""
 
     def add(self, name: str, handler: Handler, schema: dict[str, Any] | None = None, *,
             allowed_while_stopping: bool = False, summary: str = "",
@@ -93,8 +110,9 @@ class Registry:
         if reads is None:
             reads = name.endswith(READ_SUFFIXES)
         validator = jsonschema.Draft202012Validator(schema)
-        self._methods[name] = Method(name, handler, validator, allowed_while_stopping, summary,
-                                     result, reads, validator.is_valid({}), quick_check)
+        self._methods[name] = Method(name, _translating(handler), validator,
+                                     allowed_while_stopping, summary, result, reads,
+                                     validator.is_valid({}), quick_check)
 
     def reading(self, method: Method) -> AbstractContextManager[Any]:
         """Where ``method`` runs: the store's read connections if it only reads."""

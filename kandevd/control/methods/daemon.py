@@ -10,9 +10,6 @@ from kandevd.control.services import Services
 
 
 def register(registry: Registry, services: Services) -> None:
-    if registry.reader is None:  # reads (``Method.reads``) use the store's read connections
-        registry.reader = lambda: services.store.reading()
-
     def status(_params: dict[str, Any]) -> dict[str, Any]:
         return services.status()
 

@@ -20,13 +20,11 @@ import json
 import sqlite3
 import uuid
 from collections.abc import Mapping
-from datetime import datetime
 from typing import Any
 
 from kandevd.control.protocol import Conflict, InvalidParams, NotFound
 from kandevd.control.registry import Registry, object_schema, paging_properties
 from kandevd.control.services import Services
-from kandevd.cron import CronError
 from kandevd.office.budgets import ACTIONS, PERIODS, SCOPE_TYPES
 from kandevd.office.routines import (
     CATCH_UP_POLICIES,
@@ -123,13 +121,6 @@ def _free_id(conn: sqlite3.Connection, table: str, what: str, ident: str) -> Non
         raise Conflict(f"{what} {ident!r} already exists")
 
 
-def _next_run_at(cron_expression: str, timezone: str, now: datetime) -> str | None:
-    try:
-        return first_next_run_at(cron_expression, timezone, now)
-    except CronError as exc:
-        raise InvalidParams(str(exc)) from None
-
-
 def _page(store: BaseStore, table: str, params: Mapping[str, Any], mapper: Any
           ) -> dict[str, Any]:
     limit, offset = params.get("limit", 50), params.get("offset", 0)
@@ -168,8 +159,8 @@ def register(registry: Registry, services: Services) -> None:
             "catch_up_policy": p.get("catch_up_policy") or "skip_missed",
             "catch_up_max": p.get("catch_up_max", 25), "created_at": now_s, "updated_at": now_s,
         }
-        routine["next_run_at"] = _next_run_at(routine["cron_expression"], routine["timezone"],
-                                              now)
+        routine["next_run_at"] = first_next_run_at(routine["cron_expression"],
+                                                   routine["timezone"], now)
         with store.transaction() as conn:
             _free_id(conn, "office_routines", "routine", routine["id"])
             _workspace_ref(conn, routine["workspace_id"])
@@ -195,8 +186,8 @@ def register(registry: Registry, services: Services) -> None:
             rescheduled = any(after[k] != before[k] for k in ("cron_expression", "timezone"))
             resumed = before["status"] != "active" and after["status"] == "active"
             if rescheduled or resumed:
-                fields["next_run_at"] = _next_run_at(after["cron_expression"],
-                                                     after["timezone"], now)
+                fields["next_run_at"] = first_next_run_at(after["cron_expression"],
+                                                          after["timezone"], now)
             fields["updated_at"] = now_s
             row = sql.update(conn, "office_routines", p["id"], fields)
         return routine_from_row(row)

@@ -6,16 +6,12 @@ from typing import Any
 
 import jsonschema
 
-from kandevd.control.protocol import Conflict, InvalidParams, NotFound
+from kandevd.control.protocol import InvalidParams
 from kandevd.control.registry import Registry, object_schema, paging_properties
 from kandevd.control.services import Services
 from kandevd.formats.schemacheck import format_validation_error
 from kandevd.runs.model import (
     STATUSES,
-    BatchItemError,
-    RunConflict,
-    RunNotFound,
-    RunReferenceError,
 )
 
 ID = {"type": "string", "minLength": 1, "maxLength": 200}
@@ -49,13 +45,10 @@ def register(registry: Registry, services: Services) -> None:
     queue = services.queue
 
     def enqueue(p: dict[str, Any]) -> dict[str, Any]:
-        try:
-            result = queue.enqueue(
-                workspace_id=p["workspace_id"], agent_id=p["agent_id"], reason=p["reason"],
-                task_id=p.get("task_id"), payload=p.get("payload") or {},
-                idempotency_key=p.get("idempotency_key"), coalesce=p.get("coalesce", True))
-        except RunReferenceError as exc:
-            raise InvalidParams(str(exc)) from None
+        result = queue.enqueue(
+            workspace_id=p["workspace_id"], agent_id=p["agent_id"], reason=p["reason"],
+            task_id=p.get("task_id"), payload=p.get("payload") or {},
+            idempotency_key=p.get("idempotency_key"), coalesce=p.get("coalesce", True))
         return result.to_dict()
 
     def enqueue_many(p: dict[str, Any]) -> dict[str, Any]:
@@ -68,17 +61,11 @@ def register(registry: Registry, services: Services) -> None:
                 "payload": item.get("payload") or {},
                 "idempotency_key": item.get("idempotency_key"),
                 "coalesce": item.get("coalesce", True)})
-        try:
-            results = queue.enqueue_many(items)
-        except BatchItemError as exc:
-            raise InvalidParams(f"params.{exc}", data={"index": exc.index}) from None
+        results = queue.enqueue_many(items)
         return {"results": [result.to_dict() for result in results]}
 
     def get(p: dict[str, Any]) -> dict[str, Any]:
-        try:
-            return queue.repo.get(p["id"]).to_dict()
-        except RunNotFound as exc:
-            raise NotFound(str(exc)) from None
+        return queue.repo.get(p["id"]).to_dict()
 
     def list_(p: dict[str, Any]) -> dict[str, Any]:
         page = queue.repo.list(limit=p.get("limit", 50), offset=p.get("offset", 0),
@@ -88,26 +75,13 @@ def register(registry: Registry, services: Services) -> None:
         return {**page, "items": [run.to_dict() for run in page["items"]]}
 
     def cancel(p: dict[str, Any]) -> dict[str, Any]:
-        try:
-            return queue.cancel(p["id"], p.get("reason")).to_dict()
-        except RunNotFound as exc:
-            raise NotFound(str(exc)) from None
-        except RunConflict as exc:
-            raise Conflict(str(exc)) from None
+        return queue.cancel(p["id"], p.get("reason")).to_dict()
 
     def retry(p: dict[str, Any]) -> dict[str, Any]:
-        try:
-            return queue.retry(p["id"]).to_dict()
-        except RunNotFound as exc:
-            raise NotFound(str(exc)) from None
-        except RunConflict as exc:
-            raise Conflict(str(exc)) from None
+        return queue.retry(p["id"]).to_dict()
 
     def explain(p: dict[str, Any]) -> dict[str, Any]:
-        try:
-            return queue.explain(p["id"])
-        except RunNotFound as exc:
-            raise NotFound(str(exc)) from None
+        return queue.explain(p["id"])
 
     registry.add("runs.enqueue", enqueue, ENQUEUE, quick_check=_plainly_valid)
     registry.add(

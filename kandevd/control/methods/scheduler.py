@@ -8,13 +8,10 @@ from datetime import UTC, datetime
 from typing import Any, cast
 
 from kandevd.control.protocol import (
-    AlreadyRunning,
     Conflict,
     InvalidParams,
-    NotFound,
     NotRunning,
     Refused,
-    ShuttingDown,
     Unavailable,
     file_unavailable,
 )
@@ -22,21 +19,17 @@ from kandevd.control.registry import Registry, object_schema, paging_properties
 from kandevd.control.services import Services
 from kandevd.cron import CronError, describe_times, next_fire_times, parse_cron, parse_timezone
 from kandevd.schedules import history as hist
-from kandevd.schedules.catchup.backfill import BackfillRunning, RangeTooLarge, fire_times
-from kandevd.schedules.jobs import AmbiguousJob, Job, JobNotFound, UserNeeded
+from kandevd.schedules.catchup.backfill import fire_times
+from kandevd.schedules.jobs import Job
 from kandevd.schedules.products.source import ProductSource
 from kandevd.schedules.rules.options import option_properties
 from kandevd.schedules.rules.states import STATES
 from kandevd.schedules.sessions import runner as run
 from kandevd.schedules.workflows.manifest import (
     ManifestError,
-    ManifestUnusable,
     check_workflow_name,
 )
 from kandevd.schedules.workflows.source import (
-    DuplicateSchedule,
-    ScheduleGone,
-    WorkflowMissing,
     WorkflowSource,
 )
 from kandevd.timeutil import parse_rfc3339, rfc3339, utc_now
@@ -75,14 +68,7 @@ def register(registry: Registry, services: Services) -> None:
     products = cast(ProductSource, jobs.sources["products"])
 
     def resolve(job_id: str, user_id: str | None = None) -> Job:
-        try:
-            return jobs.resolve(job_id, user_id)
-        except UserNeeded as exc:
-            raise InvalidParams(f"params.user_id: {exc}") from None
-        except JobNotFound as exc:
-            raise NotFound(str(exc)) from None
-        except AmbiguousJob as exc:
-            raise InvalidParams(str(exc)) from None
+        return jobs.resolve(job_id, user_id)
 
     def editable(p: dict[str, Any], verb: str) -> Job:
         if not jobs.source_of(p["id"]).editable:
@@ -95,17 +81,9 @@ def register(registry: Registry, services: Services) -> None:
         return loop.describe(job)
 
     def changing(change: Callable[[], Job | None]) -> Job | None:
-        """A change of a workflow's manifest, its errors in the API's words."""
+        """A change of a workflow's manifest; a refused write says nothing changed."""
         try:
             changed = change()
-        except (WorkflowMissing, ScheduleGone) as exc:
-            raise NotFound(str(exc)) from None
-        except DuplicateSchedule as exc:
-            raise Conflict(str(exc)) from None
-        except ManifestUnusable as exc:
-            raise Conflict(str(exc)) from None
-        except ManifestError as exc:
-            raise InvalidParams(str(exc)) from None
         except OSError as exc:
             raise unwritable(exc) from None
         loop.wake()
@@ -212,8 +190,6 @@ def register(registry: Registry, services: Services) -> None:
         at = _time_param(p, "at") or utc_now()
         try:
             products.record_activity(p["user_id"], p["profile"], at)
-        except JobNotFound as exc:
-            raise NotFound(str(exc)) from None
         except OSError as exc:
             raise unwritable(exc) from None
         loop.wake()
@@ -227,11 +203,7 @@ def register(registry: Registry, services: Services) -> None:
                            f"{job.state.invalid}")
         try:
             plan = runner.start(job, "manual")
-        except run.AlreadyRunning as exc:
-            raise AlreadyRunning(str(exc)) from None
-        except run.RunnerClosed as exc:
-            raise ShuttingDown(str(exc)) from None
-        except run.StartNotRecorded as exc:
+        except run.StartNotRecorded as exc:  # named with the job, which only this knows
             raise Unavailable(f"{job.id} not started: {exc}", data={"path": exc.path}) from None
         return {"id": job.id, "session_id": plan.session_id, "run_id": plan.entry_id,
                 "job": job_dict(job)}
@@ -259,19 +231,13 @@ def register(registry: Registry, services: Services) -> None:
         if not dry_run and end > utc_now():
             raise InvalidParams("params.to: a backfill runs past fire times; this one is in "
                                 "the future (a dry run may look ahead)")
-        try:
-            times = fire_times(job, start, end)
-        except RangeTooLarge as exc:
-            raise InvalidParams(f"params: {exc}") from None
+        times = fire_times(job, start, end)
         zone = parse_timezone(job.spec.schedule.timezone)
         started = False
         if times and not dry_run:
             if job.state.invalid is not None:
                 raise Conflict(f"{job.id} is invalid: {job.state.invalid}")
-            try:
-                loop.backfills.start(job, times)
-            except BackfillRunning as exc:
-                raise Conflict(str(exc)) from None
+            loop.backfills.start(job, times)
             started = True
         return {"id": job.id, "times": describe_times(times, zone), "started": started}
 

@@ -13,13 +13,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kandevd.control.protocol import Conflict, InvalidParams, NotFound, Refused, ShuttingDown
 from kandevd.control.registry import Registry, object_schema, paging_properties
 from kandevd.control.services import Services
 from kandevd.model.actions import ACTION_SCHEMA
-from kandevd.model.errors import ConflictError, InvalidReference, LaunchRefused, NotFoundError
 from kandevd.model.service import AGENT_STATUSES, STYLES
-from kandevd.runtime import RuntimeStopped
 
 #: Ids a caller chooses for a new object: safe in paths and in ``:``-separated keys.
 NEW_ID = {"type": "string", "pattern": r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$"}
@@ -81,27 +78,6 @@ SCHEMAS: dict[str, dict[str, Any]] = {
 }
 
 
-def _translated(handler: Callable[[dict[str, Any]], Any]) -> Callable[[dict[str, Any]], Any]:
-    """Turn the model's errors into the protocol's error kinds."""
-
-    def call(params: dict[str, Any]) -> Any:
-        try:
-            return handler(params)
-        except NotFoundError as exc:
-            raise NotFound(str(exc)) from None
-        except ConflictError as exc:
-            raise Conflict(str(exc)) from None
-        except InvalidReference as exc:
-            raise InvalidParams(str(exc)) from None
-        except LaunchRefused as exc:
-            raise Refused(str(exc)) from None
-        except RuntimeStopped as exc:
-            raise ShuttingDown(str(exc)) from None
-
-    call.__doc__ = handler.__doc__
-    return call
-
-
 def _paging(p: dict[str, Any], *filters: str) -> dict[str, Any]:
     return {"limit": p.get("limit", 50), "offset": p.get("offset", 0),
             **{name: p.get(name) for name in filters}}
@@ -130,4 +106,4 @@ def register(registry: Registry, services: Services) -> None:
         "tasks.launch": lambda p: model.launch_task(p["id"], p.get("prompt")),
     }
     for name, handler in handlers.items():
-        registry.add(name, _translated(handler), SCHEMAS[name])
+        registry.add(name, handler, SCHEMAS[name])

@@ -17,8 +17,10 @@ from typing import TYPE_CHECKING
 
 from kandevd import exits
 from kandevd.app.metrics import DaemonMetrics
+from kandevd.app.scheduler import build_cron_loop
 from kandevd.app.status import StatusReporter
 from kandevd.bus import EventBus
+from kandevd.cluster.hooks import ClusterHooks
 from kandevd.config import Config
 from kandevd.control.methods import MODULES
 from kandevd.control.registry import Registry
@@ -42,7 +44,6 @@ from kandevd.queue.service import RunQueue
 from kandevd.runtime import AgentRuntime
 from kandevd.runtime.keeperclient import KeeperClient
 from kandevd.runtime.keeperrunner import KeeperRunner
-from kandevd.schedules.build import build_cron_loop
 from kandevd.schedules.loop import CronLoop
 from kandevd.store.base import BaseStore
 from kandevd.store.check import DatabaseUnusable, open_checked
@@ -73,6 +74,8 @@ class Parts:
     runtime: AgentRuntime
     queue: RunQueue
     cluster: Cluster | None
+    #: What the daemon does when the cluster says so (None without a cluster).
+    cluster_hooks: ClusterHooks | None
     #: The loops in start order (queue, office when enabled, cron).
     loops: dict[str, Loop]
     cron: CronLoop
@@ -167,8 +170,28 @@ def _assemble(config: Config, layout: HomeLayout, store: BaseStore, *, boot_id: 
         module.register(registry, services)
     server = ControlServer(layout.socket, registry, idle_timeout_s=config.control.idle_timeout_s)
     return Parts(store=store, bus=bus, runtime=runtime, queue=queue, cluster=cluster,
+                 cluster_hooks=_cluster_hooks(cluster, queue, runtime, cron) if cluster else None,
                  loops=loops, cron=cron, metrics=metrics, status=status, server=server,
                  keeper=keeper)
+
+
+def _cluster_hooks(cluster: Cluster, queue: RunQueue, runtime: AgentRuntime, cron: CronLoop
+                   ) -> ClusterHooks:
+    """The daemon's answers to the cluster: another daemon's NOTIFY is worth a pass only
+    with a free slot here; a fence stops claiming and every agent; leadership fires what
+    no leader fired."""
+    grace = cluster.fence.timing.kill_grace_s
+
+    def fence(reason: str) -> None:
+        """Cut off from the database: start nothing, stop every agent."""
+        queue.fenced(runtime.hold_and_interrupt(reason, grace))
+
+    def heal(_away: float) -> None:
+        runtime.release_hold()
+        queue.wake()
+
+    return ClusterHooks(wake=queue.signal_if_a_slot_is_free, on_beat=queue.settle_with_peers,
+                        on_fence=fence, on_heal=heal, on_leader=cron.request_late_fires)
 
 
 def _join_cluster(config: Config, layout: HomeLayout, store: BaseStore, boot_id: str

@@ -173,22 +173,9 @@ class Daemon:
                                    exits.CANTCREAT) from None
             started.append(("detach from the keeper",
                             lambda: parts.keeper.close(quit_keeper=False)))
-            if parts.cluster is not None:
+            if parts.cluster is not None and parts.cluster_hooks is not None:
                 # Heartbeats from now on: the claims restored below stay this daemon's.
-                # Another daemon's NOTIFY is worth a pass only with a free slot here.
-                grace = parts.cluster.fence.timing.kill_grace_s
-
-                def fence(reason: str) -> None:
-                    """Cut off from the database: start nothing, stop every agent."""
-                    queue.fenced(parts.runtime.hold_and_interrupt(reason, grace))
-
-                def heal(_away: float) -> None:
-                    parts.runtime.release_hold()
-                    queue.wake()
-
-                parts.cluster.start(wake=queue.signal_if_a_slot_is_free,
-                                    on_beat=queue.settle_with_peers, on_fence=fence,
-                                    on_heal=heal, on_leader=parts.cron.request_late_fires)
+                parts.cluster.start(parts.cluster_hooks)
                 # A start that fails keeps adopted agents running for the next start:
                 # the threads stop, but the daemon is not marked stopped.
                 started.append(("stop the cluster threads", parts.cluster.stop))

@@ -29,7 +29,7 @@ def validate(home: str | None, config_path: str | None) -> None:
     Workflows are not checked while the config itself is invalid (their root
     comes from it). Nothing is written.
     """
-    from kandevd.schedules.build import scheduler_root
+    from kandevd.schedules.settings import scheduler_root
 
     root = resolve_home(home)
     try:

@@ -52,6 +52,7 @@ from typing import Any
 import psycopg
 
 from kandevd.cluster.fence import Fence
+from kandevd.cluster.hooks import ClusterHooks
 from kandevd.cluster.timing import boot_clock
 from kandevd.config import ClusterConfig
 from kandevd.net.urls import scrub_secrets
@@ -239,27 +240,13 @@ class Cluster:
             self._notify_wanted.set()
 
     # -- threads -----------------------------------------------------------------
-    def start(self, *, wake: Callable[[], None],
-              on_beat: Callable[[bool], None] | None = None,
-              on_fence: Callable[[str], None] | None = None,
-              on_heal: Callable[[float], None] | None = None,
-              on_leader: Callable[[datetime | None], None] | None = None) -> None:
-        """Heartbeats, wake-ups, leadership and fencing from now on.
-
-        ``wake()`` when another daemon may have made work claimable here;
-        ``on_beat(rescue)`` at every heartbeat once settled: stop executions
-        lost here, and with ``rescue`` (steady for dead_after_s) re-queue dead
-        daemons' claims. ``on_fence(reason)``: stop claiming and stop every
-        agent (:mod:`kandevd.cluster.fence`); ``on_heal(seconds fenced)``: heartbeats
-        complete again. ``on_leader(since)``: this daemon became the leader;
-        ``since`` is when the previous leader's lease was last renewed, when it
-        took over an expired one (occurrences since then may lack their fire).
-        """
-        self._wake = wake
-        self._on_beat = on_beat
-        self._on_fence = on_fence or self._on_fence
-        self._on_heal = on_heal or self._on_heal
-        self._on_leader = on_leader or self._on_leader
+    def start(self, hooks: ClusterHooks) -> None:
+        """Heartbeats, wake-ups, leadership and fencing from now on, told to ``hooks``."""
+        self._wake = hooks.wake
+        self._on_beat = hooks.on_beat
+        self._on_fence = hooks.on_fence or self._on_fence
+        self._on_heal = hooks.on_heal or self._on_heal
+        self._on_leader = hooks.on_leader or self._on_leader
         self.fence.start()
         for name, target in (("kandevd-cluster", self._listen_and_beat),
                              ("kandevd-cluster-notify", self._notify_loop),

@@ -23,8 +23,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from kandevd.config import SchedulerConfig
+from kandevd.config import Config, SchedulerConfig
 from kandevd.formats.jsonfile import CorruptReporter, JsonFile, stat_key
+from kandevd.paths import HomeLayout
 from kandevd.timeutil import rfc3339
 
 PAUSE_FILE = Path("config") / "scheduler.json"
@@ -146,3 +147,10 @@ class PauseState:
         self._seen = None
         return written
 
+
+def scheduler_root(config: Config, home: Path) -> Path:
+    """``scheduler.root`` (relative to the home when relative), else ``<home>/workspace``."""
+    if config.scheduler.root:
+        root = Path(config.scheduler.root).expanduser()
+        return root if root.is_absolute() else home / root
+    return HomeLayout(home).workspace

@@ -18,10 +18,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kandevd.app.scheduler import build_registry
 from kandevd.config import build_config
 from kandevd.paths import HomeLayout
 from kandevd.runtime import AgentRuntime, ExecutionSpec, InProcessRunner
-from kandevd.schedules.build import build_registry
 from kandevd.schedules.history import SHUTDOWN_ERROR
 from kandevd.schedules.loop import CronLoop, Decision, decide_fire
 from kandevd.schedules.rules.options import jitter_delay

@@ -179,6 +179,7 @@ def test_a_claim_never_takes_a_run_a_concurrent_cancel_committed(pg_url: str) ->
 def test_a_daemon_alone_tells_no_one_that_its_slots_filled(pg_url: str) -> None:
     """The NOTIFY after a saturated queue pass is for other daemons: a daemon alone on
     the database sends none, and sends them again once another daemon heartbeats."""
+    from kandevd.cluster.hooks import ClusterHooks
     from kandevd.cluster.membership import Cluster
     from kandevd.config import ClusterConfig
 
@@ -196,7 +197,7 @@ def test_a_daemon_alone_tells_no_one_that_its_slots_filled(pg_url: str) -> None:
     try:
         alone.join()
         alone.settled()
-        alone.start(wake=lambda: None, on_beat=on_beat)
+        alone.start(ClusterHooks(wake=lambda: None, on_beat=on_beat))
         with beat:
             assert beat.wait_for(lambda: alone.beats >= 2, 10)
         assert alone.peers_alive is False
@@ -204,7 +205,7 @@ def test_a_daemon_alone_tells_no_one_that_its_slots_filled(pg_url: str) -> None:
         assert not alone._notify_wanted.is_set()  # no NOTIFY for nobody
         other = clusters[1]
         other.join()
-        other.start(wake=lambda: None, on_beat=on_beat)
+        other.start(ClusterHooks(wake=lambda: None, on_beat=on_beat))
         with beat:
             target = alone.beats + 2
             assert beat.wait_for(lambda: alone.beats >= target, 10)

@@ -1,4 +1,5 @@
-"""Assembling the file-backed scheduler: root, switches, registry, runner, loop."""
+"""The file-backed scheduler assembled (part of the composition root): its registry
+of both kinds of job, the session runner and the cron loop, each given what it uses."""
 
 from __future__ import annotations
 
@@ -16,18 +17,10 @@ from kandevd.schedules.loop import CronLoop
 from kandevd.schedules.products.source import ProductSource
 from kandevd.schedules.registry import JobRegistry
 from kandevd.schedules.sessions.runner import SessionRunner
-from kandevd.schedules.settings import Switches
+from kandevd.schedules.settings import Switches, scheduler_root
 from kandevd.schedules.source import JobSource
 from kandevd.schedules.workflows.source import WorkflowSource
 from kandevd.timeutil import utc_now
-
-
-def scheduler_root(config: Config, home: Path) -> Path:
-    """``scheduler.root`` (relative to the home when relative), else ``<home>/workspace``."""
-    if config.scheduler.root:
-        root = Path(config.scheduler.root).expanduser()
-        return root if root.is_absolute() else home / root
-    return HomeLayout(home).workspace
 
 
 def build_registry(root: Path, switches: Switches, retention_days: float,

@@ -266,7 +266,7 @@ class Daemon:
             parts.cluster.settled()
         except sqlite3.Error as exc:  # they are taken for dead after dead_after_s anyway
             log.warning("cluster: could not mark the earlier instances stopped: %s", exc)
-        parts.queue.repo.release_peers()
+        parts.queue.release_peers()
 
     def _leave_cluster(self, parts: Parts) -> None:
         cluster = parts.cluster

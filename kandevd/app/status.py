@@ -92,7 +92,7 @@ class StatusReporter:
         if "runs" in stored:
             # ``failed`` is the dead letter: runs that used their attempts or retries.
             result["runs"] = {**stored["runs"], "unrecorded_outcomes": self.queue.unrecorded(),
-                              "adopted": self.queue.restorer.adopted_total,
+                              "adopted": self.queue.adopted_total,
                               "retrying": stored["retrying"],
                               "oldest_queued_at": stored["oldest_queued_at"]}
         result["scheduler"] = self.cron.status()
@@ -131,8 +131,8 @@ class StatusReporter:
             parts["runs"] = self.queue.counts()
             # A run waiting for its retry back-off is not waiting to be claimed: it is
             # counted apart, and the answer holds until the first of them is due.
-            parts["retrying"], first_retry = self.queue.repo.retrying(now)
-            parts["oldest_queued_at"] = self.queue.repo.oldest_queued_at(now)
+            parts["retrying"], first_retry = self.queue.retrying(now)
+            parts["oldest_queued_at"] = self.queue.oldest_queued_at(now)
             parts["ready_until"] = parse_rfc3339(first_retry) if first_retry else None
         except sqlite3.DatabaseError as exc:
             log.debug("daemon.status: the runs cannot be counted: %s", exc)

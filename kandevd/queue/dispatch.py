@@ -172,8 +172,7 @@ class Dispatcher:
         """
         run = claim.run
         run_id = run.id
-        with self.live.lock:
-            self.live.agents[run_id] = run.agent_id
+        self.live.begin(run_id, run.agent_id)
         try:
             self.faults.before_start(run_id)
             spec = self._spec(claim)
@@ -182,9 +181,7 @@ class Dispatcher:
             self.runtime.start(reservation, spec,
                                lambda result: self.outcomes.on_done(claim, result))
         except Exception as exc:
-            with self.live.lock:
-                self.live.agents.pop(run_id, None)
-                self.live.cancel_requested.discard(run_id)
+            self.live.end(run_id)
             self.runtime.release(reservation)  # a no-op when start() already gave it back
             try:
                 self._not_started(claim, exc)
@@ -192,9 +189,7 @@ class Dispatcher:
                 log.exception("run %s: its failed start could not be recorded; stale-claim "
                               "recovery will rescue it", run_id)
             return False
-        with self.live.lock:
-            cancelled = run_id in self.live.cancel_requested
-        if cancelled:  # runs.cancel came between the claim and the start
+        if self.live.cancel_requested(run_id):  # runs.cancel came between claim and start
             self.runtime.stop_execution(run_id, "cancelled")
         if self.observer is not None and run.attempt == 1 and run.claimed_at:
             self.observer.observe_first_claim(run.requested_at, run.claimed_at)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -116,6 +117,7 @@ class OutcomeRecorder:
         self.faults = faults
         self.observer = observer
         self.monotonic = monotonic  # paces the retries of refused outcome writes
+        self._lock = threading.Lock()  # what follows, shared by the workers and the loop
         self._defer = False  # outcomes go to the loop's next drain (see defer_outcomes)
         self._outcomes: list[tuple[Claim, ExecutionResult]] = []
         self._unrecorded: list[_Unrecorded] = []
@@ -134,7 +136,7 @@ class OutcomeRecorder:
         whatever is still pending, so after the loop has stopped (e.g. the
         agents interrupted by the shutdown) nothing waits for it.
         """
-        with self.live.lock:
+        with self._lock:
             self._defer = enabled
             pending: list[tuple[Claim, ExecutionResult]] = []
             if not enabled:
@@ -162,7 +164,7 @@ class OutcomeRecorder:
             attempts.discard(directory)  # cancelled: the run row already says so
         elif result.outcome != DETACHED and not records.exit_file_tells(directory, result):
             attempts.write_outcome(directory, result)
-        with self.live.lock:
+        with self._lock:
             deferred = self._defer
             if deferred:
                 self._outcomes.append((claim, result))
@@ -175,7 +177,7 @@ class OutcomeRecorder:
     def take(self) -> list[tuple[Claim, ExecutionResult]]:
         """Outcomes handed over since the last drain, plus refused writes now due again."""
         now = self.monotonic()
-        with self.live.lock:
+        with self._lock:
             pending, self._outcomes = self._outcomes, []
             due = [u for u in self._unrecorded if u.due <= now]
             if due:
@@ -184,14 +186,14 @@ class OutcomeRecorder:
 
     def next_write_retry_in(self) -> float | None:
         """Seconds until the next refused outcome write is due again (None: none waits)."""
-        with self.live.lock:
+        with self._lock:
             if not self._unrecorded:
                 return None
             return max(0.0, min(u.due for u in self._unrecorded) - self.monotonic())
 
     def unrecorded(self) -> int:
         """Outcomes known here that the database has not accepted yet."""
-        with self.live.lock:
+        with self._lock:
             return len(self._unrecorded)
 
     def record(self, claim: Claim, result: ExecutionResult) -> None:
@@ -229,7 +231,7 @@ class OutcomeRecorder:
             result = dataclasses.replace(
                 result, outcome=ERROR, summary=None, cost_cents=None,
                 error=f"its outcome could not be recorded: {type(exc).__name__}: {exc}")
-        with self.live.lock:
+        with self._lock:
             previous = next((u for u in self._unrecorded if u.claim.run.id == run_id), None)
             failures = (previous.failures if previous
                         else self._failure_counts.get(run_id, 0)) + 1
@@ -256,10 +258,8 @@ class OutcomeRecorder:
         for claim, result in outcomes:
             run_id = claim.run.id
             directory = self.live.folder(claim)
-            with self.live.lock:
-                self.live.agents.pop(run_id, None)
-                self.live.folders.pop((run_id, claim.token), None)
-                self.live.cancel_requested.discard(run_id)
+            self.live.end(run_id, claim.token)
+            with self._lock:
                 failures = self._failure_counts.pop(run_id, 0)
             # (An execution the keeper ran has a folder only when an outcome was written.)
             if result.outcome not in (INTERRUPTED, DETACHED) and directory.is_dir():

@@ -110,8 +110,7 @@ class Restorer:
         if kept is None and not directory.is_dir():
             return None
         if directory != attempts.attempt_dir(self.live.attempts_folder, run_id, token):
-            with self.live.lock:  # a legacy attempt: its journal stays where it is
-                self.live.folders[(run_id, token)] = directory
+            self.live.keep_folder(run_id, token, directory)  # a legacy attempt's journal
         claim = self.repo.claim_of(run_id, token)
         if claim is None:
             return None
@@ -140,8 +139,7 @@ class Restorer:
         log.info("run %s: recording the outcome its execution left on disk (%s)",
                  claim.run.id, result.outcome)
         note_ended(claim, result, once=True)  # (its daemon died before closing the attempt)
-        with self.live.lock:
-            self.live.agents[claim.run.id] = claim.run.agent_id
+        self.live.begin(claim.run.id, claim.run.agent_id)
         self.outcomes.record(claim, result)
         return None
 
@@ -155,13 +153,11 @@ class Restorer:
             log_path=record.log_path, timeout_s=record.timeout_s,
             session_id=record.session_id, run_id=run_id, home=str(self.layout.root),
             record_dir=directory)
-        with self.live.lock:
-            self.live.agents[run_id] = claim.run.agent_id
+        self.live.begin(run_id, claim.run.agent_id)
         try:
             self.runtime.adopt(spec, record, lambda res: self.outcomes.on_done(claim, res))
         except BaseException:
-            with self.live.lock:
-                self.live.agents.pop(run_id, None)
+            self.live.end(run_id)
             raise
         # The claim becomes this instance's own (live runs are not rescued either way).
         try:

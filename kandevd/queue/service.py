@@ -122,12 +122,8 @@ class RunQueue:
     def retry(self, run_id: str) -> Run:
         """``runs.retry``: a failed or cancelled run queued again with a fresh attempt budget."""
         run = self.repo.retry(run_id, self.clock())
-        with self.live.lock:
-            # A new request: no old cancel applies. Unless the cancelled attempt is still
-            # live here (being dispatched or stopped): its flag must still stop it, and
-            # the run cannot be claimed again before that attempt's outcome is settled.
-            if run_id not in self.live.agents:
-                self.live.cancel_requested.discard(run_id)
+        # (The run cannot be claimed again before a live attempt's outcome is settled.)
+        self.live.forget_cancel_unless_live(run_id)
         log.info("run %s re-queued by runs.retry", run_id)
         self.bus.publish("run.queued", {"run": run})
         self.wake()
@@ -137,10 +133,9 @@ class RunQueue:
                only_queued: bool = False) -> Run:
         run, previous = self.repo.cancel(run_id, reason, self.clock(), only_queued=only_queued)
         if previous == "claimed":
-            with self.live.lock:
-                # Seen by a dispatch that has not started the execution yet (the claim
-                # may even be committed but not handed to a dispatch): it stops it.
-                self.live.cancel_requested.add(run_id)
+            # Seen by a dispatch that has not started the execution yet (the claim may
+            # even be committed but not handed to a dispatch): it stops it.
+            self.live.request_cancel(run_id)
             self.runtime.stop_execution(run_id, reason or "cancelled")
         log.info("run %s cancelled (was %s)", run_id, previous)
         self.bus.publish("run.cancelled", {"run": run})
@@ -152,9 +147,35 @@ class RunQueue:
                                  runtime_full=self.runtime.active >= self.runtime.max_concurrent,
                                  live_agents=self.live.agent_ids())
 
+    def get(self, run_id: str) -> Run:
+        """``runs.get`` (RunNotFound: no such run)."""
+        return self.repo.get(run_id)
+
+    def page(self, *, limit: int = 50, offset: int = 0, order: str = "asc",
+             **filters: str | None) -> dict[str, Any]:
+        """``runs.list``: a page of runs matching ``filters``, in request order."""
+        return self.repo.list(limit=limit, offset=offset, order=order, **filters)
+
     def counts(self) -> dict[str, int]:
         """Runs by status, for ``daemon.status`` (``failed`` is the dead letter)."""
         return self.repo.count_by_status()
+
+    def retrying(self, now: datetime) -> tuple[int, str | None]:
+        """Queued runs waiting for their retry's back-off: how many, and the first due."""
+        return self.repo.retrying(now)
+
+    def oldest_queued_at(self, now: datetime) -> str | None:
+        """When the oldest run ready to claim was requested (None: none is)."""
+        return self.repo.oldest_queued_at(now)
+
+    @property
+    def adopted_total(self) -> int:
+        """Executions of earlier instances adopted at start."""
+        return self.restorer.adopted_total
+
+    def release_peers(self) -> None:
+        """The earlier instances of this home are settled: claims by them are peers'."""
+        self.repo.release_peers()
 
     # -- the rooms behind it, as the loop, the daemon and status see them ---------------
     def drain(self, now: datetime, limit: int) -> int:

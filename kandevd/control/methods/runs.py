@@ -65,13 +65,13 @@ def register(registry: Registry, services: Services) -> None:
         return {"results": [result.to_dict() for result in results]}
 
     def get(p: dict[str, Any]) -> dict[str, Any]:
-        return queue.repo.get(p["id"]).to_dict()
+        return queue.get(p["id"]).to_dict()
 
     def list_(p: dict[str, Any]) -> dict[str, Any]:
-        page = queue.repo.list(limit=p.get("limit", 50), offset=p.get("offset", 0),
-                               order=p.get("order", "asc"),
-                               **{k: p.get(k) for k in ("status", "agent_id", "workspace_id",
-                                                        "task_id", "reason")})
+        page = queue.page(limit=p.get("limit", 50), offset=p.get("offset", 0),
+                          order=p.get("order", "asc"),
+                          **{k: p.get(k) for k in ("status", "agent_id", "workspace_id",
+                                                   "task_id", "reason")})
         return {**page, "items": [run.to_dict() for run in page["items"]]}
 
     def cancel(p: dict[str, Any]) -> dict[str, Any]:

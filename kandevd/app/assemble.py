@@ -41,6 +41,8 @@ from kandevd.paths import HomeLayout
 from kandevd.queue.loop import QueueLoop
 from kandevd.queue.retention import RunPruner
 from kandevd.queue.service import RunQueue
+from kandevd.runs import coalescing
+from kandevd.runs.retry import attempt_limit
 from kandevd.runtime import AgentRuntime
 from kandevd.runtime.keeperclient import KeeperClient
 from kandevd.runtime.keeperrunner import KeeperRunner
@@ -134,7 +136,8 @@ def _assemble(config: Config, layout: HomeLayout, store: BaseStore, *, boot_id: 
                            shutdown_requested=stop_requested.wait)
     cluster = _join_cluster(config, layout, store, boot_id) if store.shared else None
     metrics = DaemonMetrics()
-    repo = RunRepository(store, boot_id, max_attempts=config.queue.max_attempts,
+    repo = RunRepository(store, boot_id, give_up=attempt_limit(config.queue.max_attempts),
+                         coalescing=coalescing.RULES,
                          claim_gate=exceeded_hard_budgets, claim_gate_probe=HARD_BUDGET_PROBE_SQL,
                          peers_dead_after_s=config.cluster.dead_after_s if cluster else None)
     if cluster is not None:

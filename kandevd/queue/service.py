@@ -23,7 +23,7 @@ from kandevd.queue.dispatch import Dispatcher
 from kandevd.queue.live import LiveRuns, Waker
 from kandevd.queue.outcomes import Observer, OutcomeRecorder
 from kandevd.queue.restore import Restorer
-from kandevd.runs.model import EnqueueResult, Run
+from kandevd.runs.model import EnqueueResult, Run, RunPage
 from kandevd.runs.retry import retry_decider
 from kandevd.runtime import AgentRuntime
 from kandevd.store.runs import RunRepository
@@ -152,7 +152,7 @@ class RunQueue:
         return self.repo.get(run_id)
 
     def page(self, *, limit: int = 50, offset: int = 0, order: str = "asc",
-             **filters: str | None) -> dict[str, Any]:
+             **filters: str | None) -> RunPage:
         """``runs.list``: a page of runs matching ``filters``, in request order."""
         return self.repo.list(limit=limit, offset=offset, order=order, **filters)
 

@@ -71,6 +71,21 @@ class Run:
 
 
 @dataclass(frozen=True, slots=True)
+class RunPage:
+    """One page of ``runs.list``: its runs, how many match in all, where it starts."""
+
+    items: list[Run]
+    total: int
+    limit: int
+    offset: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """The contract's page: ``{items: [RUN], total, limit, offset}``."""
+        return {"items": [run.to_dict() for run in self.items], "total": self.total,
+                "limit": self.limit, "offset": self.offset}
+
+
+@dataclass(frozen=True, slots=True)
 class EnqueueResult:
     run: Run
     deduplicated: bool = False

@@ -12,10 +12,20 @@ from collections.abc import Callable
 from datetime import datetime
 
 from kandevd.config import RetryConfig
-from kandevd.runs.model import FailedAttempt, RetryDecision
+from kandevd.runs.model import FailedAttempt, RetryDecision, gave_up
 from kandevd.timeutil import after
 
 RetryDecider = Callable[[FailedAttempt], RetryDecision]
+GiveUp = Callable[[int, str], "str | None"]
+"""``give_up(attempt, last error)``: the dead letter's error message when a run whose
+execution failed or was lost has used its attempts, else None (it may run again)."""
+
+
+def attempt_limit(max_attempts: int) -> GiveUp:
+    """``queue.max_attempts`` as the store is handed it: past it, no execution again."""
+    def give_up(attempt: int, last: str) -> str | None:
+        return gave_up(attempt, last) if attempt >= max_attempts else None
+    return give_up
 
 
 def retry_delay(policy: RetryConfig, retry_count: int, draw: float) -> float:

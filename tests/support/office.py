@@ -135,7 +135,7 @@ class OfficeEnv:
 
     # -- runs --------------------------------------------------------------------------
     def runs(self, **filters: Any) -> list[dict[str, Any]]:
-        return self.repo.list(limit=500, **filters)["items"]
+        return self.repo.list(limit=500, **filters).items
 
     def set_status(self, run_id: str, status: str) -> None:
         """End a run the way the queue would record it (failed / cancelled / finished)."""

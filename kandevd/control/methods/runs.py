@@ -68,11 +68,10 @@ def register(registry: Registry, services: Services) -> None:
         return queue.get(p["id"]).to_dict()
 
     def list_(p: dict[str, Any]) -> dict[str, Any]:
-        page = queue.page(limit=p.get("limit", 50), offset=p.get("offset", 0),
+        return queue.page(limit=p.get("limit", 50), offset=p.get("offset", 0),
                           order=p.get("order", "asc"),
                           **{k: p.get(k) for k in ("status", "agent_id", "workspace_id",
-                                                   "task_id", "reason")})
-        return {**page, "items": [run.to_dict() for run in page["items"]]}
+                                                   "task_id", "reason")}).to_dict()
 
     def cancel(p: dict[str, Any]) -> dict[str, Any]:
         return queue.cancel(p["id"], p.get("reason")).to_dict()

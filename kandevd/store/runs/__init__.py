@@ -11,6 +11,8 @@ Office budget gate at construction.
 
 from __future__ import annotations
 
+from kandevd.runs.coalescing import RULES, Coalescing
+from kandevd.runs.retry import GiveUp, attempt_limit
 from kandevd.store.base import BaseStore
 from kandevd.store.runs.admin import Admin
 from kandevd.store.runs.base import ClaimGate, RunSql
@@ -34,13 +36,15 @@ class RunRepository(Enqueue, Claims, Outcomes, Recovery, Admin, Reads):
     gate costs no round trip of its own while it has nothing to block.
     """
 
-    def __init__(self, store: BaseStore, boot_id: str, *, max_attempts: int = 6,
+    def __init__(self, store: BaseStore, boot_id: str, *, give_up: GiveUp | None = None,
+                 coalescing: Coalescing = RULES,
                  claim_gate: ClaimGate | None = None, claim_gate_probe: str | None = None,
                  peers_dead_after_s: float | None = None) -> None:
         self.store = store
         self.sql = _DIALECTS[store.dialect]()
         self.boot_id = boot_id
-        self.max_attempts = max_attempts
+        self.give_up = give_up or attempt_limit(6)  # queue.max_attempts' default
+        self.coalescing = coalescing
         self.claim_gate = claim_gate
         self.claim_gate_probe = claim_gate_probe if claim_gate is not None else None
         self.peers_dead_after_s = peers_dead_after_s

@@ -8,6 +8,8 @@ from contextlib import AbstractContextManager
 from datetime import datetime
 from typing import Any, Protocol
 
+from kandevd.runs.coalescing import Coalescing
+from kandevd.runs.retry import GiveUp
 from kandevd.store.base import BaseStore
 from kandevd.timeutil import after, rfc3339
 
@@ -50,7 +52,10 @@ class RunRepositoryBase:
     store: BaseStore
     sql: RunSql
     boot_id: str
-    max_attempts: int
+    #: The attempt limit, the caller's policy (:func:`kandevd.runs.retry.attempt_limit`).
+    give_up: GiveUp
+    #: Which queued run a request merges into, the caller's rules (kandevd.runs.coalescing).
+    coalescing: Coalescing
     claim_gate: ClaimGate | None
     claim_gate_probe: str | None
     #: Several daemons on one store: claims of a daemon whose heartbeat is younger than

@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
+from kandevd.runs.coalescing import Coalescing
 from kandevd.runs.model import (
     COALESCE_WINDOW_S,
     IDEMPOTENCY_WINDOW_S,
@@ -85,10 +86,10 @@ class Enqueue(RunRepositoryBase):
             # Expired (or never seen): the key is free again.
             conn.execute("UPDATE runs SET key_active = 0 WHERE idempotency_key = ?"
                          " AND key_active = 1", (key,))
-        if coalesce and not (key or "").startswith("task_comment:"):
-            merged = self._coalesce(conn, agent_id=agent_id, reason=reason, task_id=task_id,
-                                    key=key, payload_json=payload_json, now=now,
-                                    window_start=stamps[1] if stamps else None)
+        if coalesce and self.coalescing.may_merge(key):
+            merged = self._coalesce(conn, self.coalescing, agent_id=agent_id, reason=reason,
+                                    task_id=task_id, key=key, payload_json=payload_json,
+                                    now=now, window_start=stamps[1] if stamps else None)
             if merged is not None:
                 self._remember_key(conn, key, merged.id, now_s)
                 return EnqueueResult(merged, coalesced=True)
@@ -156,23 +157,22 @@ class Enqueue(RunRepositoryBase):
         return self.store.execute("DELETE FROM run_keys WHERE created_at < ?", (cutoff,))
 
     @staticmethod
-    def _coalesce(conn: sqlite3.Connection, *, agent_id: str, reason: str, task_id: str | None,
-                  key: str | None, payload_json: str, now: datetime,
+    def _coalesce(conn: sqlite3.Connection, rules: Coalescing, *, agent_id: str, reason: str,
+                  task_id: str | None, key: str | None, payload_json: str, now: datetime,
                   window_start: str | None = None) -> Run | None:
         sql = ("SELECT * FROM runs WHERE agent_id = ? AND reason = ? AND status = 'queued'"
                " AND requested_at > ?")
         params: list[Any] = [agent_id, reason,
                              window_start or rfc3339(after(now, -COALESCE_WINDOW_S))]
-        if reason == "task_assigned":
+        if rules.per_task(reason):
             sql += " AND task_id IS ?"
             params.append(task_id)
         row = conn.execute(sql + " ORDER BY seq DESC LIMIT 1", params).fetchone()
         if row is None:
             return None
-        # As the contract says: any recent queued run of the agent and reason absorbs the
-        # request, keyed or not (the absorbing run keeps its own key); only comment events,
-        # each of which must be seen, are never merged.
-        if (row["idempotency_key"] or "").startswith("task_comment:"):
+        # Any recent queued run of the agent and reason absorbs the request, keyed or not
+        # (the absorbing run keeps its own key), but one the rules keep apart.
+        if not rules.may_merge(row["idempotency_key"]):
             return None
         new_key_active = 1 if (key or row["idempotency_key"]) else 0
         # Still queued: on PostgreSQL a claim (which does not take the writer lock) may

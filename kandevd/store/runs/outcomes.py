@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from kandevd.runs.model import FailedAttempt, RetryDecision, Run, gave_up
+from kandevd.runs.model import FailedAttempt, RetryDecision, Run
 from kandevd.runs.retry import RetryDecider
 from kandevd.store.runs.base import RunRepositoryBase
 from kandevd.store.runs.statements import ADD_COST, REQUEUE
@@ -34,8 +34,8 @@ class Outcomes(RunRepositoryBase):
                      ) -> Run | None:
         """A failed attempt: retried, cancelled as too old, or failed, as ``decide`` says.
 
-        A run that has used ``max_attempts`` fails ("gave up after N attempts")
-        instead of being retried. None when the token is stale.
+        A run that has used its attempts (``give_up`` says so, with the message)
+        fails instead of being retried. None when the token is stale.
         """
         now_s = rfc3339(now)
         with self.store.transaction(exclusive=False) as conn:
@@ -48,9 +48,10 @@ class Outcomes(RunRepositoryBase):
                                             parse_rfc3339(row["requested_at"]), now))
             common = {"now": now_s, "error": error, "summary": summary, "cost": cost_cents,
                       "log": log_path, "seq": row["seq"]}
-            if row["attempt"] >= self.max_attempts and decision.action == "retry":
+            final = self.give_up(row["attempt"], error) if decision.action == "retry" else None
+            if final is not None:
                 decision = RetryDecision("fail", None)
-                common["error"] = gave_up(row["attempt"], error)
+                common["error"] = final
             if decision.action == "retry":
                 assert decision.retry_at is not None
                 sql = ("UPDATE runs SET status = 'queued', retry_count = retry_count + 1,"

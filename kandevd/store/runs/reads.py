@@ -7,7 +7,7 @@ from collections.abc import Collection
 from datetime import datetime
 from typing import Any
 
-from kandevd.runs.model import STATUSES, Run, RunNotFound
+from kandevd.runs.model import STATUSES, Run, RunNotFound, RunPage
 from kandevd.store.runs.base import RunRepositoryBase
 from kandevd.timeutil import rfc3339
 
@@ -70,7 +70,7 @@ class Reads(RunRepositoryBase):
         return Run.from_row(row)
 
     def list(self, *, limit: int = 50, offset: int = 0, order: str = "asc",
-             **filters: Any) -> dict[str, Any]:
+             **filters: str | None) -> RunPage:
         """Runs matching ``filters``, in request order (``order="desc"``: newest first)."""
         where, params = [], []
         for column in ("status", "agent_id", "workspace_id", "task_id", "reason"):
@@ -84,8 +84,7 @@ class Reads(RunRepositoryBase):
         rows = self.store.query(f"SELECT * FROM runs{clause} ORDER BY seq {direction}"
                                 " LIMIT ? OFFSET ?",
                                 [*params, limit, offset])
-        return {"items": [Run.from_row(r) for r in rows], "total": total,
-                "limit": limit, "offset": offset}
+        return RunPage([Run.from_row(r) for r in rows], total, limit, offset)
 
     def explain(self, run_id: str, now: datetime, *, runtime_full: bool,
                 live_agents: Collection[str] = ()) -> dict[str, Any]:

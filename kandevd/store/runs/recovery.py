@@ -1,8 +1,8 @@
 """Rescue and recovery: claims whose execution is gone, and what a restart finds.
 
 An execution whose outcome is unknown goes back to the queue, or, once its
-run has used ``max_attempts``, to the dead letter (``failed``), so a run is
-never executed again without bound.
+run has used its attempts (the caller's ``give_up`` policy), to the dead letter
+(``failed``), so a run is never executed again without bound.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Collection, Iterable
 from datetime import datetime
 from typing import Any
 
-from kandevd.runs.model import Claim, Run, gave_up
+from kandevd.runs.model import Claim, Run
 from kandevd.store.runs.base import RunRepositoryBase
 from kandevd.store.runs.statements import REQUEUE
 from kandevd.timeutil import after, rfc3339
@@ -23,8 +23,8 @@ class Recovery(RunRepositoryBase):
         """An execution whose outcome is unknown: back to the queue, or the dead letter.
 
         The execution counted an attempt when it was claimed; a run that has
-        used ``max_attempts`` becomes ``failed`` ("gave up after N attempts;
-        last: <why>") instead of executing again without bound. Returns the
+        used its attempts (``give_up``) becomes ``failed`` ("gave up after N
+        attempts; last: <why>") instead of executing again without bound. Returns the
         new status, or None when the claim (fenced by ``token``) is gone.
         Runs inside the caller's transaction.
         """
@@ -36,7 +36,8 @@ class Recovery(RunRepositoryBase):
         now_s = rfc3339(now)
         # Fenced in the write too: on PostgreSQL an outcome (which takes no writer lock)
         # may have been recorded since the read.
-        if row["attempt"] >= self.max_attempts:
+        final = self.give_up(row["attempt"], why)
+        if final is not None:
             # PostgreSQL: the agent locked before the run, in the order claims and outcomes
             # take them (the cooldown below writes the agent).
             cooldown_s = self.sql.lock_agent_of(conn, run_id)
@@ -44,7 +45,7 @@ class Recovery(RunRepositoryBase):
                 "UPDATE runs SET status = 'failed', finished_at = ?, claim_token = NULL,"
                 " error_message = ?, scheduled_retry_at = NULL, updated_at = ?"
                 " WHERE seq = ? AND status = 'claimed' AND claim_token IS ?",
-                (now_s, gave_up(row["attempt"], why), now_s, row["seq"], token)).rowcount
+                (now_s, final, now_s, row["seq"], token)).rowcount
             if not failed:
                 return None
             self.start_cooldown(conn, row["agent_id"], now, cooldown_s)

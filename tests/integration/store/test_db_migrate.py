@@ -175,7 +175,7 @@ def test_a_populated_home_is_copied_and_verified(daemon_factory: Factory, pg_url
             assert model_lists(conn) == listed  # the lists read as the daemon answered them
         runs = RunRepository(store, "migrated")
         page = runs.list(limit=500)
-        assert {**page, "items": [run.to_dict() for run in page["items"]]} == first_runs
+        assert page.to_dict() == first_runs
         with sqlite3.connect(source) as conn:
             by_status = dict(conn.execute("SELECT status, COUNT(*) FROM runs GROUP BY status"))
         assert by_status["queued"] > QUEUED and by_status["finished"] == 1

@@ -133,7 +133,7 @@ class Env:
         return [payload for topic, payload in self.events if topic == prefix]
 
     def runs(self) -> list[dict[str, Any]]:
-        return self.queue.repo.list(limit=500)["items"]
+        return self.queue.repo.list(limit=500).items
 
     def seed(self, style: str = "custom") -> None:
         """ws1 with agents a1, a2; workflow wf1: todo (no agent) -> doing (a1, queue_run)."""

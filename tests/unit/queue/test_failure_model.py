@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from kandevd.runs.model import RunConflict, RunNotFound
-from kandevd.runs.retry import retry_decider
+from kandevd.runs.retry import attempt_limit, retry_decider
 from kandevd.store.open import open_store
 from kandevd.store.runs import RunRepository
 from kandevd.store.sqlite import Store
@@ -45,7 +45,7 @@ def claim(repo: RunRepository, at: datetime) -> Any:
 
 
 def test_stale_rescues_count_attempts_and_end_in_the_dead_letter(store: Store) -> None:
-    repo = repo_of(store, max_attempts=3)
+    repo = repo_of(store, give_up=attempt_limit(3))
     run = enqueue(repo)
     moment = T0
     statuses = []
@@ -63,9 +63,9 @@ def test_stale_rescues_count_attempts_and_end_in_the_dead_letter(store: Store) -
 def test_restart_rescues_count_attempts_too(store: Store) -> None:
     run = enqueue(repo_of(store))
     for boot in range(1, 4):
-        claim(repo_of(store, f"boot-{boot}", max_attempts=3), after(T0, boot))
-        rescued = repo_of(store, f"boot-{boot + 1}", max_attempts=3).requeue_foreign_claims(
-            after(T0, boot + 0.5))
+        claim(repo_of(store, f"boot-{boot}", give_up=attempt_limit(3)), after(T0, boot))
+        rescuer = repo_of(store, f"boot-{boot + 1}", give_up=attempt_limit(3))
+        rescued = rescuer.requeue_foreign_claims(after(T0, boot + 0.5))
     assert rescued == {run.id: "failed"}
     assert "gave up after 3 attempts; last: interrupted" in repo_of(store).get(
         run.id).error_message
@@ -74,7 +74,7 @@ def test_restart_rescues_count_attempts_too(store: Store) -> None:
 def test_failed_attempts_stop_at_max_attempts_even_with_retries_left(store: Store) -> None:
     many_retries = POLICY.__class__(max_retries=50, delays_s=(0.0,), jitter=0.0,
                                     max_age_s=10**6)
-    repo = repo_of(store, max_attempts=2)
+    repo = repo_of(store, give_up=attempt_limit(2))
     run = enqueue(repo)
     first = claim(repo, T0)
     updated = repo.fail_attempt(run.id, first.token, now=after(T0, 1), error="boom",
@@ -89,7 +89,7 @@ def test_failed_attempts_stop_at_max_attempts_even_with_retries_left(store: Stor
 
 
 def test_a_start_that_never_happened_gives_its_attempt_back(store: Store) -> None:
-    repo = repo_of(store, max_attempts=1)
+    repo = repo_of(store, give_up=attempt_limit(1))
     run = enqueue(repo)
     for second in range(5):
         claimed = claim(repo, after(T0, second))
@@ -99,7 +99,7 @@ def test_a_start_that_never_happened_gives_its_attempt_back(store: Store) -> Non
 
 
 def test_retry_requeues_failed_and_cancelled_runs_with_a_fresh_budget(store: Store) -> None:
-    repo = repo_of(store, max_attempts=1)
+    repo = repo_of(store, give_up=attempt_limit(1))
     failed = enqueue(repo)
     claim(repo, T0)
     repo.recover_stale(after(T0, 100), 60, live=())

@@ -23,7 +23,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kandevd.config import RetryConfig
 from kandevd.runs.model import STATUSES, TERMINAL, RunConflict
-from kandevd.runs.retry import retry_decider
+from kandevd.runs.retry import attempt_limit, retry_decider
 from kandevd.store.open import open_store
 from kandevd.store.runs import RunRepository
 from kandevd.timeutil import after
@@ -50,7 +50,7 @@ class FailureModel(RuleBasedStateMachine):
 
     def _instance(self) -> RunRepository:
         self.boot += 1
-        return RunRepository(self.store, f"boot-{self.boot}", max_attempts=MAX_ATTEMPTS)
+        return RunRepository(self.store, f"boot-{self.boot}", give_up=attempt_limit(MAX_ATTEMPTS))
 
     def teardown(self) -> None:
         self.store.close()

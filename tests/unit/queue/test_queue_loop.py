@@ -238,7 +238,7 @@ def test_runs_are_executed_in_request_order_across_workspaces(rig_factory: Calla
                                                               ) -> None:
     rig = rig_factory(max_concurrent=1)
     order = [rig.enqueue(agent).id for agent in ["b1", "a1", "a2", "b1", "a1"]]
-    while rig.repo.list(status="queued")["total"]:
+    while rig.repo.list(status="queued").total:
         rig.tick()
         rig.settle()
     assert rig.agents.started == order
@@ -496,7 +496,7 @@ def test_restart_recovery_requeues_foreign_claims_in_request_order(rig: Rig) -> 
     rig.tick()
     rig.settle()
     assert sorted(rig.agents.started) == sorted(r.id for r in runs)
-    assert [r.seq for r in rig.repo.list()["items"]] == [r.seq for r in runs]
+    assert [r.seq for r in rig.repo.list().items] == [r.seq for r in runs]
     assert {rig.status(r.id) for r in runs} == {"finished"}
 
 
@@ -569,7 +569,7 @@ def test_a_tick_claims_one_run_per_agent_in_one_transaction(rig: Rig) -> None:
     before = rig.store.statements
     rig.tick()
     used = rig.store.statements - before
-    claimed = [r.id for r in rig.repo.list(status="claimed")["items"]]
+    claimed = [r.id for r in rig.repo.list(status="claimed").items]
     assert claimed == [runs[0].id, runs[2].id, runs[3].id]  # a1's second run waits
     # "anything queued?" + "anything claimable?" (a read) + BEGIN + the queue's front and
     # its agents (SQLite) + UPDATE ... RETURNING + profile lookup + COMMIT (+ the sync

@@ -28,7 +28,7 @@ import pytest
 
 from kandevd.config import RetryConfig
 from kandevd.office.budgets import BudgetGuard, budget_blocker, exceeded_hard_budgets
-from kandevd.runs.retry import retry_decider
+from kandevd.runs.retry import attempt_limit, retry_decider
 from kandevd.store.runs import RunRepository
 from kandevd.store.sqlite import Store
 from kandevd.timeutil import rfc3339
@@ -148,7 +148,7 @@ def populate(env: OfficeEnv, terminal: int = 3000, queued: int = 300) -> None:
 
 def exercise(env: OfficeEnv) -> None:
     store, clock, model = env.store, env.clock, env.model
-    repo = RunRepository(store, "boot", max_attempts=3, claim_gate=exceeded_hard_budgets)
+    repo = RunRepository(store, "boot", give_up=attempt_limit(3), claim_gate=exceeded_hard_budgets)
     other = RunRepository(store, "earlier-boot")
     env.insert_budget("b_agent", scope_type="agent", scope_id="a1", limit_cents=1e9,
                       action="pause_agent")
@@ -219,7 +219,7 @@ def exercise(env: OfficeEnv) -> None:
                             ("reason", "routine")):
             repo.list(order=order, limit=20, offset=5, **{name: value})
     repo.get(first.run.id)
-    queued = repo.list(status="queued", limit=3)["items"]
+    queued = repo.list(status="queued", limit=3).items
     for run in queued:
         repo.explain(run.id, later, runtime_full=False)
     repo.explain(first.run.id, later, runtime_full=True)

@@ -220,7 +220,7 @@ def test_task_comment_keys_are_never_coalesced(repo: RunRepository, store: Store
     plain = comment(None, 2)  # nor does anything merge into a task_comment run
     assert plain.inserted
     assert count_runs(store) == 3
-    assert {r.coalesced_count for r in repo.list()["items"]} == {0}
+    assert {r.coalesced_count for r in repo.list().items} == {0}
 
 
 # -- claim -----------------------------------------------------------------------------
@@ -544,17 +544,17 @@ def test_list_filters_and_pages_in_request_order(repo: RunRepository) -> None:
             for i, (agent, reason) in enumerate([("a1", "x"), ("b1", "y"), ("a1", "y"),
                                                  ("a2", "x"), ("b1", "x")])]
     everything = repo.list()
-    assert [r.id for r in everything["items"]] == [r.id for r in made]
-    assert (everything["total"], everything["limit"], everything["offset"]) == (5, 50, 0)
+    assert [r.id for r in everything.items] == [r.id for r in made]
+    assert (everything.total, everything.limit, everything.offset) == (5, 50, 0)
     page = repo.list(limit=2, offset=1)
-    assert [r.id for r in page["items"]] == [made[1].id, made[2].id]
-    assert page["total"] == 5
-    assert [r.id for r in repo.list(agent_id="a1")["items"]] == [made[0].id, made[2].id]
-    assert repo.list(workspace_id="ws2")["total"] == 2
-    assert repo.list(reason="x", agent_id="b1")["items"][0].id == made[4].id
+    assert [r.id for r in page.items] == [made[1].id, made[2].id]
+    assert page.total == 5
+    assert [r.id for r in repo.list(agent_id="a1").items] == [made[0].id, made[2].id]
+    assert repo.list(workspace_id="ws2").total == 2
+    assert repo.list(reason="x", agent_id="b1").items[0].id == made[4].id
     claim = repo.claim_next(after(T0, 10))
     assert claim is not None
-    assert [r.id for r in repo.list(status="claimed")["items"]] == [made[0].id]
+    assert [r.id for r in repo.list(status="claimed").items] == [made[0].id]
 
 
 # -- explain ---------------------------------------------------------------------------
@@ -700,9 +700,9 @@ def test_coalescing_absorbs_a_request_with_another_key_but_not_task_comments(
 def test_list_orders_by_request_either_way(repo: RunRepository) -> None:
     runs = [enqueue(repo, at=after(T0, i)) for i in range(3)]
     ids = [r.id for r in runs]
-    assert [r.id for r in repo.list()["items"]] == ids
-    assert [r.id for r in repo.list(order="desc")["items"]] == ids[::-1]
-    assert [r.id for r in repo.list(order="desc", limit=1, offset=1)["items"]] == [ids[1]]
+    assert [r.id for r in repo.list().items] == ids
+    assert [r.id for r in repo.list(order="desc").items] == ids[::-1]
+    assert [r.id for r in repo.list(order="desc", limit=1, offset=1).items] == [ids[1]]
 
 
 def test_the_counts_by_status_follow_every_write(repo: RunRepository, store: Store) -> None:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from kandevd.bus import EventBus
 from kandevd.faults import Faults
@@ -97,6 +97,19 @@ class _Unrecorded:
     result: ExecutionResult
     failures: int
     due: float
+
+
+@dataclass(frozen=True, slots=True)
+class Written:
+    """What writing an outcome did. ``recorded``: False when the attempt was superseded
+    (its token no longer in force) or the outcome needs no write; ``run``: a failed
+    attempt's run as written (queued for its retry, failed, or cancelled as too old)."""
+
+    recorded: bool
+    run: Run | None = None
+
+
+NOT_WRITTEN = Written(False)
 
 
 class OutcomeRecorder:
@@ -272,28 +285,28 @@ class OutcomeRecorder:
         if self.release is not None and released:
             self.release(released)
 
-    def apply(self, claim: Claim, result: ExecutionResult) -> Any:
-        """The database side of an outcome; returns what :meth:`announce` reports.
+    def apply(self, claim: Claim, result: ExecutionResult) -> Written:
+        """The database side of an outcome; what it did is what :meth:`announce` reports.
 
-        ``True``/``False`` for a success (False: a superseded attempt), the
-        updated run (or None when superseded) for a failure, and ``None`` for
-        an execution that was interrupted or stopped, which writes nothing.
+        An execution that was interrupted or stopped writes nothing.
         """
         run_id = claim.run.id
         if result.outcome in NO_WRITE:
-            return None
+            return NOT_WRITTEN
         self.faults.outcome_write()
         now = self.clock()
         log_path = str(result.log_path)
         if result.succeeded:
-            return self.repo.finish(run_id, claim.token, now=now, summary=result.summary,
-                                    cost_cents=result.cost_cents, log_path=log_path)
-        return self.repo.fail_attempt(
+            return Written(self.repo.finish(run_id, claim.token, now=now,
+                                            summary=result.summary,
+                                            cost_cents=result.cost_cents, log_path=log_path))
+        updated = self.repo.fail_attempt(
             run_id, claim.token, now=now, error=result.error or result.outcome,
             decide=self.decide_retry, summary=result.summary, cost_cents=result.cost_cents,
             log_path=log_path)
+        return Written(updated is not None, updated)
 
-    def announce(self, claim: Claim, result: ExecutionResult, effect: Any) -> None:
+    def announce(self, claim: Claim, result: ExecutionResult, effect: Written) -> None:
         run_id = claim.run.id
         if self.observer is not None:
             self.observer.observe_execution(result)
@@ -304,17 +317,17 @@ class OutcomeRecorder:
         elif result.outcome == STOPPED:
             log.info("run %s: agent process stopped (%s)", run_id, result.error)
         elif result.succeeded:
-            if effect:
+            if effect.recorded:
                 log.debug("run %s finished", run_id)
                 self.bus.publish("run.finished", {"run_id": run_id,
                                                   "agent_id": claim.run.agent_id,
                                                   "cost_cents": result.cost_cents})
             else:
                 log.warning("run %s: completion of a superseded attempt ignored", run_id)
-        elif effect is None:
+        elif effect.run is None:
             log.warning("run %s: failure of a superseded attempt ignored", run_id)
         else:
-            self.announce_failure(effect, result.error)
+            self.announce_failure(effect.run, result.error)
 
     def announce_failure(self, updated: Run, error: str | None) -> None:
         run_id = updated.id

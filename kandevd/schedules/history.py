@@ -27,7 +27,7 @@ import threading
 from collections.abc import Callable, Iterable
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from kandevd.formats.jsonfile import CorruptReporter, JsonFile
 from kandevd.timeutil import parse_rfc3339, rfc3339
@@ -39,6 +39,50 @@ RUNNING, SUCCESS, ERROR, STOPPED = "running", "success", "error", "stopped"
 TERMINAL = frozenset({SUCCESS, ERROR, STOPPED})
 RESTART_ERROR = "interrupted: server restarted"
 SHUTDOWN_ERROR = "interrupted: server shutting down"
+
+
+class TurnRecord(TypedDict, total=False):
+    """One turn of a history entry, as ``schedule-runs.json`` holds it."""
+
+    index: int
+    kind: str
+    message: str
+    workshop_mode: str | None
+    status: str
+    started_at: str
+    duration_ms: int | None
+    log_path: str | None
+    cost_cents: float
+    error: str | None
+    exit_code: int
+    output: str | None
+    evaluation: Any
+    adopted_at: str
+
+
+class HistoryEntry(TypedDict, total=False):
+    """One session's entry in ``schedule-runs.json`` (the module's docstring)."""
+
+    id: str
+    schedule_id: str
+    product: str
+    user_id: str
+    run_folder: str | None
+    session_id: str
+    status: str
+    error: str | None
+    duration_ms: int | None
+    group_ids: list[str]
+    started_at: str
+    completed_at: str | None
+    trigger_source: str
+    intended_at: str
+    late_s: float
+    fire_times: list[str]
+    notified: dict[str, Any]
+    turns: list[TurnRecord]
+    cost_cents: float
+    first_message: str | None
 
 
 def entry_time(entry: Any) -> datetime | None:
@@ -115,13 +159,13 @@ def interrupt(entries: list[Any], now: datetime, error: str) -> int:
     return fixed
 
 
-def _running_turn(entry: dict[str, Any]) -> bool:
+def _running_turn(entry: HistoryEntry) -> bool:
     turns = entry.get("turns")
     return isinstance(turns, list) and any(
         isinstance(t, dict) and t.get("status") == RUNNING for t in turns)
 
 
-def outcome_after_restart(entry: dict[str, Any]) -> tuple[str, str | None] | None:
+def outcome_after_restart(entry: HistoryEntry) -> tuple[str, str | None] | None:
     """How a run a previous daemon left ends, judged from its turns as a session judges
     them as they end (a pulse's outcome never counts): ``(status, error)``. A turn with
     no recorded end (none found, its record lost: it reads ``error: interrupted: server
@@ -160,7 +204,7 @@ class PendingWrites:
     def __init__(self, wake: Callable[[], None] | None = None) -> None:
         """``wake()`` when a write is kept (the cron loop's, so it retries soon)."""
         self._lock = threading.Lock()
-        self._pending: dict[tuple[Path, str], tuple[History, dict[str, Any]]] = {}
+        self._pending: dict[tuple[Path, str], tuple[History, HistoryEntry]] = {}
         #: What waits for a kept write to land (a turn's record, removed only once its
         #: outcome is on the entry), by the same key.
         self._after: dict[tuple[Path, str], list[Callable[[], None]]] = {}
@@ -177,7 +221,7 @@ class PendingWrites:
         with self._lock:
             return len(self._pending)
 
-    def keep(self, history: History, entry_id: str, fields: dict[str, Any],
+    def keep(self, history: History, entry_id: str, fields: HistoryEntry,
              error: OSError, after: Callable[[], None] | None = None) -> None:
         with self._lock:
             first = not self._pending
@@ -255,7 +299,7 @@ class History:
             return entries
         return self.file.update(apply, [], expect=list)
 
-    def record_start(self, entry: dict[str, Any], now: datetime) -> None:
+    def record_start(self, entry: HistoryEntry, now: datetime) -> None:
         """Add a new (running) entry at the top, pruning what the retention drops."""
         def add(entries: list[Any]) -> None:
             entries[:] = [entry, *prune(entries, now, self.retention_days)]
@@ -263,7 +307,7 @@ class History:
                 del entries[self.cap:]
         self._update(add)
 
-    def update_entry(self, entry_id: str, fields: dict[str, Any],
+    def update_entry(self, entry_id: str, fields: HistoryEntry,
                      after: Callable[[], None] | None = None) -> bool:
         """Merge ``fields`` into the entry ``entry_id``; a write that fails is kept in
         the backlog and written later (never raised: the session goes on). True when
@@ -279,7 +323,7 @@ class History:
         _call([*waited, *([after] if after is not None else [])])
         return True
 
-    def write_entry(self, entry_id: str, fields: dict[str, Any]) -> None:
+    def write_entry(self, entry_id: str, fields: HistoryEntry) -> None:
         """Merge ``fields`` into the entry ``entry_id``; re-add it if someone removed it."""
         def merge(entries: list[Any]) -> None:
             for index, entry in enumerate(entries):
@@ -289,7 +333,7 @@ class History:
             entries.insert(0, {"id": entry_id, **fields})
         self._update(merge)
 
-    def entry(self, entry_id: str) -> dict[str, Any] | None:
+    def entry(self, entry_id: str) -> HistoryEntry | None:
         """The entry with id ``entry_id`` (None: not in the file)."""
         return next((e for e in self.entries()
                      if isinstance(e, dict) and e.get("id") == entry_id), None)
@@ -311,7 +355,7 @@ class History:
         return self._update(fix), repaired
 
 
-def latest_by_schedule(entries: Iterable[Any]) -> dict[str, list[dict[str, Any]]]:
+def latest_by_schedule(entries: Iterable[Any]) -> dict[str, list[HistoryEntry]]:
     """Entries grouped by schedule id, newest first (the file's order)."""
     grouped: dict[str, list[dict[str, Any]]] = {}
     for entry in entries:

@@ -16,6 +16,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from kandevd.schedules import history as hist
+from kandevd.schedules.history import HistoryEntry
 from kandevd.timeutil import rfc3339
 
 if TYPE_CHECKING:
@@ -74,7 +75,7 @@ class JobState:
     #: Fires missed while no daemon ran, within ``catchup_window_s``: one run at start.
     catchup: list[datetime] | None = None
 
-    def record(self, entry: dict[str, Any]) -> None:
+    def record(self, entry: HistoryEntry) -> None:
         """Fold a completed history entry into the state (the failure streak with it)."""
         self.last_status = entry.get("status")
         self.last_run_at = entry.get("started_at")
@@ -89,7 +90,7 @@ class JobState:
             self.last_success_at = entry.get("completed_at") or entry.get("started_at")
 
 
-def seed_state(entries: list[dict[str, Any]]) -> JobState:
+def seed_state(entries: list[HistoryEntry]) -> JobState:
     """Runtime state from one job's history entries (newest first)."""
     state = JobState()
     terminal = [e for e in entries if e.get("status") in hist.TERMINAL]
@@ -109,7 +110,7 @@ def seed_state(entries: list[dict[str, Any]]) -> JobState:
     return state
 
 
-def last_success(entries: list[dict[str, Any]]) -> str | None:
+def last_success(entries: list[HistoryEntry]) -> str | None:
     """When the newest successful entry (newest first) with a readable date completed
     (a hand-edited date that does not parse is passed over, never believed)."""
     for entry in entries:

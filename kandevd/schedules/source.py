@@ -11,6 +11,8 @@ from __future__ import annotations
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Protocol
 
+from kandevd.schedules.history import HistoryEntry
+
 if TYPE_CHECKING:
     from kandevd.schedules.history import History
     from kandevd.schedules.jobs import Job
@@ -81,7 +83,7 @@ class JobSource(Protocol):
     def started(self, job: Job, now: datetime) -> None:
         """A session of ``job`` was accepted."""
 
-    def finished(self, job: Job, entry: dict[str, Any]) -> None:
+    def finished(self, job: Job, entry: HistoryEntry) -> None:
         """A session of ``job`` ended with the history ``entry``."""
 
     def reseed(self, job: Job, without: str | None) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kandevd.schedules import history as hist
+from kandevd.schedules.history import HistoryEntry
 from kandevd.schedules.products.catalog import Product
 from kandevd.schedules.products.schedule import ProductSchedule
 from kandevd.schedules.products.state import chats_folder
@@ -46,7 +47,7 @@ def resume_index(schedule: ProductSchedule, resume: Any) -> int:
     return 0
 
 
-def failed_message(entry: dict[str, Any], schedule: ProductSchedule) -> dict[str, Any] | None:
+def failed_message(entry: HistoryEntry, schedule: ProductSchedule) -> dict[str, Any] | None:
     """``{index, message}`` of the message a failed run could not deliver (None when the
     run did not fail on a message)."""
     if entry.get("status") != hist.ERROR:
@@ -76,7 +77,7 @@ class ProductProgram:
         self.agent_profile = product.agent_profile
         self.first_message = first_message
 
-    def entry_fields(self) -> dict[str, Any]:
+    def entry_fields(self) -> HistoryEntry:
         return {"schedule_id": self.schedule.id, "product": self.product.profile_id,
                 "user_id": self.user_id, "run_folder": None, "group_ids": [],
                 "first_message": self.first_message}

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from kandevd.formats.jsonfile import CorruptFile
 from kandevd.schedules import history as hist
+from kandevd.schedules.history import HistoryEntry
 from kandevd.schedules.jobs import Job, JobNotFound, UserNeeded, last_success
 from kandevd.schedules.products import catalog, timing
 from kandevd.schedules.products.catalog import Product, User
@@ -208,7 +209,7 @@ class ProductSource:
                                   retention_days=self.retention_days,
                                   backlog=self.registry.backlog,
                                   on_corrupt=self._on_corrupt)
-        def job_key(entry: dict[str, Any]) -> str:
+        def job_key(entry: HistoryEntry) -> str:
             return f"{product_job_id(profile_id, str(entry.get('schedule_id')))}@{user_id}"
 
         repair_at_start(history, now, job_key, self.registry.stranded)
@@ -326,7 +327,7 @@ class ProductSource:
             job.state.next_check = datetime.max.replace(tzinfo=now.tzinfo)  # until recorded
         self.save([job])
 
-    def finished(self, job: Job, entry: dict[str, Any]) -> None:
+    def finished(self, job: Job, entry: HistoryEntry) -> None:
         """Fold a finished run into the job's bookkeeping and the user's state file; the
         following occurrence is decided at once (``next_run_at`` is right at the end)."""
         with self._lock:

@@ -26,7 +26,7 @@ from typing import Any
 from kandevd.runtime import DETACHED, ExecutionResult, ExecutionSpec
 from kandevd.runtime.records import ExecutionRecord, locate, record_alive
 from kandevd.schedules import history as hist
-from kandevd.schedules.history import SHUTDOWN_ERROR
+from kandevd.schedules.history import SHUTDOWN_ERROR, HistoryEntry, TurnRecord
 from kandevd.schedules.jobs import JobNotFound
 from kandevd.schedules.products.program import conversation_lock
 from kandevd.schedules.registry import JobRegistry
@@ -86,7 +86,7 @@ def _adopt_entry(stranded: Stranded, registry: JobRegistry, runner: SessionRunne
     return None
 
 
-def _adopt(stranded: Stranded, entry: dict[str, Any], position: int,
+def _adopt(stranded: Stranded, entry: HistoryEntry, position: int,
            record: ExecutionRecord, registry: JobRegistry, runner: SessionRunner,
            runtime: Any, home: str) -> None:
     history, job_key = stranded.history, stranded.job_key
@@ -118,7 +118,7 @@ def _adopt(stranded: Stranded, entry: dict[str, Any], position: int,
         conversation = None  # (nothing else runs yet at start: cannot happen)
     runner.hold(plan, control, deadline=deadline, timeout_s=timeout)
 
-    ended: list[dict[str, Any]] = []
+    ended: list[HistoryEntry] = []
 
     def release() -> None:
         if conversation is not None:
@@ -157,7 +157,7 @@ def _adopt(stranded: Stranded, entry: dict[str, Any], position: int,
              "daemon", job_key, key, stranded.entry_id, record.pid)
 
 
-def _deadline(registry: JobRegistry, job_key: str, entry: dict[str, Any]
+def _deadline(registry: JobRegistry, job_key: str, entry: HistoryEntry
               ) -> tuple[datetime | None, float | None]:
     """The job's ``timeout_s`` counted from the run's start (None: no limit)."""
     try:
@@ -176,7 +176,7 @@ def _deadline(registry: JobRegistry, job_key: str, entry: dict[str, Any]
 def _mark_adopted(history: hist.History, entry_id: str, position: int) -> None:
     """The run goes on here: the entry (marked interrupted at start, stale until its turn
     was found running) and the turn read ``running`` again."""
-    def change(turn: dict[str, Any]) -> None:
+    def change(turn: TurnRecord) -> None:
         turn.update(status=hist.RUNNING, error=None, adopted_at=rfc3339(utc_now()))
     _change_turn(history, entry_id, position, change, status=hist.RUNNING, error=None,
                  completed_at=None, duration_ms=None)
@@ -184,7 +184,7 @@ def _mark_adopted(history: hist.History, entry_id: str, position: int) -> None:
 
 def _unmark(history: hist.History, entry_id: str, position: int) -> None:
     """Adoption failed: the run is interrupted again (its agent is stopped at start)."""
-    def change(turn: dict[str, Any]) -> None:
+    def change(turn: TurnRecord) -> None:
         if turn.get("status") == hist.RUNNING:
             turn.update(status=hist.ERROR, error=hist.RESTART_ERROR)
     try:
@@ -196,15 +196,15 @@ def _unmark(history: hist.History, entry_id: str, position: int) -> None:
 
 def _record_end(history: hist.History, entry_id: str, position: int,
                 result: ExecutionResult, control: SessionControl, *,
-                after: Any = None) -> dict[str, Any] | None:
+                after: Any = None) -> HistoryEntry | None:
     """The adopted turn's end, and the run's: its real outcome, as a session ends (a stop
     as a stop, a timeout as an error); the entry as written (None: it is gone)."""
-    def change(turn: dict[str, Any]) -> None:
+    def change(turn: TurnRecord) -> None:
         apply_result(turn, result, stop_requested=control.stop_requested)
         if turn["status"] == hist.STOPPED and control.stop_status == hist.ERROR:
             turn["status"], turn["error"] = hist.ERROR, control.stop_error  # a timeout
 
-    def end(entry: dict[str, Any]) -> dict[str, Any]:
+    def end(entry: HistoryEntry) -> HistoryEntry:
         if control.stop_requested:
             status, error = control.stop_status, control.stop_error
         else:
@@ -221,7 +221,7 @@ def _record_end(history: hist.History, entry_id: str, position: int,
     return _change_turn(history, entry_id, position, change, ending=end, after=after)
 
 
-def _conversation(registry: JobRegistry, entry: dict[str, Any]) -> Any:
+def _conversation(registry: JobRegistry, entry: HistoryEntry) -> Any:
     """The lock of the product conversation an entry's turn speaks in (None: a workflow)."""
     product, user = entry.get("product"), entry.get("user_id")
     if not isinstance(product, str) or not isinstance(user, str):
@@ -236,7 +236,7 @@ def is_entry_id(value: str) -> bool:
 
 def _change_turn(history: hist.History, entry_id: str, position: int, change: Any, *,
                  ending: Any = None, after: Any = None, **fields: Any
-                 ) -> dict[str, Any] | None:
+                 ) -> HistoryEntry | None:
     """Change one turn of the entry (and the entry's ``fields``; ``ending(entry)``: more
     fields from the changed entry); the entry as written (None: not in the file)."""
     entry = history.entry(entry_id)

@@ -37,6 +37,7 @@ from kandevd.runtime.attempts import SPENT_SUFFIX
 from kandevd.runtime.output import collect_stdout
 from kandevd.runtime.records import collect_output, outcome_from_record, read_record
 from kandevd.schedules import history as hist
+from kandevd.schedules.history import HistoryEntry, TurnRecord
 from kandevd.schedules.sessions.session import remove_turn_record, turn_key
 from kandevd.timeutil import rfc3339
 
@@ -75,7 +76,7 @@ class StrandedTurns:
 
     def settle(self, turns_folder: Path | None = None, *,
                live: Callable[[str], bool] = lambda key: False,
-               ended: Callable[[Stranded, dict[str, Any]], None] | None = None,
+               ended: Callable[[Stranded, HistoryEntry], None] | None = None,
                release: Release | None = None) -> int:
         """Settle every entry added so far, then every other record left in
         ``turns_folder`` (but the ``live`` ones: adopted); how many turns had files left.
@@ -127,7 +128,7 @@ class StrandedTurns:
 Release = Callable[[list[str]], None]
 
 def repair_at_start(history: hist.History, now: datetime,
-                    job_key: Callable[[dict[str, Any]], str | None],
+                    job_key: Callable[[HistoryEntry], str | None],
                     stranded: StrandedTurns) -> list[Any]:
     """The history's entries once the runs a dead daemon left ``running`` are ``error``
     (logged), their turns noted in ``stranded`` (the registry's) to be adopted or
@@ -143,7 +144,7 @@ def repair_at_start(history: hist.History, now: datetime,
 
 
 def settle_entry(history: hist.History, entry_id: str, turns_folder: Path | None = None,
-                 release: Release | None = None) -> tuple[int, dict[str, Any] | None]:
+                 release: Release | None = None) -> tuple[int, HistoryEntry | None]:
     """Record the real outcome of ``entry_id``'s turns that left files: how many, and the
     entry when that outcome ends it (None: it stays as the start marked it). Their
     records go once that is written (a full disk keeps them for the next start)."""
@@ -184,7 +185,7 @@ def settle_entry(history: hist.History, entry_id: str, turns_folder: Path | None
 
 
 def _unlisted_turns(entry_id: str, start: int, turns_folder: Path
-                    ) -> list[tuple[dict[str, Any], Path]]:
+                    ) -> list[tuple[TurnRecord, Path]]:
     """Turns from ``start`` on that left a record but never reached the entry (their
     start, or the entry's every write since, failed and was lost with the daemon): each
     as the entry would have had it, from its record and its input file."""
@@ -200,7 +201,7 @@ def _unlisted_turns(entry_id: str, start: int, turns_folder: Path
             stdin = {}
         stdin = stdin if isinstance(stdin, dict) else {}
         about = stdin.get("turn") if isinstance(stdin.get("turn"), dict) else {}
-        turn: dict[str, Any] = {
+        turn: TurnRecord = {
             "index": index, "kind": about.get("kind"), "message": stdin.get("message"),
             "workshop_mode": stdin.get("workshop_mode"), "status": hist.ERROR,
             "started_at": rfc3339(record.started_at), "duration_ms": None,
@@ -239,7 +240,7 @@ def sweep_records(turns_folder: Path, live: Callable[[str], bool],
     return swept
 
 
-def _settle_turn(turn: dict[str, Any], record_dir: Path | None) -> bool:
+def _settle_turn(turn: TurnRecord, record_dir: Path | None) -> bool:
     log_path = turn.get("log_path")
     if not isinstance(log_path, str) or not log_path:
         return False
@@ -250,7 +251,7 @@ def _settle_turn(turn: dict[str, Any], record_dir: Path | None) -> bool:
     return _settle_beside_log(turn, path)
 
 
-def _settle_record(turn: dict[str, Any], record_dir: Path, log_path: Path) -> None:
+def _settle_record(turn: TurnRecord, record_dir: Path, log_path: Path) -> None:
     """A turn's record folder: its exit status and output recorded (the caller removes
     the folder once that is written)."""
     record = read_record(record_dir)
@@ -270,7 +271,7 @@ def _settle_record(turn: dict[str, Any], record_dir: Path, log_path: Path) -> No
         _report(turn, result.summary, result.cost_cents, result.evaluation)
 
 
-def _report(turn: dict[str, Any], summary: Any, cost: int | None, evaluation: Any) -> None:
+def _report(turn: TurnRecord, summary: Any, cost: int | None, evaluation: Any) -> None:
     if summary is not None:
         turn["output"] = summary
     if cost is not None:
@@ -279,7 +280,7 @@ def _report(turn: dict[str, Any], summary: Any, cost: int | None, evaluation: An
         turn["evaluation"] = evaluation
 
 
-def _settle_beside_log(turn: dict[str, Any], path: Path) -> bool:
+def _settle_beside_log(turn: TurnRecord, path: Path) -> bool:
     pattern = glob.escape(path.name)
     exits = sorted(path.parent.glob(f"{pattern}.exit-*"))
     stdouts = sorted(path.parent.glob(f"{pattern}.stdout-*"))

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kandevd.schedules.history import HistoryEntry
 from kandevd.schedules.rules.options import NotifySpec
 from kandevd.timeutil import rfc3339, utc_now
 
@@ -85,7 +86,7 @@ class Notifier:
         self.sent = 0
         self.failed = 0
 
-    def submit(self, job_id: str, spec: NotifySpec, event: str, entry: dict[str, Any],
+    def submit(self, job_id: str, spec: NotifySpec, event: str, entry: HistoryEntry,
                record: Record) -> None:
         """Send ``entry`` as ``event`` to ``spec``'s targets, soon, from another thread."""
         if not spec.has_target:

@@ -22,7 +22,7 @@ from typing import Any
 from kandevd.config import Config
 from kandevd.paths import HomeLayout
 from kandevd.schedules import history as hist
-from kandevd.schedules.history import SHUTDOWN_ERROR, History
+from kandevd.schedules.history import SHUTDOWN_ERROR, History, HistoryEntry
 from kandevd.schedules.jobs import Job, JobNotFound
 from kandevd.schedules.registry import JobRegistry
 from kandevd.schedules.rules.options import NotifySpec
@@ -172,12 +172,12 @@ class SessionRunner:
             self._wake()
 
     def release(self, plan: SessionPlan, history: History,
-                entry: dict[str, Any] | None = None) -> None:
+                entry: HistoryEntry | None = None) -> None:
         """An adopted turn ended: the job is free again (a buffered fire starts); its run
         ended with ``entry`` (None: it did not end here, its agent was left running)."""
         self._finish(plan, entry, history)
 
-    def reopened(self, job_key: str, entry: dict[str, Any] | None) -> None:
+    def reopened(self, job_key: str, entry: HistoryEntry | None) -> None:
         """A run a previous daemon left goes on here (its turn adopted): the job's state
         no longer counts it as interrupted; its end is told by :meth:`release`. None:
         the adoption failed after all, the run counts as interrupted again."""
@@ -190,7 +190,7 @@ class SessionRunner:
             job.state.last_run_at = entry.get("started_at")
             job.state.last_session_id = entry.get("session_id")
 
-    def settled(self, job_key: str, entry: dict[str, Any], history: History) -> None:
+    def settled(self, job_key: str, entry: HistoryEntry, history: History) -> None:
         """A run a previous daemon left ended with ``entry``, its turns' real outcome
         found at start: the job's state, ``pause_after_failures`` and the notification
         follow it, as for a run that ended here."""
@@ -245,13 +245,13 @@ class SessionRunner:
         return self._layout.turns
 
     def _run(self, session: Session, history: History) -> None:
-        entry: dict[str, Any] | None = None
+        entry: HistoryEntry | None = None
         try:
             entry = session.run()
         finally:
             self._finish(session.plan, entry, history)
 
-    def _finish(self, plan: SessionPlan, entry: dict[str, Any] | None,
+    def _finish(self, plan: SessionPlan, entry: HistoryEntry | None,
                 history: History) -> None:
         if entry is not None:
             try:  # (gone after a reload: only its history was written)
@@ -275,7 +275,7 @@ class SessionRunner:
                     self._handover.discard(plan.job_id)
                     self._idle.notify_all()
 
-    def _ended(self, job: Job, entry: dict[str, Any], history: History) -> None:
+    def _ended(self, job: Job, entry: HistoryEntry, history: History) -> None:
         """A run of ``job`` ended with ``entry``: its state, the pause, the notification."""
         failures_before = job.state.consecutive_failures
         job.source.finished(job, entry)
@@ -303,7 +303,7 @@ class SessionRunner:
         with self._idle:
             self._idle.notify_all()
 
-    def _pause_if_failing(self, job: Job, entry: dict[str, Any]) -> str | None:
+    def _pause_if_failing(self, job: Job, entry: HistoryEntry) -> str | None:
         """Disable a job that has failed ``pause_after_failures`` times in a row, as
         ``jobs disable`` does (``jobs enable`` lifts it); the reason when it did."""
         limit = job.spec.schedule.options.pause_after_failures
@@ -320,7 +320,7 @@ class SessionRunner:
         log.warning("%s: %s", job.key, reason)
         return reason
 
-    def _notify(self, job: Job, entry: dict[str, Any], failures_before: int,
+    def _notify(self, job: Job, entry: HistoryEntry, failures_before: int,
                 history: History, paused: str | None) -> None:
         spec = job.spec.schedule.options.notify or self._default_notify
         event = notify_event(str(entry.get("status")), failures_before, spec.on,

@@ -43,6 +43,7 @@ from kandevd.runtime import DETACHED, ExecutionResult
 from kandevd.runtime.attempts import spent_stdout_path
 from kandevd.runtime.specs import agent_execution
 from kandevd.schedules import history as hist
+from kandevd.schedules.history import HistoryEntry, TurnRecord
 from kandevd.timeutil import rfc3339, utc_now
 
 log = logging.getLogger("kandevd.scheduler.session")
@@ -80,7 +81,7 @@ def remove_turn_record(record_dir: Path,
         settle([record_dir.name])
 
 
-def apply_result(record: dict[str, Any], result: ExecutionResult, *,
+def apply_result(record: TurnRecord, result: ExecutionResult, *,
                  stop_requested: bool) -> None:
     """A turn's record once its execution ended (also an adopted turn's)."""
     record["started_at"] = rfc3339(result.started_at)
@@ -189,7 +190,7 @@ class Program(Protocol):
 
     agent_profile: str
 
-    def entry_fields(self) -> dict[str, Any]:
+    def entry_fields(self) -> HistoryEntry:
         """Fields of the history entry besides the common ones (``schedule_id``, ...)."""
 
     def run_turns(self, session: Session) -> tuple[str, str | None]:
@@ -230,7 +231,7 @@ class Session:
         self._history = history
         self.control = control
         self.clock = clock
-        self.entry: dict[str, Any] = {}
+        self.entry: HistoryEntry = {}
         self._turn_index = 0
         self._started: datetime | None = None
 
@@ -260,7 +261,7 @@ class Session:
         self.entry.update(status=hist.ERROR, error=error, completed_at=rfc3339(self.clock()))
         self._save()
 
-    def run(self) -> dict[str, Any] | None:
+    def run(self) -> HistoryEntry | None:
         """Run every turn (after :meth:`begin`); return the completed history entry
         (None: its agent was left running at a shutdown, the entry ``running``)."""
         if self._started is None:
@@ -293,7 +294,7 @@ class Session:
                 f" ({error})" if error else "")
         return self.entry
 
-    def ended_by(self, turn: dict[str, Any]) -> tuple[str, str | None] | None:
+    def ended_by(self, turn: TurnRecord) -> tuple[str, str | None] | None:
         """The session's end when ``turn`` did not succeed (None: go on)."""
         if turn["status"] == hist.SUCCESS:
             return None
@@ -312,14 +313,14 @@ class Session:
         self._history.update_entry(self.plan.entry_id, copy.deepcopy(self.entry), after)
 
     # -- one turn -------------------------------------------------------------------
-    def turn(self, turn: TurnSpec) -> dict[str, Any]:
+    def turn(self, turn: TurnSpec) -> TurnRecord:
         """Run one turn to its end; return its record (also kept in the entry)."""
         index = self._turn_index
         self._turn_index += 1
         # ``started_at`` from the moment it is sent, so a turn shown while it runs says
         # when it began (its agent starts at once unless it waits for a slot).
         sent = self.clock()
-        record: dict[str, Any] = {"index": index, "kind": turn.kind, "message": turn.message,
+        record: TurnRecord = {"index": index, "kind": turn.kind, "message": turn.message,
                                   "workshop_mode": turn.workshop_mode, "status": hist.RUNNING,
                                   "started_at": rfc3339(sent), "duration_ms": None,
                                   "log_path": None, "cost_cents": 0, "error": None}
@@ -340,7 +341,7 @@ class Session:
         self._save(after=lambda: remove_turn_record(record_dir, self._runtime.settle_ids))
         return record
 
-    def _execute(self, turn: TurnSpec, index: int, record: dict[str, Any], sent: datetime
+    def _execute(self, turn: TurnSpec, index: int, record: TurnRecord, sent: datetime
                  ) -> ExecutionResult | None:
         plan = self.plan
         try:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kandevd.schedules import history as hist
+from kandevd.schedules.history import HistoryEntry
 from kandevd.schedules.sessions.session import Session, TurnSpec
 from kandevd.schedules.workflows.decisions import Decisions
 from kandevd.schedules.workflows.manifest import Schedule, Workflow
@@ -38,7 +39,7 @@ class WorkflowProgram:
         self.agent_profile = workflow.agent_profile
         self._on_corrupt = on_corrupt
 
-    def entry_fields(self) -> dict[str, Any]:
+    def entry_fields(self) -> HistoryEntry:
         return {"schedule_id": self.schedule.id, "run_folder": RUN_FOLDER,
                 "group_ids": list(self.schedule.group_ids)}
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from kandevd.cron import next_fire_times
 from kandevd.formats.jsonfile import CorruptFile
 from kandevd.schedules import history as hist
+from kandevd.schedules.history import HistoryEntry
 from kandevd.schedules.jobs import AmbiguousJob, Job, JobNotFound, seed_state
 from kandevd.schedules.restart.stranded import repair_at_start
 from kandevd.schedules.rules.options import jitter_delay, within_window
@@ -178,7 +179,7 @@ class WorkflowSource:
             job.state.next_fire = next_fire(schedule, now)
         return job
 
-    def _count_missed(self, job: Job, entries: list[dict[str, Any]], now: datetime,
+    def _count_missed(self, job: Job, entries: list[HistoryEntry], now: datetime,
                       last_seen: datetime | None) -> None:
         """Fires whose time fell while no daemon ran: after ``last_seen`` (else after the
         newest run, when no daemon left its mark). Those within ``catchup_window_s``
@@ -317,7 +318,7 @@ class WorkflowSource:
     def started(self, job: Job, now: datetime) -> None:
         """Nothing to keep: a workflow's next fire comes from its cron expression."""
 
-    def finished(self, job: Job, entry: dict[str, Any]) -> None:
+    def finished(self, job: Job, entry: HistoryEntry) -> None:
         job.state.record(entry)
 
     def reseed(self, job: Job, without: str | None) -> None:
@@ -394,7 +395,7 @@ class WorkflowSource:
         return written
 
 
-def _fired(entries: list[dict[str, Any]]) -> set[str]:
+def _fired(entries: list[HistoryEntry]) -> set[str]:
     """The fire times the job's retained runs stand for (a jittered fire records its own
     as ``intended_at``; a catch-up run its ``fire_times``)."""
     times: set[str] = set()

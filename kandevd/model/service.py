@@ -18,11 +18,12 @@ import logging
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kandevd.bus import EventBus
 from kandevd.config import Config, UnknownProfile
 from kandevd.model.actions import ActionError, run_queue_run, target_agent_id, validate_action
+from kandevd.model.answers import Launched, TaskMove
 from kandevd.model.errors import ConflictError, InvalidReference, LaunchRefused, NotFoundError
 from kandevd.paths import HomeLayout
 from kandevd.queue.service import RunQueue
@@ -30,6 +31,13 @@ from kandevd.runtime import AgentRuntime, ExecutionResult, RuntimeFull
 from kandevd.runtime.specs import agent_execution
 from kandevd.store import workspace as sql
 from kandevd.store.base import BaseStore
+from kandevd.store.workspace import (
+    AgentRecord,
+    RecordPage,
+    TaskRecord,
+    WorkflowRecord,
+    WorkspaceRecord,
+)
 from kandevd.timeutil import rfc3339, utc_now
 
 if TYPE_CHECKING:
@@ -40,6 +48,8 @@ log = logging.getLogger("kandevd.model")
 STYLES = ("kanban", "office", "custom")
 AGENT_STATUSES = ("active", "paused")
 _TIMESTAMPS = frozenset({"created_at", "updated_at"})
+Found = TypeVar("Found")
+
 
 
 def new_id(prefix: str) -> str:
@@ -68,13 +78,13 @@ class WorkspaceService:
 
     # -- lookups that raise -------------------------------------------------------
     @staticmethod
-    def _need(found: dict[str, Any] | None, what: str, ident: str) -> dict[str, Any]:
+    def _need(found: Found | None, what: str, ident: str) -> Found:
         if found is None:
             raise NotFoundError(f"{what} {ident!r} does not exist")
         return found
 
     @staticmethod
-    def _workspace_ref(conn: sqlite3.Connection, workspace_id: str) -> dict[str, Any]:
+    def _workspace_ref(conn: sqlite3.Connection, workspace_id: str) -> WorkspaceRecord:
         workspace = sql.get_workspace(conn, workspace_id)
         if workspace is None:
             raise InvalidReference(f"workspace_id: workspace {workspace_id!r} does not exist")
@@ -82,7 +92,7 @@ class WorkspaceService:
 
     @staticmethod
     def _agent_ref(conn: sqlite3.Connection, field: str, agent_id: str,
-                   workspace_id: str) -> dict[str, Any]:
+                   workspace_id: str) -> AgentRecord:
         agent = sql.get_agent(conn, agent_id)
         if agent is None:
             raise InvalidReference(f"{field}: agent {agent_id!r} does not exist")
@@ -114,7 +124,7 @@ class WorkspaceService:
         return changes
 
     # -- workspaces ------------------------------------------------------------------
-    def create_workspace(self, params: Mapping[str, Any]) -> dict[str, Any]:
+    def create_workspace(self, params: Mapping[str, Any]) -> WorkspaceRecord:
         now = self._now()
         workspace = {"id": params.get("id") or new_id("ws"), "name": params["name"],
                      "office_workflow_id": params.get("office_workflow_id") or "",
@@ -137,7 +147,7 @@ class WorkspaceService:
         self.bus.publish("workspace.created", {"workspace": created})
         return created
 
-    def update_workspace(self, params: Mapping[str, Any]) -> dict[str, Any]:
+    def update_workspace(self, params: Mapping[str, Any]) -> WorkspaceRecord:
         workspace_id = params["id"]
         with self.store.transaction() as conn:
             before = self._need(sql.get_workspace(conn, workspace_id), "workspace", workspace_id)
@@ -159,16 +169,16 @@ class WorkspaceService:
         self._announce_update("workspace", before, after)
         return after
 
-    def get_workspace(self, workspace_id: str) -> dict[str, Any]:
+    def get_workspace(self, workspace_id: str) -> WorkspaceRecord:
         with self.store.connection() as conn:
             return self._need(sql.get_workspace(conn, workspace_id), "workspace", workspace_id)
 
-    def list_workspaces(self, *, limit: int = 50, offset: int = 0) -> dict[str, Any]:
+    def list_workspaces(self, *, limit: int = 50, offset: int = 0) -> RecordPage[WorkspaceRecord]:
         with self.store.connection() as conn:
             return sql.list_workspaces(conn, limit=limit, offset=offset)
 
     # -- agents ------------------------------------------------------------------------
-    def create_agent(self, params: Mapping[str, Any]) -> dict[str, Any]:
+    def create_agent(self, params: Mapping[str, Any]) -> AgentRecord:
         now = self._now()
         agent = {"id": params.get("id") or new_id("agt"), "workspace_id": params["workspace_id"],
                  "name": params["name"],
@@ -193,7 +203,7 @@ class WorkspaceService:
             raise InvalidReference(f"status: must be one of {', '.join(AGENT_STATUSES)}, "
                                    f"not {status!r}")
 
-    def update_agent(self, params: Mapping[str, Any]) -> dict[str, Any]:
+    def update_agent(self, params: Mapping[str, Any]) -> AgentRecord:
         agent_id = params["id"]
         fields: dict[str, Any] = {}
         if "status" in params:
@@ -219,16 +229,17 @@ class WorkspaceService:
             self.queue.signal()
         return after
 
-    def get_agent(self, agent_id: str) -> dict[str, Any]:
+    def get_agent(self, agent_id: str) -> AgentRecord:
         with self.store.connection() as conn:
             return self._need(sql.get_agent(conn, agent_id), "agent", agent_id)
 
-    def list_agents(self, *, limit: int = 50, offset: int = 0, **filters: Any) -> dict[str, Any]:
+    def list_agents(self, *, limit: int = 50, offset: int = 0, **filters: Any
+                    ) -> RecordPage[AgentRecord]:
         with self.store.connection() as conn:
             return sql.list_agents(conn, limit=limit, offset=offset, **filters)
 
     # -- workflows ------------------------------------------------------------------------
-    def create_workflow(self, params: Mapping[str, Any]) -> dict[str, Any]:
+    def create_workflow(self, params: Mapping[str, Any]) -> WorkflowRecord:
         workflow = {"id": params.get("id") or new_id("wf"),
                     "workspace_id": params["workspace_id"], "name": params["name"],
                     "style": params["style"], "created_at": self._now()}
@@ -269,12 +280,12 @@ class WorkspaceService:
                 if explicit is not None:
                     self._agent_ref(conn, f"{field}.target", explicit, workspace_id)
 
-    def get_workflow(self, workflow_id: str) -> dict[str, Any]:
+    def get_workflow(self, workflow_id: str) -> WorkflowRecord:
         with self.store.connection() as conn:
             return self._need(sql.get_workflow(conn, workflow_id), "workflow", workflow_id)
 
     def list_workflows(self, *, limit: int = 50, offset: int = 0, **filters: Any
-                       ) -> dict[str, Any]:
+                       ) -> RecordPage[WorkflowRecord]:
         with self.store.connection() as conn:
             return sql.list_workflows(conn, limit=limit, offset=offset, **filters)
 
@@ -296,7 +307,7 @@ class WorkspaceService:
             self._agent_ref(conn, "runner_agent_id", task["runner_agent_id"],
                             task["workspace_id"])
 
-    def create_task(self, params: Mapping[str, Any]) -> dict[str, Any]:
+    def create_task(self, params: Mapping[str, Any]) -> TaskRecord:
         now = self._now()
         row = {"id": params.get("id") or new_id("task"), "workspace_id": params["workspace_id"],
                "workflow_id": params["workflow_id"], "step_id": params.get("step_id") or None,
@@ -317,7 +328,7 @@ class WorkspaceService:
         self.bus.publish("task.created", {"task": task, "changes": list(task)})
         return task
 
-    def update_task(self, params: Mapping[str, Any]) -> dict[str, Any]:
+    def update_task(self, params: Mapping[str, Any]) -> TaskRecord:
         task_id = params["id"]
         fields = {name: params[name] for name in ("title", "state", "project_id")
                   if name in params}
@@ -336,7 +347,7 @@ class WorkspaceService:
         self._announce_update("task", before, after)
         return after
 
-    def move_task(self, task_id: str, step_id: str) -> dict[str, Any]:
+    def move_task(self, task_id: str, step_id: str) -> TaskMove:
         """Enter ``step_id``, publish ``task.updated``, then run the step's ``on_enter``.
 
         Each move into a different step is a new entry (the task's entry counter
@@ -372,20 +383,21 @@ class WorkspaceService:
         return run_queue_run(action, task, step_id, enqueue=self.queue.enqueue,
                              lookup_agent=self._lookup_agent, step_entry=entry)
 
-    def _lookup_agent(self, agent_id: str) -> dict[str, Any] | None:
+    def _lookup_agent(self, agent_id: str) -> AgentRecord | None:
         with self.store.connection() as conn:
             return sql.get_agent(conn, agent_id)
 
-    def get_task(self, task_id: str) -> dict[str, Any]:
+    def get_task(self, task_id: str) -> TaskRecord:
         with self.store.connection() as conn:
             return self._need(sql.get_task(conn, task_id), "task", task_id)
 
-    def list_tasks(self, *, limit: int = 50, offset: int = 0, **filters: Any) -> dict[str, Any]:
+    def list_tasks(self, *, limit: int = 50, offset: int = 0, **filters: Any
+                   ) -> RecordPage[TaskRecord]:
         with self.store.connection() as conn:
             return sql.list_tasks(conn, limit=limit, offset=offset, **filters)
 
     # -- the Kanban launch path ---------------------------------------------------------
-    def launch_task(self, task_id: str, prompt: str | None = None) -> dict[str, Any]:
+    def launch_task(self, task_id: str, prompt: str | None = None) -> Launched:
         """Start the task's runner now (kind ``launch``); no ``runs`` row is created."""
         with self.store.connection() as conn:
             task = self._need(sql.get_task(conn, task_id), "task", task_id)

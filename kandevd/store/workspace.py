@@ -4,7 +4,8 @@ Every statement of the model. Every function takes the connection it runs
 on, so the service can put a reference check and the write that depends on
 it into one ``BEGIN IMMEDIATE`` transaction. Nothing here validates
 references or publishes events (that is :mod:`kandevd.model.service`); what
-comes out are plain dicts, the objects the control socket returns.
+comes out are the objects the control socket returns, typed below (TypedDicts:
+at run time the plain dicts the socket sends).
 
 A task's effective runner is defined once, here, in both languages:
 :data:`RUNNER_SQL` for queries that join ``tasks t`` with its current step
@@ -16,7 +17,7 @@ from __future__ import annotations
 import json
 import sqlite3
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Generic, TypedDict, TypeVar
 
 #: The effective runner of ``tasks t`` joined with its current step ``workflow_steps s``.
 RUNNER_SQL = "COALESCE(NULLIF(t.runner_agent_id, ''), NULLIF(s.agent_id, ''))"
@@ -34,6 +35,69 @@ TASK_COLUMNS = ("id", "workspace_id", "workflow_id", "step_id", "title", "projec
                 "runner_agent_id", "created_at", "updated_at")
 
 
+class WorkspaceRecord(TypedDict):
+    id: str
+    name: str
+    office_workflow_id: str | None
+    created_at: str
+    updated_at: str
+
+
+class AgentRecord(TypedDict):
+    id: str
+    workspace_id: str
+    name: str
+    profile: str
+    cooldown_s: float
+    status: str
+    cooldown_until: str | None
+    last_finished_at: str | None
+    created_at: str
+    updated_at: str
+
+
+class StepRecord(TypedDict):
+    id: str
+    name: str
+    agent_id: str | None
+    #: The step's actions (``queue_run``), as stored.
+    on_enter: list[dict[str, Any]]
+
+
+class WorkflowRecord(TypedDict):
+    id: str
+    workspace_id: str
+    name: str
+    style: str
+    steps: list[StepRecord]
+    created_at: str
+
+
+class TaskRecord(TypedDict):
+    id: str
+    workspace_id: str
+    workflow_id: str
+    step_id: str | None
+    title: str
+    project_id: str | None
+    state: str
+    runner_agent_id: str | None
+    created_at: str
+    updated_at: str
+    #: The effective runner: ``runner_agent_id``, else the step's agent.
+    runner: str | None
+
+
+Item = TypeVar("Item")
+
+
+class RecordPage(TypedDict, Generic[Item]):
+    items: list[Item]
+    total: int
+    limit: int
+    offset: int
+
+
 def effective_runner(runner_agent_id: str | None, step_agent_id: str | None) -> str | None:
     """The task's ``runner_agent_id`` when set, else its step's ``agent_id``, else None."""
     return runner_agent_id or step_agent_id or None
@@ -41,22 +105,22 @@ def effective_runner(runner_agent_id: str | None, step_agent_id: str | None) -> 
 
 # -- row -> object ---------------------------------------------------------------
 
-def workspace_from_row(row: Mapping[str, Any]) -> dict[str, Any]:
+def workspace_from_row(row: Mapping[str, Any]) -> WorkspaceRecord:
     return {name: row[name] for name in WORKSPACE_FIELDS}
 
 
-def agent_from_row(row: Mapping[str, Any]) -> dict[str, Any]:
+def agent_from_row(row: Mapping[str, Any]) -> AgentRecord:
     agent = {name: row[name] for name in AGENT_FIELDS}
     agent["cooldown_s"] = float(agent["cooldown_s"] or 0)
     return agent
 
 
-def step_from_row(row: Mapping[str, Any]) -> dict[str, Any]:
+def step_from_row(row: Mapping[str, Any]) -> StepRecord:
     return {"id": row["id"], "name": row["name"], "agent_id": row["agent_id"] or None,
             "on_enter": json.loads(row["on_enter"] or "[]")}
 
 
-def task_from_row(row: Mapping[str, Any]) -> dict[str, Any]:
+def task_from_row(row: Mapping[str, Any]) -> TaskRecord:
     """TASK: the row plus ``runner`` (needs :data:`TASK_SELECT`'s ``step_agent_id``)."""
     task = {name: row[name] for name in TASK_COLUMNS}
     task["runner_agent_id"] = task["runner_agent_id"] or None
@@ -66,7 +130,7 @@ def task_from_row(row: Mapping[str, Any]) -> dict[str, Any]:
 
 def _page(conn: sqlite3.Connection, select: str, count: str, where: Sequence[str],
           params: Sequence[Any], order: str, limit: int, offset: int,
-          mapper: Callable[[sqlite3.Row], dict[str, Any]]) -> dict[str, Any]:
+          mapper: Callable[[sqlite3.Row], Item]) -> RecordPage[Item]:
     clause = (" WHERE " + " AND ".join(where)) if where else ""
     total = conn.execute(count + clause, list(params)).fetchone()[0]
     rows = conn.execute(f"{select}{clause} ORDER BY {order} LIMIT ? OFFSET ?",
@@ -95,7 +159,7 @@ def _update(conn: sqlite3.Connection, table: str, key: str, fields: Mapping[str,
 
 # -- workspaces --------------------------------------------------------------------
 
-def get_workspace(conn: sqlite3.Connection, workspace_id: str) -> dict[str, Any] | None:
+def get_workspace(conn: sqlite3.Connection, workspace_id: str) -> WorkspaceRecord | None:
     row = conn.execute("SELECT * FROM workspaces WHERE id = ?", (workspace_id,)).fetchone()
     return workspace_from_row(row) if row is not None else None
 
@@ -111,14 +175,15 @@ def update_workspace(conn: sqlite3.Connection, workspace_id: str,
     _update(conn, "workspaces", workspace_id, fields)
 
 
-def list_workspaces(conn: sqlite3.Connection, *, limit: int, offset: int) -> dict[str, Any]:
+def list_workspaces(conn: sqlite3.Connection, *, limit: int, offset: int
+                    ) -> RecordPage[WorkspaceRecord]:
     return _page(conn, "SELECT * FROM workspaces", "SELECT COUNT(*) FROM workspaces", [], [],
                  "rowid", limit, offset, workspace_from_row)
 
 
 # -- agents ------------------------------------------------------------------------
 
-def get_agent(conn: sqlite3.Connection, agent_id: str) -> dict[str, Any] | None:
+def get_agent(conn: sqlite3.Connection, agent_id: str) -> AgentRecord | None:
     row = conn.execute("SELECT * FROM agents WHERE id = ?", (agent_id,)).fetchone()
     return agent_from_row(row) if row is not None else None
 
@@ -134,7 +199,7 @@ def update_agent(conn: sqlite3.Connection, agent_id: str, fields: Mapping[str, A
 
 
 def list_agents(conn: sqlite3.Connection, *, limit: int, offset: int,
-                **filters: Any) -> dict[str, Any]:
+                **filters: Any) -> RecordPage[AgentRecord]:
     where, params = _filters(filters, {"workspace_id": "workspace_id", "status": "status"})
     return _page(conn, "SELECT * FROM agents", "SELECT COUNT(*) FROM agents", where, params,
                  "rowid", limit, offset, agent_from_row)
@@ -142,25 +207,25 @@ def list_agents(conn: sqlite3.Connection, *, limit: int, offset: int,
 
 # -- workflows and steps -------------------------------------------------------------
 
-def get_steps(conn: sqlite3.Connection, workflow_id: str) -> list[dict[str, Any]]:
+def get_steps(conn: sqlite3.Connection, workflow_id: str) -> list[StepRecord]:
     rows = conn.execute("SELECT * FROM workflow_steps WHERE workflow_id = ? ORDER BY position",
                         (workflow_id,)).fetchall()
     return [step_from_row(r) for r in rows]
 
 
-def get_step(conn: sqlite3.Connection, workflow_id: str, step_id: str) -> dict[str, Any] | None:
+def get_step(conn: sqlite3.Connection, workflow_id: str, step_id: str) -> StepRecord | None:
     row = conn.execute("SELECT * FROM workflow_steps WHERE workflow_id = ? AND id = ?",
                        (workflow_id, step_id)).fetchone()
     return step_from_row(row) if row is not None else None
 
 
-def _workflow_from_row(conn: sqlite3.Connection, row: sqlite3.Row) -> dict[str, Any]:
+def _workflow_from_row(conn: sqlite3.Connection, row: sqlite3.Row) -> WorkflowRecord:
     return {"id": row["id"], "workspace_id": row["workspace_id"], "name": row["name"],
             "style": row["style"], "steps": get_steps(conn, row["id"]),
             "created_at": row["created_at"]}
 
 
-def get_workflow(conn: sqlite3.Connection, workflow_id: str) -> dict[str, Any] | None:
+def get_workflow(conn: sqlite3.Connection, workflow_id: str) -> WorkflowRecord | None:
     row = conn.execute("SELECT * FROM workflows WHERE id = ?", (workflow_id,)).fetchone()
     return _workflow_from_row(conn, row) if row is not None else None
 
@@ -179,7 +244,7 @@ def insert_workflow(conn: sqlite3.Connection, workflow: Mapping[str, Any],
 
 
 def list_workflows(conn: sqlite3.Connection, *, limit: int, offset: int,
-                   **filters: Any) -> dict[str, Any]:
+                   **filters: Any) -> RecordPage[WorkflowRecord]:
     where, params = _filters(filters, {"workspace_id": "workspace_id", "style": "style"})
     return _page(conn, "SELECT * FROM workflows", "SELECT COUNT(*) FROM workflows", where,
                  params, "rowid", limit, offset, lambda row: _workflow_from_row(conn, row))
@@ -187,7 +252,7 @@ def list_workflows(conn: sqlite3.Connection, *, limit: int, offset: int,
 
 # -- tasks ---------------------------------------------------------------------------
 
-def get_task(conn: sqlite3.Connection, task_id: str) -> dict[str, Any] | None:
+def get_task(conn: sqlite3.Connection, task_id: str) -> TaskRecord | None:
     row = conn.execute(TASK_SELECT + " WHERE t.id = ?", (task_id,)).fetchone()
     return task_from_row(row) if row is not None else None
 
@@ -202,7 +267,7 @@ def update_task(conn: sqlite3.Connection, task_id: str, fields: Mapping[str, Any
 
 
 def list_tasks(conn: sqlite3.Connection, *, limit: int, offset: int,
-               **filters: Any) -> dict[str, Any]:
+               **filters: Any) -> RecordPage[TaskRecord]:
     where, params = _filters(filters, {
         "workspace_id": "t.workspace_id", "workflow_id": "t.workflow_id",
         "step_id": "t.step_id", "state": "t.state", "project_id": "t.project_id"})

@@ -23,7 +23,7 @@ from kandevd.queue.dispatch import Dispatcher
 from kandevd.queue.live import LiveRuns, Waker
 from kandevd.queue.outcomes import Observer, OutcomeRecorder
 from kandevd.queue.restore import Restorer
-from kandevd.runs.model import EnqueueResult, Run, RunPage
+from kandevd.runs.model import EnqueueRequest, EnqueueResult, Run, RunPage
 from kandevd.runs.retry import retry_decider
 from kandevd.runtime import AgentRuntime
 from kandevd.store.runs import RunRepository
@@ -102,7 +102,7 @@ class RunQueue:
             self.repo.store.after_commit(announce)
         return result
 
-    def enqueue_many(self, items: list[dict[str, Any]]) -> list[EnqueueResult]:
+    def enqueue_many(self, items: list[EnqueueRequest]) -> list[EnqueueResult]:
         """Persist a batch of run requests in one transaction (``runs.enqueue_many``).
 
         All or nothing (see :meth:`RunRepository.enqueue_many`); the new runs

@@ -11,7 +11,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, TypedDict
 
 STATUSES = ("queued", "claimed", "finished", "failed", "cancelled")
 TERMINAL = frozenset({"finished", "failed", "cancelled"})
@@ -83,6 +83,18 @@ class RunPage:
         """The contract's page: ``{items: [RUN], total, limit, offset}``."""
         return {"items": [run.to_dict() for run in self.items], "total": self.total,
                 "limit": self.limit, "offset": self.offset}
+
+
+class EnqueueRequest(TypedDict):
+    """One run request of ``runs.enqueue_many``: the keyword arguments of ``enqueue``."""
+
+    workspace_id: str
+    agent_id: str
+    reason: str
+    task_id: str | None
+    payload: dict[str, Any]
+    idempotency_key: str | None
+    coalesce: bool
 
 
 @dataclass(frozen=True, slots=True)

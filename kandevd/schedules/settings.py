@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from kandevd.config import Config, SchedulerConfig
 from kandevd.formats.jsonfile import CorruptReporter, JsonFile, stat_key
@@ -104,7 +104,16 @@ class Switches:
                 **{field: list(getattr(self, field)) for field in ENV_LISTS}}
 
 
-def _default_pause() -> dict[str, Any]:
+class Pause(TypedDict):
+    """The global pause as ``config/scheduler.json`` holds it (and scheduler.config.get)."""
+
+    globally_paused: bool
+    paused_at: str | None
+    paused_by: str | None
+    updated_at: str | None
+
+
+def _default_pause() -> Pause:
     return {"globally_paused": False, "paused_at": None, "paused_by": None, "updated_at": None}
 
 
@@ -113,20 +122,20 @@ class PauseState:
 
     def __init__(self, root: Path, *, on_corrupt: CorruptReporter | None = None) -> None:
         self.file = JsonFile(root / PAUSE_FILE, on_corrupt=on_corrupt)
-        self._seen: tuple[Any, dict[str, Any]] | None = None
+        self._seen: tuple[Any, Pause] | None = None
 
-    def get(self) -> dict[str, Any]:
+    def get(self) -> Pause:
         """The pause state; the file is read again only when ``stat`` says it changed
         (every write replaces it), so ``daemon.status`` and each fire stay cheap."""
         key = stat_key(self.file.path)
         seen = self._seen
         if seen is not None and seen[0] == key:
-            return dict(seen[1])
+            return Pause(**seen[1])
         state = self._read()
         self._seen = (stat_key(self.file.path), state)
-        return dict(state)
+        return Pause(**state)
 
-    def _read(self) -> dict[str, Any]:
+    def _read(self) -> Pause:
         stored = self.file.read({}, expect=dict)
         state = _default_pause()
         # Only well-typed values are believed: a hand-edited file cannot make a
@@ -135,8 +144,8 @@ class PauseState:
         state["globally_paused"] = stored.get("globally_paused") is True
         return state
 
-    def put(self, paused: bool, paused_by: str | None, now: datetime) -> dict[str, Any]:
-        def change(stored: dict[str, Any]) -> dict[str, Any]:
+    def put(self, paused: bool, paused_by: str | None, now: datetime) -> Pause:
+        def change(_stored: object) -> Pause:
             state = _default_pause()
             state["globally_paused"] = paused
             state["paused_at"] = rfc3339(now) if paused else None

@@ -10,9 +10,7 @@ from kandevd.control.protocol import InvalidParams
 from kandevd.control.registry import Registry, object_schema, paging_properties
 from kandevd.control.services import Services
 from kandevd.formats.schemacheck import format_validation_error
-from kandevd.runs.model import (
-    STATUSES,
-)
+from kandevd.runs.model import STATUSES, EnqueueRequest
 
 ID = {"type": "string", "minLength": 1, "maxLength": 200}
 
@@ -53,7 +51,7 @@ def register(registry: Registry, services: Services) -> None:
 
     def enqueue_many(p: dict[str, Any]) -> dict[str, Any]:
         check_items(p["runs"])
-        items = []
+        items: list[EnqueueRequest] = []
         for item in p["runs"]:
             items.append({
                 "workspace_id": item["workspace_id"], "agent_id": item["agent_id"],

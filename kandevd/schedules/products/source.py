@@ -30,6 +30,7 @@ from kandevd.schedules.products.catalog import Product, User
 from kandevd.schedules.products.program import ProductProgram, failed_message, resume_index
 from kandevd.schedules.products.schedule import ProductSchedule
 from kandevd.schedules.products.state import (
+    UserFile,
     UserState,
     conversation_session,
     product_history,
@@ -386,7 +387,7 @@ class ProductSource:
             if user_id not in self._users:
                 raise JobNotFound(f"no user {user_id!r} in {catalog.USERS_FILE}")
 
-        def change(state: dict[str, Any]) -> None:
+        def change(state: UserFile) -> None:
             state["activity"][profile_id] = rfc3339(at)
         # Stored first: a state file that cannot be written (OSError) changes nothing.
         UserState(self.root, user_id, on_corrupt=self._on_corrupt).update(change)
@@ -403,7 +404,7 @@ class ProductSource:
         for job in jobs:
             by_user.setdefault(job.spec.user.id, []).append(job)
         for user_id, mine in by_user.items():
-            def change(state: dict[str, Any], mine: list[Job] = mine) -> None:
+            def change(state: UserFile, mine: list[Job] = mine) -> None:
                 # Read the memory under the file's lock: a write that waited for another
                 # (an override, say) must not put back what that one replaced.
                 with self._lock:

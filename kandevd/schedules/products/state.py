@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from kandevd.formats.jsonfile import CorruptReporter, JsonFile
 from kandevd.schedules.history import History, PendingWrites
@@ -43,6 +43,28 @@ def chats_folder(root: Path, user_id: str, profile_id: str) -> Path:
     return user_folder(root, user_id) / "Chats" / profile_id
 
 
+class StoredJob(TypedDict, total=False):
+    """A product job's bookkeeping in the user's ``product-schedules.json``."""
+
+    last_run_at: str | None
+    last_status: str | None
+    last_error: str | None
+    last_session_id: str | None
+    run_count: int
+    consecutive_failures: int
+    next_run_at: str | None
+    enabled: bool
+    resume_at_message: Any
+
+
+class UserFile(TypedDict):
+    """``product-schedules.json``: each job's bookkeeping by its key, and the user's last
+    activity by profile (what a file holds besides is kept as it is)."""
+
+    schedules: dict[str, StoredJob]
+    activity: dict[str, str]
+
+
 class UserState:
     """``product-schedules.json`` of one user."""
 
@@ -51,20 +73,20 @@ class UserState:
         self.file = JsonFile(user_folder(root, user_id) / "chat_history" /
                              "product-schedules.json", on_corrupt=on_corrupt)
 
-    def read(self) -> dict[str, Any]:
+    def read(self) -> UserFile:
         if not self.file.path.exists():
             return {"schedules": {}, "activity": {}}
         return _shaped(self.file.read({}, expect=dict))
 
-    def update(self, change: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
-        def apply(stored: dict[str, Any]) -> dict[str, Any]:
+    def update(self, change: Callable[[UserFile], None]) -> UserFile:
+        def apply(stored: dict[str, Any]) -> UserFile:
             state = _shaped(stored)
             change(state)
             return state
         return self.file.update(apply, {}, expect=dict)
 
 
-def _shaped(stored: dict[str, Any]) -> dict[str, Any]:
+def _shaped(stored: dict[str, Any]) -> UserFile:
     state = dict(stored)
     for key in ("schedules", "activity"):
         if not isinstance(state.get(key), dict):
@@ -79,6 +101,13 @@ def product_history(root: Path, user_id: str, profile_id: str, *, retention_days
                    backlog=backlog, on_corrupt=on_corrupt, cap=HISTORY_CAP)
 
 
+class Conversation(TypedDict):
+    """``conversation.json``: the user's one conversation with a product."""
+
+    session_id: str
+    created_at: str
+
+
 def conversation_session(root: Path, user_id: str, profile_id: str, *,
                          on_corrupt: CorruptReporter | None = None,
                          now: datetime | None = None) -> str:
@@ -90,7 +119,7 @@ def conversation_session(root: Path, user_id: str, profile_id: str, *,
         if _session_id_ok(existing.get("session_id")):
             return existing["session_id"]
 
-    def create(stored: dict[str, Any]) -> dict[str, Any]:
+    def create(stored: dict[str, Any]) -> Conversation:
         if _session_id_ok(stored.get("session_id")):
             return stored
         return {"session_id": str(uuid.uuid4()), "created_at": rfc3339(now or utc_now())}
@@ -145,8 +174,8 @@ def state_from_file(stored: Any) -> JobState:
     return state
 
 
-def state_to_file(state: JobState) -> dict[str, Any]:
-    stored: dict[str, Any] = {
+def state_to_file(state: JobState) -> StoredJob:
+    stored: StoredJob = {
         "last_run_at": state.last_run_at, "last_status": state.last_status,
         "last_error": state.last_error, "last_session_id": state.last_session_id,
         "run_count": state.run_count, "consecutive_failures": state.consecutive_failures,

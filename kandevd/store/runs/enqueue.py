@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
@@ -14,6 +14,7 @@ from kandevd.runs.model import (
     COALESCE_WINDOW_S,
     IDEMPOTENCY_WINDOW_S,
     BatchItemError,
+    EnqueueRequest,
     EnqueueResult,
     Run,
     RunReferenceError,
@@ -34,7 +35,7 @@ class Enqueue(RunRepositoryBase):
                 self.sql.count_queued(conn, 1)
             return result
 
-    def enqueue_many(self, items: Sequence[Mapping[str, Any]], *, now: datetime
+    def enqueue_many(self, items: Sequence[EnqueueRequest], *, now: datetime
                      ) -> list[EnqueueResult]:
         """Enqueue every item (the keyword arguments of :meth:`enqueue`) in one transaction.
 

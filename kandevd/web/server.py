@@ -137,8 +137,7 @@ class WebConsole:
             return
         self.stopping.set()
         self.subscribers.notify()
-        _wake_selector(server)
-        server.stop()
+        _stop_promptly(server)
         if thread is not None:
             thread.join(timeout=10)
             if thread.is_alive():
@@ -146,17 +145,31 @@ class WebConsole:
         log.info("web console stopped")
 
 
-def _wake_selector(server: wsgi.Server) -> None:
-    """cheroot's stop() waits for its selector loop to notice the stop, which sleeps up to
-    IDLE_WAKE_S while nobody connects: ask it to stop, then connect once so it wakes now."""
-    manager = getattr(server, "_connections", None)
-    if manager is None or not hasattr(manager, "_stop_requested"):
-        return
-    manager._stop_requested = True
+def _stop_promptly(server: wsgi.Server) -> None:
+    """cheroot's ``stop()`` waits for its selector loop to notice the stop, which sleeps up
+    to IDLE_WAKE_S while nobody connects: stop it from a helper thread and connect until
+    that stop has returned, so the loop wakes now (cheroot's public API only)."""
+    done = threading.Event()
+    failure: list[BaseException] = []
+
+    def stop() -> None:
+        try:
+            server.stop()
+        except BaseException as exc:  # raised again in the caller's thread
+            failure.append(exc)
+        finally:
+            done.set()
+
+    stopper = threading.Thread(target=stop, name="kandevd-web-stop")
+    stopper.start()
     host, port = server.bind_addr[:2]
     host = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
-    try:
-        with socket.create_connection((host, port), timeout=1.0):
-            pass
-    except OSError:
-        pass  # (the loop then notices at its next wake-up)
+    while not done.wait(0.05):
+        try:
+            with socket.create_connection((host, port), timeout=1.0):
+                pass
+        except OSError:
+            pass  # (the loop then notices at its next wake-up)
+    stopper.join()
+    if failure:
+        raise failure[0]

@@ -25,10 +25,13 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["Notifier", "notifier", "queue_status"]
+__all__ = ["SystemdNotifier", "queue_status"]
 
 
-class Notifier:
+class SystemdNotifier:
+    """The daemon's voice to systemd: one per daemon, made by its process from the
+    environment and handed to what speaks (the queue loop, the start, the reload)."""
+
     def __init__(self, environ: Mapping[str, str] | None = None) -> None:
         env = os.environ if environ is None else environ
         raw = env.get("NOTIFY_SOCKET", "")
@@ -119,16 +122,3 @@ def queue_status(queue: Any) -> str | None:
                 f"{queued} run(s) queued")
     except Exception:  # a status line is never worth an error
         return None
-
-
-_notifier: Notifier | None = None
-_notifier_lock = threading.Lock()
-
-
-def notifier() -> Notifier:
-    """The process-wide notifier, built from the environment on first use."""
-    global _notifier
-    with _notifier_lock:
-        if _notifier is None:
-            _notifier = Notifier()
-        return _notifier

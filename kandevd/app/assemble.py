@@ -47,6 +47,7 @@ from kandevd.runtime import AgentRuntime
 from kandevd.runtime.keeperclient import KeeperClient
 from kandevd.runtime.keeperrunner import KeeperRunner
 from kandevd.schedules.loop import CronLoop
+from kandevd.sdnotify import SystemdNotifier
 from kandevd.store.base import BaseStore
 from kandevd.store.check import DatabaseUnusable, open_checked
 from kandevd.store.open import open_store
@@ -107,7 +108,8 @@ def open_configured_store(config: Config, layout: HomeLayout) -> BaseStore:
 
 def assemble(config: Config, layout: HomeLayout, *, boot_id: str, stop_signal: StopSignal,
              stop_requested: threading.Event, request_shutdown: Callable[[], None],
-             state: Callable[[], str], started_at: str) -> Parts:
+             state: Callable[[], str], started_at: str,
+             systemd: SystemdNotifier | None = None) -> Parts:
     """Build every part of the daemon of ``layout`` (the store opened and migrated).
 
     What fails half-way closes the store it opened, and raises StartupError
@@ -119,7 +121,7 @@ def assemble(config: Config, layout: HomeLayout, *, boot_id: str, stop_signal: S
     try:
         return _assemble(config, layout, store, boot_id=boot_id, stop_signal=stop_signal,
                          stop_requested=stop_requested, request_shutdown=request_shutdown,
-                         state=state, started_at=started_at)
+                         state=state, started_at=started_at, systemd=systemd)
     except BaseException:
         store.close()
         raise
@@ -128,7 +130,7 @@ def assemble(config: Config, layout: HomeLayout, *, boot_id: str, stop_signal: S
 def _assemble(config: Config, layout: HomeLayout, store: BaseStore, *, boot_id: str,
               stop_signal: StopSignal, stop_requested: threading.Event,
               request_shutdown: Callable[[], None], state: Callable[[], str],
-              started_at: str) -> Parts:
+              started_at: str, systemd: SystemdNotifier | None) -> Parts:
     bus = EventBus()
     keeper = KeeperClient(layout.root)
     runtime = AgentRuntime(config.runtime.max_concurrent, config.runtime.stop_grace_s,
@@ -150,7 +152,8 @@ def _assemble(config: Config, layout: HomeLayout, store: BaseStore, *, boot_id: 
     loops: dict[str, Loop] = {"queue": QueueLoop(
         queue, safety_interval_s=config.queue.safety_interval_s,
         max_claims_per_tick=config.queue.max_claims_per_tick,
-        pruner=RunPruner(expired, layout, config.queue.retention_days), parent=stop_signal)}
+        pruner=RunPruner(expired, layout, config.queue.retention_days), systemd=systemd,
+        parent=stop_signal)}
     if config.office.enabled:
         # office.enabled false: no assignment subscribers and no Office loop at all.
         AssignmentSubscriber(store, queue).attach(bus)

@@ -35,7 +35,7 @@ from kandevd.paths import HomeLayout
 from kandevd.runtime.keeperclient import KeeperUnavailable
 from kandevd.runtime.orphans import stop_orphan_agents
 from kandevd.schedules.restart.adopted import adopt_turns
-from kandevd.sdnotify import notifier, queue_status
+from kandevd.sdnotify import SystemdNotifier, queue_status
 from kandevd.timeutil import rfc3339, utc_now
 from kandevd.web.server import WebConsole
 
@@ -55,6 +55,8 @@ class Daemon:
         #: ``serve --log-level`` was given: it wins over ``log.level`` on SIGHUP too.
         self._log_level_fixed = log_level_fixed
         self.boot_id = uuid.uuid4().hex
+        #: systemd's notify socket and watchdog (no-ops when not under systemd).
+        self.systemd = SystemdNotifier()
         self.started_at = utc_now()
         self.state = "starting"
         self.stop_requested = threading.Event()
@@ -105,7 +107,7 @@ class Daemon:
             log.info("kandevd %s serving %s (pid %d, config %s)", __version__, self.layout.root,
                      os.getpid(), self.config.source or "built-in defaults")
             # systemd (Type=notify): the control socket listens, so the daemon is ready.
-            notifier().ready(queue_status(self.parts.queue) or "running")
+            self.systemd.ready(queue_status(self.parts.queue) or "running")
             # A plain Event.wait() here could miss a signal the kernel hands to another
             # thread; the waiter's select() on the wakeup fd cannot (see app/shutdown.py).
             while True:
@@ -116,7 +118,8 @@ class Daemon:
                 try:
                     self.config = reload(self.config, self.parts.cron,
                                          config_path=self._config_path, home=self.layout.root,
-                                         log_level_fixed=self._log_level_fixed)
+                                         log_level_fixed=self._log_level_fixed,
+                                         systemd=self.systemd)
                 except Exception:  # a reload must never cost the graceful stop
                     log.exception("SIGHUP: reloading failed; the daemon keeps running as it was")
             self.state = "stopping"
@@ -162,7 +165,8 @@ class Daemon:
             self.parts = parts = assemble(
                 self.config, self.layout, boot_id=self.boot_id, stop_signal=self.stop_signal,
                 stop_requested=self.stop_requested, request_shutdown=self.request_shutdown,
-                state=lambda: self.state, started_at=rfc3339(self.started_at))
+                state=lambda: self.state, started_at=rfc3339(self.started_at),
+                systemd=self.systemd)
             queue = parts.queue
             # The keeper first: it holds the agents an earlier instance left and the
             # exits that happened since (or it is started now).
@@ -203,7 +207,7 @@ class Daemon:
             # before it does: the first request can arrive the instant the socket listens.
             self.coordinator = ShutdownCoordinator(
                 self._shutdown_steps(parts),
-                on_started=lambda: notifier().stopping("graceful shutdown started"))
+                on_started=lambda: self.systemd.stopping("graceful shutdown started"))
             self.state = "running"
             # The console first: once the socket answers (`kandevd wait`), it serves too.
             self._start_web(parts)

@@ -14,20 +14,20 @@ from pathlib import Path
 from kandevd.app.logsetup import current_level, set_level
 from kandevd.config import Config, ConfigError, config_changes, load_config
 from kandevd.schedules.loop import CronLoop
-from kandevd.sdnotify import notifier
+from kandevd.sdnotify import SystemdNotifier
 from kandevd.store.backend import backend_problem
 
 log = logging.getLogger("kandevd.daemon")
 
 
 def reload(config: Config, cron: CronLoop, *, config_path: Path | None, home: Path,
-           log_level_fixed: bool) -> Config:
+           log_level_fixed: bool, systemd: SystemdNotifier) -> Config:
     """Ask the cron loop to rescan, apply what can be applied; the config now in force."""
     log.info("received SIGHUP: reloading workflow and product files")
     cron.request_reload()
     config = _reload_config(config, config_path=config_path, home=home,
                             log_level_fixed=log_level_fixed)
-    notifier().status("reloaded workflow and product files")
+    systemd.status("reloaded workflow and product files")
     return config
 
 

@@ -36,7 +36,7 @@ from typing import Any
 from kandevd.lifecycle import Loop
 from kandevd.queue.retention import RunPruner
 from kandevd.queue.service import RunQueue
-from kandevd.sdnotify import notifier, queue_status
+from kandevd.sdnotify import SystemdNotifier, queue_status
 from kandevd.store.base import is_environmental
 from kandevd.timeutil import after
 
@@ -45,9 +45,13 @@ log = logging.getLogger("kandevd.queue.loop")
 
 class QueueLoop(Loop):
     def __init__(self, queue: RunQueue, *, safety_interval_s: float, max_claims_per_tick: int,
-                 pruner: RunPruner | None = None, **kwargs: Any) -> None:
+                 pruner: RunPruner | None = None, systemd: SystemdNotifier | None = None,
+                 **kwargs: Any) -> None:
+        """``systemd``: pinged from each tick (its watchdog), told the queue's state at each
+        safety pass; None: not under systemd."""
         super().__init__("queue", **kwargs)
         self.queue = queue
+        self.systemd = systemd if systemd is not None else SystemdNotifier({})
         self.pruner = pruner
         self.safety_interval_s = float(safety_interval_s)
         self.max_claims_per_tick = int(max_claims_per_tick)
@@ -71,7 +75,7 @@ class QueueLoop(Loop):
     def tick(self, now: datetime) -> float:
         # systemd's watchdog (WATCHDOG_USEC) is pinged from the tick, which then comes
         # at least every WATCHDOG_USEC/2: a wedged loop stops pinging and gets restarted.
-        systemd = notifier()
+        systemd = self.systemd
         systemd.watchdog()
         wait = self._pass(now)
         return min(wait, systemd.watchdog_interval_s or wait)
@@ -110,8 +114,8 @@ class QueueLoop(Loop):
         if check is not None and after(check, -interval) <= now < check:
             return 0
         self._next_stale_check = after(now, interval)
-        if (status := notifier().enabled and queue_status(self.queue)):
-            notifier().status(status)
+        if (status := self.systemd.enabled and queue_status(self.queue)):
+            self.systemd.status(status)
         recovered = len(self.queue.recover_stale(now))
         self._prune(now)
         return recovered

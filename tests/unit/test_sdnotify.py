@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kandevd.sdnotify import Notifier
+from kandevd.sdnotify import SystemdNotifier
 
 
 @pytest.fixture
@@ -23,14 +23,14 @@ def listener(tmp_path: Path) -> Iterator[tuple[socket.socket, str]]:
 
 
 def test_without_notify_socket_everything_is_a_no_op() -> None:
-    sd = Notifier({})
+    sd = SystemdNotifier({})
     assert not sd.enabled
     assert sd.ready("x") is False and sd.stopping() is False and sd.watchdog() is False
 
 
 def test_ready_status_stopping_in_one_datagram_each(listener) -> None:
     sock, path = listener
-    sd = Notifier({"NOTIFY_SOCKET": path})
+    sd = SystemdNotifier({"NOTIFY_SOCKET": path})
     assert sd.status("too early") is False  # nothing before READY=1
     assert sd.ready("running 0/4")
     assert sock.recv(4096) == b"READY=1\nSTATUS=running 0/4"
@@ -46,7 +46,7 @@ def test_abstract_namespace_address() -> None:
     sock.bind(b"\0" + name.encode())
     sock.settimeout(5)
     try:
-        assert Notifier({"NOTIFY_SOCKET": "@" + name}).ready()
+        assert SystemdNotifier({"NOTIFY_SOCKET": "@" + name}).ready()
         assert sock.recv(4096) == b"READY=1"
     finally:
         sock.close()
@@ -54,7 +54,7 @@ def test_abstract_namespace_address() -> None:
 
 def test_watchdog_pings_at_most_every_half_period(listener) -> None:
     sock, path = listener
-    sd = Notifier({"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "200000"})
+    sd = SystemdNotifier({"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "200000"})
     assert sd.watchdog_interval_s == pytest.approx(0.1)
     assert sd.watchdog(now=10.0)
     assert not sd.watchdog(now=10.05)
@@ -64,12 +64,12 @@ def test_watchdog_pings_at_most_every_half_period(listener) -> None:
 
 def test_watchdog_for_another_pid_or_unset_is_off(listener) -> None:
     _sock, path = listener
-    assert Notifier({"NOTIFY_SOCKET": path}).watchdog_interval_s is None
-    other = Notifier({"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "200000", "WATCHDOG_PID": "1"})
+    assert SystemdNotifier({"NOTIFY_SOCKET": path}).watchdog_interval_s is None
+    other = SystemdNotifier({"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "200000", "WATCHDOG_PID": "1"})
     assert other.watchdog_interval_s is None
 
 
 def test_a_vanished_socket_never_raises(tmp_path: Path) -> None:
-    sd = Notifier({"NOTIFY_SOCKET": str(tmp_path / "gone")})
+    sd = SystemdNotifier({"NOTIFY_SOCKET": str(tmp_path / "gone")})
     assert sd.ready() is False
     assert sd.notify("STATUS=x") is False

@@ -1,4 +1,4 @@
-"""One job model for every schedule: a :class:`Job` with one :class:`JobState`, one JOB dict.
+"""One job model for every schedule: a :class:`Job` with one :class:`JobFacts`, one JOB dict.
 
 A job is a schedule as the scheduler runs it: a workflow schedule
 (``workflow:<workflow>:<schedule>``) or a product schedule for one user
@@ -37,8 +37,10 @@ class UserNeeded(LookupError):
 
 
 @dataclass
-class JobState:
-    """What the daemon knows about a job beyond its definition."""
+class JobFacts:
+    """What the daemon knows about a job beyond its definition: its runs so far, its
+    skips, a problem with its file (``job.state``). Its derived ``state`` of the contract
+    (scheduled, paused, ...) is :class:`~kandevd.schedules.rules.states.JobStatus`."""
 
     #: A user's override of a product schedule's ``enabled`` (None: the definition's).
     enabled: bool | None = None
@@ -90,9 +92,9 @@ class JobState:
             self.last_success_at = entry.get("completed_at") or entry.get("started_at")
 
 
-def seed_state(entries: list[HistoryEntry]) -> JobState:
+def seed_state(entries: list[HistoryEntry]) -> JobFacts:
     """Runtime state from one job's history entries (newest first)."""
-    state = JobState()
+    state = JobFacts()
     terminal = [e for e in entries if e.get("status") in hist.TERMINAL]
     if entries:
         newest = entries[0]
@@ -128,7 +130,7 @@ class Job:
     id: str
     spec: JobSpec
     source: JobSource
-    state: JobState = field(default_factory=JobState)
+    state: JobFacts = field(default_factory=JobFacts)
 
     @property
     def key(self) -> str:

@@ -26,7 +26,7 @@ from typing import Any, TypedDict
 
 from kandevd.formats.jsonfile import CorruptReporter, JsonFile
 from kandevd.schedules.history import History, PendingWrites
-from kandevd.schedules.jobs import JobState
+from kandevd.schedules.jobs import JobFacts
 from kandevd.timeutil import parse_rfc3339, rfc3339, utc_now
 
 USERS_DIR = "_users"
@@ -153,11 +153,11 @@ def stored_time(value: Any) -> datetime | None:
     return moment if _EARLIEST <= moment < _LATEST else None
 
 
-def state_from_file(stored: Any) -> JobState:
+def state_from_file(stored: Any) -> JobFacts:
     """A product job's state from its entry in the user's state file (only well-typed
     values are believed)."""
     stored = stored if isinstance(stored, dict) else {}
-    state = JobState()
+    state = JobFacts()
     if isinstance(stored.get("enabled"), bool):
         state.enabled = stored["enabled"]
     for name in ("last_status", "last_error", "last_session_id"):
@@ -174,7 +174,7 @@ def state_from_file(stored: Any) -> JobState:
     return state
 
 
-def state_to_file(state: JobState) -> StoredJob:
+def state_to_file(state: JobFacts) -> StoredJob:
     stored: StoredJob = {
         "last_run_at": state.last_run_at, "last_status": state.last_status,
         "last_error": state.last_error, "last_session_id": state.last_session_id,

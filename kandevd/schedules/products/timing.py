@@ -18,7 +18,7 @@ from datetime import datetime, timedelta
 
 from kandevd.cron import next_fire_times
 from kandevd.schedules.history import SUCCESS
-from kandevd.schedules.jobs import Job, JobState
+from kandevd.schedules.jobs import Job, JobFacts
 from kandevd.schedules.products.schedule import (
     DEFERRAL_CAP,
     QUIET,
@@ -33,7 +33,7 @@ from kandevd.timeutil import rfc3339
 log = logging.getLogger("kandevd.scheduler.products")
 
 
-def for_decide(state: JobState) -> ScheduleState:
+def for_decide(state: JobFacts) -> ScheduleState:
     return ScheduleState(next_run_at=state.next_fire, last_run_at=stored_time(state.last_run_at),
                          last_status=state.last_status,
                          consecutive_failures=state.consecutive_failures)

@@ -16,7 +16,7 @@ from kandevd.app import cron_metrics
 from kandevd.app.metrics import DaemonMetrics, MetricsHTTPServer
 from kandevd.app.status import health
 from kandevd.config import ConfigError, build_config
-from kandevd.schedules.jobs import JobState
+from kandevd.schedules.jobs import JobFacts
 from kandevd.schedules.rules.states import JobStatus
 from kandevd.timeutil import rfc3339, utc_now
 
@@ -43,14 +43,14 @@ def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 def job(key: str, runs: int, overlap: int) -> tuple[SimpleNamespace, JobStatus]:
-    state = JobState(run_count=runs, skipped_overlap=overlap)
+    state = JobFacts(run_count=runs, skipped_overlap=overlap)
     spec = SimpleNamespace(entity_type="workflow")
     return SimpleNamespace(key=key, state=state, spec=spec), JobStatus("scheduled", "", None)
 
 
 def product_job(schedule: str, user: str, runs: int, failures: int = 0
                 ) -> tuple[SimpleNamespace, JobStatus]:
-    state = JobState(run_count=runs, consecutive_failures=failures)
+    state = JobFacts(run_count=runs, consecutive_failures=failures)
     spec = SimpleNamespace(entity_type="product",
                            product=SimpleNamespace(profile_id="helper"))
     job_id = f"product:helper:{schedule}"
@@ -205,9 +205,9 @@ def test_cron_job_series_carry_failures_last_success_and_next_fire() -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
     from kandevd.app.metrics import DaemonMetrics
-    from kandevd.schedules.jobs import JobState
+    from kandevd.schedules.jobs import JobFacts
 
-    state = JobState()
+    state = JobFacts()
     state.record({"status": "success", "started_at": "2026-12-01T10:00:00.000000Z",
                   "completed_at": "2026-12-01T10:00:05.000000Z"})
     state.record({"status": "error", "started_at": "2026-12-01T11:00:00.000000Z"})

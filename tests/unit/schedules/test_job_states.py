@@ -9,7 +9,7 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kandevd.schedules.jobs import Job, JobState
+from kandevd.schedules.jobs import Job, JobFacts
 from kandevd.schedules.rules.options import NO_OPTIONS, ScheduleOptions
 from kandevd.schedules.rules.states import (
     BLOCKED,
@@ -53,7 +53,7 @@ class Spec:
 def make_job(*, enabled: bool = True, override: bool | None = None,
              invalid: str | None = None, held: bool = False,
              next_fire: datetime | None = T0) -> Job:
-    state = JobState(enabled=override, invalid=invalid, next_fire=next_fire,
+    state = JobFacts(enabled=override, invalid=invalid, next_fire=next_fire,
                      held_until=T0 + timedelta(minutes=30) if held else None)
     return Job("workflow:w:s", Spec(Schedule(enabled)), source=None,  # type: ignore[arg-type]
                state=state)

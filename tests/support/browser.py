@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
 from selenium import webdriver
 from selenium.common.exceptions import WebDriverException
 from selenium.webdriver.chrome.service import Service
@@ -30,6 +31,11 @@ FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-u
 
 def available() -> bool:
     return Path(CHROMIUM).exists() and Path(CHROMEDRIVER).exists()
+
+
+#: The mark of a test that drives this browser: skipped where it is not installed.
+needs_chromium = pytest.mark.skipif(not available(),
+                                    reason="needs Debian's chromium and chromium-driver")
 
 
 @contextmanager

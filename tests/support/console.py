@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import http.client
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
+
+from tests.support.daemon import FAST_CONFIG
+from tests.support.workflows import RECORDER
 
 #: Where screenshots of the console's pages go (kept by CI as artifacts, never committed).
 ARTIFACTS = Path(os.environ.get("KANDEVD_TEST_ARTIFACTS",
@@ -40,6 +44,17 @@ class ConsoleAddress:
     def cookie_name(self) -> str:
         """The session cookie's name: the console's own, by its port."""
         return f"kandevd_console_{self.port}"
+
+
+def console_config(record: Path) -> dict[str, Any]:
+    """A daemon serving its console on a free port, without retries; its default agent is
+    the recorder (tests/support/agents/recorder.py, writing to ``record``) and its agent
+    profile ``broken`` always fails."""
+    return {**FAST_CONFIG, "web": {"listen": "127.0.0.1:0"},
+            "retry": {"max_retries": 0},
+            "agents": {"default": {"command": [sys.executable, RECORDER],
+                                   "env": {"RECORD_FILE": str(record)}},
+                       "broken": {"command": ["/bin/false"]}}}
 
 
 def console_of(daemon: Any) -> ConsoleAddress:

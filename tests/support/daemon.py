@@ -34,6 +34,14 @@ FAST_CONFIG: dict[str, Any] = {
 }
 
 
+def fast_config(**sections: dict[str, Any]) -> dict[str, Any]:
+    """FAST_CONFIG with each of ``sections`` merged into its section."""
+    merged = {name: dict(values) for name, values in FAST_CONFIG.items()}
+    for name, values in sections.items():
+        merged.setdefault(name, {}).update(values)
+    return merged
+
+
 class DaemonProcess:
     def __init__(self, home: Path, config: dict[str, Any] | None = None, *,
                  env: dict[str, str] | None = None, args: list[str] | None = None) -> None:
@@ -252,6 +260,36 @@ def run_cli(home: Path, *args: str, env: dict[str, str] | None = None,
     return subprocess.run([sys.executable, "-m", "kandevd", *args, "--home", str(home)],
                           capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **(env or {})})
+
+
+def cli_ok(home: Path, *args: str) -> str:
+    """The stdout of ``kandevd ARGS``, which must exit 0."""
+    result = run_cli(home, *args)
+    assert result.returncode == 0, (args, result.stdout, result.stderr)
+    return result.stdout
+
+
+def cli_json(home: Path, *args: str) -> Any:
+    """The output of ``kandevd ARGS --json`` (which must exit 0), parsed."""
+    return json.loads(cli_ok(home, *args, "--json"))
+
+
+def enqueue(daemon: DaemonProcess, agent: str = "a1", workspace: str = "ws",
+            **payload: Any) -> dict[str, Any]:
+    """A manual run of ``agent`` (never coalesced) with ``payload``, enqueued over the socket."""
+    return daemon.call("runs.enqueue", {"workspace_id": workspace, "agent_id": agent,
+                                        "reason": "manual", "payload": payload,
+                                        "coalesce": False})["run"]
+
+
+def wait_status(daemon: DaemonProcess, run_id: str, *wanted: str,
+                timeout: float = 30.0) -> dict[str, Any]:
+    """The run once its status is one of ``wanted``."""
+    def check() -> dict[str, Any] | None:
+        run = daemon.call("runs.get", {"id": run_id})
+        return run if run["status"] in wanted else None
+
+    return daemon.wait_until(check, timeout=timeout, what=f"run {run_id} {wanted}")
 
 
 def seed_agents(daemon: DaemonProcess, workspace: str, agents: list[str], **agent_fields: Any

@@ -9,9 +9,9 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.daemon import FAST_CONFIG, DaemonProcess, assert_graceful, run_cli, seed_agents
+from tests.support.metrics import http_get, samples
 
 pytestmark = pytest.mark.integration
 
@@ -20,19 +20,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def values(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def get(url: str) -> tuple[int, str, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as response:
-            return response.status, response.headers["Content-Type"], response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.headers["Content-Type"], exc.read().decode()
 
 
 def test_metrics_over_http_and_socket(daemon_factory: Callable[..., DaemonProcess]) -> None:
@@ -44,23 +31,23 @@ def test_metrics_over_http_and_socket(daemon_factory: Callable[..., DaemonProces
     daemon.wait_until(lambda: daemon.call("runs.get", {"id": run["id"]})["status"]
                       == "finished", what="the run finished")
     base = f"http://127.0.0.1:{port}"
-    code, ctype, body = get(base + "/metrics")
+    code, ctype, body = http_get(base + "/metrics")
     assert code == 200 and ctype.startswith("text/plain; version=")
-    got = values(body)
+    got = samples(body)
     assert got[("kandevd_up", ())] == 1
     assert got[("kandevd_runs", (("status", "finished"),))] == 1
     assert got[("kandevd_claims_total", ())] >= 1
     assert got[("kandevd_runtime_slots_max", ())] == 4
     assert got[("kandevd_execution_duration_seconds_count",
                 (("outcome", "succeeded"),))] == 1
-    assert get(base + "/health")[::2] == (200, "ok\n")
+    assert http_get(base + "/health")[::2] == (200, "ok\n")
 
     over_socket = daemon.call("daemon.metrics")
     assert isinstance(over_socket, str)
-    assert values(over_socket)[("kandevd_runs", (("status", "finished"),))] == 1
+    assert samples(over_socket)[("kandevd_runs", (("status", "finished"),))] == 1
     cli = run_cli(daemon.home, "metrics")
     assert cli.returncode == 0, cli.stderr
-    assert ("kandevd_up", ()) in values(cli.stdout)
+    assert ("kandevd_up", ()) in samples(cli.stdout)
 
     assert_graceful(daemon, daemon.stop())
     with pytest.raises(OSError):  # the listener is gone with its thread

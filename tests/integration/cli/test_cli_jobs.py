@@ -18,7 +18,7 @@ import pytest
 
 from kandevd import exits
 from tests.support import workflows
-from tests.support.daemon import DaemonProcess, run_cli
+from tests.support.daemon import DaemonProcess, cli_json, cli_ok, run_cli
 
 pytestmark = pytest.mark.integration
 
@@ -35,16 +35,6 @@ def write_workflow(home: Path, name: str, manifest: Any, *, groups: tuple[str, .
         for g in groups]}))
     (folder / "workflow.json").write_text(raw if raw is not None else json.dumps(manifest))
     return folder
-
-
-def cli_ok(home: Path, *args: str) -> str:
-    result = run_cli(home, *args)
-    assert result.returncode == 0, (args, result.stdout, result.stderr)
-    return result.stdout
-
-
-def cli_json(home: Path, *args: str) -> Any:
-    return json.loads(cli_ok(home, *args, "--json"))
 
 
 def manifest_of(folder: Path) -> dict[str, Any]:

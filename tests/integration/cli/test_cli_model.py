@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.daemon import DaemonProcess, run_cli
+from tests.support.daemon import DaemonProcess, cli_json, cli_ok, run_cli
 
 pytestmark = pytest.mark.integration
 
@@ -31,16 +31,6 @@ STEPS = [{"id": "todo", "name": "To do"},
          {"id": "doing", "name": "Doing", "agent_id": "a1",
           "on_enter": [{"action": "queue_run", "reason": "work",
                         "payload": {"summary": "did it"}}]}]
-
-
-def cli_ok(home: Path, *args: str) -> str:
-    result = run_cli(home, *args)
-    assert result.returncode == 0, (args, result.stdout, result.stderr)
-    return result.stdout
-
-
-def cli_json(home: Path, *args: str) -> Any:
-    return json.loads(cli_ok(home, *args, "--json"))
 
 
 def test_model_commands_round_trip(daemon_factory: Factory, tmp_path: Path) -> None:

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.app.test_metrics import values
 from tests.integration.schedules.test_products import brief, finished, write_product
 from tests.support.daemon import DaemonProcess, run_cli
+from tests.support.metrics import samples
 from tests.support.workflows import recorder_config, schedule, write_workflow
 
 pytestmark = pytest.mark.integration
@@ -40,7 +40,7 @@ def test_status_shows_the_scheduler_and_metrics_cover_product_jobs(
     daemon.call("scheduler.jobs.trigger", {"id": PRODUCT_JOB})
     finished(daemon, PRODUCT_JOB)
     labels = (("job", PRODUCT_JOB), ("product", "helper"), ("user", "local"))
-    got = values(run_cli(home, "metrics").stdout)
+    got = samples(run_cli(home, "metrics").stdout)
     assert got[("kandevd_product_job_runs_total", labels)] == 1
     assert got[("kandevd_product_job_consecutive_failures", labels)] == 0
     success = got[("kandevd_product_job_last_success_timestamp_seconds", labels)]
@@ -49,7 +49,7 @@ def test_status_shows_the_scheduler_and_metrics_cover_product_jobs(
     # after a restart the last success comes from the history, not from nothing
     assert daemon.stop() == 0
     daemon.start()
-    again = values(run_cli(home, "metrics").stdout)
+    again = samples(run_cli(home, "metrics").stdout)
     assert again[("kandevd_product_job_last_success_timestamp_seconds", labels)] == success
     assert again[("kandevd_product_job_runs_total", labels)] == 1
 

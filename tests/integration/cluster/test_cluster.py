@@ -22,36 +22,11 @@ from typing import Any
 import pytest
 
 from kandevd.timeutil import rfc3339, utc_now
+from tests.support.cluster import cluster_config, probe_log, wait_for
 from tests.support.daemon import DaemonProcess, run_cli
-from tests.support.workflows import history, schedule, write_workflow
+from tests.support.workflows import RECORDER, history, schedule, write_workflow
 
 pytestmark = pytest.mark.integration
-
-AGENTS = Path(__file__).resolve().parents[2] / "support" / "agents"
-PROBE = str(AGENTS / "serial_probe.py")
-RECORDER = str(AGENTS / "recorder.py")
-
-
-def cluster_config(url: str, probe_file: Path, **overrides: Any) -> dict[str, Any]:
-    config: dict[str, Any] = {
-        "store": {"url": url},
-        "cluster": {"heartbeat_s": 0.5, "dead_after_s": 3},
-        "queue": {"safety_interval_s": 5},
-        "runtime": {"max_concurrent": 2, "stop_grace_s": 5},
-        "office": {"interval_s": 1},
-        "agents": {"default": {"command": [sys.executable, PROBE], "timeout_s": 60,
-                               "env": {"PROBE_FILE": str(probe_file)}}},
-    }
-    for key, value in overrides.items():
-        config[key] = {**config.get(key, {}), **value}
-    return config
-
-
-def probes(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
 
 def assert_serialized(records: list[dict[str, Any]]) -> None:
     """No agent ever had two executions at once (from the agents' own timestamps)."""
@@ -62,16 +37,6 @@ def assert_serialized(records: list[dict[str, Any]]) -> None:
         spans.sort()
         for (_, end), (start, _) in itertools.pairwise(spans):
             assert start >= end, f"agent {agent} ran two executions at once"
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def start_cluster(daemon_factory: Callable[..., DaemonProcess], tmp_path: Path,
@@ -106,7 +71,7 @@ def test_a_shared_drain_runs_each_run_once_with_agents_serialized_across_daemons
             "workspace_id": ws, "agent_id": agents[n % len(agents)], "reason": f"r{n}",
             "payload": {"sleep_s": 0.05}})
     wait_for(lambda: finished(first) == total, 60, "every run finished")
-    records = wait_for(lambda: len(probes(probe_file)) >= total and probes(probe_file), 10,
+    records = wait_for(lambda: len(probe_log(probe_file)) >= total and probe_log(probe_file), 10,
                        "every probe line")
     assert Counter(r["run"] for r in records) == Counter(
         r["id"] for r in first.call("runs.list", {"limit": 100})["items"])
@@ -267,7 +232,7 @@ def test_connections_cut_by_the_server_are_replaced_and_the_drain_goes_on(
     for n in range(6):
         wait_for(lambda n=n: enqueue(n), 10, "an enqueue accepted again")
     wait_for(lambda: finished(daemon) == 12, 30, "every run finished")
-    assert len({r["run"] for r in probes(probe_file)}) >= 6  # the second six, at least
+    assert len({r["run"] for r in probe_log(probe_file)}) >= 6  # the second six, at least
     wait_for(lambda: daemon.call("daemon.status")["cluster"]["leader"], 10, "the leader again")
     assert daemon.stop() == 0
     assert "Traceback" not in daemon.log_text
@@ -296,7 +261,7 @@ def test_a_restarted_daemon_adopts_its_agents_and_no_other_daemon_takes_them(
              "the adopted run finished")
     got = again.call("runs.get", {"id": run["id"]})
     assert got["attempt"] == 1  # never re-queued, never run again
-    assert [r["run"] for r in probes(probe_file)] == [run["id"]]
+    assert [r["run"] for r in probe_log(probe_file)] == [run["id"]]
     assert other.count_lines("claimed by a daemon that stopped") == 0
     for daemon in (again, other):
         assert daemon.stop() == 0

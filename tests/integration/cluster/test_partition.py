@@ -8,18 +8,18 @@ log (tests/support/agents/partition_probe.py), the judge of what executed when."
 from __future__ import annotations
 
 import itertools
-import json
-import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from tests.support.cluster import cluster_config, probe_log, wait_for
 from tests.support.daemon import DaemonProcess, run_cli
 from tests.support.proxy import PartitionProxy, pg_socket
 from tests.support.stores import drop_database, new_database, pg_server
@@ -27,7 +27,6 @@ from tests.support.workflows import history, schedule, write_workflow
 
 pytestmark = pytest.mark.integration
 
-PROBE = str(Path(__file__).resolve().parents[2] / "support" / "agents" / "partition_probe.py")
 HEARTBEAT, DEAD = 0.5, 4.0  # fence_after_s derived: 4 - 0.8 - 0.4 = 2.8
 
 
@@ -38,32 +37,15 @@ def database(pg_base: Path) -> Iterator[tuple[str, str]]:
     drop_database(pg_base, name)
 
 
-def config(url: str, probe: Path, **extra: Any) -> dict[str, Any]:
-    document: dict[str, Any] = {
-        "store": {"url": url},
-        "cluster": {"heartbeat_s": HEARTBEAT, "dead_after_s": DEAD},
-        "queue": {"safety_interval_s": 1},
-        "runtime": {"max_concurrent": 2, "stop_grace_s": 2},
-        "office": {"interval_s": 1},
-        "agents": {"default": {"command": [sys.executable, PROBE], "timeout_s": 120,
-                               "env": {"PROBE_FILE": str(probe)}}},
-    }
-    for key, value in extra.items():
-        document[key] = {**document.get(key, {}), **value}
-    return document
-
-
-def events(probe: Path) -> list[dict[str, Any]]:
-    if not probe.exists():
-        return []
-    return [json.loads(line) for line in probe.read_text().splitlines() if line.strip()]
+config = partial(cluster_config, probe="partition_probe.py", heartbeat_s=HEARTBEAT,
+                 dead_after_s=DEAD, safety_interval_s=1, stop_grace_s=2, timeout_s=120)
 
 
 def executions(probe: Path) -> dict[str, list[tuple[float, float | None, str]]]:
     """Each run's executions as (start, end or None, home), from the agents' own log."""
     runs: dict[str, list[tuple[float, float | None, str]]] = defaultdict(list)
     open_: dict[int, tuple[str, float, str]] = {}
-    for event in events(probe):
+    for event in probe_log(probe):
         if event["event"] == "start":
             open_[event["pid"]] = (event["run"], event["at"], event["home"])
         else:
@@ -79,16 +61,6 @@ def assert_never_twice_at_once(probe: Path) -> None:
         spans.sort()
         for (_, end, _), (start, _, _) in itertools.pairwise(spans):
             assert end is not None and start >= end, f"run {run} executed twice at once"
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 @pytest.fixture
@@ -113,7 +85,7 @@ def pair(tmp_path: Path, database: tuple[str, str],
 
 
 def started_on(daemons: list[DaemonProcess], probe: Path) -> int:
-    [start] = wait_for(lambda: [e for e in events(probe) if e["event"] == "start"], 20,
+    [start] = wait_for(lambda: [e for e in probe_log(probe) if e["event"] == "start"], 20,
                        "the agent's start")
     return next(n for n, d in enumerate(daemons) if str(d.home) == start["home"])
 
@@ -133,7 +105,7 @@ def test_a_cut_off_daemon_stops_its_agent_before_a_peer_runs_the_run(pair) -> No
                                            "payload": {"sleep_s": 8, "ignore_term": True}})
     run_id = run["run"]["id"]
     cut = started_on(daemons, probe)
-    [start] = [e for e in events(probe) if e["event"] == "start"]
+    [start] = [e for e in probe_log(probe) if e["event"] == "start"]
     other = 1 - cut
     proxies[cut].cut()
     cut_at = time.time()
@@ -190,9 +162,9 @@ def test_keep_running_lets_the_cut_off_agent_go_on(
         daemon.call("agents.create", {"id": "a1", "workspace_id": "ws", "name": "a1"})
         daemon.call("runs.enqueue", {"workspace_id": "ws", "agent_id": "a1", "reason": "x",
                                      "payload": {"sleep_s": 5}})
-        wait_for(lambda: events(probe), 20, "the agent's start")
+        wait_for(lambda: probe_log(probe), 20, "the agent's start")
         proxy.cut()
-        ended = wait_for(lambda: [e for e in events(probe) if e["event"] == "end"], 15,
+        ended = wait_for(lambda: [e for e in probe_log(probe) if e["event"] == "end"], 15,
                          "the agent's end")
         assert ended[0]["terminated"] is False  # it ran to its end, cut off or not
         assert "fenced" not in daemon.log_text

@@ -23,19 +23,11 @@ import pytest
 
 from kandevd.control.client import RpcCallError
 from kandevd.keeper.journal import read as read_journal
-from tests.support.daemon import FAST_CONFIG, DaemonProcess, run_cli
+from tests.support.daemon import DaemonProcess, enqueue, fast_config, run_cli, wait_status
 
 pytestmark = pytest.mark.integration
 
 Factory = Callable[..., DaemonProcess]
-WAIT_S = 30.0
-
-
-def config(**sections: dict[str, Any]) -> dict[str, Any]:
-    merged = {name: dict(values) for name, values in FAST_CONFIG.items()}
-    for name, values in sections.items():
-        merged.setdefault(name, {}).update(values)
-    return merged
 
 
 def setup_agent(daemon: DaemonProcess, agent: str = "a1", workspace: str = "ws") -> None:
@@ -43,27 +35,11 @@ def setup_agent(daemon: DaemonProcess, agent: str = "a1", workspace: str = "ws")
     daemon.call("agents.create", {"id": agent, "workspace_id": workspace, "name": agent})
 
 
-def enqueue(daemon: DaemonProcess, agent: str = "a1", workspace: str = "ws",
-            **payload: Any) -> dict[str, Any]:
-    return daemon.call("runs.enqueue", {"workspace_id": workspace, "agent_id": agent,
-                                        "reason": "manual", "payload": payload,
-                                        "coalesce": False})["run"]
-
-
 def executions(touch: Path) -> list[str]:
     """Run ids of the successful executions the agents recorded, in order."""
     if not touch.exists():
         return []
     return [line.split()[0] for line in touch.read_text().splitlines() if line.strip()]
-
-
-def wait_status(daemon: DaemonProcess, run_id: str, *wanted: str,
-                timeout: float = WAIT_S) -> dict[str, Any]:
-    def check() -> dict[str, Any] | None:
-        run = daemon.call("runs.get", {"id": run_id})
-        return run if run["status"] in wanted else None
-
-    return daemon.wait_until(check, timeout=timeout, what=f"run {run_id} {wanted}")
 
 
 def kept_exit(home: Path, run_id: str) -> dict[str, Any] | None:
@@ -86,7 +62,7 @@ def attempt_dirs(home: Path, run_id: str) -> list[Path]:
 def test_a_refused_outcome_write_is_retried_and_the_agent_runs_once(
         daemon_factory: Factory, tmp_path: Path) -> None:
     touch = tmp_path / "executed"
-    daemon = daemon_factory(config(queue={"stale_claim_s": 2}),
+    daemon = daemon_factory(fast_config(queue={"stale_claim_s": 2}),
                             env={"KANDEVD_FAULTS": json.dumps({"fail_outcome_writes": 4})})
     setup_agent(daemon)
     run = enqueue(daemon, touch=str(touch))
@@ -110,13 +86,13 @@ def test_an_outcome_the_database_never_took_is_recorded_at_the_next_start(
         daemon_factory: Factory, tmp_path: Path) -> None:
     touch = tmp_path / "executed"
     home = tmp_path / "home"
-    first = daemon_factory(config(), home=home,
+    first = daemon_factory(fast_config(), home=home,
                            env={"KANDEVD_FAULTS": json.dumps({"fail_outcome_writes": 10**6})})
     setup_agent(first)
     run = enqueue(first, touch=str(touch))
     first.wait_for_line(f"run {run['id']}: its outcome (succeeded) could not be written")
     first.kill9()
-    second = daemon_factory(config(), home=home)
+    second = daemon_factory(fast_config(), home=home)
     second.wait_for_line(f"run {run['id']}: recording the outcome its execution left on disk")
     assert wait_status(second, run["id"], "finished")["output_summary"] == "echoed run"
     assert executions(touch) == [run["id"]]
@@ -129,7 +105,7 @@ def test_an_outcome_the_database_never_took_is_recorded_at_the_next_start(
 
 
 def test_a_cooldown_beyond_any_date_is_refused_at_the_api(daemon_factory: Factory) -> None:
-    daemon = daemon_factory(config())
+    daemon = daemon_factory(fast_config())
     daemon.call("workspaces.create", {"id": "ws", "name": "ws"})
     with pytest.raises(RpcCallError) as caught:
         daemon.call("agents.create", {"workspace_id": "ws", "name": "a", "cooldown_s": 1e12})
@@ -144,7 +120,7 @@ def test_a_restart_adopts_a_running_agent_which_runs_once(
         daemon_factory: Factory, tmp_path: Path) -> None:
     touch = tmp_path / "executed"
     home = tmp_path / "home"
-    first = daemon_factory(config(), home=home)
+    first = daemon_factory(fast_config(), home=home)
     setup_agent(first)
     # Longer than a daemon takes to start on a busy machine: it is adopted while it runs.
     run = enqueue(first, touch=str(touch), sleep_s=8)
@@ -152,7 +128,7 @@ def test_a_restart_adopts_a_running_agent_which_runs_once(
     first.wait_until(lambda: first.agent_pids(), what="the agent process")
     first.kill_daemon_only()
     assert first.agent_pids(), "the agent must outlive the daemon"
-    second = daemon_factory(config(), home=home)
+    second = daemon_factory(fast_config(), home=home)
     second.wait_for_line(f"run {run['id']}: adopted its agent")
     assert second.call("daemon.status")["runs"]["adopted"] == 1
     wait_status(second, run["id"], "finished")
@@ -164,7 +140,7 @@ def test_a_kill_after_the_agent_finished_is_recorded_from_its_exit_file(
         daemon_factory: Factory, tmp_path: Path) -> None:
     touch = tmp_path / "executed"
     home = tmp_path / "home"
-    first = daemon_factory(config(), home=home)
+    first = daemon_factory(fast_config(), home=home)
     setup_agent(first)
     run = enqueue(first, touch=str(touch), sleep_s=0.5)
     wait_status(first, run["id"], "claimed")
@@ -174,7 +150,7 @@ def test_a_kill_after_the_agent_finished_is_recorded_from_its_exit_file(
     # The keeper outlived the daemon: it journaled the agent's exit.
     assert first.keeper_pids()
     assert kept_exit(home, run["id"])["code"] == 0
-    second = daemon_factory(config(), home=home)
+    second = daemon_factory(fast_config(), home=home)
     second.wait_for_line(f"run {run['id']}: recording the outcome its execution left on disk")
     assert wait_status(second, run["id"], "finished")["output_summary"] == "echoed run"
     assert executions(touch) == [run["id"]]
@@ -190,7 +166,7 @@ def test_keep_agents_on_stop_lets_a_graceful_restart_interrupt_nothing(
         daemon_factory: Factory, tmp_path: Path) -> None:
     touch = tmp_path / "executed"
     home = tmp_path / "home"
-    cfg = config(runtime={"keep_agents_on_stop": True})
+    cfg = fast_config(runtime={"keep_agents_on_stop": True})
     first = daemon_factory(cfg, home=home)
     setup_agent(first)
     run = enqueue(first, touch=str(touch), sleep_s=8)
@@ -210,7 +186,7 @@ def test_without_adoption_a_restart_stops_the_agent_and_runs_it_again(
         daemon_factory: Factory, tmp_path: Path) -> None:
     touch = tmp_path / "executed"
     home = tmp_path / "home"
-    cfg = config(runtime={"adopt_on_restart": False, "stop_grace_s": 1})
+    cfg = fast_config(runtime={"adopt_on_restart": False, "stop_grace_s": 1})
     first = daemon_factory(cfg, home=home)
     setup_agent(first)
     run = enqueue(first, touch=str(touch), sleep_s=3)
@@ -229,7 +205,7 @@ def test_without_adoption_a_restart_stops_the_agent_and_runs_it_again(
 def test_attempts_end_in_the_dead_letter_and_runs_retry_brings_a_run_back(
         daemon_factory: Factory, tmp_path: Path) -> None:
     marker = tmp_path / "failed-once"
-    daemon = daemon_factory(config(queue={"max_attempts": 2},
+    daemon = daemon_factory(fast_config(queue={"max_attempts": 2},
                                    retry={"max_retries": 100, "delays_s": [0], "jitter": 0}))
     setup_agent(daemon)
     doomed = enqueue(daemon, fail=True)
@@ -257,7 +233,7 @@ def test_a_run_waiting_for_its_back_off_is_retrying_not_waiting_in_the_queue(
     is counted in ``runs.retrying`` (and ``kandevd_runs_retrying``), never as a queued run
     waiting to be claimed (``oldest_queued_at``, ``kandevd_oldest_queued_age_seconds``),
     so a queue-stall alert does not fire for a back-off; once due, it waits like any."""
-    daemon = daemon_factory(config(retry={"max_retries": 100, "delays_s": [10],
+    daemon = daemon_factory(fast_config(retry={"max_retries": 100, "delays_s": [10],
                                           "jitter": 0}))
     setup_agent(daemon)
     run = enqueue(daemon, fail=True)
@@ -300,7 +276,7 @@ def test_a_cancel_between_claim_and_start_stops_the_execution(
     touch = tmp_path / "executed"
     gate = tmp_path / "gate"
     os.mkfifo(gate)
-    daemon = daemon_factory(config(),
+    daemon = daemon_factory(fast_config(),
                             env={"KANDEVD_FAULTS": json.dumps({"dispatch_gate": str(gate)})})
     setup_agent(daemon)
     run = enqueue(daemon, touch=str(touch))
@@ -321,7 +297,7 @@ def test_a_cancel_between_claim_and_start_stops_the_execution(
 
 def test_a_key_absorbed_by_coalescing_deduplicates_after_the_run_finished(
         daemon_factory: Factory) -> None:
-    daemon = daemon_factory(config())
+    daemon = daemon_factory(fast_config())
     setup_agent(daemon)
     daemon.call("agents.update", {"id": "a1", "status": "paused"})  # hold the first run
     base = {"workspace_id": "ws", "agent_id": "a1", "reason": "wake"}
@@ -337,7 +313,7 @@ def test_a_key_absorbed_by_coalescing_deduplicates_after_the_run_finished(
 
 def test_re_entering_a_step_queues_again_while_a_replayed_move_does_not(
         daemon_factory: Factory) -> None:
-    daemon = daemon_factory(config())
+    daemon = daemon_factory(fast_config())
     setup_agent(daemon)
     daemon.call("workflows.create", {
         "id": "wf", "workspace_id": "ws", "name": "board", "style": "kanban",
@@ -360,7 +336,7 @@ def test_re_entering_a_step_queues_again_while_a_replayed_move_does_not(
 
 
 def test_a_cancelled_office_run_survives_office_ticks(daemon_factory: Factory) -> None:
-    daemon = daemon_factory(config(office={"interval_s": 0.2}))
+    daemon = daemon_factory(fast_config(office={"interval_s": 0.2}))
     setup_agent(daemon)
     daemon.call("agents.update", {"id": "a1", "status": "paused"})  # its run stays queued
     daemon.call("workflows.create", {"id": "wf", "workspace_id": "ws", "name": "o",
@@ -386,7 +362,7 @@ def test_a_cancelled_office_run_survives_office_ticks(daemon_factory: Factory) -
 
 
 def test_a_spent_hard_budget_refuses_the_claim(daemon_factory: Factory) -> None:
-    daemon = daemon_factory(config())
+    daemon = daemon_factory(fast_config())
     setup_agent(daemon)
     spender = enqueue(daemon, cost_cents=150)
     wait_status(daemon, spender["id"], "finished")
@@ -410,7 +386,7 @@ def test_a_spent_hard_budget_refuses_the_claim(daemon_factory: Factory) -> None:
 def test_runs_logs_shows_each_attempt_between_separators(
         daemon_factory: Factory, tmp_path: Path) -> None:
     marker = tmp_path / "failed-once"
-    daemon = daemon_factory(config(retry={"delays_s": [0], "jitter": 0}))
+    daemon = daemon_factory(fast_config(retry={"delays_s": [0], "jitter": 0}))
     setup_agent(daemon)
     run = enqueue(daemon, fail_once_marker=str(marker), summary="second time lucky")
     wait_status(daemon, run["id"], "finished")
@@ -432,7 +408,7 @@ def test_a_signal_to_the_whole_group_on_stop_uses_no_retry(
     interruption (the next start runs it again), never a failed attempt."""
     touch = tmp_path / "executed"
     home = tmp_path / "home"
-    first = daemon_factory(config(), home=home)
+    first = daemon_factory(fast_config(), home=home)
     setup_agent(first)
     run = enqueue(first, touch=str(touch), sleep_s=30)
     wait_status(first, run["id"], "claimed")
@@ -449,7 +425,7 @@ def test_a_signal_to_the_whole_group_on_stop_uses_no_retry(
     frames = [line for line in (home / "logs" / "runs" / f"{run['id']}.log").read_text()
               .splitlines() if line.startswith("[kandevd] ==== attempt 1 ended")]
     assert len(frames) == 1 and ": interrupted" in frames[0], frames
-    second = daemon_factory(config(), home=home)
+    second = daemon_factory(fast_config(), home=home)
     second.call("runs.get", {"id": run["id"]})
     requeued = wait_status(second, run["id"], "queued", "claimed")
     assert requeued["retry_count"] == 0
@@ -462,7 +438,7 @@ def test_ten_graceful_restarts_during_one_run_use_none_of_its_attempts(
     finishes once, far past ``max_attempts`` restarts."""
     touch, release = tmp_path / "executed", tmp_path / "release"
     home = tmp_path / "home"
-    cfg = config(queue={"max_attempts": 2}, runtime={"stop_grace_s": 0.1})
+    cfg = fast_config(queue={"max_attempts": 2}, runtime={"stop_grace_s": 0.1})
     daemon = daemon_factory(cfg, home=home)
     setup_agent(daemon)
     run = enqueue(daemon, touch=str(touch), wait_for=str(release))
@@ -483,7 +459,7 @@ def test_a_crash_during_a_run_still_counts_an_attempt(
     """What a graceful stop gives back, a crash does not: a run whose daemon died
     (its agent with it) ends in the dead letter once its attempts are used."""
     home = tmp_path / "home"
-    cfg = config(queue={"max_attempts": 2}, runtime={"adopt_on_restart": False})
+    cfg = fast_config(queue={"max_attempts": 2}, runtime={"adopt_on_restart": False})
     daemon = daemon_factory(cfg, home=home)
     setup_agent(daemon)
     run = enqueue(daemon, wait_for=str(tmp_path / "never"))

@@ -22,20 +22,13 @@ import pytest
 
 from kandevd.control.client import Client, DaemonUnavailable, RpcCallError
 from kandevd.timeutil import parse_rfc3339, rfc3339, utc_now
-from tests.support.daemon import FAST_CONFIG, DaemonProcess, add_agents, run_cli
+from tests.support.daemon import DaemonProcess, add_agents, fast_config, run_cli
 
 pytestmark = pytest.mark.integration
 
 Factory = Callable[..., DaemonProcess]
 WAIT_S = 30.0
 TERMINAL = {"finished", "failed", "cancelled"}
-
-
-def config(**sections: dict[str, Any]) -> dict[str, Any]:
-    merged = {name: dict(values) for name, values in FAST_CONFIG.items()}
-    for name, values in sections.items():
-        merged.setdefault(name, {}).update(values)
-    return merged
 
 
 def enqueue(daemon: DaemonProcess, workspace: str, agent: str, **payload: Any
@@ -97,7 +90,7 @@ def test_backlog_of_two_workspaces_drains_in_request_order(daemon_factory: Facto
     and four agents the oldest queued run's agent is always free, so every
     claim must take the next run in request order.
     """
-    daemon = daemon_factory(config(runtime={"max_concurrent": 2}))
+    daemon = daemon_factory(fast_config(runtime={"max_concurrent": 2}))
     add_agents(daemon, {"ws1": ["a1", "a2", "hold1"], "ws2": ["b1", "b2", "hold2"]})
     touch = tmp_path / "windows.txt"
     holders = [enqueue(daemon, "ws1", "hold1", sleep_s=1.5),
@@ -122,7 +115,7 @@ def test_backlog_of_two_workspaces_drains_in_request_order(daemon_factory: Facto
 def test_at_most_one_claimed_run_per_agent_while_slots_are_free(daemon_factory: Factory,
                                                                tmp_path: Path) -> None:
     """Two agents, four runs each, four slots: each agent still runs one at a time."""
-    daemon = daemon_factory(config(runtime={"max_concurrent": 4}))
+    daemon = daemon_factory(fast_config(runtime={"max_concurrent": 4}))
     add_agents(daemon, {"ws1": ["a1"], "ws2": ["b1"]})
     touch = tmp_path / "windows.txt"
     runs = [enqueue(daemon, ws, agent, sleep_s=0.3, touch=str(touch))
@@ -163,7 +156,7 @@ def test_at_most_one_claimed_run_per_agent_while_slots_are_free(daemon_factory: 
 def test_a_run_inserted_by_another_process_is_claimed_within_one_safety_interval(
         daemon_factory: Factory) -> None:
     safety = 1.0
-    daemon = daemon_factory(config(queue={"safety_interval_s": safety}))
+    daemon = daemon_factory(fast_config(queue={"safety_interval_s": safety}))
     add_agents(daemon, {"ws1": ["a1"]})
     warm = enqueue(daemon, "ws1", "a1")  # the loop is idle (waiting) when the row appears
     wait_terminal(daemon, [warm["id"]])
@@ -189,7 +182,7 @@ def test_a_run_inserted_by_another_process_is_claimed_within_one_safety_interval
 
 def test_kill_9_with_queued_claimed_and_retrying_runs_loses_nothing(daemon_factory: Factory,
                                                                     tmp_path: Path) -> None:
-    cfg = config(queue={"safety_interval_s": 1},
+    cfg = fast_config(queue={"safety_interval_s": 1},
                  retry={"max_retries": 2, "delays_s": [3], "jitter": 0},
                  runtime={"max_concurrent": 3})
     daemon = daemon_factory(cfg)
@@ -238,7 +231,7 @@ def test_kill_9_with_queued_claimed_and_retrying_runs_loses_nothing(daemon_facto
 
 def test_sigint_while_agents_run_leaves_them_claimed_for_the_next_start(
         daemon_factory: Factory, tmp_path: Path) -> None:
-    cfg = config(runtime={"max_concurrent": 4, "stop_grace_s": 0.5})
+    cfg = fast_config(runtime={"max_concurrent": 4, "stop_grace_s": 0.5})
     daemon = daemon_factory(cfg, args=["--log-level", "DEBUG"])
     add_agents(daemon, {"ws1": ["a1", "a2"]})
     touch = tmp_path / "windows.txt"
@@ -388,7 +381,7 @@ def test_runs_cli_list_get_explain_cancel(daemon_factory: Factory) -> None:
 
 
 def test_runs_enqueue_from_a_jsonl_file(daemon_factory: Factory, tmp_path: Path) -> None:
-    daemon = daemon_factory(config())
+    daemon = daemon_factory(fast_config())
     add_agents(daemon, {"ws1": ["a1"]}, status="paused")
     lines = [{"workspace_id": "ws1", "agent_id": "a1", "reason": f"r{i}", "coalesce": False}
              for i in range(3)]

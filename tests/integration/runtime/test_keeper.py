@@ -22,7 +22,7 @@ from kandevd.keeper.journal import read as read_journal
 from kandevd.runtime import attempts, shim
 from kandevd.runtime.records import ExecutionRecord, write_record
 from kandevd.timeutil import after, rfc3339
-from tests.support.daemon import FAST_CONFIG, DaemonProcess
+from tests.support.daemon import DaemonProcess, enqueue, fast_config, wait_status
 
 pytestmark = pytest.mark.integration
 
@@ -30,23 +30,10 @@ Factory = Callable[..., DaemonProcess]
 WAIT_S = 60.0
 
 
-def config(**sections: dict[str, Any]) -> dict[str, Any]:
-    merged = {name: dict(values) for name, values in FAST_CONFIG.items()}
-    for name, values in sections.items():
-        merged.setdefault(name, {}).update(values)
-    return merged
-
-
 def setup(daemon: DaemonProcess, agents: list[str]) -> None:
     daemon.call("workspaces.create", {"id": "ws", "name": "ws"})
     for agent in agents:
         daemon.call("agents.create", {"id": agent, "workspace_id": "ws", "name": agent})
-
-
-def enqueue(daemon: DaemonProcess, agent: str, **payload: Any) -> dict[str, Any]:
-    return daemon.call("runs.enqueue", {"workspace_id": "ws", "agent_id": agent,
-                                        "reason": "manual", "payload": payload,
-                                        "coalesce": False})["run"]
 
 
 def windows(touch: Path) -> dict[str, list[tuple[str, str]]]:
@@ -57,13 +44,6 @@ def windows(touch: Path) -> dict[str, list[tuple[str, str]]]:
             run_id, start, end = line.split()
             found.setdefault(run_id, []).append((start, end))
     return found
-
-
-def wait_status(daemon: DaemonProcess, run_id: str, *wanted: str) -> dict[str, Any]:
-    def check() -> dict[str, Any] | None:
-        run = daemon.call("runs.get", {"id": run_id})
-        return run if run["status"] in wanted else None
-    return daemon.wait_until(check, timeout=WAIT_S, what=f"run {run_id} {wanted}")
 
 
 def parent_of(pid: int) -> int:
@@ -77,7 +57,7 @@ def keeper_of(daemon: DaemonProcess) -> dict[str, Any]:
 
 def test_an_agent_is_the_keepers_own_child_with_no_shell_between(
         daemon_factory: Factory, tmp_path: Path) -> None:
-    daemon = daemon_factory(config(agents={"default": {"env": {"FROM_PROFILE": "p"}}}),
+    daemon = daemon_factory(fast_config(agents={"default": {"env": {"FROM_PROFILE": "p"}}}),
                             env={"FROM_DAEMON": "d", "FROM_PROFILE": "overridden"})
     setup(daemon, ["a1"])
     run = enqueue(daemon, "a1", wait_for=str(tmp_path / "go"))
@@ -96,14 +76,15 @@ def test_an_agent_is_the_keepers_own_child_with_no_shell_between(
     assert os.getsid(keeper["pid"]) != os.getsid(daemon.proc.pid)  # not the daemon's
     assert daemon.keeper_pids() == [keeper["pid"]]
     (tmp_path / "go").touch()
-    assert wait_status(daemon, run["id"], "finished")["output_summary"] == "echoed run"
+    assert wait_status(daemon, run["id"], "finished",
+                       timeout=WAIT_S)["output_summary"] == "echoed run"
     assert daemon.wait_until(lambda: keeper_of(daemon)["agents"] == 0, what="no agent")
 
 
 def test_a_keeper_killed_mid_drain_is_replaced_and_every_run_runs_once(
         daemon_factory: Factory, tmp_path: Path) -> None:
     touch = tmp_path / "windows"
-    daemon = daemon_factory(config(runtime={"max_concurrent": 2}))
+    daemon = daemon_factory(fast_config(runtime={"max_concurrent": 2}))
     setup(daemon, ["a1", "a2", "a3"])
     runs = [enqueue(daemon, f"a{1 + i % 3}", sleep_s=1.5, touch=str(touch))
             for i in range(9)]
@@ -111,7 +92,7 @@ def test_a_keeper_killed_mid_drain_is_replaced_and_every_run_runs_once(
     [old] = daemon.kill_keeper()
     daemon.wait_for_line("the keeper ended unexpectedly; starting another")
     for run in runs:
-        wait_status(daemon, run["id"], "finished")
+        wait_status(daemon, run["id"], "finished", timeout=WAIT_S)
     keeper = keeper_of(daemon)
     assert keeper["pid"] != old and keeper["restarts"] == 1
     spans = windows(touch)
@@ -132,7 +113,7 @@ def test_an_exit_a_wedged_keeper_does_not_report_is_read_by_the_daemon(
     """The daemon waits for the keeper's word of an exit; a keeper that is alive but
     says nothing (stopped here) does not hold the run: the daemon reads the exit from
     the agent it follows itself, within seconds."""
-    daemon = daemon_factory(config())
+    daemon = daemon_factory(fast_config())
     setup(daemon, ["a1"])
     go = tmp_path / "go"
     run = enqueue(daemon, "a1", wait_for=str(go))
@@ -141,13 +122,14 @@ def test_an_exit_a_wedged_keeper_does_not_report_is_read_by_the_daemon(
     os.kill(keeper, signal.SIGSTOP)
     try:
         go.touch()
-        finished = wait_status(daemon, run["id"], "finished", "failed")
+        finished = wait_status(daemon, run["id"], "finished", "failed", timeout=WAIT_S)
         assert finished["status"] == "finished"
         daemon.wait_for_line("the keeper did not report the exit of agent")
     finally:
         os.kill(keeper, signal.SIGCONT)
     again = enqueue(daemon, "a1")
-    assert wait_status(daemon, again["id"], "finished")["output_summary"] == "echoed run"
+    assert wait_status(daemon, again["id"], "finished",
+                       timeout=WAIT_S)["output_summary"] == "echoed run"
 
 
 def test_a_spawn_the_dying_keeper_never_read_is_refused_and_retried_not_left_waiting(
@@ -156,20 +138,20 @@ def test_a_spawn_the_dying_keeper_never_read_is_refused_and_retried_not_left_wai
     has no word of it, and nothing was started. The execution is refused (a failed
     attempt under the retry policy) instead of waiting for an answer for ever."""
     touch = tmp_path / "windows"
-    daemon = daemon_factory(config(retry={"delays_s": [0], "jitter": 0}))
+    daemon = daemon_factory(fast_config(retry={"delays_s": [0], "jitter": 0}))
     setup(daemon, ["a1"])
     keeper = keeper_of(daemon)["pid"]
     os.kill(keeper, signal.SIGSTOP)  # (it reads nothing more: the request waits unread)
     try:
         run = enqueue(daemon, "a1", touch=str(touch))
-        wait_status(daemon, run["id"], "claimed")
+        wait_status(daemon, run["id"], "claimed", timeout=WAIT_S)
         # its stdout file is created just before the request is sent
         daemon.wait_until(lambda: list((daemon.home / "attempts").glob(
             f"{run['id']}.*.stdout")), what="the spawn request about to be sent")
     finally:
         os.kill(keeper, signal.SIGKILL)
         os.kill(keeper, signal.SIGCONT)
-    finished = wait_status(daemon, run["id"], "finished")
+    finished = wait_status(daemon, run["id"], "finished", timeout=WAIT_S)
     assert list(windows(touch)) == [run["id"]] and len(windows(touch)[run["id"]]) == 1
     if finished["attempt"] == 2:  # (else the request went out only to the new keeper)
         assert finished["retry_count"] == 1
@@ -184,7 +166,7 @@ def test_daemon_and_keeper_killed_together_lose_nothing_and_run_nothing_twice(
         daemon_factory: Factory, tmp_path: Path) -> None:
     touch = tmp_path / "windows"
     home = tmp_path / "home"
-    first = daemon_factory(config(), home=home)
+    first = daemon_factory(fast_config(), home=home)
     setup(first, ["long", "short"])
     long_run = enqueue(first, "long", wait_for=str(tmp_path / "go"), touch=str(touch))
     short_run = enqueue(first, "short", wait_for=str(tmp_path / "short-go"), touch=str(touch))
@@ -198,12 +180,12 @@ def test_daemon_and_keeper_killed_together_lose_nothing_and_run_nothing_twice(
     (tmp_path / "short-go").touch()
     first.wait_until(lambda: not _running(short_pid), what="the short agent to end")
     assert len(first.agent_pids()) == 1
-    second = daemon_factory(config(), home=home)
+    second = daemon_factory(fast_config(), home=home)
     second.wait_for_line(f"run {long_run['id']}: adopted its agent")
     (tmp_path / "go").touch()
-    finished = wait_status(second, long_run["id"], "finished")
+    finished = wait_status(second, long_run["id"], "finished", timeout=WAIT_S)
     assert finished["retry_count"] == 0
-    short = wait_status(second, short_run["id"], "finished")
+    short = wait_status(second, short_run["id"], "finished", timeout=WAIT_S)
     spans = windows(touch)
     assert len(spans[long_run["id"]]) == 1
     # Whether its exit is still known depends on this machine's init: the zombie the
@@ -225,7 +207,7 @@ def _running(pid: int) -> bool:
 def test_a_time_limit_holds_while_no_daemon_runs(daemon_factory: Factory,
                                                   tmp_path: Path) -> None:
     home = tmp_path / "home"
-    cfg = config(agents={"default": {"timeout_s": 3}}, retry={"max_retries": 0})
+    cfg = fast_config(agents={"default": {"timeout_s": 3}}, retry={"max_retries": 0})
     first = daemon_factory(cfg, home=home)
     setup(first, ["a1"])
     run = enqueue(first, "a1", wait_for=str(tmp_path / "never"))
@@ -236,14 +218,14 @@ def test_a_time_limit_holds_while_no_daemon_runs(daemon_factory: Factory,
              if e.meta.get("run_id") == run["id"]]
     assert ended and ended[0]["by"] == "timed_out"
     second = daemon_factory(cfg, home=home)
-    failed = wait_status(second, run["id"], "failed")
+    failed = wait_status(second, run["id"], "failed", timeout=WAIT_S)
     assert "timed out after 3.0s" in failed["error_message"]
 
 
 @pytest.mark.parametrize("keep", [False, True])
 def test_a_graceful_stop_ends_the_keeper_unless_agents_are_kept(
         daemon_factory: Factory, tmp_path: Path, keep: bool) -> None:
-    daemon = daemon_factory(config(runtime={"keep_agents_on_stop": keep}))
+    daemon = daemon_factory(fast_config(runtime={"keep_agents_on_stop": keep}))
     setup(daemon, ["a1"])
     enqueue(daemon, "a1", wait_for=str(tmp_path / "never"))
     daemon.wait_until(daemon.agent_pids, what="the agent")
@@ -262,7 +244,7 @@ def test_an_execution_an_earlier_version_started_under_its_shim_is_adopted(
     ``record.json`` naming the shim, the run claimed by that daemon's instance."""
     touch = tmp_path / "windows"
     home = tmp_path / "home"
-    daemon = daemon_factory(config(), home=home)
+    daemon = daemon_factory(fast_config(), home=home)
     setup(daemon, ["a1"])
     daemon.call("agents.update", {"id": "a1", "status": "paused"})
     run = enqueue(daemon, "a1", wait_for=str(tmp_path / "go"), touch=str(touch))
@@ -298,10 +280,10 @@ def test_an_execution_an_earlier_version_started_under_its_shim_is_adopted(
         deadline=after(now, 3600), timeout_s=3600.0, log_path=log_path,
         input_path=input_path, argv=argv))
     try:
-        second = daemon_factory(config(), home=home)
+        second = daemon_factory(fast_config(), home=home)
         second.wait_for_line(f"run {run['id']}: adopted its agent (pid {proc.pid})")
         (tmp_path / "go").touch()
-        finished = wait_status(second, run["id"], "finished")
+        finished = wait_status(second, run["id"], "finished", timeout=WAIT_S)
         assert finished["output_summary"] == "echoed run" and finished["attempt"] == 1
         assert len(windows(touch)[run["id"]]) == 1
         assert "echo: run" in log_path.read_text()  # its stdout, merged into the log

@@ -8,7 +8,6 @@ agent, and the overview's charts and live refresh. Each page is kept as a screen
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,25 +17,23 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.expected_conditions import staleness_of
 from selenium.webdriver.support.ui import Select
 
-from tests.support import browser
 from tests.support.browser import (
     button,
     chromium,
     click_and_confirm,
     flash,
     leads_on,
+    needs_chromium,
     open_page,
     ready,
     shot,
     wait_for,
 )
-from tests.support.console import ConsoleAddress, console_of
-from tests.support.daemon import FAST_CONFIG, DaemonProcess
-from tests.support.workflows import RECORDER, schedule, write_workflow
+from tests.support.console import ConsoleAddress, console_config, console_of
+from tests.support.daemon import DaemonProcess
+from tests.support.workflows import schedule, write_workflow
 
-pytestmark = [pytest.mark.integration,
-              pytest.mark.skipif(not browser.available(),
-                                 reason="needs Debian's chromium and chromium-driver")]
+pytestmark = [pytest.mark.integration, needs_chromium]
 
 
 @pytest.fixture
@@ -46,12 +43,7 @@ def site(tmp_path: Path, daemon_factory: Callable[..., DaemonProcess]
     write_workflow(home / "workspace", "w", [schedule("s", cron="0 3 * * *")],
                    groups={"g1": True, "g2": True})
     record = tmp_path / "record.jsonl"
-    config = {**FAST_CONFIG, "web": {"listen": "127.0.0.1:0"},
-              "retry": {"max_retries": 0},
-              "agents": {"default": {"command": [sys.executable, RECORDER],
-                                     "env": {"RECORD_FILE": str(record)}},
-                         "broken": {"command": ["/bin/false"]}}}
-    daemon = daemon_factory(config, home=home)
+    daemon = daemon_factory(console_config(record), home=home)
     address = console_of(daemon)
     with chromium() as driver:
         yield daemon, address, driver, record

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,25 +23,23 @@ from selenium.common.exceptions import NoSuchElementException, StaleElementRefer
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.expected_conditions import staleness_of
 
-from tests.support import browser
 from tests.support.browser import (
     button,
     chromium,
     click_and_confirm,
     flash,
     leads_on,
+    needs_chromium,
     open_page,
     ready,
     shot,
     wait_for,
 )
-from tests.support.console import ConsoleAddress, console_of, sign_in
-from tests.support.daemon import FAST_CONFIG, DaemonProcess
-from tests.support.workflows import RECORDER, schedule, write_workflow
+from tests.support.console import ConsoleAddress, console_config, console_of, sign_in
+from tests.support.daemon import DaemonProcess
+from tests.support.workflows import schedule, write_workflow
 
-pytestmark = [pytest.mark.integration,
-              pytest.mark.skipif(not browser.available(),
-                                 reason="needs Debian's chromium and chromium-driver")]
+pytestmark = [pytest.mark.integration, needs_chromium]
 
 LABEL = "Nightly <i>work</i>"
 
@@ -63,12 +60,7 @@ def make_site(tmp_path: Path, daemon_factory: Callable[..., DaemonProcess],
         "schedules": [{"id": "brief", "cron_expression": "0 8 * * *",
                        "messages": ["one"]}]}}))
     record = tmp_path / "record.jsonl"
-    config = {**FAST_CONFIG, "web": {"listen": "127.0.0.1:0"},
-              "retry": {"max_retries": 0},
-              "agents": {"default": {"command": [sys.executable, RECORDER],
-                                     "env": {"RECORD_FILE": str(record)}},
-                         "broken": {"command": ["/bin/false"]}}}
-    daemon = daemon_factory(config, home=home, env=env)
+    daemon = daemon_factory(console_config(record), home=home, env=env)
     return daemon, console_of(daemon), record
 
 

@@ -13,14 +13,11 @@ from pathlib import Path
 import pytest
 from selenium.webdriver.common.by import By
 
-from tests.support import browser
-from tests.support.browser import chromium, ready, wait_for
+from tests.support.browser import chromium, needs_chromium, ready, wait_for
 from tests.support.console import console_of, request
 from tests.support.daemon import FAST_CONFIG, DaemonProcess, run_cli
 
-pytestmark = [pytest.mark.integration,
-              pytest.mark.skipif(not browser.available(),
-                                 reason="needs Debian's chromium and chromium-driver")]
+pytestmark = [pytest.mark.integration, needs_chromium]
 
 
 def files_holding(folder: Path, secret: str) -> list[Path]:

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import threading
-import urllib.error
-import urllib.request
 from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from kandevd.app import cron_metrics
 from kandevd.app.metrics import DaemonMetrics, MetricsHTTPServer
@@ -19,6 +16,7 @@ from kandevd.config import ConfigError, build_config
 from kandevd.schedules.jobs import JobFacts
 from kandevd.schedules.rules.states import JobStatus
 from kandevd.timeutil import rfc3339, utc_now
+from tests.support.metrics import http_get, samples
 
 
 def fake_status(**over: Any) -> dict[str, Any]:
@@ -35,11 +33,6 @@ def fake_status(**over: Any) -> dict[str, Any]:
     }
     status.update(over)
     return status
-
-
-def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def job(key: str, runs: int, overlap: int) -> tuple[SimpleNamespace, JobStatus]:
@@ -135,14 +128,6 @@ def test_two_instances_do_not_share_a_registry() -> None:
     assert "outcome=\"failed\"" not in second.exposition()
 
 
-def get(url: str) -> tuple[int, str, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as response:
-            return response.status, response.headers["Content-Type"], response.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.headers["Content-Type"], exc.read().decode()
-
-
 def test_http_server_serves_metrics_and_health_and_joins() -> None:
     health = {"value": (True, "ok")}
     server = MetricsHTTPServer(("127.0.0.1", 0), DaemonMetrics(fake_status),
@@ -151,13 +136,13 @@ def test_http_server_serves_metrics_and_health_and_joins() -> None:
     try:
         host, port = server.address
         base = f"http://{host}:{port}"
-        code, ctype, body = get(base + "/metrics")
+        code, ctype, body = http_get(base + "/metrics")
         assert code == 200 and ctype.startswith("text/plain")
         assert samples(body)[("kandevd_up", ())] == 1
-        assert get(base + "/health")[::2] == (200, "ok\n")
+        assert http_get(base + "/health")[::2] == (200, "ok\n")
         health["value"] = (False, "stopping")
-        assert get(base + "/health")[::2] == (503, "stopping\n")
-        assert get(base + "/nope")[0] == 404
+        assert http_get(base + "/health")[::2] == (503, "stopping\n")
+        assert http_get(base + "/nope")[0] == 404
     finally:
         server.stop()
     assert not any(t.name == "kandevd-metrics-http" for t in threading.enumerate())

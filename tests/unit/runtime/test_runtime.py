@@ -22,7 +22,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,7 @@ from kandevd.runtime.output import (
     parse_summary_line,
 )
 from kandevd.runtime.records import read_record, record_alive
-from tests.support.runtime import CHILD_ENV, WAIT_S, Recorder
+from tests.support.runtime import CHILD_ENV, WAIT_S, Recorder, runtimes
 
 # A child that (optionally) ignores SIGTERM, then tells the test its pid over a
 # unix socket, then sleeps: the test knows exactly when the child is running.
@@ -122,21 +122,10 @@ def ready(tmp_path: Path) -> Iterator[ReadyListener]:
 
 
 @pytest.fixture
-def make_runtime() -> Iterator[Any]:
+def make_runtime() -> Iterator[Callable[..., AgentRuntime]]:
     """Build runtimes that are always stopped (and verified clean) at teardown."""
-    made: list[AgentRuntime] = []
-
-    def make(max_concurrent: int = 4, stop_grace_s: float = 5.0, **kwargs: Any) -> AgentRuntime:
-        runtime = AgentRuntime(max_concurrent, stop_grace_s, **kwargs)
-        made.append(runtime)
-        return runtime
-
-    yield make
-    for runtime in made:
-        runtime.stop()
-        assert runtime.active == 0
-        assert runtime.live_keys() == frozenset()
-    assert not [t for t in threading.enumerate() if t.name.startswith("kandevd-exec-")]
+    with runtimes(verify_clean=True) as make:
+        yield make
 
 
 def spec_for(tmp_path: Path, key: str, payload: dict[str, Any] | None = None, *,

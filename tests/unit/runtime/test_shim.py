@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -45,7 +45,7 @@ from kandevd.runtime.records import (
     write_record,
 )
 from kandevd.timeutil import utc_now
-from tests.support.runtime import CHILD_ENV, WAIT_S, Recorder
+from tests.support.runtime import CHILD_ENV, WAIT_S, Recorder, runtimes
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc")
 
@@ -131,18 +131,9 @@ def groups() -> Iterator[Groups]:
 
 
 @pytest.fixture
-def make_runtime() -> Iterator[Any]:
-    made: list[AgentRuntime] = []
-
-    def make(max_concurrent: int = 4, stop_grace_s: float = 5.0, **kwargs: Any) -> AgentRuntime:
-        runtime = AgentRuntime(max_concurrent, stop_grace_s, **kwargs)
-        made.append(runtime)
-        return runtime
-
-    yield make
-    for runtime in made:
-        runtime.stop()
-        assert runtime.active == 0
+def make_runtime() -> Iterator[Callable[..., AgentRuntime]]:
+    with runtimes() as make:
+        yield make
 
 
 def wait_exit(pid: int) -> None:

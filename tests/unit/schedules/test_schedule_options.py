@@ -22,7 +22,7 @@ from kandevd.schedules.sessions.notify import Notifier, notify_event
 from kandevd.schedules.workflows.source import next_fire
 from kandevd.timeutil import parse_rfc3339, rfc3339, utc_now
 from tests.support.workflows import history, schedule, write_workflow
-from tests.unit.schedules.test_scheduler_loop import T0, Agent, folder_of
+from tests.unit.schedules.test_cron_loop import T0, Agent, folder_of
 
 JOB = "workflow:w:s"
 

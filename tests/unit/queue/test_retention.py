@@ -1,4 +1,5 @@
-"""Retention (kandevd.queue.retention over kandevd.store.runs.retention) against a real SQLite file and a real home folder.
+"""Retention (kandevd.queue.retention over kandevd.store.runs.retention) against a real
+SQLite file and a real home folder.
 
 Runs are written with plain SQL at chosen times, each with the files a run
 leaves in the home (its log, its input, its working folder, its attempt

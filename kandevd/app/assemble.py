@@ -38,9 +38,9 @@ from kandevd.office.budgets import (
 from kandevd.office.loop import OfficeLoop
 from kandevd.office.subscribers import AssignmentSubscriber
 from kandevd.paths import HomeLayout
-from kandevd.queue.loop import QueueLoop
-from kandevd.queue.retention import RunPruner
-from kandevd.queue.service import RunQueue
+from kandevd.runqueue.loop import QueueLoop
+from kandevd.runqueue.retention import RunPruner
+from kandevd.runqueue.service import RunQueue
 from kandevd.runs import coalescing
 from kandevd.runs.retry import attempt_limit
 from kandevd.runtime import AgentRuntime

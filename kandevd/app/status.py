@@ -21,7 +21,7 @@ from kandevd import __version__
 from kandevd.config import Config
 from kandevd.lifecycle import Loop
 from kandevd.paths import HomeLayout
-from kandevd.queue.service import RunQueue
+from kandevd.runqueue.service import RunQueue
 from kandevd.runtime import AgentRuntime
 from kandevd.runtime.keeperclient import KeeperClient
 from kandevd.schedules.loop import CronLoop

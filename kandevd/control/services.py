@@ -14,7 +14,7 @@ from kandevd.bus import EventBus
 from kandevd.config import Config
 from kandevd.model.service import WorkspaceService
 from kandevd.paths import HomeLayout
-from kandevd.queue.service import RunQueue
+from kandevd.runqueue.service import RunQueue
 from kandevd.runtime import AgentRuntime
 from kandevd.schedules.loop import CronLoop
 from kandevd.store.base import BaseStore

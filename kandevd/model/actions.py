@@ -98,7 +98,7 @@ def run_queue_run(action: Mapping[str, Any], task: Mapping[str, Any], step_id: s
     """Execute one ``queue_run`` for ``task`` (as it is after the move) entering ``step_id``.
 
     ``step_entry`` counts the task's entries into steps (part of the key).
-    ``enqueue`` is :meth:`kandevd.queue.service.RunQueue.enqueue`;
+    ``enqueue`` is :meth:`kandevd.runqueue.service.RunQueue.enqueue`;
     ``lookup_agent(id)`` returns the agent or None. Returns the entry of the
     move result: ``run_id``/``deduplicated``/``coalesced``, or ``skipped``.
     """

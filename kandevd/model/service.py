@@ -26,7 +26,7 @@ from kandevd.model.actions import ActionError, run_queue_run, target_agent_id, v
 from kandevd.model.answers import Launched, TaskMove
 from kandevd.model.errors import ConflictError, InvalidReference, LaunchRefused, NotFoundError
 from kandevd.paths import HomeLayout
-from kandevd.queue.service import RunQueue
+from kandevd.runqueue.service import RunQueue
 from kandevd.runtime import AgentRuntime, ExecutionResult, RuntimeFull
 from kandevd.runtime.specs import agent_execution
 from kandevd.store import workspace as sql

@@ -28,7 +28,7 @@ from kandevd.office import HandlerResult
 from kandevd.office.budgets import BudgetGuard
 from kandevd.office.recovery import UnstartedTaskRecovery
 from kandevd.office.routines import RoutineScheduler
-from kandevd.queue.service import RunQueue
+from kandevd.runqueue.service import RunQueue
 from kandevd.store.base import BaseStore
 
 #: How soon a daemon that is not the leader looks again whether it has become it.

@@ -52,7 +52,7 @@ import logging
 from datetime import datetime, timedelta
 
 from kandevd.office.subscribers import REASON, task_assigned_key
-from kandevd.queue.service import RunQueue
+from kandevd.runqueue.service import RunQueue
 from kandevd.runs.model import RunReferenceError
 from kandevd.store.base import BaseStore
 from kandevd.store.office import tasks as sql

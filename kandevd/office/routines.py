@@ -44,7 +44,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from kandevd.cron import CronError, CronSchedule, parse_cron
-from kandevd.queue.service import RunQueue
+from kandevd.runqueue.service import RunQueue
 from kandevd.runs.model import RunReferenceError
 from kandevd.store.base import BaseStore
 from kandevd.store.office import routines as sql

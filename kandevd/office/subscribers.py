@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kandevd.bus import EventBus
-from kandevd.queue.service import RunQueue
+from kandevd.runqueue.service import RunQueue
 from kandevd.runs.model import EnqueueResult, RunConflict, RunNotFound, RunReferenceError
 from kandevd.store.base import BaseStore
 from kandevd.store.office import tasks as sql

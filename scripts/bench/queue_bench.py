@@ -48,8 +48,8 @@ if str(ROOT) not in sys.path:
 from kandevd.bus import EventBus  # noqa: E402
 from kandevd.config import Config, build_config  # noqa: E402
 from kandevd.paths import HomeLayout  # noqa: E402
-from kandevd.queue.loop import QueueLoop  # noqa: E402
-from kandevd.queue.service import RunQueue  # noqa: E402
+from kandevd.runqueue.loop import QueueLoop  # noqa: E402
+from kandevd.runqueue.service import RunQueue  # noqa: E402
 from kandevd.runtime import AgentRuntime, ExecutionSpec, InProcessRunner  # noqa: E402
 from kandevd.store.open import open_store  # noqa: E402
 from kandevd.store.runs import RunRepository  # noqa: E402

@@ -21,7 +21,7 @@ from kandevd.config import build_config
 from kandevd.model import WorkspaceService
 from kandevd.office.routines import first_next_run_at
 from kandevd.paths import HomeLayout
-from kandevd.queue.service import RunQueue
+from kandevd.runqueue.service import RunQueue
 from kandevd.runtime import AgentRuntime, InProcessRunner
 from kandevd.store.open import open_store
 from kandevd.store.runs import RunRepository

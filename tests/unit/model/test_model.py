@@ -28,7 +28,7 @@ from kandevd.model import (
 )
 from kandevd.model.actions import ActionError, action_digest, validate_action
 from kandevd.paths import HomeLayout
-from kandevd.queue.service import RunQueue
+from kandevd.runqueue.service import RunQueue
 from kandevd.runtime import AgentRuntime, ExecutionSpec, InProcessRunner
 from kandevd.runtime.specs import ECHO_AGENT
 from kandevd.store.open import open_store

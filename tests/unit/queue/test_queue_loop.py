@@ -27,8 +27,8 @@ import pytest
 from kandevd.bus import EventBus
 from kandevd.config import AgentProfile, Config, build_config
 from kandevd.paths import HomeLayout
-from kandevd.queue.loop import QueueLoop
-from kandevd.queue.service import RunQueue
+from kandevd.runqueue.loop import QueueLoop
+from kandevd.runqueue.service import RunQueue
 from kandevd.runs.model import RunConflict
 from kandevd.runtime import AgentRuntime, ExecutionSpec, InProcessRunner
 from kandevd.store.open import open_store
@@ -580,7 +580,7 @@ def test_a_tick_claims_one_run_per_agent_in_one_transaction(rig: Rig) -> None:
 
 
 def test_group_commit_shares_one_transaction_between_waiting_writers(store_path: Path) -> None:
-    from kandevd.queue.groupcommit import GroupCommit
+    from kandevd.runqueue.groupcommit import GroupCommit
 
     store = open_store(store_path)
     try:
@@ -643,7 +643,7 @@ def test_group_commit_shares_one_transaction_between_waiting_writers(store_path:
 
 
 def test_group_commit_batches_without_failures(store_path: Path) -> None:
-    from kandevd.queue.groupcommit import GroupCommit
+    from kandevd.runqueue.groupcommit import GroupCommit
 
     store = open_store(store_path)
     try:

@@ -1,4 +1,4 @@
-"""Retention (kandevd.queue.retention over kandevd.store.runs.retention) against a real
+"""Retention (kandevd.runqueue.retention over kandevd.store.runs.retention) against a real
 SQLite file and a real home folder.
 
 Runs are written with plain SQL at chosen times, each with the files a run
@@ -27,9 +27,9 @@ from kandevd.bus import EventBus
 from kandevd.config import build_config
 from kandevd.office.budgets import RETENTION_KEEPS_COUNTED_RUNS
 from kandevd.paths import HomeLayout
-from kandevd.queue.loop import QueueLoop
-from kandevd.queue.retention import RunPruner
-from kandevd.queue.service import RunQueue
+from kandevd.runqueue.loop import QueueLoop
+from kandevd.runqueue.retention import RunPruner
+from kandevd.runqueue.service import RunQueue
 from kandevd.runs.model import IDEMPOTENCY_WINDOW_S, TERMINAL
 from kandevd.runtime import AgentRuntime
 from kandevd.store.open import open_store

@@ -34,8 +34,8 @@ from datetime import datetime
 from typing import Any
 
 from kandevd.lifecycle import Loop
-from kandevd.queue.retention import RunPruner
-from kandevd.queue.service import RunQueue
+from kandevd.runqueue.retention import RunPruner
+from kandevd.runqueue.service import RunQueue
 from kandevd.sdnotify import SystemdNotifier, queue_status
 from kandevd.store.base import is_environmental
 from kandevd.timeutil import after

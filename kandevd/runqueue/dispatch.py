@@ -24,8 +24,8 @@ from kandevd.config import Config
 from kandevd.faults import Faults
 from kandevd.fsutil import append_note
 from kandevd.paths import HomeLayout
-from kandevd.queue.live import LiveRuns
-from kandevd.queue.outcomes import Observer, OutcomeRecorder
+from kandevd.runqueue.live import LiveRuns
+from kandevd.runqueue.outcomes import Observer, OutcomeRecorder
 from kandevd.runs.model import Claim
 from kandevd.runtime import (
     AgentRuntime,

@@ -19,10 +19,10 @@ from kandevd.bus import EventBus
 from kandevd.config import Config
 from kandevd.faults import NO_FAULTS, Faults
 from kandevd.paths import HomeLayout
-from kandevd.queue.dispatch import Dispatcher
-from kandevd.queue.live import LiveRuns, Waker
-from kandevd.queue.outcomes import Observer, OutcomeRecorder
-from kandevd.queue.restore import Restorer
+from kandevd.runqueue.dispatch import Dispatcher
+from kandevd.runqueue.live import LiveRuns, Waker
+from kandevd.runqueue.outcomes import Observer, OutcomeRecorder
+from kandevd.runqueue.restore import Restorer
 from kandevd.runs.model import EnqueueRequest, EnqueueResult, Run, RunPage
 from kandevd.runs.retry import retry_decider
 from kandevd.runtime import AgentRuntime

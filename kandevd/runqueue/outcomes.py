@@ -6,7 +6,7 @@ ours) is written to the attempt's folder before the database hears of it.
 While the loop runs, outcomes wait for its next drain, which writes them
 together with its claims in one durable commit; otherwise each execution
 writes its own, and outcomes that arrive together share one commit
-(:class:`~kandevd.queue.groupcommit.GroupCommit`). A write the database
+(:class:`~kandevd.runqueue.groupcommit.GroupCommit`). A write the database
 refuses is retried from memory with back-off; the run stays live here (its
 agent busy) until it succeeds, and the agent is never run again to learn it.
 """
@@ -26,8 +26,8 @@ from typing import Protocol
 from kandevd.bus import EventBus
 from kandevd.faults import Faults
 from kandevd.fsutil import append_note
-from kandevd.queue.groupcommit import GroupCommit
-from kandevd.queue.live import LiveRuns, Waker
+from kandevd.runqueue.groupcommit import GroupCommit
+from kandevd.runqueue.live import LiveRuns, Waker
 from kandevd.runs.model import Claim, Run
 from kandevd.runs.retry import RetryDecider
 from kandevd.runtime import (

@@ -20,8 +20,8 @@ from typing import Any
 
 from kandevd.config import Config
 from kandevd.paths import HomeLayout
-from kandevd.queue.live import LiveRuns, Waker
-from kandevd.queue.outcomes import OutcomeRecorder, note_ended
+from kandevd.runqueue.live import LiveRuns, Waker
+from kandevd.runqueue.outcomes import OutcomeRecorder, note_ended
 from kandevd.runs.model import Claim
 from kandevd.runtime import INTERRUPTED, AgentRuntime, ExecutionResult, ExecutionSpec, attempts
 from kandevd.runtime.records import (

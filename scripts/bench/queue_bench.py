@@ -50,6 +50,7 @@ from kandevd.config import Config, build_config  # noqa: E402
 from kandevd.paths import HomeLayout  # noqa: E402
 from kandevd.runqueue.loop import QueueLoop  # noqa: E402
 from kandevd.runqueue.service import RunQueue  # noqa: E402
+from kandevd.runs.model import Run  # noqa: E402
 from kandevd.runtime import AgentRuntime, ExecutionSpec, InProcessRunner  # noqa: E402
 from kandevd.store.open import open_store  # noqa: E402
 from kandevd.store.runs import RunRepository  # noqa: E402
@@ -107,7 +108,7 @@ class Bench:
                          max_claims_per_tick=config.queue.max_claims_per_tick)
         return cls(store, runtime, queue, loop, bus, names)
 
-    def enqueue(self, i: int) -> dict[str, Any]:
+    def enqueue(self, i: int) -> Run:
         agent = self.agents[i % len(self.agents)]
         return self.queue.enqueue(workspace_id="bench", agent_id=agent, reason="bench",
                                   payload={"i": i}, coalesce=False).run
@@ -186,7 +187,7 @@ def bench_wake(samples: int, config: Config, sync: str) -> list[float]:
         claimed_at: dict[str, float] = {}
 
         def on_claimed(data: dict[str, Any]) -> None:
-            claimed_at[data["run"]["id"]] = time.perf_counter()
+            claimed_at[data["run"].id] = time.perf_counter()
 
         claimed = Counter(bench.bus, "run.claimed", on_claimed)
         done = Counter(bench.bus, "run.finished")
@@ -200,7 +201,7 @@ def bench_wake(samples: int, config: Config, sync: str) -> list[float]:
                 returned = time.perf_counter()
                 claimed.wait_for(i + 1)
                 done.wait_for(i + 1)
-                latencies.append(claimed_at[run["id"]] - returned)
+                latencies.append(claimed_at[run.id] - returned)
         finally:
             bench.close()
     return latencies

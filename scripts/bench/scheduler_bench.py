@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from kandevd.control.client import call  # noqa: E402
-from kandevd.schedules.history import History  # noqa: E402
+from kandevd.schedules.history import History, PendingWrites  # noqa: E402
 from kandevd.timeutil import parse_rfc3339, rfc3339  # noqa: E402
 
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -235,7 +235,7 @@ def history_cost(base: Path) -> None:
     for size in (0, 5000):
         folder = base / f"history-{size}"
         folder.mkdir()
-        history = History(folder, retention_days=90)
+        history = History(folder, retention_days=90, backlog=PendingWrites())
         history.file.write([{"id": f"e{i}", "schedule_id": "s", "status": "success",
                              "started_at": rfc3339(now), "completed_at": rfc3339(now),
                              "turns": [{"kind": "message", "status": "success"}]}

@@ -7,11 +7,11 @@ import threading
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
-from typing import Any
 
 from kandevd.config import Config
 from kandevd.lifecycle import StopSignal
 from kandevd.paths import HomeLayout
+from kandevd.runtime import AgentRuntime
 from kandevd.schedules.history import PendingWrites
 from kandevd.schedules.loop import CronLoop
 from kandevd.schedules.products.source import ProductSource
@@ -35,7 +35,7 @@ def build_registry(root: Path, switches: Switches, retention_days: float,
     return JobRegistry(root, switches=switches, sources=sources, backlog=backlog)
 
 
-def build_cron_loop(config: Config, layout: HomeLayout, runtime: Any, *,
+def build_cron_loop(config: Config, layout: HomeLayout, runtime: AgentRuntime, *,
                     parent: StopSignal | None = None,
                     fire_gate: Callable[[str, datetime], bool] | None = None) -> CronLoop:
     """The cron loop over the home's workflow root, its jobs loaded (histories a dead

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kandevd.formats.jsonfile import CorruptFile
-from kandevd.schedules.history import PendingWrites
+from kandevd.schedules.history import HistoryEntry, PendingWrites
 from kandevd.schedules.jobs import Job, JobNotFound
 from kandevd.schedules.restart.alive import AliveMark
 from kandevd.schedules.restart.stranded import StrandedTurns
@@ -165,6 +165,14 @@ class JobRegistry:
         return counts
 
     # -- the clock ------------------------------------------------------------------
+    def session_lock(self, entry: HistoryEntry) -> threading.Lock | None:
+        """The lock the session of ``entry`` holds while it runs, its source's say."""
+        for source in self.sources.values():
+            lock = source.session_lock(entry)
+            if lock is not None:
+                return lock
+        return None
+
     def due(self, now: datetime) -> list[Job]:
         """The jobs due at ``now`` (each with its intended time in ``state.due_at``)."""
         found: list[Job] = []

@@ -8,6 +8,7 @@ of them asks which kind a job is.
 
 from __future__ import annotations
 
+import threading
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -106,3 +107,7 @@ class JobSource(Protocol):
 
     def details(self, job: Job) -> dict[str, Any]:
         """JOB fields only this kind has (a product job's ``held_until``...)."""
+
+    def session_lock(self, entry: HistoryEntry) -> threading.Lock | None:
+        """The lock a session of ``entry`` holds while its turns run (a product's
+        conversation takes one message at a time); None: not this kind's, or none."""

@@ -27,7 +27,12 @@ from kandevd.schedules.history import HistoryEntry
 from kandevd.schedules.jobs import Job, JobNotFound, UserNeeded, last_success
 from kandevd.schedules.products import catalog, timing
 from kandevd.schedules.products.catalog import Product, User
-from kandevd.schedules.products.program import ProductProgram, failed_message, resume_index
+from kandevd.schedules.products.program import (
+    ProductProgram,
+    conversation_lock,
+    failed_message,
+    resume_index,
+)
 from kandevd.schedules.products.schedule import ProductSchedule
 from kandevd.schedules.products.state import (
     UserFile,
@@ -231,6 +236,12 @@ class ProductSource:
             job.state.held_until = None  # (its pending occurrence stays, for when it is fixed)
             kept.append(job)
         return kept
+
+    def session_lock(self, entry: HistoryEntry) -> threading.Lock | None:
+        product, user = entry.get("product"), entry.get("user_id")
+        if not isinstance(product, str) or not isinstance(user, str):
+            return None
+        return conversation_lock(self.root, user, product)
 
     def details(self, job: Job) -> dict[str, Any]:
         with self._lock:

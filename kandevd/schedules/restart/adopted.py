@@ -23,12 +23,11 @@ import logging
 from datetime import datetime, timedelta
 from typing import Any
 
-from kandevd.runtime import DETACHED, ExecutionResult, ExecutionSpec
+from kandevd.runtime import DETACHED, AgentRuntime, ExecutionResult, ExecutionSpec
 from kandevd.runtime.records import ExecutionRecord, locate, record_alive
 from kandevd.schedules import history as hist
 from kandevd.schedules.history import SHUTDOWN_ERROR, HistoryEntry, TurnRecord
 from kandevd.schedules.jobs import JobNotFound
-from kandevd.schedules.products.program import conversation_lock
 from kandevd.schedules.registry import JobRegistry
 from kandevd.schedules.restart.stranded import Stranded
 from kandevd.schedules.sessions.runner import SessionRunner
@@ -45,7 +44,7 @@ from kandevd.timeutil import parse_rfc3339, rfc3339, utc_now
 log = logging.getLogger("kandevd.scheduler")
 
 
-def adopt_turns(registry: JobRegistry, runner: SessionRunner, runtime: Any, home: str
+def adopt_turns(registry: JobRegistry, runner: SessionRunner, runtime: AgentRuntime, home: str
                 ) -> frozenset[int]:
     """Adopt every live turn of the entries repaired at start; the adopted shims' pids
     (which the orphan sweep must leave alone)."""
@@ -63,7 +62,7 @@ def adopt_turns(registry: JobRegistry, runner: SessionRunner, runtime: Any, home
 
 
 def _adopt_entry(stranded: Stranded, registry: JobRegistry, runner: SessionRunner,
-                 runtime: Any, home: str) -> int | None:
+                 runtime: AgentRuntime, home: str) -> int | None:
     entry = stranded.history.entry(stranded.entry_id)
     if entry is None or stranded.job_key is None or not is_entry_id(stranded.entry_id):
         return None
@@ -88,7 +87,7 @@ def _adopt_entry(stranded: Stranded, registry: JobRegistry, runner: SessionRunne
 
 def _adopt(stranded: Stranded, entry: HistoryEntry, position: int,
            record: ExecutionRecord, registry: JobRegistry, runner: SessionRunner,
-           runtime: Any, home: str) -> None:
+           runtime: AgentRuntime, home: str) -> None:
     history, job_key = stranded.history, stranded.job_key
     assert job_key is not None
     key = record.record_dir.name
@@ -113,7 +112,7 @@ def _adopt(stranded: Stranded, entry: HistoryEntry, position: int,
     control = SessionControl(runtime.wake_waiters, on_stop)
     deadline, timeout = _deadline(registry, job_key, entry)
     # A product's conversation takes one message at a time, whichever schedule sends it.
-    conversation = _conversation(registry, entry)
+    conversation = registry.session_lock(entry)
     if conversation is not None and not conversation.acquire(blocking=False):
         conversation = None  # (nothing else runs yet at start: cannot happen)
     runner.hold(plan, control, deadline=deadline, timeout_s=timeout)
@@ -219,14 +218,6 @@ def _record_end(history: hist.History, entry_id: str, position: int,
         return {"status": status, "error": error, "completed_at": rfc3339(now),
                 "duration_ms": took}
     return _change_turn(history, entry_id, position, change, ending=end, after=after)
-
-
-def _conversation(registry: JobRegistry, entry: HistoryEntry) -> Any:
-    """The lock of the product conversation an entry's turn speaks in (None: a workflow)."""
-    product, user = entry.get("product"), entry.get("user_id")
-    if not isinstance(product, str) or not isinstance(user, str):
-        return None
-    return conversation_lock(registry.root, user, product)
 
 
 def is_entry_id(value: str) -> bool:

@@ -21,6 +21,7 @@ from typing import Any
 
 from kandevd.config import Config
 from kandevd.paths import HomeLayout
+from kandevd.runtime import AgentRuntime
 from kandevd.schedules import history as hist
 from kandevd.schedules.history import SHUTDOWN_ERROR, History, HistoryEntry
 from kandevd.schedules.jobs import Job, JobNotFound
@@ -82,7 +83,7 @@ class _InFlight:
 
 class SessionRunner:
     def __init__(self, registry: JobRegistry, *, config: Config, layout: HomeLayout,
-                 runtime: Any, spawn: Spawn,
+                 runtime: AgentRuntime, spawn: Spawn,
                  fire_buffered: Callable[[Job], None] | None = None,
                  wake: Callable[[], None] | None = None) -> None:
         """``fire_buffered(job)`` decides a buffered fire once its session ended (the

@@ -39,7 +39,7 @@ from typing import Any, Protocol
 from kandevd.config import Config, UnknownProfile
 from kandevd.fsutil import ensure_dir
 from kandevd.paths import HomeLayout
-from kandevd.runtime import DETACHED, ExecutionResult
+from kandevd.runtime import DETACHED, AgentRuntime, ExecutionResult
 from kandevd.runtime.attempts import spent_stdout_path
 from kandevd.runtime.specs import agent_execution
 from kandevd.schedules import history as hist
@@ -221,7 +221,8 @@ class SessionPlan:
 class Session:
     """Runs one :class:`SessionPlan` in the calling thread; see the module docstring."""
 
-    def __init__(self, plan: SessionPlan, *, config: Config, layout: HomeLayout, runtime: Any,
+    def __init__(self, plan: SessionPlan, *, config: Config, layout: HomeLayout,
+                 runtime: AgentRuntime,
                  history: hist.History, control: SessionControl,
                  clock: Callable[[], datetime] = utc_now) -> None:
         self.plan = plan

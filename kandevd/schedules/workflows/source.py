@@ -10,6 +10,7 @@ are counted, not replayed.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -235,6 +236,9 @@ class WorkflowSource:
 
     def problems(self) -> list[dict[str, str]]:
         return [problem.as_dict() for problem in self._problems]
+
+    def session_lock(self, entry: HistoryEntry) -> threading.Lock | None:
+        return None  # a workflow's sessions share no conversation
 
     def details(self, job: Job) -> dict[str, Any]:
         """The workflow's ``label`` (its manifest's; null when it has none): what people

@@ -23,7 +23,7 @@ from kandevd.runqueue.dispatch import Dispatcher
 from kandevd.runqueue.live import LiveRuns, Waker
 from kandevd.runqueue.outcomes import Observer, OutcomeRecorder
 from kandevd.runqueue.restore import Restorer
-from kandevd.runs.model import EnqueueRequest, EnqueueResult, Run, RunPage
+from kandevd.runs.model import EnqueueRequest, EnqueueResult, Explanation, Run, RunPage
 from kandevd.runs.retry import retry_decider
 from kandevd.runtime import AgentRuntime
 from kandevd.store.runs import RunRepository
@@ -142,7 +142,7 @@ class RunQueue:
         self.wake()
         return run
 
-    def explain(self, run_id: str) -> dict[str, Any]:
+    def explain(self, run_id: str) -> Explanation:
         return self.repo.explain(run_id, self.clock(),
                                  runtime_full=self.runtime.active >= self.runtime.max_concurrent,
                                  live_agents=self.live.agent_ids())

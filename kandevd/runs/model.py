@@ -85,6 +85,15 @@ class RunPage:
                 "limit": self.limit, "offset": self.offset}
 
 
+class Explanation(TypedDict):
+    """``runs.explain``: whether a run can be claimed now and, if not, what holds it
+    (blocker names; ``details`` names the run, agent or time behind each)."""
+
+    eligible: bool
+    blockers: list[str]
+    details: dict[str, Any]
+
+
 class EnqueueRequest(TypedDict):
     """One run request of ``runs.enqueue_many``: the keyword arguments of ``enqueue``."""
 

@@ -122,8 +122,17 @@ def prune(entries: list[Any], now: datetime, retention_days: float) -> list[Any]
 _STAMP_LEN = len("2026-12-02T13:00:00.123456Z")
 
 
+class HistoryPage(TypedDict):
+    """A page of a history, newest first (``scheduler.jobs.runs``)."""
+
+    items: list[HistoryEntry]
+    total: int
+    limit: int
+    offset: int
+
+
 def page(entries: list[Any], *, schedule_id: str | None, limit: int, offset: int
-         ) -> dict[str, Any]:
+         ) -> HistoryPage:
     """One page of the entries of ``schedule_id`` (all when None), newest first."""
     chosen = [e for e in entries if isinstance(e, dict)
               and (schedule_id is None or e.get("schedule_id") == schedule_id)]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from kandevd.schedules import history as hist
 from kandevd.schedules.history import HistoryEntry
@@ -147,8 +147,65 @@ class Job:
         return definition if self.state.enabled is None else self.state.enabled
 
 
+class JobObject(TypedDict, total=False):
+    """The contract's JOB: a schedule's definition, its run-time state, and what its kind
+    adds (``definition()``, ``details()`` and :func:`job_dict` each give a part)."""
+
+    id: str
+    entity_type: str
+    workflow: str | None
+    workflow_label: str | None
+    schedule_id: str
+    product: str
+    user_id: str
+    name: str
+    description: str | None
+    cron_expression: str | None
+    timezone: str
+    enabled: bool
+    default_enabled: bool
+    group_ids: list[str]
+    mode: str | None
+    messages: list[Any]
+    workshop_mode: str | None
+    trigger_payload: dict[str, Any]
+    overlap_policy: str
+    pulse: bool
+    cadence_hours: float
+    preferred_hour: int
+    quiet_minutes: float
+    max_deferral_hours: float
+    notify: Any
+    pause_after_failures: int | None
+    catchup_window_s: float
+    timeout_s: float | None
+    jitter_s: float
+    start_at: str | None
+    end_at: str | None
+    last_status: str | None
+    last_run_at: str | None
+    next_run_at: str | None
+    last_session_id: str | None
+    last_error: str | None
+    last_duration_ms: int | None
+    run_count: int
+    consecutive_failures: int
+    running: bool
+    skipped_overlap: int
+    skipped_paused: int
+    skipped_disabled: int
+    skipped_unrecorded: int
+    missed_while_down: int
+    cron_eligible: bool
+    cron_ineligible_reason: str | None
+    state: str
+    state_reason: str
+    held_until: str | None
+    last_activity_at: str | None
+
+
 def job_dict(job: Job, status: JobStatus, *, running: bool, ineligible: str | None
-             ) -> dict[str, Any]:
+             ) -> JobObject:
     """The contract's JOB: the definition, then the run-time state, then what the job's
     source adds (a product job's ``held_until`` and ``last_activity_at``)."""
     state = job.state

@@ -23,12 +23,11 @@ import logging
 import threading
 from collections.abc import Callable
 from datetime import datetime, timedelta
-from typing import Any
 
 from kandevd.lifecycle import Loop, StopSignal
 from kandevd.schedules.catchup.backfill import Backfills
 from kandevd.schedules.catchup.late import fire_late
-from kandevd.schedules.jobs import Job, job_dict
+from kandevd.schedules.jobs import Job, JobObject, job_dict
 from kandevd.schedules.registry import JobRegistry
 from kandevd.schedules.rules.states import JobStatus, Surroundings, job_status
 from kandevd.schedules.sessions.runner import (
@@ -277,7 +276,7 @@ class CronLoop(Loop):
         around = self.surroundings()
         return [(job, job_status(job, around)) for job in self.registry.jobs()]
 
-    def describe(self, job: Job, around: Surroundings | None = None) -> dict[str, Any]:
+    def describe(self, job: Job, around: Surroundings | None = None) -> JobObject:
         """The contract's JOB for ``job``, its ``state`` included."""
         around = around or self.surroundings()
         return job_dict(job, job_status(job, around), running=job.key in around.running,

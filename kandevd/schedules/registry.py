@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from kandevd.formats.jsonfile import CorruptFile
 from kandevd.schedules.history import HistoryEntry, PendingWrites
@@ -25,6 +25,21 @@ from kandevd.schedules.settings import PauseState, Switches
 from kandevd.schedules.source import JobSource
 
 log = logging.getLogger("kandevd.scheduler")
+
+
+class Rescan(TypedDict, total=False):
+    """What ``scheduler.reload`` found: each source's counts, the job keys added,
+    changed, removed and made invalid, and the files' problems."""
+
+    workflows: int
+    jobs: int
+    products: int
+    product_jobs: int
+    added: list[str]
+    changed: list[str]
+    removed: list[str]
+    invalid: list[str]
+    errors: list[dict[str, str]]
 
 
 class JobRegistry:
@@ -72,7 +87,7 @@ class JobRegistry:
                  counts.get("workflows", 0), counts.get("jobs", 0),
                  counts.get("product_jobs", 0), self.root)
 
-    def rescan(self, now: datetime) -> dict[str, Any]:
+    def rescan(self, now: datetime) -> Rescan:
         """Reload every source; state carries over, changed timings get a new next fire.
 
         Returns the counts, the job keys ``added``, ``changed`` (a new definition),

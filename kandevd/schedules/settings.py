@@ -38,6 +38,18 @@ ENV_LISTS = {
 }
 
 
+class SwitchesObject(TypedDict):
+    """The execution switches as ``scheduler.config.get`` shows them."""
+
+    execution_enabled: bool
+    disabled_via_env: bool
+    disabled_reason: str | None
+    allowed_workflows: list[str]
+    blocked_workflows: list[str]
+    allowed_users: list[str]
+    blocked_users: list[str]
+
+
 def parse_list(value: str | None) -> tuple[str, ...]:
     """A comma list: entries trimmed, empty ones dropped."""
     if not value:
@@ -97,7 +109,7 @@ class Switches:
         verdict = list_verdict([user_id], self.allowed_users, self.blocked_users)
         return None if verdict is None else f"user {verdict}"
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> SwitchesObject:
         return {"execution_enabled": self.execution_enabled,
                 "disabled_via_env": self.disabled_via_env,
                 "disabled_reason": self.disabled_reason,

@@ -16,7 +16,7 @@ from kandevd.schedules.history import HistoryEntry
 
 if TYPE_CHECKING:
     from kandevd.schedules.history import History
-    from kandevd.schedules.jobs import Job
+    from kandevd.schedules.jobs import Job, JobObject
     from kandevd.schedules.sessions.session import SessionPlan
     from kandevd.schedules.settings import Switches
 
@@ -33,7 +33,7 @@ class JobSpec(Protocol):
     schedule: Any
     overlap_policy: str
 
-    def definition(self) -> dict[str, Any]:
+    def definition(self) -> JobObject:
         """The JOB fields the definition gives (id, entity_type, schedule fields...)."""
 
     def verdict(self, switches: Switches) -> str | None:
@@ -105,7 +105,7 @@ class JobSource(Protocol):
     def change(self, job: Job, fields: dict[str, Any] | None, now: datetime) -> Job | None:
         """Change ``job``'s definition (None: delete it); the job as it is now."""
 
-    def details(self, job: Job) -> dict[str, Any]:
+    def details(self, job: Job) -> JobObject:
         """JOB fields only this kind has (a product job's ``held_until``...)."""
 
     def session_lock(self, entry: HistoryEntry) -> threading.Lock | None:

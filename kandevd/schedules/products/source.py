@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from kandevd.formats.jsonfile import CorruptFile
 from kandevd.schedules import history as hist
 from kandevd.schedules.history import HistoryEntry
-from kandevd.schedules.jobs import Job, JobNotFound, UserNeeded, last_success
+from kandevd.schedules.jobs import Job, JobNotFound, JobObject, UserNeeded, last_success
 from kandevd.schedules.products import catalog, timing
 from kandevd.schedules.products.catalog import Product, User
 from kandevd.schedules.products.program import (
@@ -87,7 +87,7 @@ class ProductSpec:
         """The job's entry in the user's state file."""
         return f"{self.product.profile_id}:{self.schedule.id}"
 
-    def definition(self) -> dict[str, Any]:
+    def definition(self) -> JobObject:
         fields = self.schedule.as_dict()
         fields.pop("id", None)
         return {"id": self.id, "entity_type": "product", "workflow": None,
@@ -243,7 +243,7 @@ class ProductSource:
             return None
         return conversation_lock(self.root, user, product)
 
-    def details(self, job: Job) -> dict[str, Any]:
+    def details(self, job: Job) -> JobObject:
         with self._lock:
             active = self._activity.get((job.spec.user.id, job.spec.product.profile_id))
         held = job.state.held_until

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from functools import cache
 from importlib import resources
-from typing import Any
+from typing import Any, TypedDict
 
 from kandevd.timeutil import parse_rfc3339, rfc3339
 
@@ -27,6 +27,26 @@ NOTIFY_EVENTS = ("failure", "recovery", "success")
 DEFAULT_NOTIFY_ON = ("failure", "recovery")
 OPTION_FIELDS = ("notify", "pause_after_failures", "catchup_window_s", "timeout_s",
                  "jitter_s", "start_at", "end_at")
+
+
+class NotifyObject(TypedDict):
+    """A job's ``notify`` as the JOB object shows it."""
+
+    command: list[str] | None
+    webhook: str | None
+    on: list[str]
+
+
+class OptionsObject(TypedDict):
+    """The JOB's option fields."""
+
+    notify: NotifyObject | None
+    pause_after_failures: int | None
+    catchup_window_s: float
+    timeout_s: float | None
+    jitter_s: float
+    start_at: str | None
+    end_at: str | None
 
 
 @dataclass(frozen=True)
@@ -41,7 +61,7 @@ class NotifySpec:
     def has_target(self) -> bool:
         return bool(self.command) or bool(self.webhook)
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> NotifyObject:
         return {"command": list(self.command) if self.command else None,
                 "webhook": self.webhook, "on": list(self.on)}
 
@@ -63,7 +83,7 @@ class ScheduleOptions:
     start_at: datetime | None = None
     end_at: datetime | None = None
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> OptionsObject:
         """The JOB's option fields (every one, so a reader sees what is in force)."""
         return {"notify": self.notify.as_dict() if self.notify else None,
                 "pause_after_failures": self.pause_after_failures,

@@ -21,7 +21,7 @@ from kandevd.cron import next_fire_times
 from kandevd.formats.jsonfile import CorruptFile
 from kandevd.schedules import history as hist
 from kandevd.schedules.history import HistoryEntry
-from kandevd.schedules.jobs import AmbiguousJob, Job, JobNotFound, seed_state
+from kandevd.schedules.jobs import AmbiguousJob, Job, JobNotFound, JobObject, seed_state
 from kandevd.schedules.restart.stranded import repair_at_start
 from kandevd.schedules.rules.options import jitter_delay, within_window
 from kandevd.schedules.sessions.session import SessionPlan
@@ -79,7 +79,7 @@ class WorkflowSpec:
     def overlap_policy(self) -> str:
         return self.schedule.overlap_policy
 
-    def definition(self) -> dict[str, Any]:
+    def definition(self) -> JobObject:
         fields = self.schedule.as_dict()
         del fields["id"]
         return {"id": self.key, "entity_type": "workflow", "workflow": self.workflow.name,
@@ -240,7 +240,7 @@ class WorkflowSource:
     def session_lock(self, entry: HistoryEntry) -> threading.Lock | None:
         return None  # a workflow's sessions share no conversation
 
-    def details(self, job: Job) -> dict[str, Any]:
+    def details(self, job: Job) -> JobObject:
         """The workflow's ``label`` (its manifest's; null when it has none): what people
         call the workflow, shown beside its schedules."""
         spec = job.spec

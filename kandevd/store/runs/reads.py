@@ -7,7 +7,7 @@ from collections.abc import Collection
 from datetime import datetime
 from typing import Any
 
-from kandevd.runs.model import STATUSES, Run, RunNotFound, RunPage
+from kandevd.runs.model import STATUSES, Explanation, Run, RunNotFound, RunPage
 from kandevd.store.runs.base import RunRepositoryBase
 from kandevd.timeutil import rfc3339
 
@@ -87,7 +87,7 @@ class Reads(RunRepositoryBase):
         return RunPage([Run.from_row(r) for r in rows], total, limit, offset)
 
     def explain(self, run_id: str, now: datetime, *, runtime_full: bool,
-                live_agents: Collection[str] = ()) -> dict[str, Any]:
+                live_agents: Collection[str] = ()) -> Explanation:
         """Why a queued run is not claimed yet: a list of blocker names plus details."""
         now_s = rfc3339(now)
         with self.store.connection() as conn:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, TypedDict
 
 from kandevd.runs.model import IDEMPOTENCY_WINDOW_S
 from kandevd.store.base import BaseStore
@@ -95,7 +95,15 @@ def oldest_run_at(store: BaseStore) -> str | None:
     return row[0] if row else None
 
 
-def db_status(store: BaseStore, retention_days: float) -> dict[str, Any]:
+class DbStatus(TypedDict):
+    """``daemon.status``'s ``store.db``."""
+
+    size_bytes: int
+    oldest_run_at: str | None
+    retention_days: float
+
+
+def db_status(store: BaseStore, retention_days: float) -> DbStatus:
     """``daemon.status``'s ``store.db``: ``{size_bytes, oldest_run_at, retention_days}``."""
     return {"size_bytes": store.size_bytes(), "oldest_run_at": oldest_run_at(store),
             "retention_days": retention_days}

@@ -20,6 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kandevd.app.cron_metrics import job_families
+from kandevd.app.status import StatusDocument
 from kandevd.office.loop import COUNTERS as OFFICE_COUNTERS
 from kandevd.timeutil import parse_rfc3339, utc_now
 
@@ -35,7 +36,7 @@ class _StatusCollector(Collector):
 
     ``cron_jobs()``: ``(job, JobStatus)`` pairs of every scheduled job."""
 
-    def __init__(self, status: Callable[[], dict[str, Any]],
+    def __init__(self, status: Callable[[], StatusDocument],
                  cron_jobs: Callable[[], list[Any]]) -> None:
         self._status = status
         self._cron_jobs = cron_jobs
@@ -150,7 +151,7 @@ class _StatusCollector(Collector):
 class DaemonMetrics:
     """The daemon's metrics: a private registry and its text exposition."""
 
-    def __init__(self, status: Callable[[], dict[str, Any]] | None = None,
+    def __init__(self, status: Callable[[], StatusDocument] | None = None,
                  cron_jobs: Callable[[], list[Any]] | None = None) -> None:
         """Observed from the first execution on; the status values come with ``status``,
         now or later through :meth:`collect` (the queue observes before status exists)."""
@@ -165,7 +166,7 @@ class DaemonMetrics:
             "From a run's request to its first claim (the wake latency when its agent was free)",
             buckets=WAIT_BUCKETS, registry=self.registry)
 
-    def collect(self, status: Callable[[], dict[str, Any]],
+    def collect(self, status: Callable[[], StatusDocument],
                 cron_jobs: Callable[[], list[Any]] | None = None) -> None:
         """Read ``status()`` (and the cron jobs' counters) at every scrape."""
         self.registry.register(_StatusCollector(status, cron_jobs or (lambda: [])))

@@ -15,7 +15,7 @@ import os
 import sqlite3
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from kandevd import __version__
 from kandevd.config import Config
@@ -35,6 +35,24 @@ if TYPE_CHECKING:
 log = logging.getLogger("kandevd.daemon")
 
 LOOP_NAMES = ("queue", "office", "cron")
+
+
+class StatusDocument(TypedDict, total=False):
+    """``daemon.status``: the daemon as a whole (docs/protocol.md has every member)."""
+
+    version: str
+    pid: int
+    state: str
+    started_at: str
+    home: str
+    boot_id: str
+    loops: dict[str, str]
+    runtime: dict[str, Any]
+    store: dict[str, Any]
+    runs: dict[str, Any]
+    scheduler: dict[str, Any]
+    cluster: dict[str, Any]
+    stats: dict[str, Any]
 
 
 class StatusReporter:
@@ -57,13 +75,13 @@ class StatusReporter:
         self.state = state
         self._cache: tuple[object, dict[str, Any]] | None = None
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> StatusDocument:
         loops = {name: "stopped" for name in LOOP_NAMES}
         for name, loop in self.loops.items():
             loops[name] = loop.state.value
         store = self.store
         degraded = store.degraded
-        result: dict[str, Any] = {
+        result: StatusDocument = {
             "version": __version__,
             "pid": os.getpid(),
             "state": self.state(),

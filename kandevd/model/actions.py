@@ -23,7 +23,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypedDict
 
 import jsonschema
 
@@ -51,18 +51,39 @@ ACTION_SCHEMA: dict[str, Any] = {
 _VALIDATOR = jsonschema.Draft202012Validator(ACTION_SCHEMA)
 
 
+class Action(TypedDict, total=False):
+    """A step's ``on_enter`` action, as :data:`ACTION_SCHEMA` allows it."""
+
+    action: str
+    reason: str
+    payload: dict[str, Any]
+    target: str
+
+
+class ActionOutcome(TypedDict, total=False):
+    """What one action did when a task entered its step (``tasks.move``'s ``actions``)."""
+
+    action: str
+    target: str
+    agent_id: str
+    run_id: str
+    deduplicated: bool
+    coalesced: bool
+    skipped: str
+
+
 class ActionError(ValueError):
     """An action that does not match :data:`ACTION_SCHEMA`."""
 
 
-def validate_action(action: Any, where: str = "action") -> dict[str, Any]:
+def validate_action(action: Any, where: str = "action") -> Action:
     """Return ``action`` when it is valid; raise ActionError naming the path otherwise."""
     errors = sorted(_VALIDATOR.iter_errors(action), key=lambda e: list(e.absolute_path))
     if errors:
         error = jsonschema.exceptions.best_match(errors) or errors[0]
         path = ".".join([where, *(str(p) for p in error.absolute_path)])
         raise ActionError(f"{path}: {error.message}")
-    return dict(action)
+    return Action(**action)
 
 
 def canonical_json(value: Any) -> str:
@@ -94,7 +115,7 @@ AgentLookup = Callable[[str], Mapping[str, Any] | None]
 
 def run_queue_run(action: Mapping[str, Any], task: Mapping[str, Any], step_id: str, *,
                   enqueue: Enqueue, lookup_agent: AgentLookup, step_entry: int = 0
-                  ) -> dict[str, Any]:
+                  ) -> ActionOutcome:
     """Execute one ``queue_run`` for ``task`` (as it is after the move) entering ``step_id``.
 
     ``step_entry`` counts the task's entries into steps (part of the key).
@@ -103,7 +124,7 @@ def run_queue_run(action: Mapping[str, Any], task: Mapping[str, Any], step_id: s
     move result: ``run_id``/``deduplicated``/``coalesced``, or ``skipped``.
     """
     target = action.get("target") or DEFAULT_TARGET
-    entry: dict[str, Any] = {"action": "queue_run", "target": target}
+    entry: ActionOutcome = {"action": "queue_run", "target": target}
     explicit = target_agent_id(action)
     agent_id = explicit if explicit is not None else task.get("runner")
     if not agent_id:

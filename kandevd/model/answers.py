@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
-from typing import Any, TypedDict
+from typing import TypedDict
 
+from kandevd.model.actions import ActionOutcome
 from kandevd.store.workspace import TaskRecord
 
 
@@ -12,7 +13,7 @@ class TaskMove(TypedDict):
     """``tasks.move``: the task as moved, and what each of the step's actions did."""
 
     task: TaskRecord
-    actions: list[dict[str, Any]]
+    actions: list[ActionOutcome]
 
 
 class Launched(TypedDict):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from kandevd.schedules import history as hist
 from kandevd.schedules.history import HistoryEntry
@@ -47,7 +47,14 @@ def resume_index(schedule: ProductSchedule, resume: Any) -> int:
     return 0
 
 
-def failed_message(entry: HistoryEntry, schedule: ProductSchedule) -> dict[str, Any] | None:
+class ResumePoint(TypedDict):
+    """Where the run after a failed one starts: the message it could not deliver."""
+
+    index: int
+    message: str
+
+
+def failed_message(entry: HistoryEntry, schedule: ProductSchedule) -> ResumePoint | None:
     """``{index, message}`` of the message a failed run could not deliver (None when the
     run did not fail on a message)."""
     if entry.get("status") != hist.ERROR:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from kandevd.formats.jsonfile import CorruptReporter, JsonFile
 from kandevd.timeutil import rfc3339
@@ -20,11 +20,22 @@ DECISIONS = "decisions.json"
 ANSWERED, APPLIED = "answered", "applied"
 
 
+class Decision(TypedDict, total=False):
+    """One question a user answered (or has yet to) for the workflow."""
+
+    id: Any
+    question: str
+    answer: Any
+    status: str
+    applied_at: str
+    applied_session_id: str
+
+
 class Decisions:
     def __init__(self, folder: Path, *, on_corrupt: CorruptReporter | None = None) -> None:
         self.file = JsonFile(folder / DECISIONS, on_corrupt=on_corrupt)
 
-    def answered(self) -> list[dict[str, Any]]:
+    def answered(self) -> list[Decision]:
         """The decisions waiting to be applied (status ``answered``)."""
         if not self.file.path.exists():
             return []

@@ -20,7 +20,7 @@ from typing import Any
 from kandevd.schedules import history as hist
 from kandevd.schedules.history import HistoryEntry
 from kandevd.schedules.sessions.session import Session, TurnSpec
-from kandevd.schedules.workflows.decisions import Decisions
+from kandevd.schedules.workflows.decisions import Decision, Decisions
 from kandevd.schedules.workflows.manifest import Schedule, Workflow
 
 DEFAULT_MESSAGE = "Run the full workflow using run_full_workflow tool."
@@ -51,7 +51,7 @@ class WorkflowProgram:
         return [g for g in self.schedule.group_ids if g in self.workflow.enabled_groups]
 
     def _turn(self, session: Session, kind: str, message: str, workshop_mode: str,
-              run_folder: str, decisions: list[dict[str, Any]] | None = None
+              run_folder: str, decisions: list[Decision] | None = None
               ) -> dict[str, Any]:
         options: dict[str, Any] = {
             "run_mode": "use_same_run", "selected_run_folder": run_folder,

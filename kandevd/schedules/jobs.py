@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any
 
 from kandevd.schedules import history as hist
 from kandevd.schedules.history import HistoryEntry
+from kandevd.schedules.rules.options import OptionsObject
 from kandevd.timeutil import rfc3339
 
 if TYPE_CHECKING:
@@ -147,9 +148,10 @@ class Job:
         return definition if self.state.enabled is None else self.state.enabled
 
 
-class JobObject(TypedDict, total=False):
+class JobObject(OptionsObject, total=False):
     """The contract's JOB: a schedule's definition, its run-time state, and what its kind
-    adds (``definition()``, ``details()`` and :func:`job_dict` each give a part)."""
+    adds (``definition()``, ``details()`` and :func:`job_dict` each give a part), with
+    every option in force."""
 
     id: str
     entity_type: str
@@ -175,13 +177,6 @@ class JobObject(TypedDict, total=False):
     preferred_hour: int
     quiet_minutes: float
     max_deferral_hours: float
-    notify: Any
-    pause_after_failures: int | None
-    catchup_window_s: float
-    timeout_s: float | None
-    jitter_s: float
-    start_at: str | None
-    end_at: str | None
     last_status: str | None
     last_run_at: str | None
     next_run_at: str | None

@@ -108,8 +108,7 @@ def open_configured_store(config: Config, layout: HomeLayout) -> BaseStore:
 
 def assemble(config: Config, layout: HomeLayout, *, boot_id: str, stop_signal: StopSignal,
              stop_requested: threading.Event, request_shutdown: Callable[[], None],
-             state: Callable[[], str], started_at: str,
-             systemd: SystemdNotifier | None = None) -> Parts:
+             state: Callable[[], str], started_at: str, systemd: SystemdNotifier) -> Parts:
     """Build every part of the daemon of ``layout`` (the store opened and migrated).
 
     What fails half-way closes the store it opened, and raises StartupError
@@ -130,7 +129,7 @@ def assemble(config: Config, layout: HomeLayout, *, boot_id: str, stop_signal: S
 def _assemble(config: Config, layout: HomeLayout, store: BaseStore, *, boot_id: str,
               stop_signal: StopSignal, stop_requested: threading.Event,
               request_shutdown: Callable[[], None], state: Callable[[], str],
-              started_at: str, systemd: SystemdNotifier | None) -> Parts:
+              started_at: str, systemd: SystemdNotifier) -> Parts:
     bus = EventBus()
     keeper = KeeperClient(layout.root)
     runtime = AgentRuntime(config.runtime.max_concurrent, config.runtime.stop_grace_s,

@@ -218,7 +218,7 @@ class OutcomeRecorder:
         """
         if result.outcome in NO_WRITE:
             self.settled(claim, result)
-            self.announce(claim, result, None)
+            self.announce(claim, result, NOT_WRITTEN)
             return
         try:
             effect = self.commits.submit(lambda: self.apply(claim, result))

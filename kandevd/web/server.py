@@ -160,11 +160,12 @@ def _stop_promptly(server: wsgi.Server) -> None:
         finally:
             done.set()
 
-    stopper = threading.Thread(target=stop, name="kandevd-web-stop")
+    stopper = threading.Thread(target=stop, name="kandevd-web-stop", daemon=True)
     stopper.start()
     host, port = server.bind_addr[:2]
     host = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
-    while not done.wait(0.05):
+    # Until the selector noticed: once cheroot closed its socket, there is none to wake.
+    while not done.wait(0.05) and server.socket is not None:
         try:
             with socket.create_connection((host, port), timeout=1.0):
                 pass

@@ -20,7 +20,7 @@ from kandevd.control.services import Services
 from kandevd.cron import CronError, describe_times, next_fire_times, parse_cron, parse_timezone
 from kandevd.schedules import history as hist
 from kandevd.schedules.catchup.backfill import fire_times
-from kandevd.schedules.jobs import Job
+from kandevd.schedules.jobs import Job, JobNotFound
 from kandevd.schedules.products.source import ProductSource
 from kandevd.schedules.rules.options import option_properties
 from kandevd.schedules.rules.states import STATES
@@ -86,6 +86,10 @@ def register(registry: Registry, services: Services) -> None:
             changed = change()
         except OSError as exc:
             raise unwritable(exc) from None
+        except JobNotFound as exc:  # looked up after the write: the file did not load again
+            loop.wake()
+            raise Conflict(f"the manifest was written, but its job is not loaded ({exc}): "
+                           "scheduler.reload lists the workflow's problems") from None
         loop.wake()
         return changed
 

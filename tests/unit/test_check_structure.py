@@ -145,3 +145,21 @@ def test_rooms_sql_and_json_shaped_signatures(cs: ModuleType, tmp_path: Path) ->
     assert "kandevd.room: 4 modules directly in it (> 3)" in text
     assert "2 > 1: pass a typed value instead" in text
     assert problems == 4
+
+
+def test_every_package_is_in_the_picture(cs: ModuleType, tmp_path: Path) -> None:
+    for name in ("kandevd/__init__.py", "kandevd/room/__init__.py",
+                 "kandevd/room/inner/__init__.py", "kandevd/hidden/__init__.py", "kandevd/leaf.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("")
+    modules = cs.find_modules(tmp_path)
+    assert cs.unpictured(modules, tmp_path) == []  # a tree without the document
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs/architecture.md").write_text(
+        "# The house\n\n```\nfloor 1  room/   the room, and inner/ in it\n```\n\n"
+        "Later text naming hidden/ does not count.\n")
+    assert cs.unpictured(modules, tmp_path) == ["kandevd.hidden"]
+    layers = {"kandevd": 0, "kandevd.room": 1, "kandevd.hidden": 1, "kandevd.leaf": 0}
+    lines, problems = cs.check(tmp_path, layers=layers, pairs=[], sql_waiting=())
+    assert "kandevd.hidden: not in the picture of docs/architecture.md" in lines
+    assert problems == 1

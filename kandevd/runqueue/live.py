@@ -86,16 +86,13 @@ class LiveRuns:
 
 
 class Waker:
-    """The in-process signal: the queue loop's ``wake`` once the loop is built."""
+    """The in-process signal: what wakes the queue loop (its wake-up event's ``set``,
+    given at construction); ``enabled`` False holds it back (a benchmark's preload)."""
 
-    def __init__(self) -> None:
-        self._wake: Callable[[], None] | None = None
+    def __init__(self, wake: Callable[[], None]) -> None:
+        self._wake = wake
         self.enabled = True
 
-    def connect(self, wake: Callable[[], None] | None) -> None:
-        self._wake = wake
-
     def __call__(self) -> None:
-        wake = self._wake
-        if wake is not None and self.enabled:
-            wake()
+        if self.enabled:
+            self._wake()

@@ -49,14 +49,13 @@ class QueueLoop(Loop):
                  **kwargs: Any) -> None:
         """``systemd``: pinged from each tick (its watchdog), told the queue's state at each
         safety pass; None: not under systemd."""
-        super().__init__("queue", **kwargs)
+        super().__init__("queue", wakeup=queue.wakeup, **kwargs)
         self.queue = queue
         self.systemd = systemd if systemd is not None else SystemdNotifier({})
         self.pruner = pruner
         self.safety_interval_s = float(safety_interval_s)
         self.max_claims_per_tick = int(max_claims_per_tick)
         self._next_stale_check: datetime | None = None
-        queue.wake.connect(self.wake)
 
     def start(self) -> None:
         """Start the loop thread; while it runs, outcomes are written by its drains."""

@@ -10,6 +10,7 @@ announce), restore.py (restart adoption, peer settlement); the queue loop
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from datetime import datetime
@@ -38,9 +39,12 @@ class RunQueue:
                  clock: Callable[[], datetime] = utc_now, faults: Faults = NO_FAULTS,
                  monotonic: Callable[[], float] = time.monotonic,
                  observer: Observer | None = None,
-                 on_saturated: Callable[[], None] | None = None) -> None:
+                 on_saturated: Callable[[], None] | None = None,
+                 wake: Callable[[], None] | None = None) -> None:
         """``observer``: hears of executions as they end (metrics); ``on_saturated``:
-        several daemons: a pass filled every free slot here, the others should look."""
+        several daemons: a pass filled every free slot here, the others should look;
+        ``wake``: what the in-process signal calls (default: set :attr:`wakeup`, the
+        event the queue loop waits on)."""
         self.repo = repo
         self.runtime = runtime
         self.config = config
@@ -48,8 +52,10 @@ class RunQueue:
         self.bus = bus
         self.clock = clock
         self.live = LiveRuns(layout.attempts)
-        #: The in-process signal: the queue loop connects its ``wake``.
-        self.wake = Waker()
+        #: The queue loop's wake-up event (the loop is built with it).
+        self.wakeup = threading.Event()
+        #: The in-process signal.
+        self.wake = Waker(wake or self.wakeup.set)
         self.outcomes = OutcomeRecorder(
             repo, self.live, bus, self.wake, decide_retry=retry_decider(config.retry),
             clock=clock, faults=faults, observer=observer, monotonic=monotonic,

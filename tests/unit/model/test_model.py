@@ -119,10 +119,9 @@ class Env:
         self.bus.subscribe("*", lambda topic, payload: self.events.append((topic, payload)))
         self.agent = Launched()
         self.runtime = AgentRuntime(max_concurrent, 1.0, runner=InProcessRunner(self.agent))
-        self.queue = RunQueue(RunRepository(self.store, "boot"), self.runtime, self.config,
-                              self.layout, self.bus)
         self.signals = 0
-        self.queue.wake.connect(self._count_signal)
+        self.queue = RunQueue(RunRepository(self.store, "boot"), self.runtime, self.config,
+                              self.layout, self.bus, wake=self._count_signal)
         self.model = WorkspaceService(self.store, self.bus, self.queue, self.runtime,
                                       self.config, self.layout)
 

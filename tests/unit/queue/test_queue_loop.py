@@ -177,16 +177,16 @@ def rig_factory(tmp_path: Path, store_location: str) -> Iterator[Callable[..., R
         bus = EventBus()
         events: list[tuple[str, dict[str, Any]]] = []
         bus.subscribe("*", lambda topic, data: events.append((topic, data)))
-        queue = RunQueue(repo, runtime, config, HomeLayout(tmp_path / "home"), bus, clock=clock)
-        loop = QueueLoop(queue, safety_interval_s=config.queue.safety_interval_s,
-                         max_claims_per_tick=config.queue.max_claims_per_tick)
         signals: list[float] = []
 
         def waker() -> None:
             signals.append(1.0)
             loop.wake()
 
-        queue.wake.connect(waker)
+        queue = RunQueue(repo, runtime, config, HomeLayout(tmp_path / "home"), bus, clock=clock,
+                         wake=waker)
+        loop = QueueLoop(queue, safety_interval_s=config.queue.safety_interval_s,
+                         max_claims_per_tick=config.queue.max_claims_per_tick)
         slot_cond = threading.Condition()
 
         def slot_freed() -> None:

@@ -212,9 +212,11 @@ class Loop(abc.ABC):
         parent: StopSignal | None = None,
         logger: logging.Logger | None = None,
         wakeup: threading.Event | None = None,
+        fanout: FanOut | None = None,
     ) -> None:
         """``wakeup``: set to run the next tick now; given, when something built before
-        the loop must be able to wake it (else the loop makes its own)."""
+        the loop must be able to wake it (else the loop makes its own). ``fanout``: the
+        loop's handler threads, given when something built before it starts them."""
         self.name = name
         self.log = logger or logging.getLogger(f"kandevd.{name}")
         self._clock = clock
@@ -223,7 +225,7 @@ class Loop(abc.ABC):
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._wakeup = wakeup if wakeup is not None else threading.Event()
-        self.fanout = FanOut(name, self.log)
+        self.fanout = fanout if fanout is not None else FanOut(name, self.log)
         self.ticks = 0
         self._last_db_error: str | None = None  # the last database error a tick logged
         self._parent = parent

@@ -3,15 +3,17 @@ of both kinds of job, the session runner and the cron loop, each given what it u
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
 from kandevd.config import Config
-from kandevd.lifecycle import StopSignal
+from kandevd.lifecycle import FanOut, StopSignal
 from kandevd.paths import HomeLayout
 from kandevd.runtime import AgentRuntime
+from kandevd.schedules.firing import Firing
 from kandevd.schedules.history import PendingWrites
 from kandevd.schedules.loop import CronLoop
 from kandevd.schedules.products.source import ProductSource
@@ -40,18 +42,19 @@ def build_cron_loop(config: Config, layout: HomeLayout, runtime: AgentRuntime, *
                     fire_gate: Callable[[str, datetime], bool] | None = None) -> CronLoop:
     """The cron loop over the home's workflow root, its jobs loaded (histories a dead
     daemon left ``running`` are closed here, before anything can start a session)."""
-    wakeup = threading.Event()  # the loop's; set when a failed history write is kept
+    # The loop's wake-up: set when a failed history write is kept, or a session's
+    # deadline is new.
+    wakeup = threading.Event()
     registry = build_registry(scheduler_root(config, layout.root),
                               Switches.from_config(config.scheduler),
                               config.scheduler.history_retention_days,
                               PendingWrites(wake=wakeup.set))
     registry.load_at_start(utc_now())
 
-    def runner(loop: CronLoop) -> SessionRunner:
-        return SessionRunner(registry, config=config, layout=layout, runtime=runtime,
-                             spawn=loop.fanout.spawn, fire_buffered=loop.fire_buffered,
-                             wake=loop.wake)
-
-    return CronLoop(registry, runner_factory=runner,
+    fanout = FanOut("cron", logging.getLogger("kandevd.scheduler"))  # its session threads
+    firing = Firing(registry)
+    runner = SessionRunner(registry, config=config, layout=layout, runtime=runtime,
+                           spawn=fanout.spawn, firing=firing, wake=wakeup.set)
+    return CronLoop(registry, runner=runner, firing=firing,
                     stop_grace_s=config.runtime.stop_grace_s, parent=parent,
-                    fire_gate=fire_gate, wakeup=wakeup)
+                    fire_gate=fire_gate, wakeup=wakeup, fanout=fanout)

@@ -13,20 +13,21 @@ not idempotent.
 One tick: rescan the root when a reload was asked for, take the jobs whose
 next fire is due (each gets its following fire at once, so a fire is decided
 once and a late tick never replays a backlog), decide each with
-:func:`decide_fire`, and return the wait until the earliest next fire.
+:class:`~kandevd.schedules.firing.Firing`, and return the wait until the earliest
+next fire.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 from collections.abc import Callable
 from datetime import datetime, timedelta
 
-from kandevd.lifecycle import Loop, StopSignal
+from kandevd.lifecycle import FanOut, Loop, StopSignal
 from kandevd.schedules.catchup.backfill import Backfills
 from kandevd.schedules.catchup.late import fire_late
+from kandevd.schedules.firing import Decision, Firing
 from kandevd.schedules.jobs import Job, JobObject, job_dict
 from kandevd.schedules.registry import JobRegistry
 from kandevd.schedules.rules.states import JobStatus, Surroundings, job_status
@@ -46,54 +47,20 @@ MAX_WAIT_S = 60.0
 RETRY_WRITES = timedelta(seconds=5)
 
 
-class Decision(enum.Enum):
-    RUN = "run"
-    BUFFER = "buffer"
-    REPLACE = "replace"
-    SKIP_OVERLAP = "skip_overlap"
-    SKIP_PAUSED = "skip_paused"
-    SKIP_DISABLED = "skip_disabled"
-    SKIP_UNRECORDED = "skip_unrecorded"
-
-
-def decide_fire(*, execution_enabled: bool, workflow_allowed: bool, paused: bool,
-                running: bool, buffered: bool, overlap_policy: str) -> Decision:
-    """What a due cron fire does. Pure: the whole policy in one place.
-
-    Execution switched off (config, environment) or the workflow kept out by the
-    allow/block lists: skipped as disabled. Globally paused: skipped as paused.
-    Otherwise it runs, unless the schedule's previous session still runs: then
-    ``skip`` skips it, ``buffer_one`` keeps it for when that session ends (one at
-    most: a further fire while one waits is skipped), ``replace`` stops that
-    session and runs when it has ended (a further fire meanwhile is skipped).
-    """
-    if not execution_enabled or not workflow_allowed:
-        return Decision.SKIP_DISABLED
-    if paused:
-        return Decision.SKIP_PAUSED
-    if not running:
-        return Decision.RUN
-    if buffered:
-        return Decision.SKIP_OVERLAP
-    if overlap_policy == "buffer_one":
-        return Decision.BUFFER
-    if overlap_policy == "replace":
-        return Decision.REPLACE
-    return Decision.SKIP_OVERLAP
-
-
 class CronLoop(Loop):
-    def __init__(self, registry: JobRegistry, *, runner_factory: Callable[[CronLoop],
-                 SessionRunner], stop_grace_s: float, parent: StopSignal | None = None,
+    def __init__(self, registry: JobRegistry, *, runner: SessionRunner, firing: Firing,
+                 stop_grace_s: float, parent: StopSignal | None = None,
                  clock: Callable[[], datetime] = utc_now,
                  fire_gate: Callable[[str, datetime], bool] | None = None,
-                 wakeup: threading.Event | None = None) -> None:
-        """``wakeup``: the event the registry's history backlog sets when it keeps a
-        failed write (so the loop retries it soon)."""
-        super().__init__("cron", clock=clock, parent=parent,
-                         logger=logging.getLogger("kandevd.scheduler"), wakeup=wakeup)
+                 wakeup: threading.Event | None = None, fanout: FanOut | None = None) -> None:
+        """``runner`` starts the sessions (in ``fanout``, which it was built with);
+        ``firing`` decides each fire (the runner asks it again for a buffered one);
+        ``wakeup``: the event the registry's history backlog and the runner set."""
+        super().__init__("cron", clock=clock, parent=parent, logger=log, wakeup=wakeup,
+                         fanout=fanout)
         self.registry = registry
-        self.runner = runner_factory(self)
+        self.runner = runner
+        self.firing = firing
         self.backfills = Backfills(self.runner, self.fanout.spawn, registry.by_key)
         self._stop_grace_s = stop_grace_s
         self._reload = threading.Event()
@@ -181,8 +148,9 @@ class CronLoop(Loop):
         self.fires += 1
         intended = job.state.due_at or now
         catchup, job.state.catchup = job.state.catchup, None
-        decision = self._decide(job, paused=paused, running=self.runner.is_running(job.key),
-                                buffered=self.runner.is_buffered(job.key))
+        decision = self.firing.decide(job, paused=paused,
+                                      running=self.runner.is_running(job.key),
+                                      buffered=self.runner.is_buffered(job.key))
         why = None
         if decision is Decision.BUFFER:
             kept = self.runner.buffer(job.key)
@@ -219,48 +187,13 @@ class CronLoop(Loop):
                 job.source.skipped(job, now)
                 return Decision.SKIP_UNRECORDED
         if decision is Decision.SKIP_OVERLAP:
-            self._skip(job, decision, why or "the previous session is still running" + (
+            self.firing.skip(job, decision, why or "the previous session is still running" + (
                 " and one fire already waits" if job.spec.overlap_policy != "skip"
                 else ""))
         else:
-            self._skip(job, decision)
+            self.firing.skip(job, decision)
         job.source.skipped(job, now)
         return decision
-
-    def fire_buffered(self, job: Job) -> None:
-        """The fire a ``buffer_one`` schedule kept, decided again now that it may start:
-        a pause, a disabled schedule or a switch turned off since then still wins."""
-        if not job.enabled or job.state.invalid is not None:
-            log.info("%s: buffered fire dropped: the schedule was %s", job.key,
-                     "disabled" if not job.enabled else "made invalid")
-            return
-        decision = self._decide(job, paused=self.registry.pause.get()["globally_paused"],
-                                running=False, buffered=False)
-        if decision is Decision.RUN:
-            self.runner.start_buffered(job)
-        else:
-            self._skip(job, decision)
-
-    def _decide(self, job: Job, *, paused: bool, running: bool, buffered: bool) -> Decision:
-        switches = self.registry.switches
-        return decide_fire(
-            execution_enabled=switches.execution_enabled,
-            workflow_allowed=job.spec.verdict(switches) is None,
-            paused=paused, running=running, buffered=buffered,
-            overlap_policy=job.spec.overlap_policy)
-
-    def _skip(self, job: Job, decision: Decision, why: str | None = None) -> None:
-        """Count a fire that does not run and say why, once, at INFO."""
-        state = job.state
-        if decision is Decision.SKIP_OVERLAP:
-            state.skipped_overlap += 1
-        elif decision is Decision.SKIP_PAUSED:
-            state.skipped_paused += 1
-            why = "the scheduler is globally paused"
-        else:
-            state.skipped_disabled += 1
-            why = self.registry.ineligible_reason(job, paused=False)
-        log.info("%s: cron fire skipped: %s", job.key, why)
 
     def surroundings(self) -> Surroundings:
         """What a job's state depends on besides the job, read once for many jobs."""

@@ -23,6 +23,7 @@ from kandevd.config import Config
 from kandevd.paths import HomeLayout
 from kandevd.runtime import AgentRuntime
 from kandevd.schedules import history as hist
+from kandevd.schedules.firing import Firing
 from kandevd.schedules.history import SHUTDOWN_ERROR, History, HistoryEntry
 from kandevd.schedules.jobs import Job, JobNotFound
 from kandevd.schedules.registry import JobRegistry
@@ -84,17 +85,17 @@ class _InFlight:
 class SessionRunner:
     def __init__(self, registry: JobRegistry, *, config: Config, layout: HomeLayout,
                  runtime: AgentRuntime, spawn: Spawn,
-                 fire_buffered: Callable[[Job], None] | None = None,
+                 firing: Firing | None = None,
                  wake: Callable[[], None] | None = None) -> None:
-        """``fire_buffered(job)`` decides a buffered fire once its session ended (the
-        cron loop's policy); it calls :meth:`start_buffered` when the fire still runs.
-        ``wake()`` has the loop look again (a new session's deadline)."""
+        """``firing`` decides a buffered fire again once its session ended (the cron
+        loop's policy; None: a kept fire is dropped). ``wake()`` has the loop look again
+        (a new session's deadline)."""
         self._registry = registry
         self._config = config
         self._layout = layout
         self._runtime = runtime
         self._spawn = spawn
-        self._fire_buffered = fire_buffered
+        self._firing = firing
         self._wake = wake
         self._lock = threading.Lock()
         #: Notified whenever a session ends (a backfill waits on it for its next run).
@@ -289,8 +290,9 @@ class SessionRunner:
         except JobNotFound:
             log.info("%s: buffered fire dropped: the job was removed", job_id)
             return
-        if self._fire_buffered is not None:
-            self._fire_buffered(job)  # decided again: a pause since then still counts
+        # Decided again: a pause since then still counts.
+        if self._firing is not None and self._firing.buffered_fire_runs(job):
+            self.start_buffered(job)
 
     def wait_idle(self, job_id: str, stop: threading.Event) -> None:
         """Block until ``job_id`` has no session in flight nor a fire waiting for one

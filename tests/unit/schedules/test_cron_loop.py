@@ -7,6 +7,7 @@ pause and the turn sequence are tested without child processes.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -20,10 +21,12 @@ from hypothesis import strategies as st
 
 from kandevd.app.scheduler import build_registry
 from kandevd.config import build_config
+from kandevd.lifecycle import FanOut
 from kandevd.paths import HomeLayout
 from kandevd.runtime import AgentRuntime, ExecutionSpec, InProcessRunner
+from kandevd.schedules.firing import Decision, Firing, decide_fire
 from kandevd.schedules.history import SHUTDOWN_ERROR
-from kandevd.schedules.loop import CronLoop, Decision, decide_fire
+from kandevd.schedules.loop import CronLoop
 from kandevd.schedules.rules.options import jitter_delay
 from kandevd.schedules.sessions.runner import SessionRunner
 from kandevd.schedules.settings import Switches
@@ -69,11 +72,11 @@ def build(home: HomeLayout) -> Iterator[Callable[..., tuple[CronLoop, Agent]]]:
                                   Switches.from_config(config.scheduler, env or {}), 90)
         registry.load_at_start(at)
 
-        def runner(loop: CronLoop) -> SessionRunner:
-            return SessionRunner(registry, config=config, layout=home, runtime=runtime,
-                                 spawn=loop.fanout.spawn,
-                                 fire_buffered=loop.fire_buffered)
-        loop = CronLoop(registry, runner_factory=runner, stop_grace_s=0)
+        fanout = FanOut("cron", logging.getLogger("kandevd.scheduler"))
+        firing = Firing(registry)
+        runner = SessionRunner(registry, config=config, layout=home, runtime=runtime,
+                               spawn=fanout.spawn, firing=firing)
+        loop = CronLoop(registry, runner=runner, firing=firing, stop_grace_s=0, fanout=fanout)
         made.append((loop, runtime))
         return loop, agent
 

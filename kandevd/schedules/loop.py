@@ -108,7 +108,7 @@ class CronLoop(Loop):
             since, self._late_since = self._late_since, None
             paused = self.registry.pause.get()["globally_paused"]
             late = fire_late(self.registry, self.backfills, since, now, gate=self._ours,
-                             may_run=lambda job: self._decide(
+                             may_run=lambda job: self.firing.decide(
                                  job, paused=paused, running=False, buffered=False)
                              is Decision.RUN)
             self.late_fires += len(late)

@@ -491,3 +491,26 @@ def test_a_workflow_jobs_carry_its_label_and_a_reload_follows_it(build, home) ->
     (folder / "workflow.json").write_text(json.dumps({**manifest, "label": "Digest"}))
     loop.registry.rescan(T0)
     assert loop.describe(loop.registry.resolve("workflow:w:s"))["workflow_label"] == "Digest"
+
+
+def test_a_new_leader_fires_what_no_leader_fired_and_a_pause_still_wins(build, home) -> None:
+    write_workflow(home.workspace, "w", [schedule("s", "* * * * *")])
+    took_over = T0 + timedelta(minutes=3, seconds=30)
+    paused, _ = build()
+    paused.fire_gate = lambda _key, _intended: True  # several daemons: this one leads
+    paused.registry.pause.put(True, "ops", T0)
+    paused.request_late_fires(T0 + timedelta(seconds=30))  # the last lease renewal seen
+    paused.tick(took_over)
+    assert paused.late_fires == 0  # the fire policy said no: nothing owed is run
+    paused.registry.pause.put(False, None, T0)  # (the pause file is the home's)
+    loop, _agent = build()
+    loop.fire_gate = lambda _key, _intended: True
+    loop.request_late_fires(T0 + timedelta(seconds=30))
+    loop.tick(took_over)
+    loop.fanout.join()
+    # 10:01 to 10:04, none fired by any leader: run now, one after the other, as "cron"
+    assert loop.late_fires == 4 and loop.late_max_s == 180.0
+    entries = history(folder_of(home))
+    assert sorted(datetime.fromisoformat(e["intended_at"]) for e in entries
+                  if e.get("intended_at")) == [
+        datetime(2026, 12, 3, 10, minute, tzinfo=UTC) for minute in range(1, 5)]

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from kandevd import exits
 from kandevd.app.metrics import DaemonMetrics
-from kandevd.app.scheduler import build_cron_loop
+from kandevd.app.scheduler import build_scheduler
 from kandevd.app.status import StatusReporter
 from kandevd.bus import EventBus
 from kandevd.cluster.hooks import ClusterHooks
@@ -47,6 +47,7 @@ from kandevd.runtime import AgentRuntime
 from kandevd.runtime.keeperclient import KeeperClient
 from kandevd.runtime.keeperrunner import KeeperRunner
 from kandevd.schedules.loop import CronLoop
+from kandevd.schedules.restart.repair import TurnRestart
 from kandevd.sdnotify import SystemdNotifier
 from kandevd.store.base import BaseStore
 from kandevd.store.check import DatabaseUnusable, open_checked
@@ -82,6 +83,8 @@ class Parts:
     #: The loops in start order (queue, office when enabled, cron).
     loops: dict[str, Loop]
     cron: CronLoop
+    #: What a dead daemon's scheduled turns left, adopted and settled by the start.
+    turn_restart: TurnRestart
     metrics: DaemonMetrics
     status: StatusReporter
     server: ControlServer
@@ -159,8 +162,9 @@ def _assemble(config: Config, layout: HomeLayout, store: BaseStore, *, boot_id: 
         loops["office"] = OfficeLoop(store, queue, bus, config.office,
                                      leader=cluster.is_leader if cluster else None,
                                      parent=stop_signal)
-    cron = build_cron_loop(config, layout, runtime, parent=stop_signal,
-                           fire_gate=cluster.fire_gate if cluster else None)
+    scheduler = build_scheduler(config, layout, runtime, parent=stop_signal,
+                                fire_gate=cluster.fire_gate if cluster else None)
+    cron = scheduler.loop
     loops["cron"] = cron
     status = StatusReporter(config, layout, store, runtime, queue, loops, cron, cluster,
                             boot_id=boot_id, started_at=started_at, state=state, keeper=keeper)
@@ -176,8 +180,8 @@ def _assemble(config: Config, layout: HomeLayout, store: BaseStore, *, boot_id: 
     server = ControlServer(layout.socket, registry, idle_timeout_s=config.control.idle_timeout_s)
     return Parts(store=store, bus=bus, runtime=runtime, queue=queue, cluster=cluster,
                  cluster_hooks=_cluster_hooks(cluster, queue, runtime, cron) if cluster else None,
-                 loops=loops, cron=cron, metrics=metrics, status=status, server=server,
-                 keeper=keeper)
+                 loops=loops, cron=cron, turn_restart=scheduler.restart, metrics=metrics,
+                 status=status, server=server, keeper=keeper)
 
 
 def _cluster_hooks(cluster: Cluster, queue: RunQueue, runtime: AgentRuntime, cron: CronLoop

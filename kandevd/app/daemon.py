@@ -5,7 +5,8 @@ Start order (a failure rolls back what already started, CherryPy style)::
     home lock -> assemble (store + migrations, bus, runtime, queue, loops, control
     server: kandevd.app.assemble) -> cluster heartbeats -> restart recovery (what
     an earlier instance left: outcomes recorded, agents adopted, orphans stopped,
-    claims re-queued) -> loops: queue, office, cron -> control socket (intake last)
+    claims re-queued, scheduled turns settled) -> loops: queue, office, cron ->
+    control socket (intake last)
 
 Stop order is the reverse, run by :class:`kandevd.app.shutdown.ShutdownCoordinator`
 in a joined worker while the main thread stays ready for a second signal.
@@ -34,7 +35,6 @@ from kandevd.lifecycle import StopSignal
 from kandevd.paths import HomeLayout
 from kandevd.runtime.keeperclient import KeeperUnavailable
 from kandevd.runtime.orphans import stop_orphan_agents
-from kandevd.schedules.restart.adopted import adopt_turns
 from kandevd.sdnotify import SystemdNotifier, queue_status
 from kandevd.timeutil import rfc3339, utc_now
 from kandevd.web.server import WebConsole
@@ -191,8 +191,7 @@ class Daemon:
             adopted = queue.restore_after_restart(
                 adopt=self.config.runtime.adopt_on_restart)
             if self.config.runtime.adopt_on_restart:  # and scheduled turns likewise
-                adopted |= adopt_turns(parts.cron.registry, parts.cron.runner,
-                                       parts.runtime, str(self.layout.root))
+                adopted |= parts.turn_restart.adopt()
             stop_orphan_agents(self.layout.root,
                                min(self.config.runtime.stop_grace_s, ORPHAN_GRACE_CAP_S),
                                keep=adopted)
@@ -200,6 +199,9 @@ class Daemon:
             parts.runtime.release_unclaimed()
             if parts.cluster is not None:
                 self._settle_cluster(parts)
+            # The other turns those runs had: their real ends recorded (their agents
+            # are stopped now, so their exits are written).
+            parts.turn_restart.settle()
             for loop in parts.loops.values():
                 loop.start()
                 started.append((f"stop {loop.name} loop", loop.stop))

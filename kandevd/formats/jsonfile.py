@@ -61,6 +61,25 @@ class CorruptFile:
 CorruptReporter = Callable[[CorruptFile], None]
 
 
+class CorruptFiles:
+    """The files moved aside lately, kept to be shown (``scheduler.errors``); a
+    :data:`CorruptReporter` that any reader of the root's files is given. Thread-safe."""
+
+    def __init__(self, keep: int = 100) -> None:
+        self._lock = threading.Lock()
+        self._keep = keep
+        self._reports: list[CorruptFile] = []
+
+    def __call__(self, report: CorruptFile) -> None:
+        with self._lock:
+            self._reports.append(report)
+            del self._reports[:-self._keep]
+
+    def recent(self) -> list[CorruptFile]:
+        with self._lock:
+            return list(self._reports)
+
+
 def loads(text: str) -> Any:
     """Strict JSON (see :mod:`kandevd.formats.jsonstrict`): what kandevd reads it can write back."""
     return jsonstrict.loads(text)

@@ -11,6 +11,8 @@ the jobs API only ever see a Job.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -146,6 +148,40 @@ class Job:
     def enabled(self) -> bool:
         definition: bool = self.spec.schedule.enabled
         return definition if self.state.enabled is None else self.state.enabled
+
+
+class JobTable:
+    """The loaded jobs of each source, by key; thread-safe. The registry reads it; a
+    source that rewrote its own files (``scheduler.jobs.update``) installs its new jobs
+    here itself, without going back through the registry."""
+
+    def __init__(self, names: Iterable[str]) -> None:
+        self._lock = threading.Lock()
+        self._jobs: dict[str, dict[str, Job]] = {name: {} for name in names}
+
+    def install(self, name: str, jobs: list[Job]) -> None:
+        """Source ``name``'s jobs from now on."""
+        table = {job.key: job for job in jobs}
+        with self._lock:
+            self._jobs[name] = table
+
+    def of(self, name: str) -> dict[str, Job]:
+        """The jobs of source ``name``, by key (a copy)."""
+        with self._lock:
+            return dict(self._jobs[name])
+
+    def every(self) -> dict[str, dict[str, Job]]:
+        """Every source's jobs (copies)."""
+        with self._lock:
+            return {name: dict(jobs) for name, jobs in self._jobs.items()}
+
+    def by_key(self, key: str) -> Job:
+        with self._lock:
+            for jobs in self._jobs.values():
+                job = jobs.get(key)
+                if job is not None:
+                    return job
+        raise JobNotFound(f"no job {key!r}")
 
 
 class JobObject(OptionsObject, total=False):

@@ -64,7 +64,6 @@ class CronLoop(Loop):
         self.backfills = Backfills(self.runner, self.fanout.spawn, registry.by_key)
         self._stop_grace_s = stop_grace_s
         self._reload = threading.Event()
-        self._settled = False
         #: A takeover of the leader's lease: occurrences since then may lack their fire.
         self._late_since: datetime | None = None
         self.late_fires = 0
@@ -93,17 +92,6 @@ class CronLoop(Loop):
             self._reload.clear()
             self.registry.rescan(now)
         deadline = self.runner.expire(now)
-        if not self._settled:  # what a dead daemon's turns left: once, at the first tick
-            self._settled = True
-            live = self.runner.is_live_turn
-            if self.fire_gate is None:  # one daemon: the entries it left are ours
-                self.registry.stranded.settle(self.runner.turns_folder, live=live,
-                                ended=lambda item, entry: self.runner.settled(
-                                    str(item.job_key), entry, item.history),
-                                release=self.runner.settle_turns)
-            else:  # several: its records are this home's, its entries maybe another's
-                self.registry.stranded.settle_records(self.runner.turns_folder, live,
-                                        self.runner.settle_turns)
         if self._late_since is not None and self.fire_gate is not None:
             since, self._late_since = self._late_since, None
             paused = self.registry.pause.get()["globally_paused"]

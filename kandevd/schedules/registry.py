@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import TypedDict
 
-from kandevd.formats.jsonfile import CorruptFile
+from kandevd.formats.jsonfile import CorruptFiles
 from kandevd.schedules.history import HistoryEntry, PendingWrites
-from kandevd.schedules.jobs import Job, JobNotFound
+from kandevd.schedules.jobs import Job, JobNotFound, JobTable
 from kandevd.schedules.restart.alive import AliveMark
-from kandevd.schedules.restart.stranded import StrandedTurns
 from kandevd.schedules.settings import PauseState, Switches
 from kandevd.schedules.source import JobSource
 
@@ -45,34 +43,20 @@ class Rescan(TypedDict, total=False):
 class JobRegistry:
     """The jobs of one workflow root; thread-safe."""
 
-    def __init__(self, root: Path, *, switches: Switches,
-                 sources: Callable[[JobRegistry], dict[str, JobSource]],
-                 on_corrupt: Callable[[CorruptFile], None] | None = None,
-                 backlog: PendingWrites | None = None) -> None:
-        """``sources(registry)``: the kinds of job, by name, in lookup order; ``backlog``:
-        where the root's failed history writes wait (else one that wakes no one)."""
+    def __init__(self, root: Path, *, switches: Switches, sources: dict[str, JobSource],
+                 table: JobTable, corrupt: CorruptFiles, backlog: PendingWrites) -> None:
+        """``sources``: the kinds of job, by name, in lookup order, each loading into
+        ``table``; ``corrupt``: where the root's files moved aside are reported;
+        ``backlog``: where the root's failed history writes wait."""
         self.root = root
         self.switches = switches
-        self._external_corrupt = on_corrupt
-        self._lock = threading.RLock()
-        self._corrupt_files: list[CorruptFile] = []
-        self.pause = PauseState(root, on_corrupt=self.report_corrupt)
+        self._corrupt = corrupt
+        self.pause = PauseState(root, on_corrupt=corrupt)
         self.alive = AliveMark(root)
         #: The root's history writes that failed, retried by the cron loop.
-        self.backlog = backlog if backlog is not None else PendingWrites()
-        #: What a dead daemon's runs left, found while loading at start (adopted by the
-        #: daemon's start, settled by the cron loop's first tick).
-        self.stranded = StrandedTurns()
-        self.sources = sources(self)
-        self._jobs: dict[str, dict[str, Job]] = {name: {} for name in self.sources}
-
-    def report_corrupt(self, report: CorruptFile) -> None:
-        """A file under the root was moved aside: keep it for ``scheduler.errors``."""
-        with self._lock:
-            self._corrupt_files.append(report)
-            del self._corrupt_files[:-100]
-        if self._external_corrupt is not None:
-            self._external_corrupt(report)
+        self.backlog = backlog
+        self.sources = sources
+        self._table = table
 
     # -- loading --------------------------------------------------------------------
     def load_at_start(self, now: datetime) -> None:
@@ -114,35 +98,22 @@ class JobRegistry:
                  len(problems))
         return {**counts, **changes, "errors": problems}
 
-    def replace(self, source: JobSource, jobs: list[Job]) -> None:
-        """A source's jobs after it changed its own files."""
-        name = next(n for n, s in self.sources.items() if s is source)
-        self._install(name, jobs)
-
     def _install(self, name: str, jobs: list[Job]) -> None:
-        with self._lock:
-            self._jobs[name] = {job.key: job for job in jobs}
+        self._table.install(name, jobs)
 
     # -- lookups --------------------------------------------------------------------
     def of(self, name: str) -> dict[str, Job]:
         """The jobs of source ``name``, by key (a copy)."""
-        with self._lock:
-            return dict(self._jobs[name])
+        return self._table.of(name)
 
     def jobs(self, *, source: str | None = None, user_id: str | None = None) -> list[Job]:
         """Every job (of one source, of one user), sorted by id then user."""
-        with self._lock:
-            chosen = [job for name, jobs in self._jobs.items() if source in (None, name)
-                      for job in jobs.values() if user_id is None or job.user_id == user_id]
+        chosen = [job for name, jobs in self._table.every().items() if source in (None, name)
+                  for job in jobs.values() if user_id is None or job.user_id == user_id]
         return sorted(chosen, key=lambda job: (job.id, job.user_id or ""))
 
     def by_key(self, key: str) -> Job:
-        with self._lock:
-            for jobs in self._jobs.values():
-                job = jobs.get(key)
-                if job is not None:
-                    return job
-        raise JobNotFound(f"no job {key!r}")
+        return self._table.by_key(key)
 
     def source_of(self, job_id: str) -> JobSource:
         """The source whose jobs ``job_id`` names (by its prefix; a bare id: workflows)."""
@@ -168,9 +139,8 @@ class JobRegistry:
 
     def problems(self) -> list[dict[str, str]]:
         found = [problem for source in self.sources.values() for problem in source.problems()]
-        with self._lock:
-            found += [{"path": c.path, "message": f"{c.error}; moved aside to {c.moved_to}",
-                       "kind": "state"} for c in self._corrupt_files]
+        found += [{"path": c.path, "message": f"{c.error}; moved aside to {c.moved_to}",
+                   "kind": "state"} for c in self._corrupt.recent()]
         return found
 
     def counts(self) -> dict[str, int]:

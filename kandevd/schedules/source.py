@@ -9,16 +9,37 @@ of them asks which kind a job is.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kandevd.schedules.history import HistoryEntry
+from kandevd.formats.jsonfile import CorruptReporter
+from kandevd.schedules.history import HistoryEntry, PendingWrites
 
 if TYPE_CHECKING:
     from kandevd.schedules.history import History
-    from kandevd.schedules.jobs import Job, JobObject
+    from kandevd.schedules.jobs import Job, JobObject, JobTable
+    from kandevd.schedules.restart.stranded import StrandedTurns
     from kandevd.schedules.sessions.session import SessionPlan
     from kandevd.schedules.settings import Switches
+
+
+@dataclass(frozen=True)
+class SourceParts:
+    """What a source is given by the composition root: it calls nothing above it."""
+
+    #: The workflow root.
+    root: Path
+    retention_days: float
+    #: Where the root's failed history writes wait for the cron loop to retry them.
+    backlog: PendingWrites
+    #: Where the loaded jobs are kept (a source rewriting its files installs them).
+    table: JobTable
+    #: The runs a dead daemon left ``running``, marked while loading at start.
+    stranded: StrandedTurns
+    #: Where a file moved aside is reported.
+    on_corrupt: CorruptReporter
 
 
 class JobSpec(Protocol):

@@ -15,13 +15,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kandevd.formats.jsonfile import CorruptFile
 from kandevd.schedules import history as hist
 from kandevd.schedules.history import HistoryEntry
 from kandevd.schedules.jobs import Job, JobNotFound, JobObject, UserNeeded, last_success
@@ -43,7 +42,6 @@ from kandevd.schedules.products.state import (
     state_to_file,
     stored_time,
 )
-from kandevd.schedules.restart.stranded import repair_at_start
 from kandevd.schedules.rules.options import jitter_delay
 from kandevd.schedules.sessions.session import SessionPlan
 from kandevd.schedules.settings import Switches
@@ -51,7 +49,7 @@ from kandevd.schedules.workflows.manifest import Problem
 from kandevd.timeutil import rfc3339, utc_now
 
 if TYPE_CHECKING:
-    from kandevd.schedules.registry import JobRegistry
+    from kandevd.schedules.source import SourceParts
 
 log = logging.getLogger("kandevd.scheduler.products")
 
@@ -109,12 +107,11 @@ class ProductSource:
     #: The definitions are the product's: update and delete are refused.
     editable = False
 
-    def __init__(self, registry: JobRegistry, *, retention_days: float,
-                 on_corrupt: Callable[[CorruptFile], None]) -> None:
-        self.registry = registry
-        self.root: Path = registry.root
-        self.retention_days = retention_days
-        self._on_corrupt = on_corrupt
+    def __init__(self, parts: SourceParts) -> None:
+        self.parts = parts
+        self.root: Path = parts.root
+        self.retention_days = parts.retention_days
+        self._on_corrupt = parts.on_corrupt
         self._lock = threading.RLock()
         self._directory = False
         self._activity: dict[tuple[str, str], datetime] = {}
@@ -210,15 +207,15 @@ class ProductSource:
 
     def _repair(self, user_id: str, profile_id: str, now: datetime) -> None:
         """At start: runs a dead daemon left ``running`` in this user's history with the
-        product become ``error`` (their turns are settled on the first tick)."""
+        product become ``error`` (their turns are settled later at start)."""
         history = product_history(self.root, user_id, profile_id,
                                   retention_days=self.retention_days,
-                                  backlog=self.registry.backlog,
+                                  backlog=self.parts.backlog,
                                   on_corrupt=self._on_corrupt)
         def job_key(entry: HistoryEntry) -> str:
             return f"{product_job_id(profile_id, str(entry.get('schedule_id')))}@{user_id}"
 
-        repair_at_start(history, now, job_key, self.registry.stranded)
+        self.parts.stranded.mark(history, now, job_key)
 
     def _kept_invalid(self, old: dict[str, Job], loaded: set[str], problems: list[Problem],
                       user_problems: list[Problem]) -> list[Job]:
@@ -328,7 +325,7 @@ class ProductSource:
     def history(self, job: Job) -> hist.History:
         return product_history(self.root, job.spec.user.id, job.spec.product.profile_id,
                                retention_days=self.retention_days,
-                               backlog=self.registry.backlog, on_corrupt=self._on_corrupt)
+                               backlog=self.parts.backlog, on_corrupt=self._on_corrupt)
 
     def started(self, job: Job, now: datetime) -> None:
         """A run began: its occurrence is spent, even if the daemon dies during it."""
@@ -404,7 +401,7 @@ class ProductSource:
         UserState(self.root, user_id, on_corrupt=self._on_corrupt).update(change)
         with self._lock:
             self._activity[(user_id, profile_id)] = at
-            for job in self.registry.of("products").values():
+            for job in self.parts.table.of("products").values():
                 if job.spec.user.id == user_id and job.spec.product.profile_id == profile_id:
                     job.state.next_check = None
 

@@ -14,7 +14,7 @@ recorded, its stdout merged into its log, its record removed once that is
 written, and the run ends with the turn's outcome (``success`` included),
 which the job's state, notification and ``pause_after_failures`` follow as for
 any run. A turn that ended meanwhile, or was not adopted, is settled by
-:mod:`kandevd.schedules.restart.stranded` on the first tick.
+:mod:`kandevd.schedules.restart.stranded` once the others are stopped.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from kandevd.schedules import history as hist
 from kandevd.schedules.history import SHUTDOWN_ERROR, HistoryEntry, TurnRecord
 from kandevd.schedules.jobs import JobNotFound
 from kandevd.schedules.registry import JobRegistry
-from kandevd.schedules.restart.stranded import Stranded
+from kandevd.schedules.restart.stranded import Stranded, StrandedTurns
 from kandevd.schedules.sessions.runner import SessionRunner
 from kandevd.schedules.sessions.session import (
     MANUAL_STOP_ERROR,
@@ -44,14 +44,14 @@ from kandevd.timeutil import parse_rfc3339, rfc3339, utc_now
 log = logging.getLogger("kandevd.scheduler")
 
 
-def adopt_turns(registry: JobRegistry, runner: SessionRunner, runtime: AgentRuntime, home: str
-                ) -> frozenset[int]:
-    """Adopt every live turn of the entries repaired at start; the adopted shims' pids
+def adopt_turns(noted: StrandedTurns, registry: JobRegistry, runner: SessionRunner,
+                runtime: AgentRuntime, home: str) -> frozenset[int]:
+    """Adopt every live turn of the entries ``noted`` at start; the adopted shims' pids
     (which the orphan sweep must leave alone)."""
     kept: set[int] = set()
-    for stranded in registry.stranded.pending():
+    for stranded in noted.pending():
         try:
-            pid = _adopt_entry(stranded, registry, runner, runtime, home)
+            pid = _adopt_entry(stranded, noted, registry, runner, runtime, home)
         except Exception:  # one broken entry must not keep the daemon from starting
             log.exception("%s: adopting the turn of run %s failed; its agent is stopped",
                           stranded.job_key, stranded.entry_id)
@@ -61,8 +61,8 @@ def adopt_turns(registry: JobRegistry, runner: SessionRunner, runtime: AgentRunt
     return frozenset(kept)
 
 
-def _adopt_entry(stranded: Stranded, registry: JobRegistry, runner: SessionRunner,
-                 runtime: AgentRuntime, home: str) -> int | None:
+def _adopt_entry(stranded: Stranded, noted: StrandedTurns, registry: JobRegistry,
+                 runner: SessionRunner, runtime: AgentRuntime, home: str) -> int | None:
     entry = stranded.history.entry(stranded.entry_id)
     if entry is None or stranded.job_key is None or not is_entry_id(stranded.entry_id):
         return None
@@ -78,9 +78,9 @@ def _adopt_entry(stranded: Stranded, registry: JobRegistry, runner: SessionRunne
             continue  # (not this turn's record: never adopted on its word)
         record = locate(record)
         if not record_alive(record):
-            continue  # ended meanwhile: settled on the first tick
+            continue  # ended meanwhile: settled after the orphan sweep
         _adopt(stranded, entry, position, record, registry, runner, runtime, home)
-        registry.stranded.discard(stranded.entry_id)
+        noted.discard(stranded.entry_id)
         return record.pid
     return None
 

@@ -7,8 +7,8 @@ first (or stops leaving its agents running, or stops while a full disk keeps
 the entry's writes in memory), the next start marks the session ``error:
 interrupted: server restarted`` (stale until shown otherwise), adopts the
 turns still running (:mod:`kandevd.schedules.restart.adopted`, which takes their
-entries off the list here) and stops the agents it does not adopt. Then, on
-the cron loop's first tick (after those agents were stopped, so their shims
+entries off the list here) and stops the agents it does not adopt. Then, later in
+the same start (after those agents were stopped, so their shims
 have written their exit status), each turn of the other entries is settled
 here: its real outcome (the exit code, the agent's summary line as
 ``output``, its cost and evaluation) is recorded on the entry (turns the file
@@ -60,9 +60,23 @@ class StrandedTurns:
         self._lock = threading.Lock()
         self._entries: list[Stranded] = []
 
-    def add(self, history: hist.History, entries: list[Stranded]) -> None:
+    def add(self, entries: list[Stranded]) -> None:
         with self._lock:
             self._entries += entries
+
+    def mark(self, history: hist.History, now: datetime,
+             job_key: Callable[[HistoryEntry], str | None]) -> list[Any]:
+        """The history's entries once the runs a dead daemon left ``running`` are
+        ``error`` (logged), their turns noted here to be adopted or settled
+        (``job_key(entry)``: the key of the job the entry is a run of)."""
+        entries, repaired = history.repair_after_restart(now)
+        if repaired:
+            log.warning("%s: %d run(s) left running by a previous daemon marked 'error' "
+                        "(%s)", history.file.path, len(repaired), hist.RESTART_ERROR)
+            by_id = {e.get("id"): e for e in entries if isinstance(e, dict)}
+            self.add([Stranded(history, entry_id, job_key(by_id.get(entry_id, {})))
+                      for entry_id in repaired])
+        return entries
 
     def pending(self) -> list[Stranded]:
         """The entries not settled yet (adoption looks at them first)."""
@@ -126,22 +140,6 @@ class StrandedTurns:
 #: ``release(names)``: the keeper may forget the exits of these turns (their outcome is
 #: recorded); see :meth:`kandevd.runtime.pool.AgentRuntime.settle_ids`.
 Release = Callable[[list[str]], None]
-
-def repair_at_start(history: hist.History, now: datetime,
-                    job_key: Callable[[HistoryEntry], str | None],
-                    stranded: StrandedTurns) -> list[Any]:
-    """The history's entries once the runs a dead daemon left ``running`` are ``error``
-    (logged), their turns noted in ``stranded`` (the registry's) to be adopted or
-    settled (``job_key(entry)``: the key of the job the entry is a run of)."""
-    entries, repaired = history.repair_after_restart(now)
-    if repaired:
-        log.warning("%s: %d run(s) left running by a previous daemon marked 'error' (%s)",
-                    history.file.path, len(repaired), hist.RESTART_ERROR)
-        by_id = {e.get("id"): e for e in entries if isinstance(e, dict)}
-        stranded.add(history, [Stranded(history, entry_id, job_key(by_id.get(entry_id, {})))
-                               for entry_id in repaired])
-    return entries
-
 
 def settle_entry(history: hist.History, entry_id: str, turns_folder: Path | None = None,
                  release: Release | None = None) -> tuple[int, HistoryEntry | None]:

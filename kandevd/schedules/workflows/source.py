@@ -18,11 +18,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kandevd.cron import next_fire_times
-from kandevd.formats.jsonfile import CorruptFile
 from kandevd.schedules import history as hist
 from kandevd.schedules.history import HistoryEntry
 from kandevd.schedules.jobs import AmbiguousJob, Job, JobNotFound, JobObject, seed_state
-from kandevd.schedules.restart.stranded import repair_at_start
 from kandevd.schedules.rules.options import jitter_delay, within_window
 from kandevd.schedules.sessions.session import SessionPlan
 from kandevd.schedules.settings import Switches
@@ -32,7 +30,7 @@ from kandevd.schedules.workflows.program import WorkflowProgram
 from kandevd.timeutil import rfc3339, utc_now
 
 if TYPE_CHECKING:
-    from kandevd.schedules.registry import JobRegistry
+    from kandevd.schedules.source import SourceParts
 
 log = logging.getLogger("kandevd.scheduler")
 
@@ -96,19 +94,18 @@ class WorkflowSource:
     accepts_bare_ids = True
     editable = True
 
-    def __init__(self, registry: JobRegistry, *, retention_days: float,
-                 on_corrupt: Callable[[CorruptFile], None]) -> None:
-        self.registry = registry
-        self.root: Path = registry.root
-        self.retention_days = retention_days
-        self.on_corrupt = on_corrupt
+    def __init__(self, parts: SourceParts) -> None:
+        self.parts = parts
+        self.root: Path = parts.root
+        self.retention_days = parts.retention_days
+        self.on_corrupt = parts.on_corrupt
         self._problems: list[Problem] = []
         self._workflows: dict[str, Workflow] = {}
 
     # -- files ----------------------------------------------------------------------
     def history_of(self, workflow: Workflow) -> hist.History:
         return hist.History(workflow.folder, retention_days=self.retention_days,
-                            backlog=self.registry.backlog, on_corrupt=self.on_corrupt)
+                            backlog=self.parts.backlog, on_corrupt=self.on_corrupt)
 
     def history(self, job: Job) -> hist.History:
         return self.history_of(job.spec.workflow)
@@ -155,9 +152,8 @@ class WorkflowSource:
         history = self.history_of(workflow)
         if now is None:
             return hist.latest_by_schedule(history.entries())
-        return hist.latest_by_schedule(repair_at_start(
-            history, now, lambda e: workflow_job_id(workflow.name, str(e.get("schedule_id"))),
-            self.registry.stranded))
+        return hist.latest_by_schedule(self.parts.stranded.mark(
+            history, now, lambda e: workflow_job_id(workflow.name, str(e.get("schedule_id")))))
 
     def _job(self, old: dict[str, Job], workflow: Workflow, schedule: Schedule,
              now: datetime) -> Job:
@@ -360,7 +356,7 @@ class WorkflowSource:
             return schedules
 
         self._edit(job.spec.workflow.name, edit, now)
-        return None if fields is None else self.registry.by_key(job.key)
+        return None if fields is None else self.parts.table.by_key(job.key)
 
     def create(self, name: str, schedule: dict[str, Any], now: datetime) -> Job:
         """Add ``schedule`` to workflow ``name``'s manifest; the new job."""
@@ -371,7 +367,7 @@ class WorkflowSource:
             return [*schedules, schedule]
 
         workflow = self._edit(name, add, now)
-        return self.registry.by_key(workflow_job_id(workflow.name, schedule["id"]))
+        return self.parts.table.by_key(workflow_job_id(workflow.name, schedule["id"]))
 
     def _edit(self, name: str, edit: Callable[[list[Any]], list[Any]], now: datetime
               ) -> Workflow:
@@ -387,7 +383,7 @@ class WorkflowSource:
         except manifest.ManifestError as exc:
             raise manifest.ManifestError(f"workflow {name!r}: {exc}") from None
         workflow, problems = manifest.load_workflow(folder)
-        old = self.registry.of("workflows")
+        old = self.parts.table.of("workflows")
         jobs = [job for job in old.values() if job.spec.workflow.name != name]
         self._problems = [p for p in self._problems
                           if not Path(p.path).is_relative_to(folder)] + problems
@@ -395,7 +391,7 @@ class WorkflowSource:
         if workflow is not None:
             self._workflows[name] = workflow
             jobs += [self._job(old, workflow, schedule, now) for schedule in workflow.schedules]
-        self.registry.replace(self, jobs)
+        self.parts.table.install("workflows", jobs)
         return written
 
 

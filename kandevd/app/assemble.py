@@ -38,6 +38,7 @@ from kandevd.office.budgets import (
 from kandevd.office.loop import OfficeLoop
 from kandevd.office.subscribers import AssignmentSubscriber
 from kandevd.paths import HomeLayout
+from kandevd.runqueue.live import Waker
 from kandevd.runqueue.loop import QueueLoop
 from kandevd.runqueue.retention import RunPruner
 from kandevd.runqueue.service import RunQueue
@@ -135,9 +136,10 @@ def _assemble(config: Config, layout: HomeLayout, store: BaseStore, *, boot_id: 
               started_at: str, systemd: SystemdNotifier) -> Parts:
     bus = EventBus()
     keeper = KeeperClient(layout.root)
+    waker = Waker()  # the queue's in-process signal: a freed slot calls it too
     runtime = AgentRuntime(config.runtime.max_concurrent, config.runtime.stop_grace_s,
                            runner=KeeperRunner(keeper, kill_grace_s=5.0),
-                           shutdown_requested=stop_requested.wait)
+                           shutdown_requested=stop_requested.wait, on_slot_free=waker)
     cluster = _join_cluster(config, layout, store, boot_id) if store.shared else None
     metrics = DaemonMetrics()
     repo = RunRepository(store, boot_id, give_up=attempt_limit(config.queue.max_attempts),
@@ -148,7 +150,8 @@ def _assemble(config: Config, layout: HomeLayout, store: BaseStore, *, boot_id: 
         repo.hold_peers(tuple(cluster.held))
         bus.subscribe("*", cluster.on_event)
     queue = RunQueue(repo, runtime, config, layout, bus, faults=Faults.from_env(),
-                     observer=metrics, on_saturated=cluster.notify if cluster else None)
+                     observer=metrics, on_saturated=cluster.notify if cluster else None,
+                     waker=waker)
     expired = ExpiredRuns(store, keep=[RETENTION_KEEPS_COUNTED_RUNS],
                           home_prefix=layout.root_prefix if store.shared else None)
     loops: dict[str, Loop] = {"queue": QueueLoop(

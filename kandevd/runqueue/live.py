@@ -86,11 +86,16 @@ class LiveRuns:
 
 
 class Waker:
-    """The in-process signal: what wakes the queue loop (its wake-up event's ``set``,
-    given at construction); ``enabled`` False holds it back (a benchmark's preload)."""
+    """The in-process signal: what wakes the queue loop (by default it sets
+    :attr:`event`, the loop's wake-up); ``enabled`` False holds it back (a benchmark's
+    preload). Made by the composition root before the runtime, whose freed slots call
+    it, and the queue, which signals with it."""
 
-    def __init__(self, wake: Callable[[], None]) -> None:
-        self._wake = wake
+    def __init__(self, wake: Callable[[], None] | None = None) -> None:
+        """``wake``: what a signal calls instead of setting :attr:`event` (tests)."""
+        #: The queue loop's wake-up (the loop is built with it).
+        self.event = threading.Event()
+        self._wake = wake if wake is not None else self.event.set
         self.enabled = True
 
     def __call__(self) -> None:

@@ -10,7 +10,6 @@ announce), restore.py (restart adoption, peer settlement); the queue loop
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from datetime import datetime
@@ -40,11 +39,11 @@ class RunQueue:
                  monotonic: Callable[[], float] = time.monotonic,
                  observer: Observer | None = None,
                  on_saturated: Callable[[], None] | None = None,
-                 wake: Callable[[], None] | None = None) -> None:
+                 waker: Waker | None = None) -> None:
         """``observer``: hears of executions as they end (metrics); ``on_saturated``:
         several daemons: a pass filled every free slot here, the others should look;
-        ``wake``: what the in-process signal calls (default: set :attr:`wakeup`, the
-        event the queue loop waits on)."""
+        ``waker``: the in-process signal, also given to the runtime as what a freed slot
+        calls (default: a new one, which no slot calls: a test's)."""
         self.repo = repo
         self.runtime = runtime
         self.config = config
@@ -52,10 +51,10 @@ class RunQueue:
         self.bus = bus
         self.clock = clock
         self.live = LiveRuns(layout.attempts)
+        #: The in-process signal (the runtime calls it too when a slot frees).
+        self.wake = waker if waker is not None else Waker()
         #: The queue loop's wake-up event (the loop is built with it).
-        self.wakeup = threading.Event()
-        #: The in-process signal.
-        self.wake = Waker(wake or self.wakeup.set)
+        self.wakeup = self.wake.event
         self.outcomes = OutcomeRecorder(
             repo, self.live, bus, self.wake, decide_retry=retry_decider(config.retry),
             clock=clock, faults=faults, observer=observer, monotonic=monotonic,
@@ -65,7 +64,6 @@ class RunQueue:
                                      on_saturated=on_saturated)
         self.restorer = Restorer(repo, runtime, self.outcomes, self.live, self.wake, config,
                                  layout, clock=clock)
-        runtime.add_slot_listener(self.wake)
 
     # -- signal -----------------------------------------------------------------
     def signal(self) -> None:

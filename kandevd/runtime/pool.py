@@ -87,10 +87,12 @@ class AgentRuntime(Stopping, Threadless, Workers):
 
     def __init__(self, max_concurrent: int, stop_grace_s: float, *,
                  runner: Runner | None = None, kill_grace_s: float = 5.0,
-                 shutdown_requested: Callable[[float], bool] | None = None) -> None:
+                 shutdown_requested: Callable[[float], bool] | None = None,
+                 on_slot_free: Callable[[], None] | None = None) -> None:
         """``shutdown_requested(timeout)``: waits up to ``timeout`` for the daemon's
         "stop requested" (set from its signal handler): an agent that a signal ends
-        then counts as interrupted."""
+        then counts as interrupted. ``on_slot_free()``: called whenever a slot frees
+        (the queue loop's wake-up)."""
         if max_concurrent < 1:
             raise ValueError(f"max_concurrent must be >= 1, not {max_concurrent!r}")
         if stop_grace_s < 0:
@@ -112,7 +114,7 @@ class AgentRuntime(Stopping, Threadless, Workers):
         self._idle_workers = 0
         self._workers_started = 0  # names each worker (a dead one's name is not reused)
         self._pool_closed = False  # stop(): workers exit once the queue is empty
-        self._listeners: list[Callable[[], None]] = []
+        self._listeners: list[Callable[[], None]] = [on_slot_free] if on_slot_free else []
         self._stopping = False  # no new reservations or starts (stop or kill_all_now)
         self._stop_begun = False  # stop() has a first caller doing the work
         self._stopped = False  # that caller has finished
@@ -183,11 +185,6 @@ class AgentRuntime(Stopping, Threadless, Workers):
         find = getattr(self._runner, "record_for", None)
         found = find(record_dir) if find is not None else None
         return found if found is not None else read_record(record_dir)
-
-    def add_slot_listener(self, callback: Callable[[], None]) -> None:
-        """Call ``callback()`` whenever a slot frees (the queue loop's wake-up)."""
-        with self._cond:
-            self._listeners.append(callback)
 
     # -- slots -------------------------------------------------------------
 

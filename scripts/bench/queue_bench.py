@@ -48,6 +48,7 @@ if str(ROOT) not in sys.path:
 from kandevd.bus import EventBus  # noqa: E402
 from kandevd.config import Config, build_config  # noqa: E402
 from kandevd.paths import HomeLayout  # noqa: E402
+from kandevd.runqueue.live import Waker  # noqa: E402
 from kandevd.runqueue.loop import QueueLoop  # noqa: E402
 from kandevd.runqueue.service import RunQueue  # noqa: E402
 from kandevd.runs.model import Run  # noqa: E402
@@ -99,11 +100,12 @@ class Bench:
     def build(cls, home: Path, *, agents: int, config: Config, sync: str) -> Bench:
         store = open_store(home / "kandevd.db", synchronous=sync)
         names = seed_agents(store, agents)
+        waker = Waker()
         runtime = AgentRuntime(config.runtime.max_concurrent, config.runtime.stop_grace_s,
-                               runner=InProcessRunner(noop_agent))
+                               runner=InProcessRunner(noop_agent), on_slot_free=waker)
         bus = EventBus()
-        queue = RunQueue(RunRepository(store, "bench"), runtime, config, HomeLayout(home), bus)
-        runtime.add_slot_listener(queue.signal)
+        queue = RunQueue(RunRepository(store, "bench"), runtime, config, HomeLayout(home), bus,
+                         waker=waker)
         loop = QueueLoop(queue, safety_interval_s=config.queue.safety_interval_s,
                          max_claims_per_tick=config.queue.max_claims_per_tick)
         return cls(store, runtime, queue, loop, bus, names)

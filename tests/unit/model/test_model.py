@@ -28,6 +28,7 @@ from kandevd.model import (
 )
 from kandevd.model.actions import ActionError, action_digest, validate_action
 from kandevd.paths import HomeLayout
+from kandevd.runqueue.live import Waker
 from kandevd.runqueue.service import RunQueue
 from kandevd.runtime import AgentRuntime, ExecutionSpec, InProcessRunner
 from kandevd.runtime.specs import ECHO_AGENT
@@ -121,7 +122,7 @@ class Env:
         self.runtime = AgentRuntime(max_concurrent, 1.0, runner=InProcessRunner(self.agent))
         self.signals = 0
         self.queue = RunQueue(RunRepository(self.store, "boot"), self.runtime, self.config,
-                              self.layout, self.bus, wake=self._count_signal)
+                              self.layout, self.bus, waker=Waker(self._count_signal))
         self.model = WorkspaceService(self.store, self.bus, self.queue, self.runtime,
                                       self.config, self.layout)
 

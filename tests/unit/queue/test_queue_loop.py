@@ -27,6 +27,7 @@ import pytest
 from kandevd.bus import EventBus
 from kandevd.config import AgentProfile, Config, build_config
 from kandevd.paths import HomeLayout
+from kandevd.runqueue.live import Waker
 from kandevd.runqueue.loop import QueueLoop
 from kandevd.runqueue.service import RunQueue
 from kandevd.runs.model import RunConflict
@@ -172,7 +173,15 @@ def rig_factory(tmp_path: Path, store_location: str) -> Iterator[Callable[..., R
         seed(store, "ws2", "b1")
         repo = RunRepository(store, "boot-1")
         agents = Agents()
-        runtime = AgentRuntime(max_concurrent, 5.0, runner=InProcessRunner(agents))
+        slot_cond = threading.Condition()
+
+        def slot_freed() -> None:
+            queue.signal()  # as the daemon wires it
+            with slot_cond:
+                slot_cond.notify_all()
+
+        runtime = AgentRuntime(max_concurrent, 5.0, runner=InProcessRunner(agents),
+                               on_slot_free=slot_freed)
         clock = Clock(T0)
         bus = EventBus()
         events: list[tuple[str, dict[str, Any]]] = []
@@ -184,17 +193,9 @@ def rig_factory(tmp_path: Path, store_location: str) -> Iterator[Callable[..., R
             loop.wake()
 
         queue = RunQueue(repo, runtime, config, HomeLayout(tmp_path / "home"), bus, clock=clock,
-                         wake=waker)
+                         waker=Waker(waker))
         loop = QueueLoop(queue, safety_interval_s=config.queue.safety_interval_s,
                          max_claims_per_tick=config.queue.max_claims_per_tick)
-        slot_cond = threading.Condition()
-
-        def slot_freed() -> None:
-            with slot_cond:
-                slot_cond.notify_all()
-
-        runtime.add_slot_listener(queue.signal)  # as the daemon wires it
-        runtime.add_slot_listener(slot_freed)
         rig = Rig(store, repo, runtime, queue, loop, clock, agents, events, signals, slot_cond)
         made.append(rig)
         return rig

@@ -548,10 +548,9 @@ def test_spec_rejects_shell_strings_and_unknown_kinds(tmp_path: Path):
 
 
 def test_bound_reservations_and_slot_listener(tmp_path: Path, make_runtime):
-    runtime = make_runtime(max_concurrent=2)
     done = Recorder()
     slots = SlotCounter(done)
-    runtime.add_slot_listener(slots)
+    runtime = make_runtime(max_concurrent=2, on_slot_free=slots)
 
     first, second = runtime.try_reserve(), runtime.try_reserve()
     assert first is not None and second is not None
@@ -610,9 +609,9 @@ def test_in_process_runner(tmp_path: Path, make_runtime):
 
 
 def test_on_done_exceptions_are_logged_not_propagated(tmp_path: Path, make_runtime, caplog):
-    runtime = make_runtime(runner=InProcessRunner(lambda spec: (0, None, None)))
     slots = SlotCounter()
-    runtime.add_slot_listener(slots)
+    runtime = make_runtime(runner=InProcessRunner(lambda spec: (0, None, None)),
+                           on_slot_free=slots)
 
     def explode(result: ExecutionResult) -> None:
         raise RuntimeError("on_done bug")
@@ -752,10 +751,9 @@ def test_a_dead_worker_never_runs_its_execution_again(tmp_path: Path, make_runti
             raise _WorkerDeath()
         return (0, None, None)
 
-    runtime = make_runtime(max_concurrent=1, runner=InProcessRunner(agent))
     done = Recorder()
     slots = SlotCounter()
-    runtime.add_slot_listener(slots)
+    runtime = make_runtime(max_concurrent=1, runner=InProcessRunner(agent), on_slot_free=slots)
     unraisable: list[Any] = []
     previous_hook = threading.excepthook
     threading.excepthook = unraisable.append  # the dying worker's traceback, kept quiet

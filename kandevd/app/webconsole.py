@@ -14,8 +14,8 @@ from typing import Any
 from kandevd import __version__
 from kandevd.config import Config
 from kandevd.fsutil import replace_atomically
+from kandevd.net.httpintake import LazyTlsAdapter, tls_adapter
 from kandevd.schedules.settings import scheduler_root
-from kandevd.web.intake import LazyTlsAdapter, tls_adapter
 from kandevd.web.server import WebConsole
 
 log = logging.getLogger("kandevd.web")

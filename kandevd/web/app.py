@@ -10,7 +10,7 @@ from another site would not go with the redirect); without the cookie
 nothing else is served (401, with the sign-in form); a POST needs the page's
 CSRF token and, when the browser sends one, a same-origin ``Origin`` (403).
 Only a signed-in request keeps its connection open (see
-:mod:`kandevd.web.intake`). A control method's error becomes the message
+:mod:`kandevd.net.httpintake`). A control method's error becomes the message
 shown on the page it came from.
 """
 
@@ -24,10 +24,10 @@ from typing import Any
 from urllib.parse import quote, urlencode
 
 from kandevd.control.protocol import RpcError
+from kandevd.net.httpintake import KEEP_ALIVE
 from kandevd.web import live
 from kandevd.web.context import Console, set_flash
 from kandevd.web.http import BadRequest, Request, Response, redirect, text
-from kandevd.web.intake import KEEP_ALIVE
 from kandevd.web.views import job, office, overview, runs, schedule_form, schedules
 
 log = logging.getLogger("kandevd.web")

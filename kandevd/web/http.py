@@ -7,8 +7,8 @@ from http import HTTPStatus
 from typing import Any
 from urllib.parse import parse_qs, quote, urlencode
 
-#: Form bodies larger than this are refused (a schedule with its messages fits easily).
-MAX_BODY = 256 * 1024
+#: Form bodies larger than MAX_BODY are refused (a schedule with its messages fits easily).
+from kandevd.net.httpintake import MAX_BODY
 
 #: No script but the console's own file, nothing from another origin, no framing.
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "

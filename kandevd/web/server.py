@@ -4,7 +4,7 @@ socket and stopped with the intake at shutdown (live streams end, the threads ar
 cheroot (CherryPy's WSGI server) serves it: a fixed pool of worker threads made
 for blocking WSGI code such as ours, started and stopped from another thread,
 and nothing polled while nobody connects (its connection manager waits in
-``select`` up to :data:`IDLE_WAKE_S`). :mod:`kandevd.web.intake` keeps clients
+``select`` up to :data:`IDLE_WAKE_S`). :mod:`kandevd.net.httpintake` keeps clients
 that have not signed in from holding a thread or much memory; with
 ``web.tls_cert``/``tls_key`` it serves HTTPS.
 """
@@ -20,11 +20,11 @@ from typing import Any
 
 from cheroot import wsgi
 
+from kandevd.net.httpintake import GuardedServer, LazyTlsAdapter
 from kandevd.net.listen import is_loopback
 from kandevd.web.app import ConsoleApp
 from kandevd.web.auth import Guard, ensure_token
 from kandevd.web.context import Console, Dispatch
-from kandevd.web.intake import GuardedServer, LazyTlsAdapter
 
 log = logging.getLogger("kandevd.web")
 

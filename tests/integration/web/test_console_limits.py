@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kandevd.web.intake import MAX_GATHERING, REQUEST_DEADLINE_S
+from kandevd.net.httpintake import MAX_GATHERING, REQUEST_DEADLINE_S
 from tests.support.console import ConsoleAddress, console_of, request, sign_in
 from tests.support.daemon import FAST_CONFIG, DaemonProcess
 

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kandevd.net.httpintake import Gathering, request_size
 from kandevd.net.listen import WebConfig, remote_problem
 from kandevd.web.http import MAX_BODY
-from kandevd.web.intake import Gathering, request_size
 
 
 def test_a_request_is_whole_with_its_headers_and_its_body() -> None:

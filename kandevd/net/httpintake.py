@@ -1,4 +1,5 @@
-"""How a request reaches the console: whole, in memory, before a worker thread takes it.
+"""How a request reaches an HTTP server of the daemon (the console, the gateway): whole,
+in memory, before a worker thread takes it.
 
 cheroot reads a request in a worker thread with blocking reads, each bounded by
 its timeout but the request as a whole by nothing, and by default with no limit
@@ -38,8 +39,8 @@ from cheroot import makefile, wsgi
 from cheroot import server as cheroot_server
 from cheroot.ssl.builtin import BuiltinSSLAdapter
 
-from kandevd.web.http import MAX_BODY
-
+#: The largest request body read (a form, a runner's report or log chunk).
+MAX_BODY = 256 * 1024
 #: Request line and headers together; a browser's with its cookies fit many times over.
 MAX_HEADER = 32 * 1024
 #: From a request's first byte (or its connection's accept) until it is all here.

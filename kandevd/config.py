@@ -26,7 +26,7 @@ import jsonschema
 from kandevd.cluster.timing import FenceTiming, fence_timing, fencing_problem
 from kandevd.formats import yamlsafe
 from kandevd.formats.schemacheck import format_validation_error
-from kandevd.net.listen import ListenError, MetricsConfig, WebConfig, parse_listen
+from kandevd.net.listen import GatewayConfig, ListenError, MetricsConfig, WebConfig, parse_listen
 from kandevd.net.urls import POSTGRES_SCHEMES, redact_url
 
 DEFAULTS: dict[str, Any] = {
@@ -47,6 +47,8 @@ DEFAULTS: dict[str, Any] = {
     "metrics": {"listen": None},
     "web": {"listen": None, "allowed_hosts": [], "tls_cert": None, "tls_key": None,
             "insecure_remote": False},
+    "gateway": {"listen": None, "tls_cert": None, "tls_key": None, "insecure_remote": False,
+                "dead_after_s": 30},
     "log": {"level": None},
     "office": {"enabled": True, "interval_s": 30, "recovery_lookback_hours": 24},
     "scheduler": {"enabled": True, "root": None, "history_retention_days": 90,
@@ -197,6 +199,7 @@ class Config:
     control: ControlConfig = ControlConfig()
     metrics: MetricsConfig = MetricsConfig()  # noqa: RUF009 (frozen: shared safely)
     web: WebConfig = WebConfig()  # noqa: RUF009 (frozen: shared safely)
+    gateway: GatewayConfig = GatewayConfig()  # noqa: RUF009 (frozen: shared safely)
     store: StoreConfig = StoreConfig()
     cluster: ClusterConfig = ClusterConfig()
     #: ``log.level``: the lowest level logged when ``serve --log-level`` is not
@@ -328,6 +331,8 @@ def build_config(
                       allowed_hosts=tuple(merged["web"]["allowed_hosts"]),
                       tls_cert=merged["web"]["tls_cert"], tls_key=merged["web"]["tls_key"],
                       insecure_remote=bool(merged["web"]["insecure_remote"])),
+        gateway=GatewayConfig(**{**merged["gateway"],
+                                 "dead_after_s": float(merged["gateway"]["dead_after_s"])}),
         store=StoreConfig(url=merged["store"]["url"]),
         cluster=ClusterConfig(
             heartbeat_s=float(merged["cluster"]["heartbeat_s"]),
@@ -362,7 +367,9 @@ def build_config(
             parse_listen(config.metrics.listen)
         if config.web.listen is not None:
             parse_listen(config.web.listen, "web.listen", lowest_port=0)
-        problem = config.web.problem()
+        if config.gateway.listen is not None:
+            parse_listen(config.gateway.listen, "gateway.listen", lowest_port=0)
+        problem = config.web.problem() or config.gateway.problem()
     except ListenError as exc:
         raise ConfigError(str(exc)) from None
     if problem is not None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kandevd import exits
+from kandevd.app.gateway import GatewayTlsError, build_gateway
 from kandevd.app.metrics import DaemonMetrics
 from kandevd.app.scheduler import build_scheduler
 from kandevd.app.status import StatusReporter
@@ -53,11 +54,13 @@ from kandevd.sdnotify import SystemdNotifier
 from kandevd.store.base import BaseStore
 from kandevd.store.check import DatabaseUnusable, open_checked
 from kandevd.store.open import open_store
+from kandevd.store.runners import Runners
 from kandevd.store.runs import RunRepository
 from kandevd.store.runs.retention import ExpiredRuns
 
 if TYPE_CHECKING:
     from kandevd.cluster.membership import Cluster
+    from kandevd.gateway.server import Gateway
 
 log = logging.getLogger("kandevd.daemon")
 
@@ -91,6 +94,8 @@ class Parts:
     server: ControlServer
     #: The home's keeper as this daemon speaks to it (attached by the daemon's start).
     keeper: KeeperClient
+    #: The runners' gateway (``gateway.listen``; started by the daemon), else None.
+    gateway: Gateway | None = None
 
 
 def open_configured_store(config: Config, layout: HomeLayout) -> BaseStore:
@@ -169,6 +174,12 @@ def _assemble(config: Config, layout: HomeLayout, store: BaseStore, *, boot_id: 
                                 fire_gate=cluster.fire_gate if cluster else None)
     cron = scheduler.loop
     loops["cron"] = cron
+    try:
+        gateway = build_gateway(config, layout, queue, Runners(store), bus, stop_signal)
+    except GatewayTlsError as exc:
+        raise StartupError(str(exc), exits.CONFIG) from None
+    if gateway is not None:
+        loops["gateway"] = gateway[1]  # the watch over silent runners
     status = StatusReporter(config, layout, store, runtime, queue, loops, cron, cluster,
                             boot_id=boot_id, started_at=started_at, state=state, keeper=keeper)
     metrics.collect(status.status, cron.job_statuses)
@@ -184,7 +195,8 @@ def _assemble(config: Config, layout: HomeLayout, store: BaseStore, *, boot_id: 
     return Parts(store=store, bus=bus, runtime=runtime, queue=queue, cluster=cluster,
                  cluster_hooks=_cluster_hooks(cluster, queue, runtime, cron) if cluster else None,
                  loops=loops, cron=cron, turn_restart=scheduler.restart, metrics=metrics,
-                 status=status, server=server, keeper=keeper)
+                 status=status, server=server, keeper=keeper,
+                 gateway=gateway[0] if gateway is not None else None)
 
 
 def _cluster_hooks(cluster: Cluster, queue: RunQueue, runtime: AgentRuntime, cron: CronLoop

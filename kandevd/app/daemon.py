@@ -213,6 +213,14 @@ class Daemon:
             self.state = "running"
             # The console first: once the socket answers (`kandevd wait`), it serves too.
             self._start_web(parts)
+            if parts.gateway is not None:
+                try:
+                    parts.gateway.start()
+                except OSError as exc:
+                    raise StartupError(f"gateway.listen {self.config.gateway.listen}: cannot "
+                                       f"listen: {exc.strerror or exc}",
+                                       exits.CANTCREAT) from None
+                started.append(("stop the gateway", parts.gateway.stop))
             try:
                 parts.server.start()
             except SocketInUse as exc:
@@ -242,6 +250,8 @@ class Daemon:
                                         ("start the agents' grace", parts.runtime.begin_grace),
                                         ("signal loops", self.stop_signal.set),
                                         ("stop web console", self._stop_web)]
+        if parts.gateway is not None:  # (runners keep their agents and report later)
+            steps.append(("stop the gateway", parts.gateway.stop))
         for loop in reversed(list(parts.loops.values())):
             steps.append((f"stop {loop.name} loop", loop.stop))
         if parts.cluster is not None:  # it fires nothing more: the next leader, now

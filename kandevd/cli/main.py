@@ -22,6 +22,7 @@ from kandevd.cli.jobs import jobs
 from kandevd.cli.methods import methods
 from kandevd.cli.metrics import metrics
 from kandevd.cli.model import MODEL_GROUPS
+from kandevd.cli.runners import runner, runners
 from kandevd.cli.runs import runs
 from kandevd.cli.scheduler import scheduler, scheduler_lines
 from kandevd.cli.validate import validate
@@ -141,6 +142,8 @@ cli.add_command(wait)
 cli.add_command(web)
 cli.add_command(methods)
 cli.add_command(metrics)
+cli.add_command(runners)
+cli.add_command(runner)
 for group in MODEL_GROUPS:
     cli.add_command(group)
 

@@ -21,6 +21,7 @@ from kandevd.control.protocol import (
     ShuttingDown,
 )
 from kandevd.cron import CronError
+from kandevd.gateway.directory import RunnerNotFound
 from kandevd.model.errors import ConflictError, InvalidReference, LaunchRefused, NotFoundError
 from kandevd.runs.model import BatchItemError, RunConflict, RunNotFound, RunReferenceError
 from kandevd.runtime.pool import RuntimeStopped
@@ -29,6 +30,7 @@ from kandevd.schedules.jobs import AmbiguousJob, JobNotFound, UserNeeded
 from kandevd.schedules.sessions import runner as sessions
 from kandevd.schedules.workflows.manifest import ManifestError, ManifestUnusable
 from kandevd.schedules.workflows.source import DuplicateSchedule, ScheduleGone, WorkflowMissing
+from kandevd.store.runners import RunnerExists
 
 Translate = Callable[[Exception], RpcError]
 
@@ -45,6 +47,9 @@ DOMAIN_ERRORS: tuple[tuple[type[Exception], Translate], ...] = (
     (RunConflict, lambda exc: Conflict(str(exc))),
     (BatchItemError, _batch_item),
     (RunReferenceError, lambda exc: InvalidParams(str(exc))),
+    # The runners on other machines.
+    (RunnerNotFound, lambda exc: NotFound(str(exc))),
+    (RunnerExists, lambda exc: Conflict(str(exc))),
     # The workspace model.
     (NotFoundError, lambda exc: NotFound(str(exc))),
     (ConflictError, lambda exc: Conflict(str(exc))),

@@ -71,7 +71,7 @@ SUMMARIES: dict[str, str] = {
 RESULTS: dict[str, str] = {
     'agents.create':
         ('AGENT {id, workspace_id, name, profile, cooldown_s, status, cooldown_until, '
-         'last_finished_at, created_at, updated_at}'),
+         'last_finished_at, created_at, updated_at, runs_on}'),
     'agents.get':
         'AGENT; not_found for an unknown id',
     'agents.list':

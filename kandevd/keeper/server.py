@@ -84,6 +84,10 @@ class Keeper:
         self.env_base: dict[str, str] | None = None
         self.quitting = False
         self.idle_since = time.monotonic()
+        #: A runner's keeper (its ``hello``): with no client this long, stop every agent
+        #: (the server gives their runs to others once the runner is silent).
+        self.stop_alone_after: float | None = None
+        self.alone_since: float | None = None
         self.sel = selectors.DefaultSelector()
         self._prepare_signals()
         self.journal = Journal(self.folder / protocol.JOURNAL)
@@ -158,6 +162,12 @@ class Keeper:
                 for key, _mask in self.sel.select(self._timeout()):
                     self._event(key.data, key.fileobj)
                 now = time.monotonic()
+                if self.alone_since is not None and self.stop_alone_after is not None \
+                        and now - self.alone_since >= self.stop_alone_after:
+                    self.alone_since = None  # (once per absence)
+                    grace = min(5.0, self.stop_alone_after / 2)  # (all gone by 3/4 of it)
+                    for agent in list(self.agents.values()):
+                        agent.terminate("interrupted", "its runner was gone", grace, now)
                 for agent in list(self.agents.values()):
                     agent.on_timer(now)
         finally:
@@ -175,6 +185,8 @@ class Keeper:
     def _timeout(self) -> float:
         timers = [t for a in self.agents.values() if (t := a.next_timer()) is not None]
         wait = IDLE_EXIT_S if self.conn is None and not self.agents else _MAX_WAIT_S
+        if self.alone_since is not None and self.stop_alone_after is not None:
+            timers.append(self.alone_since + self.stop_alone_after)
         if timers:
             wait = min(wait, min(timers) - time.monotonic())
         return min(max(wait, 0.0), _MAX_WAIT_S)
@@ -209,7 +221,7 @@ class Keeper:
         if self.conn is not None:  # a daemon that reconnects: the old connection is dead
             self._drop_connection()
         conn.settimeout(_SEND_TIMEOUT_S)  # a daemon that reads nothing is dropped, not waited on
-        self.conn = conn
+        self.conn, self.alone_since = conn, None
         self.sel.register(conn, selectors.EVENT_READ, "conn")
 
     def _drop_connection(self) -> None:
@@ -219,6 +231,8 @@ class Keeper:
         self.conn.close()
         self.conn = None
         self.idle_since = time.monotonic()
+        if self.stop_alone_after is not None and not self.quitting:
+            self.alone_since = self.idle_since
 
     def _send(self, message: dict[str, Any], fds: list[int] | None = None) -> None:
         if self.conn is None:
@@ -273,6 +287,8 @@ class Keeper:
             env = message.get("env")
             self.env_base = {str(k): str(v) for k, v in env.items()} \
                 if isinstance(env, dict) else None
+            alone = message.get("stop_alone_after")
+            self.stop_alone_after = float(alone) if isinstance(alone, int | float) else None
             self._hello()
         elif op == "quit":
             self.quitting = True

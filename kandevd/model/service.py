@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from kandevd.bus import EventBus
 from kandevd.config import Config, UnknownProfile
 from kandevd.model.actions import ActionError, run_queue_run, target_agent_id, validate_action
+from kandevd.model.agents import check_status, profile_ref
 from kandevd.model.answers import Launched, TaskMove
 from kandevd.model.errors import ConflictError, InvalidReference, LaunchRefused, NotFoundError
 from kandevd.paths import HomeLayout
@@ -46,7 +47,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("kandevd.model")
 
 STYLES = ("kanban", "office", "custom")
-AGENT_STATUSES = ("active", "paused")
 _TIMESTAMPS = frozenset({"created_at", "updated_at"})
 Found = TypeVar("Found")
 
@@ -100,13 +100,6 @@ class WorkspaceService:
             raise InvalidReference(f"{field}: agent {agent_id!r} belongs to workspace "
                                    f"{agent['workspace_id']!r}, not {workspace_id!r}")
         return agent
-
-    def _profile_ref(self, profile: str) -> str:
-        if profile not in self.config.agents:
-            known = ", ".join(sorted(self.config.agents))
-            raise InvalidReference(f"profile: agent profile {profile!r} is not configured "
-                                   f"(configured: {known})")
-        return profile
 
     @staticmethod
     def _free_id(conn: sqlite3.Connection, table: str, what: str, ident: str) -> None:
@@ -182,11 +175,12 @@ class WorkspaceService:
         now = self._now()
         agent = {"id": params.get("id") or new_id("agt"), "workspace_id": params["workspace_id"],
                  "name": params["name"],
-                 "profile": self._profile_ref(params.get("profile") or "default"),
+                 "profile": profile_ref(params.get("profile") or "default", self.config.agents,
+                                        remote=bool(params.get("runs_on"))),
                  "cooldown_s": float(params.get("cooldown_s", 0)),
                  "status": params.get("status") or "active", "created_at": now,
-                 "updated_at": now}
-        self._check_status(agent["status"])
+                 "updated_at": now, "runs_on": params.get("runs_on") or None}
+        check_status(agent["status"])
         with self.store.transaction() as conn:
             self._free_id(conn, "agents", "agent", agent["id"])
             self._workspace_ref(conn, agent["workspace_id"])
@@ -197,24 +191,22 @@ class WorkspaceService:
         self.bus.publish("agent.created", {"agent": created})
         return created
 
-    @staticmethod
-    def _check_status(status: str) -> None:
-        if status not in AGENT_STATUSES:
-            raise InvalidReference(f"status: must be one of {', '.join(AGENT_STATUSES)}, "
-                                   f"not {status!r}")
-
     def update_agent(self, params: Mapping[str, Any]) -> AgentRecord:
         agent_id = params["id"]
         fields: dict[str, Any] = {}
         if "status" in params:
-            self._check_status(params["status"])
+            check_status(params["status"])
             fields["status"] = params["status"]
         if "cooldown_s" in params:
             fields["cooldown_s"] = float(params["cooldown_s"])
-        if "profile" in params:
-            fields["profile"] = self._profile_ref(params["profile"])
+        if "runs_on" in params:  # (null: its runs run on the daemon's machine again)
+            fields["runs_on"] = params["runs_on"] or None
         with self.store.transaction() as conn:
             before = self._need(sql.get_agent(conn, agent_id), "agent", agent_id)
+            remote = bool(fields["runs_on"] if "runs_on" in fields else before["runs_on"])
+            if "profile" in params or ("runs_on" in fields and not remote):
+                fields["profile"] = profile_ref(params.get("profile", before["profile"]),
+                                                self.config.agents, remote=remote)
             fields["updated_at"] = self._now()
             sql.update_agent(conn, agent_id, fields)
             after = self._need(sql.get_agent(conn, agent_id), "agent", agent_id)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import http.client
 import io
+import logging
 import socket
 import ssl
 import threading
@@ -260,3 +261,47 @@ class GuardedServer(wsgi.Server):
         self.gateway = ClosingGateway
         #: The connections whose request is not whole yet.
         self.gathering = Gathering()
+
+
+def stop_promptly(server: wsgi.Server) -> None:
+    """cheroot's ``stop()`` waits for its selector loop to notice the stop, which sleeps
+    up to its expiration interval while nobody connects: stop it from a helper thread
+    and connect until that stop has returned, so the loop wakes now (cheroot's public
+    API only)."""
+    done = threading.Event()
+    failure: list[BaseException] = []
+
+    def stop() -> None:
+        try:
+            server.stop()
+        except BaseException as exc:  # raised again in the caller's thread
+            failure.append(exc)
+        finally:
+            done.set()
+
+    stopper = threading.Thread(target=stop, name="kandevd-http-stop", daemon=True)
+    stopper.start()
+    host, port = server.bind_addr[:2]
+    host = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
+    # Until the selector noticed: once cheroot closed its socket, there is none to wake.
+    while not done.wait(0.05) and server.socket is not None:
+        try:
+            with socket.create_connection((host, port), timeout=1.0):
+                pass
+        except OSError:
+            pass  # (the loop then notices at its next wake-up)
+    stopper.join()
+    if failure:
+        raise failure[0]
+
+
+def stop_and_join(server: wsgi.Server, thread: threading.Thread | None, what: str,
+                  logger: logging.Logger) -> None:
+    """Stop ``server`` at once (:func:`stop_promptly`) and join its serving thread (10 s
+    at most: said in ``logger`` if it is still alive), then say ``<what> stopped``."""
+    stop_promptly(server)
+    if thread is not None:
+        thread.join(timeout=10)
+        if thread.is_alive():
+            logger.warning("%s: its server thread did not end within 10 s", what)
+    logger.info("%s stopped", what)

@@ -61,6 +61,34 @@ def remote_problem(section: str, listen: str | None, tls: bool, insecure: bool) 
 
 
 @dataclass(frozen=True)
+class GatewayConfig:
+    """``gateway.listen``: ``"HOST:PORT"`` serves the runners on other machines; None =
+    off. ``tls_cert``/``tls_key``: PEM files, both set = HTTPS (needed off loopback).
+    ``dead_after_s``: a runner silent this long has its executions ended."""
+
+    listen: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    insecure_remote: bool = False
+    dead_after_s: float = 30.0
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
+
+    def problem(self) -> str | None:
+        """Why this gateway may not start (a config error naming the key), or None."""
+        if (self.tls_cert is None) != (self.tls_key is None):
+            return "gateway.tls_cert and gateway.tls_key: set both (HTTPS) or neither"
+        return remote_problem("gateway", self.listen, self.tls, self.insecure_remote)
+
+    @property
+    def address(self) -> tuple[str, int] | None:
+        return None if self.listen is None else parse_listen(self.listen, "gateway.listen",
+                                                             lowest_port=0)
+
+
+@dataclass(frozen=True)
 class WebConfig:
     """``web.listen``: ``"HOST:PORT"`` serves the web console; None = off.
     ``allowed_hosts``: more ``Host`` names the console answers (a proxy's name).

@@ -23,9 +23,11 @@ from kandevd.runqueue.dispatch import Dispatcher
 from kandevd.runqueue.live import LiveRuns, Waker
 from kandevd.runqueue.outcomes import Observer, OutcomeRecorder
 from kandevd.runqueue.restore import Restorer
-from kandevd.runs.model import EnqueueRequest, EnqueueResult, Explanation, Run, RunPage
+from kandevd.runs.labels import covers
+from kandevd.runs.model import Claim, EnqueueRequest, EnqueueResult, Explanation, Run, RunPage
 from kandevd.runs.retry import retry_decider
-from kandevd.runtime import AgentRuntime
+from kandevd.runtime import AgentRuntime, ExecutionResult
+from kandevd.store.runners import Runners
 from kandevd.store.runs import RunRepository
 from kandevd.timeutil import utc_now
 
@@ -146,10 +148,61 @@ class RunQueue:
         self.wake()
         return run
 
+    # -- runners on other machines (the gateway) -------------------------------------
+    def claim_for_runner(self, claimed_by: str, agents: frozenset[str]) -> Claim | None:
+        """The oldest due run of one of ``agents`` (those a runner may take), claimed for
+        it (None: none now); announced as any claim."""
+        claims = self.repo.claim_batch(self.clock(), 1, runner=(claimed_by, agents))
+        if not claims:
+            return None
+        self.bus.publish("run.claimed", {"run": claims[0].run})
+        return claims[0]
+
+    def claim_in_force(self, run_id: str, token: str) -> Claim | None:
+        """Run ``run_id``'s claim ``token`` while it still holds (None: it ended)."""
+        return self.repo.claim_of(run_id, token)
+
+    def record_remote(self, claim: Claim, result: ExecutionResult) -> None:
+        """A runner's execution ended: its outcome recorded as a local one's is."""
+        try:
+            self.outcomes.record(claim, result)
+        finally:
+            self.wake()
+
+    def release_remote(self, claim: Claim, why: str) -> None:
+        """A runner stopped gracefully during the execution: back to the queue, uncounted."""
+        if self.repo.release_interrupted(self.clock(), [(claim.run.id, claim.token)], why):
+            log.info("run %s: %s; re-queued", claim.run.id, why)
+        self.wake()
+
+    def rescue_remote(self, claims: list[tuple[str, str]], why: str) -> dict[str, str]:
+        """A silent runner's claims: re-queued, their attempt counted (or dead-lettered)."""
+        done = self.repo.rescue_claims(self.clock(), claims, why)
+        for run_id, status in done.items():
+            log.warning("run %s: %s; %s", run_id, why,
+                        "re-queued" if status == "queued" else "gave up")
+        if done:
+            self.wake()
+        return done
+
     def explain(self, run_id: str) -> Explanation:
-        return self.repo.explain(run_id, self.clock(),
-                                 runtime_full=self.runtime.active >= self.runtime.max_concurrent,
-                                 live_agents=self.live.agent_ids())
+        now = self.clock()
+        explained = self.repo.explain(run_id, now,
+                                      runtime_full=self.runtime.active
+                                      >= self.runtime.max_concurrent,
+                                      live_agents=self.live.agent_ids())
+        labels = explained["details"].get("runs_on")
+        if labels and not self._runner_online(labels, now):
+            explained["blockers"].append("no_runner")  # (details.runs_on names the labels)
+            explained["eligible"] = False
+        return explained
+
+    def _runner_online(self, labels: list[str], now: datetime) -> bool:
+        """Is a runner carrying every one of ``labels`` online (seen lately)?"""
+        recent = self.config.gateway.dead_after_s
+        return any(covers(row.labels, labels) and row.last_seen_at is not None
+                   and (now - row.last_seen_at).total_seconds() < recent
+                   for row in Runners(self.repo.store).all())
 
     def get(self, run_id: str) -> Run:
         """``runs.get`` (RunNotFound: no such run)."""

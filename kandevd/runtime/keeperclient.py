@@ -85,8 +85,12 @@ class KeeperState:
 
 
 class KeeperClient:
-    def __init__(self, home: Path, *, python: str = sys.executable) -> None:
+    def __init__(self, home: Path, *, python: str = sys.executable,
+                 stop_alone_after: float | None = None) -> None:
+        """``stop_alone_after``: a runner's keeper stops every agent once no client has
+        been attached this long (a daemon's keeper keeps them for the next start)."""
         self.home = Path(home)
+        self.stop_alone_after = stop_alone_after
         self.python = python
         self.state = KeeperState()
         self._send_lock = threading.Lock()
@@ -148,13 +152,17 @@ class KeeperClient:
         self._reader.start()
         self._ready.set()
 
+    def _alone(self) -> dict[str, float]:
+        after = self.stop_alone_after
+        return {"stop_alone_after": after} if after is not None else {}
+
     def _take_state(self, sock: socket.socket) -> KeeperState:
         try:
             protocol.send(sock, {"op": "hello", "version": protocol.VERSION,
-                                 "env": self._environ})
+                                 "env": self._environ, **self._alone()})
             self._env_sent = True
         except protocol.ProtocolError:  # (too large: each spawn carries it, as in version 1)
-            protocol.send(sock, {"op": "hello", "version": protocol.VERSION})
+            protocol.send(sock, {"op": "hello", "version": protocol.VERSION, **self._alone()})
             self._env_sent = False
         state = KeeperState()
         while True:

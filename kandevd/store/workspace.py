@@ -30,7 +30,7 @@ TASK_SELECT = (
 
 WORKSPACE_FIELDS = ("id", "name", "office_workflow_id", "created_at", "updated_at")
 AGENT_FIELDS = ("id", "workspace_id", "name", "profile", "cooldown_s", "status",
-                "cooldown_until", "last_finished_at", "created_at", "updated_at")
+                "cooldown_until", "last_finished_at", "created_at", "updated_at", "runs_on")
 TASK_COLUMNS = ("id", "workspace_id", "workflow_id", "step_id", "title", "project_id", "state",
                 "runner_agent_id", "created_at", "updated_at")
 
@@ -54,6 +54,8 @@ class AgentRecord(TypedDict):
     last_finished_at: str | None
     created_at: str
     updated_at: str
+    #: The labels a runner must carry to run this agent's runs (None: the server runs them).
+    runs_on: list[str] | None
 
 
 class StepRecord(TypedDict):
@@ -112,6 +114,7 @@ def workspace_from_row(row: Mapping[str, Any]) -> WorkspaceRecord:
 def agent_from_row(row: Mapping[str, Any]) -> AgentRecord:
     agent = {name: row[name] for name in AGENT_FIELDS}
     agent["cooldown_s"] = float(agent["cooldown_s"] or 0)
+    agent["runs_on"] = json.loads(agent["runs_on"]) if agent["runs_on"] else None
     return agent
 
 
@@ -189,12 +192,17 @@ def get_agent(conn: sqlite3.Connection, agent_id: str) -> AgentRecord | None:
 
 
 def insert_agent(conn: sqlite3.Connection, agent: Mapping[str, Any]) -> None:
+    row = dict(agent)
+    row["runs_on"] = json.dumps(row["runs_on"]) if row.get("runs_on") else None
     conn.execute("INSERT INTO agents (id, workspace_id, name, profile, cooldown_s, status,"
-                 " created_at, updated_at) VALUES (:id, :workspace_id, :name, :profile,"
-                 " :cooldown_s, :status, :created_at, :updated_at)", dict(agent))
+                 " created_at, updated_at, runs_on) VALUES (:id, :workspace_id, :name,"
+                 " :profile, :cooldown_s, :status, :created_at, :updated_at, :runs_on)", row)
 
 
 def update_agent(conn: sqlite3.Connection, agent_id: str, fields: Mapping[str, Any]) -> None:
+    if "runs_on" in fields:
+        fields = {**fields, "runs_on": json.dumps(fields["runs_on"]) if fields["runs_on"]
+                  else None}
     _update(conn, "agents", agent_id, fields)
 
 

@@ -12,7 +12,6 @@ that have not signed in from holding a thread or much memory; with
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any
 
 from cheroot import wsgi
 
-from kandevd.net.httpintake import GuardedServer, LazyTlsAdapter
+from kandevd.net.httpintake import GuardedServer, LazyTlsAdapter, stop_and_join
 from kandevd.net.listen import is_loopback
 from kandevd.web.app import ConsoleApp
 from kandevd.web.auth import Guard, ensure_token
@@ -137,40 +136,4 @@ class WebConsole:
             return
         self.stopping.set()
         self.subscribers.notify()
-        _stop_promptly(server)
-        if thread is not None:
-            thread.join(timeout=10)
-            if thread.is_alive():
-                log.warning("web console: its server thread did not end within 10 s")
-        log.info("web console stopped")
-
-
-def _stop_promptly(server: wsgi.Server) -> None:
-    """cheroot's ``stop()`` waits for its selector loop to notice the stop, which sleeps up
-    to IDLE_WAKE_S while nobody connects: stop it from a helper thread and connect until
-    that stop has returned, so the loop wakes now (cheroot's public API only)."""
-    done = threading.Event()
-    failure: list[BaseException] = []
-
-    def stop() -> None:
-        try:
-            server.stop()
-        except BaseException as exc:  # raised again in the caller's thread
-            failure.append(exc)
-        finally:
-            done.set()
-
-    stopper = threading.Thread(target=stop, name="kandevd-web-stop", daemon=True)
-    stopper.start()
-    host, port = server.bind_addr[:2]
-    host = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
-    # Until the selector noticed: once cheroot closed its socket, there is none to wake.
-    while not done.wait(0.05) and server.socket is not None:
-        try:
-            with socket.create_connection((host, port), timeout=1.0):
-                pass
-        except OSError:
-            pass  # (the loop then notices at its next wake-up)
-    stopper.join()
-    if failure:
-        raise failure[0]
+        stop_and_join(server, thread, "web console", log)

@@ -44,7 +44,11 @@ def fast_config(**sections: dict[str, Any]) -> dict[str, Any]:
 
 class DaemonProcess:
     def __init__(self, home: Path, config: dict[str, Any] | None = None, *,
-                 env: dict[str, str] | None = None, args: list[str] | None = None) -> None:
+                 env: dict[str, str] | None = None, args: list[str] | None = None,
+                 command: str = "serve", ready: str = READY_LINE) -> None:
+        """``command``: ``serve``, or ``runner`` (a runner's process, ready at ``ready``)."""
+        self.command = command
+        self.ready = ready
         self.home = Path(home)
         self.home.mkdir(mode=0o700, parents=True, exist_ok=True)
         if config is not None:
@@ -60,14 +64,15 @@ class DaemonProcess:
     def start(self, *, wait_ready: bool = True, timeout: float = 30.0) -> DaemonProcess:
         self.lines = []
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kandevd", "serve", "--home", str(self.home), *self.args],
+            [sys.executable, "-m", "kandevd", self.command, "--home", str(self.home),
+             *self.args],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
             text=True, env=self.env, start_new_session=True,
         )
         self._reader = threading.Thread(target=self._read, args=(self.proc,), daemon=True)
         self._reader.start()
         if wait_ready:
-            self.wait_for_line(READY_LINE, timeout=timeout)
+            self.wait_for_line(self.ready, timeout=timeout)
         return self
 
     def _read(self, proc: subprocess.Popen[str]) -> None:

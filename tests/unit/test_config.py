@@ -34,6 +34,8 @@ CONTRACT_DEFAULTS: dict[str, Any] = {
     "control": {"idle_timeout_s": 60},
     "metrics": {"listen": None},
     "web": {"listen": None},
+    # section 10: `gateway: {listen, tls_cert?, tls_key?, dead_after_s: 30}`, off by default
+    "gateway": {"listen": None, "tls_cert": None, "tls_key": None, "dead_after_s": 30},
     "office": {"enabled": True, "interval_s": 30, "recovery_lookback_hours": 24},
     "scheduler": {"enabled": True, "root": None, "history_retention_days": 90,
                   "notify": {"command": None, "webhook": None, "on": ["failure", "recovery"]}},
@@ -43,7 +45,9 @@ CONTRACT_DEFAULTS: dict[str, Any] = {
 EXTENSIONS: dict[str, Any] = {"log": {"level": None},
                               "web": {**CONTRACT_DEFAULTS["web"], "allowed_hosts": [],
                                       "tls_cert": None, "tls_key": None,
-                                      "insecure_remote": False}}
+                                      "insecure_remote": False},
+                              "gateway": {**CONTRACT_DEFAULTS["gateway"],
+                                          "insecure_remote": False}}
 ALL_DEFAULTS: dict[str, Any] = {**CONTRACT_DEFAULTS, **EXTENSIONS}
 
 
@@ -58,7 +62,7 @@ def as_document(config: Config) -> dict[str, Any]:
         "queue": section(config.queue), "retry": section(config.retry),
         "runtime": section(config.runtime), "control": section(config.control),
         "metrics": section(config.metrics), "log": {"level": config.log_level},
-        "web": section(config.web),
+        "web": section(config.web), "gateway": section(config.gateway),
         "store": section(config.store), "cluster": section(config.cluster),
         "office": section(config.office),
         "scheduler": section(config.scheduler, drop=("disabled_via_env", "configured_enabled")),

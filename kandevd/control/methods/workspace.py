@@ -16,7 +16,9 @@ from typing import Any
 from kandevd.control.registry import Registry, object_schema, paging_properties
 from kandevd.control.services import Services
 from kandevd.model.actions import ACTION_SCHEMA
-from kandevd.model.service import AGENT_STATUSES, STYLES
+from kandevd.model.agents import AGENT_STATUSES
+from kandevd.model.service import STYLES
+from kandevd.runs.labels import RUNS_ON_SCHEMA
 
 #: Ids a caller chooses for a new object: safe in paths and in ``:``-separated keys.
 NEW_ID = {"type": "string", "pattern": r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$"}
@@ -43,10 +45,11 @@ SCHEMAS: dict[str, dict[str, Any]] = {
     "agents.create": object_schema({
         "id": NEW_ID, "workspace_id": ID, "name": NAME, "profile": NAME,
         "cooldown_s": SECONDS, "status": {"enum": list(AGENT_STATUSES)},
+        "runs_on": RUNS_ON_SCHEMA,
     }, ("workspace_id", "name")),
     "agents.update": object_schema({
         "id": ID, "status": {"enum": list(AGENT_STATUSES)}, "cooldown_s": SECONDS,
-        "profile": NAME,
+        "profile": NAME, "runs_on": RUNS_ON_SCHEMA,
     }, ("id",)),
     "agents.get": object_schema({"id": ID}, ("id",)),
     "agents.list": object_schema({"workspace_id": ID, "status": {"enum": list(AGENT_STATUSES)},

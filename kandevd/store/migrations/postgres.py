@@ -164,10 +164,20 @@ _V8 = [
         name {T} PRIMARY KEY, holder {T} NOT NULL, expires_at TIMESTAMPTZ NOT NULL)""",
 ]
 
+_V9 = [
+    # An agent's runs_on (a JSON list of labels; NULL: it runs on a server), and the
+    # runners on other machines that may take such runs: a token's hash, never the token.
+    "ALTER TABLE agents ADD COLUMN runs_on TEXT",
+    f"""CREATE TABLE runners (
+        name {T} PRIMARY KEY, token_hash {T} NOT NULL UNIQUE, labels TEXT NOT NULL,
+        created_at {T} NOT NULL, last_seen_at {T})""",
+]
+
 MIGRATIONS: list[tuple[int, str, list[str]]] = [
     (6, "workspace model and runs queue (SQLite versions 1-6)", _V6),
     (7, "cluster: daemons and cron fires", _V7),
     (8, "cluster: the leader's lease", _V8),
+    (9, "runners on other machines, an agent's runs_on", _V9),
 ]
 
 

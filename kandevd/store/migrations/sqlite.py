@@ -222,6 +222,14 @@ def _v6_run_counts(db: sqlite_utils.Database) -> None:
                f" WHEN NEW.status IS NOT OLD.status BEGIN {remove} {add} END")
 
 
+def _v7_runners(db: sqlite_utils.Database) -> None:
+    # An agent's runs_on (a JSON list of labels; NULL: it runs on the server), and the
+    # runners on other machines that may take such runs: a token's hash, never the token.
+    db.execute("ALTER TABLE agents ADD COLUMN runs_on TEXT")
+    db.execute("CREATE TABLE runners (name TEXT PRIMARY KEY, token_hash TEXT NOT NULL UNIQUE,"
+               " labels TEXT NOT NULL, created_at TEXT NOT NULL, last_seen_at TEXT)")
+
+
 Migration = Callable[[sqlite_utils.Database], None]
 
 MIGRATIONS: list[tuple[int, str, Migration]] = [
@@ -231,6 +239,7 @@ MIGRATIONS: list[tuple[int, str, Migration]] = [
     (4, "runs: retention indexes", _v4_retention_indexes),
     (5, "runs: indexes for lists, coalescing and budget spend", _v5_runs_read_indexes),
     (6, "runs: counts by status kept by triggers", _v6_run_counts),
+    (7, "runners on other machines, an agent's runs_on", _v7_runners),
 ]
 
 

@@ -28,9 +28,10 @@ class RunSql(Protocol):
         """The durability of a claim made in its own transaction (none needed)."""
 
     def claim(self, repo: RunRepositoryBase, conn: Any, excluded: set[str],
-              params: dict[str, Any], limit: int, now: datetime, own: bool
-              ) -> tuple[list[Any], dict[str, str]]:
-        """Claim up to ``limit`` heads; the claimed rows and their agents' profiles."""
+              params: dict[str, Any], limit: int, now: datetime, own: bool,
+              only: frozenset[str] | None = None) -> tuple[list[Any], dict[str, str]]:
+        """Claim up to ``limit`` heads (of the agents that run here; ``only``: of these
+        agents, for a runner); the claimed rows and their agents' profiles."""
 
     def lock_agent_of(self, conn: Any, run_id: str) -> float | None:
         """Lock the run's agent before its run where rows are locked; its ``cooldown_s``."""

@@ -25,14 +25,17 @@ class Claims(RunRepositoryBase):
         return claims[0] if claims else None
 
     def claim_batch(self, now: datetime, limit: int, *,
-                    exclude_agents: Collection[str] = ()) -> list[Claim]:
+                    exclude_agents: Collection[str] = (),
+                    runner: tuple[str, frozenset[str]] | None = None) -> list[Claim]:
         """Claim up to ``limit`` runs in one statement, oldest first, one per agent.
 
         This is what ``limit`` successive :meth:`claim_next` calls would claim
         (each claim makes its agent busy, so the next one takes the next
         agent's oldest run), in one transaction. ``exclude_agents`` are agents
         that still have an execution running here (e.g. a cancelled run whose
-        process is being stopped).
+        process is being stopped). Only agents that run here are claimed for,
+        unless ``runner`` is ``(claimed_by, agents)``: a runner's claim, among
+        those agents only.
 
         A claim made in its own transaction does not wait for its commit to
         reach the disk: a claim lost to a power cut leaves its run ``queued``,
@@ -43,10 +46,12 @@ class Claims(RunRepositoryBase):
         """
         if limit < 1:
             return []
+        only = runner[1] if runner is not None else None
         params: dict[str, Any] = {"now": rfc3339(now), "token": uuid.uuid4().hex,
-                                  "boot": self.boot_id, "limit": int(limit)}
+                                  "boot": runner[0] if runner is not None else self.boot_id,
+                                  "limit": int(limit)}
         own = not self.store.writing
-        if own and not self._anything_claimable(params, exclude_agents):
+        if own and not self._anything_claimable(params, exclude_agents, only):
             # Nothing to claim (every queued run's agent is paused, busy or cooling
             # down): known from one read on a read connection, without the write lock,
             # the transaction and the sync switches a claim needs. Each enqueue wakes the
@@ -56,15 +61,15 @@ class Claims(RunRepositoryBase):
         # they need no store-wide writer lock (SQLite always writes alone).
         with self.sql.claim_sync(self.store), self.store.transaction(exclusive=False) as conn:
             rows, profiles = self.sql.claim(self, conn, set(exclude_agents), params, limit,
-                                            now, own)
+                                            now, own, only)
         rows.sort(key=lambda r: r["seq"])
         return [Claim(Run.from_row(r), r["claim_token"], profiles[r["agent_id"]]) for r in rows]
 
-    def _anything_claimable(self, params: dict[str, Any], exclude_agents: Collection[str]
-                            ) -> bool:
+    def _anything_claimable(self, params: dict[str, Any], exclude_agents: Collection[str],
+                            only: frozenset[str] | None = None) -> bool:
         """Would the claim find a run (the hard-budget gate aside)? A read, no write lock."""
         probe = dict(params)
-        excluding = exclusion(set(exclude_agents), probe)
+        excluding = exclusion(set(exclude_agents), probe, only)
         with self.store.reading():
             row = self.store.query_one(
                 "SELECT EXISTS (" + HEADS.format(exclusion=excluding) + ")", probe)

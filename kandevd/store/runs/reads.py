@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Collection
 from datetime import datetime
@@ -103,6 +104,9 @@ class Reads(RunRepositoryBase):
                                  (run["agent_id"],)).fetchone()
             if agent["status"] != "active":
                 blockers.append("agent_paused")
+            runs_on = json.loads(agent["runs_on"]) if agent["runs_on"] else None
+            if runs_on:  # (a runner on another machine takes it: no slot here matters)
+                details["runs_on"] = runs_on
             if self.claim_gate is not None:
                 gate = self.claim_gate(conn, now).get(run["agent_id"])
                 if gate is not None:
@@ -127,6 +131,6 @@ class Reads(RunRepositoryBase):
             if earlier is not None:
                 blockers.append("queued_behind")
                 details["queued_behind"] = earlier["id"]
-            if runtime_full:
+            if runtime_full and not runs_on:
                 blockers.append("runtime_full")
         return {"eligible": not blockers, "blockers": blockers, "details": details}

@@ -13,7 +13,7 @@ from typing import Any
 
 from kandevd.runs.model import Claim, Run
 from kandevd.store.runs.base import RunRepositoryBase
-from kandevd.store.runs.statements import REQUEUE
+from kandevd.store.runs.statements import NOT_A_RUNNERS, REQUEUE
 from kandevd.timeutil import after, rfc3339
 
 
@@ -64,8 +64,8 @@ class Recovery(RunRepositoryBase):
         """Claims made by an earlier instance of this daemon (at start-up: all of theirs)."""
         return self.store.query(
             "SELECT id, claim_token, agent_id, attempt FROM runs WHERE status = 'claimed'"
-            " AND (claimed_by IS NULL OR claimed_by != ?)" + self._earlier_instances()
-            + " ORDER BY seq", (self.boot_id,))
+            " AND (claimed_by IS NULL OR claimed_by != ?)" + NOT_A_RUNNERS
+            + self._earlier_instances() + " ORDER BY seq", (self.boot_id,))
 
     def claim_of(self, run_id: str, token: str) -> Claim | None:
         """The claim ``token`` of run ``run_id`` while it is still in force, else None."""
@@ -131,6 +131,18 @@ class Recovery(RunRepositoryBase):
                     released.append(run_id)
         return released
 
+    def rescue_claims(self, now: datetime, claims: Collection[tuple[str, str]], why: str
+                      ) -> dict[str, str]:
+        """Rescue these ``(run_id, token)`` claims (their execution's end is unknown: a
+        runner went silent), each counted; ``{run_id: new status}``."""
+        done: dict[str, str] = {}
+        with self.store.transaction() as conn:
+            for run_id, token in claims:
+                status = self.rescue(conn, run_id, token, now, why)
+                if status is not None:
+                    done[run_id] = status
+        return done
+
     def requeue_foreign_claims(self, now: datetime,
                                why: str = "interrupted: the daemon stopped during the execution",
                                *, keep: Collection[str] = (), dead_peers: bool = False,
@@ -148,7 +160,7 @@ class Recovery(RunRepositoryBase):
                      if dead_peers else self._earlier_instances())
             rows = conn.execute(
                 "SELECT id, claim_token FROM runs WHERE status = 'claimed'"
-                " AND (claimed_by IS NULL OR claimed_by != ?)" + scope
+                " AND (claimed_by IS NULL OR claimed_by != ?)" + NOT_A_RUNNERS + scope
                 + " ORDER BY seq", (self.boot_id,)).fetchall()
             for r in rows:
                 if r["id"] in keep:
@@ -177,7 +189,7 @@ class Recovery(RunRepositoryBase):
         own = f" AND claimed_by = '{self.boot_id}'" if self.peers_dead_after_s is not None \
             and self.boot_id.isalnum() else ""
         sql = ("SELECT id, claim_token FROM runs WHERE status = 'claimed' AND claimed_at < ?"
-               + own)
+               + NOT_A_RUNNERS + own)
         if not [r for r in self.store.query(sql, (cutoff,)) if r["id"] not in live_ids]:
             return {}
         why = f"the claim went stale (no execution alive after {stale_s:g}s)"

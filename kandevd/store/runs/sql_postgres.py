@@ -61,8 +61,8 @@ class PostgresRuns:
         yield  # SET LOCAL synchronous_commit rides in the claim's own pipeline
 
     def claim(self, repo: RunRepositoryBase, conn: Any, excluded: set[str],
-              params: dict[str, Any], limit: int, now: datetime, own: bool
-              ) -> tuple[list[Any], dict[str, str]]:
+              params: dict[str, Any], limit: int, now: datetime, own: bool,
+              only: frozenset[str] | None = None) -> tuple[list[Any], dict[str, str]]:
         """Lock up to ``limit`` agents to claim for, and claim, in one round trip.
 
         Two statements, sent together in one pipeline. The first locks
@@ -85,7 +85,7 @@ class PostgresRuns:
         if gate is not None and probe is None:
             excluded.update(gate(conn, now))
         while True:
-            excluding = exclusion(excluded, params)
+            excluding = exclusion(excluded, params, only)
             # The heads read with room to skip agents locked elsewhere; the LIMIT counts
             # only the agents actually locked (PostgreSQL locks below the limit). They are
             # joined by seq, not "seq IN (heads)": each head is looked up by its key

@@ -51,8 +51,8 @@ class SqliteRuns:
                 conn.execute(f"PRAGMA synchronous={level}")
 
     def claim(self, repo: RunRepositoryBase, conn: Any, excluded: set[str],
-              params: dict[str, Any], limit: int, now: datetime, own: bool
-              ) -> tuple[list[Any], dict[str, str]]:
+              params: dict[str, Any], limit: int, now: datetime, own: bool,
+              only: frozenset[str] | None = None) -> tuple[list[Any], dict[str, str]]:
         """One ``UPDATE ... RETURNING`` under SQLite's one writer lock; then the profiles.
 
         The runs are found at the head of the queue when they are there (a busy
@@ -62,9 +62,10 @@ class SqliteRuns:
         """
         if repo.claim_gate is not None:
             excluded.update(repo.claim_gate(conn, now))
-        seqs = heads_at_the_front(conn, excluded, str(params["now"]), limit)
+        seqs = heads_at_the_front(conn, excluded, str(params["now"]), limit) \
+            if only is None else None  # (a runner's claim: among its agents only)
         if seqs is None:
-            where = "seq IN (" + HEADS.format(exclusion=exclusion(excluded, params)) + ")"
+            where = "seq IN (" + HEADS.format(exclusion=exclusion(excluded, params, only)) + ")"
         elif seqs:  # (bound, not spelled out: the statement is prepared once per count)
             where = "seq IN (" + ", ".join(f":s{n}" for n in range(len(seqs))) + ")"
             params.update({f"s{n}": int(seq) for n, seq in enumerate(seqs)})

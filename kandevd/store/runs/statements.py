@@ -38,10 +38,11 @@ HEADS = """
 QUEUE_HEAD = ("SELECT seq, agent_id, scheduled_retry_at FROM runs INDEXED BY"
               " idx_runs_status_seq WHERE status = 'queued' ORDER BY seq LIMIT :window")
 
-#: Which of some agents may take a run now: active, cooled down, no claimed run.
+#: Which of some agents may take a run here now: active, cooled down, no claimed run,
+#: not one that runs on a runner on another machine.
 ELIGIBLE = """
     SELECT a.id FROM agents a WHERE a.id IN ({agents}) AND a.status = 'active'
-      AND (a.cooldown_until IS NULL OR a.cooldown_until <= ?)
+      AND a.runs_on IS NULL AND (a.cooldown_until IS NULL OR a.cooldown_until <= ?)
       AND NOT EXISTS (SELECT 1 FROM runs c WHERE c.agent_id = a.id AND c.status = 'claimed')
 """
 
@@ -55,12 +56,31 @@ REQUEUE = ("UPDATE runs SET status = 'queued', claimed_at = NULL, claim_token = 
            " claimed_by = NULL, updated_at = :now")
 
 
-def exclusion(excluded: set[str], params: dict[str, object]) -> str:
-    """The HEADS clause leaving out ``excluded`` agents; their names go into ``params``."""
+#: The claims of this daemon's queue: agents that run here (not on a runner).
+HERE = " AND a.runs_on IS NULL"
+
+
+def exclusion(excluded: set[str], params: dict[str, object],
+              only: frozenset[str] | None = None) -> str:
+    """The HEADS clause leaving out ``excluded`` agents, and keeping only the agents that
+    run here (``only`` None) or only the agents ``only`` (a runner's claim); their names
+    go into ``params``."""
+    clause = HERE if only is None else _among(sorted(only), "o", params, "IN")
     if not excluded:
-        return ""
+        return clause
+    return clause + _among(sorted(excluded), "x", params, "NOT IN")
+
+
+def _among(agents: list[str], prefix: str, params: dict[str, object], test: str) -> str:
+    if not agents:
+        return " AND FALSE" if test == "IN" else ""
     names = []
-    for i, agent in enumerate(sorted(excluded)):
-        params[f"x{i}"] = agent
-        names.append(f":x{i}")
-    return f"AND a.id NOT IN ({', '.join(names)})"
+    for i, agent in enumerate(agents):
+        params[f"{prefix}{i}"] = agent
+        names.append(f":{prefix}{i}")
+    return f" AND a.id {test} ({', '.join(names)})"
+
+
+#: A runner's claims are never rescued by a daemon's own recovery (start-up, stale
+#: claims, dead peers): the gateway ends them when their runner goes silent.
+NOT_A_RUNNERS = " AND (claimed_by IS NULL OR claimed_by NOT LIKE 'runner:%')"

@@ -112,6 +112,7 @@ def populate(daemon: DaemonProcess) -> None:
                   {"id": "doing", "name": "Doing", "agent_id": "idle",
                    "on_enter": [{"action": "queue_run"}]}]})
     call("office.projects.create", {"id": "p1", "workspace_id": "zeta", "name": "Launch"})
+    call("runners.add", {"name": "laptop", "labels": ["gpu"]})
     call("tasks.create", {"id": "t2", "workspace_id": "zeta", "workflow_id": "board",
                           "title": "second", "step_id": "todo", "project_id": "p1"})
     call("tasks.create", {"id": "t1", "workspace_id": "zeta", "workflow_id": "board",
@@ -348,7 +349,7 @@ def test_a_progress_bar_on_a_terminal(small_home: Path, pg_url: str) -> None:
         os.close(master)
     assert proc.returncode == 0, proc.stdout + shown.decode()
     assert b"copying 8 rows" in shown and b"100%" in shown, shown
-    assert proc.stdout.splitlines()[-1].startswith("verified: 12 tables, 8 rows")
+    assert proc.stdout.splitlines()[-1].startswith("verified: 13 tables, 8 rows")
 
 
 def test_every_table_of_the_sqlite_schema_is_copied(tmp_path: Path, pg_url: str) -> None:

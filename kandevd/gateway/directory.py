@@ -1,0 +1,78 @@
+"""The runners a daemon knows: registered with a token shown once, listed, removed.
+
+``runners.add`` makes a token (256 random bits) and keeps only its SHA-256;
+``runners.remove`` deletes the row, so the runner's next request is refused.
+A runner is online while its last request is more recent than
+``gateway.dead_after_s`` (as any daemon on the store saw it).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Sequence
+from datetime import datetime
+from typing import TypedDict
+
+from kandevd.gateway.protocol import new_token, token_hash
+from kandevd.runs.labels import bad_label
+from kandevd.store.runners import Runners
+from kandevd.timeutil import rfc3339
+
+log = logging.getLogger("kandevd.gateway")
+
+#: A runner's name: it appears in logs, claims and paths of nothing (but keep it tame).
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+
+
+class RunnerNotFound(LookupError):
+    pass
+
+
+class RunnerItem(TypedDict):
+    name: str
+    labels: list[str]
+    online: bool
+    last_seen_at: str | None
+    running: int
+
+
+class Added(TypedDict):
+    name: str
+    labels: list[str]
+    token: str
+
+
+class RunnerDirectory:
+    def __init__(self, runners: Runners, *, dead_after_s: float) -> None:
+        self.runners = runners
+        self.dead_after_s = dead_after_s
+
+    def add(self, name: str, labels: Sequence[str], now: datetime) -> Added:
+        """Register ``name``; its token, which nothing keeps (ValueError: a bad name or
+        label; RunnerExists: the name is taken)."""
+        if not NAME_RE.fullmatch(name):
+            raise ValueError(f"name: {name!r} is not a runner name (letters, digits, '.', "
+                             "'_', '-'; 63 at most)")
+        bad = bad_label(labels)
+        if bad is not None:
+            raise ValueError(f"labels: {bad!r} is not a label")
+        token = new_token()
+        unique = sorted(set(labels))
+        self.runners.add(name, unique, token_hash(token), now)
+        log.info("runner %s added (labels %s)", name, ",".join(unique) or "-")
+        return {"name": name, "labels": unique, "token": token}
+
+    def remove(self, name: str) -> None:
+        if not self.runners.remove(name):
+            raise RunnerNotFound(f"no runner {name!r}")
+        log.info("runner %s removed: its token is refused from now on", name)
+
+    def items(self, now: datetime) -> list[RunnerItem]:
+        running = self.runners.running()
+        return [{"name": row.name, "labels": list(row.labels),
+                 "online": row.last_seen_at is not None
+                 and (now - row.last_seen_at).total_seconds() < self.dead_after_s,
+                 "last_seen_at": rfc3339(row.last_seen_at) if row.last_seen_at else None,
+                 "running": running.get(row.name, 0)}
+                for row in self.runners.all()]

@@ -1,0 +1,310 @@
+"""RemoteRuns: the queued runs that runners on other machines take, from claim to outcome.
+
+A runner's poll claims the oldest due run of an agent whose ``runs_on`` its
+labels cover (``claimed_by = 'runner:<name>'``: the queue's own claim, so one
+claimed run per agent holds across the daemon and every runner). The runner
+streams the agent's output into the run's log here and reports how it ended;
+that outcome is recorded exactly as a local execution's
+(:meth:`RunQueue.record_remote`). A runner silent for ``dead_after_s`` has its
+claims rescued as a crashed daemon's are (re-queued, the attempt counted); a
+late report of one of them matches no claim and changes nothing. A cancelled
+run is stopped on its runner (the next heartbeat says so).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from kandevd.bus import EventBus
+from kandevd.fsutil import append_note, ensure_dir
+from kandevd.gateway.protocol import Ending, Execution, Held
+from kandevd.paths import HomeLayout
+from kandevd.runqueue.outcomes import note_ended
+from kandevd.runqueue.service import RunQueue
+from kandevd.runs.labels import covers
+from kandevd.runs.model import Claim
+from kandevd.runtime import INTERRUPTED, ExecutionResult
+from kandevd.runtime.output import attempt_started
+from kandevd.store.runners import RunnerRow, Runners, claimed_by
+from kandevd.timeutil import parse_rfc3339, utc_now
+
+log = logging.getLogger("kandevd.gateway")
+
+#: Outcomes a runner may report (the runtime's words).
+OUTCOMES = frozenset({"succeeded", "failed", "timed_out", "stopped", "interrupted", "error"})
+#: How often a runner's ``last_seen_at`` is written (it is kept in memory meanwhile).
+SEEN_WRITE_S = 5.0
+
+
+class UnknownExecution(LookupError):
+    """No execution of that id is this runner's (never, or no longer)."""
+
+
+class LogGap(ValueError):
+    """A log chunk that starts past what was received: resend from ``received``."""
+
+    def __init__(self, received: int) -> None:
+        super().__init__(f"the chunk starts past the {received} bytes received")
+        self.received = received
+
+
+@dataclass
+class Remote:
+    """One execution a runner holds."""
+
+    claim: Claim
+    runner: str
+    log_path: Path
+    #: Bytes of the agent's output received so far (the runner's offsets).
+    received: int = 0
+    cancel: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class RemoteRuns:
+    """Thread-safe: the gateway's request threads and its watch loop share it."""
+
+    def __init__(self, queue: RunQueue, runners: Runners, bus: EventBus, layout: HomeLayout,
+                 *, dead_after_s: float, clock: Callable[[], datetime] = utc_now,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
+        self.queue = queue
+        self.runners = runners
+        self.layout = layout
+        self.dead_after_s = dead_after_s
+        self.clock = clock
+        self.monotonic = monotonic
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        self._live: dict[str, Remote] = {}
+        self._seen: dict[str, float] = {}  # runner -> monotonic time of its last request
+        self._seen_written: dict[str, float] = {}
+        self._started = monotonic()
+        self.stopping = False
+        for topic in ("run.queued", "run.finished", "run.cancelled", "agent.updated",
+                      "agent.created"):
+            bus.subscribe(topic, self._changed)
+
+    # -- what the runner asks -------------------------------------------------------
+    def seen(self, runner: RunnerRow) -> None:
+        """A request of ``runner`` arrived (it is alive)."""
+        now = self.monotonic()
+        with self._lock:
+            self._seen[runner.name] = now
+            write = now - self._seen_written.get(runner.name, -SEEN_WRITE_S) >= SEEN_WRITE_S
+            if write:
+                self._seen_written[runner.name] = now
+        if write:
+            self.runners.seen(runner.name, self.clock())
+
+    def hello(self, runner: RunnerRow, held: list[Held]) -> list[str]:
+        """A runner (re)started holding ``held``: those still claimed for it are its again,
+        and its claims it no longer holds are rescued at once (it lost them: a crash);
+        returns the ids it named that are not its any more (it should stop them)."""
+        self.seen(runner)
+        named = {(item["run_id"], item["id"]) for item in held}
+        lost = [claim for claim in self.runners.claims_of(runner.name) if claim not in named]
+        if lost:
+            with self._lock:
+                for _run_id, token in lost:
+                    self._live.pop(token, None)
+            self.queue.rescue_remote(lost, f"runner {runner.name} restarted without it")
+        return [item["id"] for item in held if self._adopt(runner, item) is None]
+
+    def heartbeat(self, runner: RunnerRow, held: list[Held]) -> tuple[list[str], list[str]]:
+        """``(cancel, unknown)``: executions to stop (cancelled runs), and those that are
+        not the runner's any more (rescued while it was silent: stop them too)."""
+        self.seen(runner)
+        cancel, unknown = [], []
+        for item in held:
+            remote = self._find(runner, item["id"], item["run_id"])
+            if remote is None:
+                unknown.append(item["id"])
+            elif remote.cancel:
+                cancel.append(item["id"])
+        return cancel, unknown
+
+    def poll(self, runner: RunnerRow, wait_s: float) -> Execution | None:
+        """Claim a run for ``runner``, waiting up to ``wait_s`` for one."""
+        self.seen(runner)
+        deadline = self.monotonic() + wait_s
+        while True:
+            claim = self._claim(runner)
+            if claim is not None:
+                return self._hand_over(runner, claim)
+            with self._work:
+                left = deadline - self.monotonic()
+                if left <= 0 or self.stopping:
+                    return None
+                # (a change wakes it; the look again after at most a second also catches
+                # a due retry or an ended cooldown)
+                self._work.wait(min(left, 1.0))
+            self.seen(runner)
+
+    def append_log(self, runner: RunnerRow, execution_id: str, run_id: str, offset: int,
+                   data: bytes) -> int:
+        """Append the agent's output from ``offset`` (bytes already here are skipped);
+        how much has been received. LogGap: a gap (the runner resends from there)."""
+        self.seen(runner)
+        remote = self._find(runner, execution_id, run_id)
+        if remote is None:
+            raise UnknownExecution(execution_id)
+        with remote.lock:
+            if remote.received < 0:  # (adopted after a restart of this daemon)
+                remote.received = offset
+            if offset > remote.received:
+                raise LogGap(remote.received)
+            fresh = data[remote.received - offset:]
+            if fresh:
+                with remote.log_path.open("ab") as handle:
+                    handle.write(fresh)
+                remote.received += len(fresh)
+            return remote.received
+
+    def end(self, runner: RunnerRow, execution_id: str, run_id: str, ending: Ending) -> bool:
+        """Record how the execution ended; False when its claim no longer holds (rescued,
+        or recorded already): nothing changes then."""
+        self.seen(runner)
+        remote = self._find(runner, execution_id, run_id)
+        if remote is None:
+            return False
+        with self._lock:
+            if self._live.pop(execution_id, None) is None:
+                return False  # (another request recorded it meanwhile)
+        result = _result(remote, ending, self.clock())
+        note_ended(remote.claim, result)
+        if result.outcome == INTERRUPTED:  # the runner stopped gracefully: uncounted
+            self.queue.release_remote(remote.claim, "interrupted: runner "
+                                      f"{runner.name} stopped during the execution")
+        else:
+            self.queue.record_remote(remote.claim, result)
+        log.debug("run %s ended on runner %s: %s", run_id, runner.name, result.outcome)
+        return True
+
+    # -- the watch ------------------------------------------------------------------
+    def watch(self) -> int:
+        """Rescue the claims of runners silent for ``dead_after_s``; how many."""
+        now = self.monotonic()
+        rescued = 0
+        for name, held in self.runners.running().items():
+            with self._lock:
+                last = self._seen.get(name, self._started)
+            if held <= 0 or now - last < self.dead_after_s:
+                continue
+            claims = self.runners.claims_of(name)
+            with self._lock:
+                for remote in [r for r in self._live.values() if r.runner == name]:
+                    self._live.pop(remote.claim.token, None)
+            done = self.queue.rescue_remote(
+                claims, f"runner {name} was silent for {now - last:.0f}s during the execution")
+            rescued += len(done)
+            log.warning("runner %s silent for %.0fs: %d run(s) it held rescued", name,
+                        now - last, len(done))
+        return rescued
+
+    def online(self, name: str) -> bool:
+        with self._lock:
+            last = self._seen.get(name)
+        return last is not None and self.monotonic() - last < self.dead_after_s
+
+    def stop(self) -> None:
+        """Pollers answer now (the gateway is stopping)."""
+        with self._work:
+            self.stopping = True
+            self._work.notify_all()
+
+    # -- inside -----------------------------------------------------------------------
+    def _changed(self, topic: str, data: Any) -> None:
+        if topic == "run.cancelled":
+            run = data.get("run") if isinstance(data, dict) else None
+            run_id = getattr(run, "id", None)
+            with self._lock:
+                for remote in self._live.values():
+                    if remote.claim.run.id == run_id:
+                        remote.cancel = True
+        with self._work:
+            self._work.notify_all()
+
+    def _claim(self, runner: RunnerRow) -> Claim | None:
+        agents = frozenset(agent for agent, needed in self.runners.remote_agents().items()
+                           if covers(runner.labels, needed))
+        if not agents:
+            return None
+        return self.queue.claim_for_runner(claimed_by(runner.name), agents)
+
+    def _hand_over(self, runner: RunnerRow, claim: Claim) -> Execution:
+        run = claim.run
+        remote = self._remote(runner, claim)
+        append_note(remote.log_path, attempt_started(run.attempt, self.clock())
+                    + f" on runner {runner.name}")
+        with self._lock:
+            self._live[claim.token] = remote
+        log.debug("run %s claimed by runner %s (agent %s)", run.id, runner.name, run.agent_id)
+        return {"id": claim.token, "run_id": run.id, "kind": "run", "profile": claim.profile,
+                "attempt": run.attempt,
+                "stdin": {"kind": "run", "run_id": run.id, "agent_id": run.agent_id,
+                          "task_id": run.task_id, "workspace_id": run.workspace_id,
+                          "reason": run.reason, "payload": run.payload}}
+
+    def _remote(self, runner: RunnerRow, claim: Claim) -> Remote:
+        log_path = self.layout.run_logs / f"{claim.run.id}.log"
+        ensure_dir(log_path.parent)
+        return Remote(claim, runner.name, log_path)
+
+    def _find(self, runner: RunnerRow, execution_id: str, run_id: str) -> Remote | None:
+        with self._lock:
+            remote = self._live.get(execution_id)
+        if remote is not None:
+            return remote if remote.runner == runner.name and \
+                remote.claim.run.id == run_id else None
+        return self._adopt(runner, {"id": execution_id, "run_id": run_id})
+
+    def _adopt(self, runner: RunnerRow, item: Held) -> Remote | None:
+        """An execution this daemon did not hand out (it restarted since): the runner's
+        again if its claim still holds and is the runner's."""
+        if (item["run_id"], item["id"]) not in self.runners.claims_of(runner.name):
+            return None
+        claim = self.queue.claim_in_force(item["run_id"], item["id"])
+        if claim is None:
+            return None
+        remote = self._remote(runner, claim)
+        remote.received = -1  # unknown here: the next chunk's offset is taken as it comes
+        with self._lock:
+            return self._live.setdefault(claim.token, remote)
+
+
+def _result(remote: Remote, ending: Ending, now: datetime) -> ExecutionResult:
+    outcome = ending.get("outcome")
+    if outcome not in OUTCOMES:
+        outcome = "error"
+    started = _time(ending.get("started_at"), now)
+    code = ending.get("exit_code")
+    cost = ending.get("cost_cents")
+    evaluation = ending.get("evaluation")
+    return ExecutionResult(
+        key=remote.claim.run.id, outcome=str(outcome),
+        exit_code=code if isinstance(code, int) and not isinstance(code, bool) else None,
+        summary=_text(ending.get("summary")),
+        cost_cents=float(cost) if isinstance(cost, int | float) and
+        not isinstance(cost, bool) and cost >= 0 else None,
+        error=_text(ending.get("error")), started_at=started,
+        ended_at=max(started, _time(ending.get("ended_at"), now)),
+        log_path=remote.log_path,
+        evaluation=evaluation if isinstance(evaluation, dict) else None)
+
+
+def _text(value: object, limit: int = 4000) -> str | None:
+    return value[:limit] if isinstance(value, str) else None
+
+
+def _time(value: object, default: datetime) -> datetime:
+    try:
+        return parse_rfc3339(value) if isinstance(value, str) else default
+    except ValueError:
+        return default

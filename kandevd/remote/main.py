@@ -1,0 +1,118 @@
+"""``kandevd runner``: a runner's process from its command line to its exit code.
+
+Its home is its own (mode 0700, locked like a daemon's: one process per home),
+with its own config (its ``agents`` profiles, ``runtime.max_concurrent`` slots)
+and its own keeper, so the agents run exactly as a daemon runs them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import stat
+import threading
+from pathlib import Path
+
+from kandevd import exits
+from kandevd.app.homelock import HomeLock, HomeLocked
+from kandevd.config import ConfigError, load_config
+from kandevd.fsutil import ensure_dir
+from kandevd.paths import HomeLayout
+from kandevd.remote.client import GatewayClient
+from kandevd.remote.runner import RunnerProcess
+from kandevd.runtime import AgentRuntime
+from kandevd.runtime.keeperclient import KeeperClient, KeeperUnavailable
+from kandevd.runtime.keeperrunner import KeeperRunner
+from kandevd.runtime.orphans import stop_orphan_agents
+
+log = logging.getLogger("kandevd.runner")
+
+
+class RunnerSetupError(Exception):
+    """The runner cannot start as asked; ``code``: the exit code."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def read_token(path: Path) -> str:
+    try:
+        info = path.stat()
+        token = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RunnerSetupError(f"--token-file {path}: cannot be read: {exc}",
+                               exits.NOINPUT) from None
+    if not token:
+        raise RunnerSetupError(f"--token-file {path}: is empty", exits.DATAERR)
+    if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        log.warning("%s: other users may read this runner's token (chmod 600 it)", path)
+    return token
+
+
+def run_runner(server: str, token_file: Path, home: Path, config_path: Path | None,
+               ca_file: str | None = None) -> int:
+    """Serve ``server``'s gateway until SIGINT/SIGTERM; the exit code."""
+    try:
+        token = read_token(token_file)
+        client = GatewayClient(server, token, ca_file=ca_file)
+        ensure_dir(home)
+        config = load_config(config_path, home=home)
+    except RunnerSetupError as exc:
+        log.error("%s", exc)
+        return exc.code
+    except ValueError as exc:
+        log.error("%s", exc)
+        return exits.USAGE
+    except ConfigError as exc:
+        log.error("bad config: %s", exc)
+        return exits.CONFIG
+    except OSError as exc:
+        log.error("%s: cannot be used as the runner's home: %s", home, exc)
+        return exits.CANTCREAT
+    layout = HomeLayout(home)
+    try:
+        for folder in (layout.run_logs, layout.runs, layout.attempts):
+            ensure_dir(folder)
+    except OSError as exc:
+        log.error("%s: cannot be used as the runner's home: %s", home, exc)
+        return exits.CANTCREAT
+    lock = HomeLock(layout.lock)
+    try:
+        lock.acquire()
+    except HomeLocked as exc:
+        log.error("%s", exc)
+        return exits.TEMPFAIL
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set())
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    keepers: list[KeeperClient] = []
+
+    def runtime_for(dead_after_s: float) -> AgentRuntime:
+        """The runtime, once the server said its ``dead_after_s``: the keeper stops the
+        agents by itself when this process is gone for half of it (KeeperUnavailable)."""
+        keeper = KeeperClient(layout.root, stop_alone_after=dead_after_s / 2)
+        keepers.append(keeper)
+        keeper.connect()
+        runtime = AgentRuntime(config.runtime.max_concurrent, config.runtime.stop_grace_s,
+                               runner=KeeperRunner(keeper, kill_grace_s=5.0))
+        runtime.release_unclaimed()
+        return runtime
+
+    try:
+        # Agents a crash of this runner left: their runs were its own; the server ends
+        # them (it is told at hello that none runs here any more).
+        stop_orphan_agents(layout.root, min(config.runtime.stop_grace_s, 10.0))
+        return RunnerProcess(client, config, layout, runtime_for, stop=stop).run()
+    except (KeeperUnavailable, OSError) as exc:
+        log.error("the keeper cannot be started: %s", exc)
+        return exits.CANTCREAT
+    finally:
+        for keeper in keepers:
+            keeper.close(quit_keeper=True)
+        client.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        lock.release()
+        log.info("runner stopped (pid %d)", os.getpid())

@@ -1,0 +1,306 @@
+"""RunnerProcess: ``kandevd runner``, the foreground process of a runner.
+
+Three threads around one AgentRuntime (the same keeper and execution record as
+the daemon's, in the runner's own home): the poll thread takes an execution
+whenever a slot is free and starts the runner's own profile of that name; the
+report thread streams each execution's log to the server and, once it ended,
+its outcome (kept until the server has it: an outage only delays it); the
+heartbeat says what runs here and stops what the server cancelled or no longer
+counts as this runner's. Out of touch with the server for more than half of its
+``dead_after_s``, the runner stops its agents itself: the server ends them as a
+silent runner's after ``dead_after_s``, and no run may execute twice at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import TypeVar
+
+from kandevd import exits
+from kandevd.config import Config
+from kandevd.gateway.protocol import HEARTBEAT_S, MAX_LOG_CHUNK, Ending, Execution, Held
+from kandevd.paths import HomeLayout
+from kandevd.remote.client import GatewayClient, Rejected, TokenRefused, Unreachable
+from kandevd.runtime import AgentRuntime, ExecutionResult, Reservation
+from kandevd.runtime.attempts import attempt_dir
+from kandevd.runtime.specs import agent_execution
+from kandevd.timeutil import rfc3339, utc_now
+
+log = logging.getLogger("kandevd.runner")
+
+#: How long a poll asks the server to wait for work (a stop waits for it at most).
+POLL_WAIT_S = 10.0
+#: How often the report thread looks at the logs.
+REPORT_S = 0.25
+#: The longest wait between two tries of an unreachable server.
+MAX_BACKOFF_S = 30.0
+#: How long a stop waits for the last outcomes to reach the server.
+FINAL_REPORT_S = 10.0
+
+T = TypeVar("T")
+
+
+@dataclass
+class Job:
+    """An execution this runner holds."""
+
+    execution: Execution
+    log_path: Path
+    sent: int = 0
+    result: ExecutionResult | None = None
+
+    @property
+    def held(self) -> Held:
+        return {"id": self.execution["id"], "run_id": self.execution["run_id"]}
+
+
+class RunnerProcess:
+    def __init__(self, client: GatewayClient, config: Config, layout: HomeLayout,
+                 runtime_for: Callable[[float], AgentRuntime], *, stop: threading.Event
+                 ) -> None:
+        """``runtime_for(dead_after_s)``: the runtime, made once the server answered."""
+        self.client = client
+        self.config = config
+        self.layout = layout
+        self.runtime_for = runtime_for
+        self.runtime: AgentRuntime
+        self.stop = stop
+        self.refused = threading.Event()
+        self.dead_after_s = 30.0
+        self._jobs: dict[str, Job] = {}
+        self._lock = threading.Lock()
+        self._report = threading.Event()
+        self._last_ok = time.monotonic()
+        self._down_since: float | None = None
+        #: Set once the last reports are sent (or given up): the other threads end.
+        self._closed = threading.Event()
+
+    # -- the process ----------------------------------------------------------------
+    def run(self) -> int:
+        """Serve until stopped; the exit code (77: the token was refused)."""
+        answer = self._until_through(lambda: self.client.hello([]))
+        if answer is None:
+            return exits.NOPERM if self.refused.is_set() else 0
+        self.dead_after_s = float(answer.get("dead_after_s") or 30.0)
+        self.runtime = self.runtime_for(self.dead_after_s)
+        log.info("runner %s serving %s (labels %s; %d slot(s))", answer.get("runner"),
+                 self.client.base, ",".join(answer.get("labels") or []) or "-",
+                 self.runtime.max_concurrent)
+        threads = [threading.Thread(target=self._polls, name="kandevd-runner-poll"),
+                   threading.Thread(target=self._reports, name="kandevd-runner-report"),
+                   threading.Thread(target=self._heartbeats, name="kandevd-runner-beat")]
+        for thread in threads:
+            thread.start()
+        self.stop.wait()
+        log.info("runner stopping: its agents are stopped, their outcomes reported")
+        threads[0].join()
+        self.runtime.stop()  # each agent ends interrupted: the server re-queues its run
+        self._report.set()
+        deadline = time.monotonic() + FINAL_REPORT_S
+        while self._pending() and time.monotonic() < deadline and not self.refused.is_set():
+            time.sleep(REPORT_S)
+        self._closed.set()
+        for thread in threads[1:]:
+            thread.join()
+        self.runtime.stop()
+        return exits.NOPERM if self.refused.is_set() else 0
+
+    # -- polls ----------------------------------------------------------------------
+    def _polls(self) -> None:
+        while not self.stop.is_set():
+            reservation = self.runtime.try_reserve()
+            if reservation is None:
+                self.stop.wait(REPORT_S)
+                continue
+            try:
+                execution = self._call(lambda: self.client.poll(POLL_WAIT_S))
+            except (Unreachable, Rejected):
+                self.runtime.release(reservation)
+                self.stop.wait(self._backoff())
+                continue
+            except BaseException:  # (a refused token: the stop is set)
+                self.runtime.release(reservation)
+                return
+            if execution is None:
+                self.runtime.release(reservation)
+                continue
+            self._start(reservation, execution)
+
+    def _start(self, reservation: Reservation, execution: Execution) -> None:
+        run_id = execution["run_id"]
+        job = Job(execution, self.layout.run_logs / f"{run_id}-{execution['attempt']}.log")
+        with self._lock:
+            self._jobs[execution["id"]] = job
+        profile = self.config.agents.get(execution["profile"])
+        now = utc_now()
+        if self.stop.is_set() or profile is None:
+            self.runtime.release(reservation)
+            why = "interrupted" if self.stop.is_set() else "error"
+            error = "the runner was stopping" if profile is not None else \
+                f"this runner has no agent profile {execution['profile']!r}"
+            job.result = ExecutionResult(key=run_id, outcome=why, exit_code=None,
+                                         summary=None, cost_cents=None, error=error,
+                                         started_at=now, ended_at=now, log_path=job.log_path)
+            log.warning("run %s: %s", run_id, error)
+            self._report.set()
+            return
+        session_id = f"ses_{uuid.uuid4().hex}"
+        spec = agent_execution(
+            profile, self.layout, kind="run", key=run_id, run_id=run_id,
+            session_id=session_id, stdin={**execution["stdin"], "session_id": session_id},
+            log_path=job.log_path,
+            record_dir=attempt_dir(self.layout.attempts, run_id, execution["id"]))
+
+        def done(result: ExecutionResult) -> None:
+            job.result = result
+            self._report.set()
+
+        try:
+            self.runtime.start(reservation, spec, done)
+        except Exception as exc:
+            self.runtime.release(reservation)
+            done(ExecutionResult(key=run_id, outcome="error", exit_code=None, summary=None,
+                                 cost_cents=None, error=f"could not start the agent: {exc}",
+                                 started_at=now, ended_at=now, log_path=job.log_path))
+        log.info("run %s started (profile %s, attempt %d)", run_id, execution["profile"],
+                 execution["attempt"])
+
+    # -- reports --------------------------------------------------------------------
+    def _reports(self) -> None:
+        while not self._closed.is_set() and not self.refused.is_set():
+            self._report.wait(REPORT_S)
+            self._report.clear()
+            with self._lock:
+                jobs = list(self._jobs.values())
+            for job in jobs:
+                try:
+                    self._report_one(job)
+                except (Unreachable, TokenRefused):
+                    break  # (said by _call; tried again at the next round)
+
+    def _report_one(self, job: Job) -> None:
+        ended = job.result  # read before the log: all of its output is in it then
+        while True:
+            try:
+                with job.log_path.open("rb") as handle:
+                    handle.seek(job.sent)
+                    chunk = handle.read(MAX_LOG_CHUNK)
+            except FileNotFoundError:
+                chunk = b""
+            if not chunk:
+                break
+            ex = job.execution
+            try:
+                job.sent = self._call(partial(self.client.send_log, ex["id"], ex["run_id"],
+                                              job.sent, chunk))
+            except Rejected:
+                return self._forget(job)  # not this runner's any more
+        if ended is None:
+            return None
+        try:
+            recorded = self._call(lambda: self.client.end(
+                job.execution["id"], job.execution["run_id"], _ending(ended)))
+        except Rejected:
+            recorded = False
+        if not recorded:
+            log.info("run %s: the server no longer expected its outcome (%s)",
+                     job.execution["run_id"], ended.outcome)
+        self._forget(job)
+        return None
+
+    def _forget(self, job: Job) -> None:
+        with self._lock:
+            self._jobs.pop(job.execution["id"], None)
+        if job.result is not None:
+            self.runtime.settle([job.result])  # (the keeper may forget its exit)
+
+    def _pending(self) -> bool:
+        with self._lock:
+            return bool(self._jobs)
+
+    # -- heartbeats -----------------------------------------------------------------
+    def _heartbeats(self) -> None:
+        # (on after a stop, while the last outcomes are reported: the runner is alive)
+        while not self._closed.wait(HEARTBEAT_S):
+            if self.refused.is_set():
+                return
+            with self._lock:
+                held = [job.held for job in self._jobs.values() if job.result is None]
+            try:
+                answer = self._call(partial(self.client.heartbeat, held))
+            except (Unreachable, TokenRefused):
+                self._fence()
+                continue
+            for execution_id in (answer.get("cancel") or []) + (answer.get("unknown") or []):
+                self._stop_one(execution_id, "cancelled on the server"
+                               if execution_id in (answer.get("cancel") or [])
+                               else "no longer this runner's (the server ended it)")
+
+    def _fence(self) -> None:
+        """Out of touch for over half of ``dead_after_s``: stop every agent here."""
+        if time.monotonic() - self._last_ok <= self.dead_after_s / 2:
+            return
+        with self._lock:
+            live = [job for job in self._jobs.values() if job.result is None]
+        for job in live:
+            self._stop_one(job.execution["id"], "the server was out of reach for "
+                           f"{self.dead_after_s / 2:g}s")
+
+    def _stop_one(self, execution_id: str, reason: str) -> None:
+        with self._lock:
+            job = self._jobs.get(execution_id)
+        if job is not None and job.result is None:
+            log.warning("run %s stopped: %s", job.execution["run_id"], reason)
+            self.runtime.stop_execution(job.execution["run_id"], reason)
+
+    # -- the server -----------------------------------------------------------------
+    def _call(self, request: Callable[[], T]) -> T:
+        """One request; an outage is logged once (when it starts and when it ends)."""
+        try:
+            answer = request()
+        except TokenRefused as exc:
+            if not self.refused.is_set():
+                log.error("the server refused this runner's token: %s", exc)
+            self.refused.set()
+            self.stop.set()
+            raise
+        except Unreachable as exc:
+            if self._down_since is None:
+                self._down_since = time.monotonic()
+                log.warning("the server cannot be reached (%s); trying again", exc)
+            raise
+        self._last_ok = time.monotonic()
+        if self._down_since is not None:
+            log.info("the server is reachable again (after %.0fs)",
+                     time.monotonic() - self._down_since)
+            self._down_since = None
+        return answer
+
+    def _until_through(self, request: Callable[[], T]) -> T | None:
+        """``request`` tried until it gets through (None: stopped or refused first)."""
+        while not self.stop.is_set():
+            try:
+                return self._call(request)
+            except TokenRefused:
+                return None
+            except Unreachable:
+                self.stop.wait(self._backoff())
+        return None
+
+    def _backoff(self) -> float:
+        down = time.monotonic() - (self._down_since or time.monotonic())
+        return min(MAX_BACKOFF_S, max(1.0, down / 4))
+
+
+def _ending(result: ExecutionResult) -> Ending:
+    return {"outcome": result.outcome, "exit_code": result.exit_code,
+            "summary": result.summary, "cost_cents": result.cost_cents,
+            "evaluation": result.evaluation, "error": result.error,
+            "started_at": rfc3339(result.started_at), "ended_at": rfc3339(result.ended_at)}

@@ -1,0 +1,94 @@
+"""The runners on other machines: the ``runners`` table and the agents' ``runs_on``.
+
+A runner is a name, the labels it carries and the SHA-256 of its token (the
+token itself is shown once, by ``kandevd runners add``, and never stored). Its
+runs are the runs claimed with ``claimed_by = 'runner:<name>'``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from typing import NamedTuple
+
+from kandevd.store.base import BaseStore
+from kandevd.timeutil import parse_rfc3339, rfc3339
+
+#: What ``runs.claimed_by`` holds for a run a runner took.
+CLAIMED_BY_PREFIX = "runner:"
+
+
+def claimed_by(name: str) -> str:
+    """The ``claimed_by`` of runner ``name``'s claims."""
+    return CLAIMED_BY_PREFIX + name
+
+
+class RunnerRow(NamedTuple):
+    name: str
+    labels: tuple[str, ...]
+    token_hash: str
+    created_at: str
+    last_seen_at: datetime | None
+
+
+class RunnerExists(ValueError):
+    """A runner of that name is already registered."""
+
+
+class Runners:
+    """Every statement about runners, on either database."""
+
+    def __init__(self, store: BaseStore) -> None:
+        self.store = store
+
+    def add(self, name: str, labels: Sequence[str], token_hash: str, now: datetime) -> None:
+        with self.store.transaction() as conn:
+            if conn.execute("SELECT 1 FROM runners WHERE name = ?", (name,)).fetchone():
+                raise RunnerExists(f"a runner named {name!r} already exists")
+            conn.execute("INSERT INTO runners (name, token_hash, labels, created_at)"
+                         " VALUES (?, ?, ?, ?)",
+                         (name, token_hash, json.dumps(list(labels)), rfc3339(now)))
+
+    def remove(self, name: str) -> bool:
+        """Forget runner ``name`` (its token stops working at once); False: none."""
+        return self.store.execute("DELETE FROM runners WHERE name = ?", (name,)) > 0
+
+    def all(self) -> list[RunnerRow]:
+        rows = self.store.query("SELECT name, labels, token_hash, created_at, last_seen_at"
+                                " FROM runners ORDER BY name")
+        return [_row(r) for r in rows]
+
+    def by_token_hash(self, token_hash: str) -> RunnerRow | None:
+        row = self.store.query_one("SELECT name, labels, token_hash, created_at, last_seen_at"
+                                   " FROM runners WHERE token_hash = ?", (token_hash,))
+        return _row(row) if row is not None else None
+
+    def seen(self, name: str, now: datetime) -> None:
+        self.store.execute("UPDATE runners SET last_seen_at = ? WHERE name = ?",
+                           (rfc3339(now), name))
+
+    def running(self) -> dict[str, int]:
+        """How many runs each runner holds claimed, by runner name."""
+        rows = self.store.query(
+            "SELECT claimed_by, COUNT(*) FROM runs WHERE status = 'claimed'"
+            " AND claimed_by LIKE 'runner:%' GROUP BY claimed_by")
+        return {str(r[0])[len(CLAIMED_BY_PREFIX):]: int(r[1]) for r in rows}
+
+    def claims_of(self, name: str) -> list[tuple[str, str]]:
+        """The ``(run id, claim token)`` of every run runner ``name`` holds claimed."""
+        rows = self.store.query("SELECT id, claim_token FROM runs WHERE status = 'claimed'"
+                                " AND claimed_by = ?", (claimed_by(name),))
+        return [(str(r[0]), str(r[1])) for r in rows]
+
+    def remote_agents(self) -> dict[str, tuple[str, ...]]:
+        """Every agent that runs on a runner, with the labels it needs."""
+        rows = self.store.query("SELECT id, runs_on FROM agents WHERE runs_on IS NOT NULL")
+        return {str(r[0]): tuple(json.loads(r[1])) for r in rows if r[1]}
+
+
+def _row(row: Sequence[object]) -> RunnerRow:
+    seen = row[4]
+    return RunnerRow(name=str(row[0]), labels=tuple(json.loads(str(row[1]))),
+                     token_hash=str(row[2]), created_at=str(row[3]),
+                     last_seen_at=parse_rfc3339(str(seen)) if seen else None)

@@ -1,0 +1,194 @@
+"""Runners on other machines, through real processes on loopback: a daemon with its
+gateway, ``kandevd runners`` on its socket, and ``kandevd runner`` processes with homes
+and configs of their own."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.daemon import DaemonProcess, run_cli
+from tests.support.runners import add_runner, gateway_config, gateway_url, runner_process
+
+pytestmark = pytest.mark.integration
+
+#: What the runner's ``gpu`` profile runs: it says where it ran, then a summary line.
+GPU_AGENT = [sys.executable, "-c",
+             "import json, os, sys; sys.stdin.read(); print('ran on', os.environ['KANDEVD_HOME']);"
+             " print(json.dumps({'summary': 'remote ok', 'cost_cents': 3}))"]
+
+
+@pytest.fixture
+def runners(tmp_path: Path) -> Iterator[Callable[..., DaemonProcess]]:
+    made: list[DaemonProcess] = []
+
+    def make(server: str, token_file: Path, name: str, profiles: dict[str, Any],
+             start: bool = True) -> DaemonProcess:
+        runner = runner_process(tmp_path / f"runner-{name}", server, token_file, profiles)
+        made.append(runner)
+        if start:
+            runner.start()
+        return runner
+
+    yield make
+    for runner in made:
+        runner.cleanup()
+
+
+def done(daemon: DaemonProcess, run_id: str) -> Callable[[], Any]:
+    def check() -> Any:
+        run = daemon.call("runs.get", {"id": run_id})
+        return run if run["status"] not in ("queued", "claimed") else None
+    return check
+
+
+def test_a_labelled_agent_runs_on_the_runner_and_the_others_stay_here(
+        daemon_factory: Callable[..., DaemonProcess], runners: Callable[..., DaemonProcess],
+        tmp_path: Path) -> None:
+    daemon = daemon_factory(gateway_config())
+    server = gateway_url(daemon)
+    token = add_runner(daemon, tmp_path / "tokens", "laptop", "gpu", "linux")
+    runner = runners(server, token, "laptop", {"gpu": {"command": GPU_AGENT, "timeout_s": 60}})
+    daemon.wait_for_line("runner laptop connected")
+
+    daemon.call("workspaces.create", {"id": "w", "name": "w"})
+    remote = daemon.call("agents.create", {"id": "g", "workspace_id": "w", "name": "g",
+                                           "profile": "gpu", "runs_on": ["gpu"]})
+    assert remote["runs_on"] == ["gpu"]
+    daemon.call("agents.create", {"id": "l", "workspace_id": "w", "name": "l"})
+    there = daemon.call("runs.enqueue", {"workspace_id": "w", "agent_id": "g",
+                                         "reason": "remote"})["run"]
+    here = daemon.call("runs.enqueue", {"workspace_id": "w", "agent_id": "l",
+                                        "reason": "local"})["run"]
+
+    ran = daemon.wait_until(done(daemon, there["id"]), what="the remote run")
+    assert (ran["status"], ran["output_summary"], ran["cost_cents"]) == \
+        ("finished", "remote ok", 3.0)
+    log = Path(ran["log_path"]).read_text()
+    assert f"ran on {runner.home}" in log  # the runner's agent, in the server's log
+    assert "attempt 1 started" in log and "on runner laptop" in log
+    assert "attempt 1 ended" in log and ": succeeded" in log
+    logs = run_cli(daemon.home, "runs", "logs", there["id"])
+    assert f"ran on {runner.home}" in logs.stdout
+
+    local = daemon.wait_until(done(daemon, here["id"]), what="the local run")
+    assert local["status"] == "finished"
+    assert "runner" not in Path(local["log_path"]).read_text()
+
+    listed = json.loads(run_cli(daemon.home, "runners", "list", "--json").stdout)
+    assert listed["items"] == [{"name": "laptop", "labels": ["gpu", "linux"], "online": True,
+                                "last_seen_at": listed["items"][0]["last_seen_at"],
+                                "running": 0}]
+    assert listed["items"][0]["last_seen_at"] is not None
+    assert runner.stop() == 0  # SIGINT: a graceful stop
+    assert "runner stopped" in runner.log_text
+
+
+def test_an_agent_needing_a_label_no_runner_carries_waits(
+        daemon_factory: Callable[..., DaemonProcess], runners: Callable[..., DaemonProcess],
+        tmp_path: Path) -> None:
+    daemon = daemon_factory(gateway_config())
+    token = add_runner(daemon, tmp_path / "tokens", "laptop", "linux")
+    runners(gateway_url(daemon), token, "laptop",
+            {"gpu": {"command": GPU_AGENT, "timeout_s": 60}})
+    daemon.call("workspaces.create", {"id": "w", "name": "w"})
+    daemon.call("agents.create", {"id": "g", "workspace_id": "w", "name": "g",
+                                  "profile": "gpu", "runs_on": ["gpu"]})
+    daemon.call("agents.create", {"id": "l", "workspace_id": "w", "name": "l"})
+    waiting = daemon.call("runs.enqueue", {"workspace_id": "w", "agent_id": "g",
+                                           "reason": "needs a gpu"})["run"]
+    later = daemon.call("runs.enqueue", {"workspace_id": "w", "agent_id": "l",
+                                         "reason": "local"})["run"]
+    daemon.wait_until(done(daemon, later["id"]), what="the local run")  # (not held up)
+    assert daemon.call("runs.get", {"id": waiting["id"]})["status"] == "queued"
+    explained = daemon.call("runs.explain", {"id": waiting["id"]})
+    assert "gpu" in json.dumps(explained)
+
+
+def test_a_refused_token_exits_77_with_one_line(
+        daemon_factory: Callable[..., DaemonProcess], runners: Callable[..., DaemonProcess],
+        tmp_path: Path) -> None:
+    daemon = daemon_factory(gateway_config())
+    bogus = tmp_path / "bogus.token"
+    bogus.write_text("kdr_" + "x" * 43)
+    bogus.chmod(0o600)
+    runner = runners(gateway_url(daemon), bogus, "bogus", {}, start=False)
+    runner.start(wait_ready=False)
+    assert runner.wait(60) == 77
+    errors = [line for line in runner.lines if "ERROR" in line]
+    assert len(errors) == 1 and "refused this runner's token" in errors[0], runner.log_text
+
+
+def test_a_removed_runner_gets_nothing_more_and_exits_77(
+        daemon_factory: Callable[..., DaemonProcess], runners: Callable[..., DaemonProcess],
+        tmp_path: Path) -> None:
+    daemon = daemon_factory(gateway_config())
+    token = add_runner(daemon, tmp_path / "tokens", "laptop", "gpu")
+    runner = runners(gateway_url(daemon), token, "laptop",
+                     {"gpu": {"command": GPU_AGENT, "timeout_s": 60}})
+    result = run_cli(daemon.home, "runners", "remove", "laptop")
+    assert result.returncode == 0, result.stderr
+    assert runner.wait(60) == 77  # its next request (a heartbeat or a poll) is refused
+    daemon.call("workspaces.create", {"id": "w", "name": "w"})
+    daemon.call("agents.create", {"id": "g", "workspace_id": "w", "name": "g",
+                                  "profile": "gpu", "runs_on": ["gpu"]})
+    run = daemon.call("runs.enqueue", {"workspace_id": "w", "agent_id": "g",
+                                       "reason": "x"})["run"]
+    assert daemon.call("runs.get", {"id": run["id"]})["status"] == "queued"
+    assert daemon.call("runners.list")["items"] == []
+    again = runners(gateway_url(daemon), token, "again", {}, start=False)
+    again.start(wait_ready=False)
+    assert again.wait(60) == 77
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize("machine", [True, False], ids=["its-machine", "the-process-alone"])
+def test_a_runner_killed_mid_run_has_its_run_ended_and_the_next_runner_takes_it(
+        daemon_factory: Callable[..., DaemonProcess], runners: Callable[..., DaemonProcess],
+        tmp_path: Path, machine: bool) -> None:
+    daemon = daemon_factory(gateway_config(dead_after_s=3))
+    server = gateway_url(daemon)
+    first_ran = tmp_path / "first-ran"
+    # The first attempt blocks (until its runner is killed); the second one finishes.
+    agent = [sys.executable, "-c",
+             f"import os, sys, time; sys.stdin.read(); p = {str(first_ran)!r}\n"
+             "if os.path.exists(p): print('second attempt')\n"
+             "else:\n open(p, 'w').write(str(os.getpid())); time.sleep(120)"]
+    profiles = {"gpu": {"command": agent, "timeout_s": 300}}
+    first = runners(server, add_runner(daemon, tmp_path / "tokens", "one", "gpu"), "one",
+                    profiles)
+    daemon.call("workspaces.create", {"id": "w", "name": "w"})
+    daemon.call("agents.create", {"id": "g", "workspace_id": "w", "name": "g",
+                                  "profile": "gpu", "runs_on": ["gpu"]})
+    run = daemon.call("runs.enqueue", {"workspace_id": "w", "agent_id": "g",
+                                       "reason": "long"})["run"]
+    daemon.wait_until(lambda: daemon.call("runs.get", {"id": run["id"]})["status"]
+                      == "claimed" and first_ran.exists() and first_ran.read_text(),
+                      what="the first attempt running")
+    agent_pid = int(first_ran.read_text())
+    if machine:
+        first.kill9()  # the runner's machine goes away: its process, its keeper, its agent
+    else:  # the runner alone: its keeper stops the agent after half of dead_after_s
+        first.kill_daemon_only()
+
+    daemon.wait_for_line("runner one silent for")
+    assert not alive(agent_pid)  # (stopped before the server gave its run to another)
+    rescued = daemon.call("runs.get", {"id": run["id"]})
+    assert rescued["status"] == "queued" and "runner one was silent" in \
+        rescued["error_message"]
+    runners(server, add_runner(daemon, tmp_path / "tokens", "two", "gpu"), "two", profiles)
+    ended = daemon.wait_until(done(daemon, run["id"]), what="the second attempt")
+    assert (ended["status"], ended["attempt"]) == ("finished", 2)
+    assert "second attempt" in Path(ended["log_path"]).read_text()

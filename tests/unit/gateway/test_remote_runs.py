@@ -1,0 +1,185 @@
+"""RemoteRuns on a real store (SQLite and PostgreSQL), a real queue and a test clock:
+claims for a runner, the log's offsets, outcomes recorded once, silent runners."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kandevd.gateway.protocol import token_hash
+from kandevd.gateway.remote import LogGap, RemoteRuns, UnknownExecution
+from kandevd.runs.labels import LABEL_PATTERN, bad_label, covers
+from kandevd.store.runners import RunnerRow, Runners
+from tests.support.office import OfficeEnv
+
+
+class Ticks:
+    """A monotonic clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def env(tmp_path: Path, store_location: str) -> Iterator[OfficeEnv]:
+    made = OfficeEnv(tmp_path, location=store_location)
+    made.model.create_workspace({"id": "w", "name": "w"})
+    made.model.create_agent({"id": "gpu1", "workspace_id": "w", "name": "gpu1",
+                             "profile": "coder", "runs_on": ["gpu"]})
+    made.model.create_agent({"id": "gpu2", "workspace_id": "w", "name": "gpu2",
+                             "profile": "coder", "runs_on": ["gpu", "big"]})
+    made.model.create_agent({"id": "here", "workspace_id": "w", "name": "here"})
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+def runner(env: OfficeEnv, name: str, *labels: str) -> RunnerRow:
+    runners = Runners(env.store)
+    runners.add(name, labels, token_hash(f"kdr_{name}"), env.clock())
+    found = runners.by_token_hash(token_hash(f"kdr_{name}"))
+    assert found is not None
+    return found
+
+
+def remote_runs(env: OfficeEnv, ticks: Ticks, dead_after_s: float = 30) -> RemoteRuns:
+    return RemoteRuns(env.queue, Runners(env.store), env.bus, env.layout,
+                      dead_after_s=dead_after_s, clock=env.clock, monotonic=ticks)
+
+
+def enqueue(env: OfficeEnv, agent: str) -> str:
+    return env.queue.enqueue(workspace_id="w", agent_id=agent, reason="r").run.id
+
+
+def test_a_runner_takes_only_the_agents_its_labels_cover_and_the_queue_only_the_others(
+        env: OfficeEnv) -> None:
+    remote = remote_runs(env, Ticks())
+    small = runner(env, "small", "gpu")
+    first, second, local = enqueue(env, "gpu1"), enqueue(env, "gpu2"), enqueue(env, "here")
+    # The daemon's own claims leave the labelled agents alone.
+    claimed = env.repo.claim_batch(env.clock(), 10)
+    assert [c.run.id for c in claimed] == [local]
+    handed = remote.poll(small, 0)
+    assert handed is not None and handed["run_id"] == first and handed["profile"] == "coder"
+    assert handed["stdin"]["agent_id"] == "gpu1" and handed["attempt"] == 1
+    assert remote.poll(small, 0) is None  # gpu2 needs "big" too; gpu1 is busy now
+    assert env.queue.get(second).status == "queued"
+    assert env.queue.get(first).status == "claimed"
+
+
+def test_the_log_takes_each_byte_once_and_says_where_a_gap_starts(env: OfficeEnv) -> None:
+    remote = remote_runs(env, Ticks())
+    box = runner(env, "box", "gpu")
+    run_id = enqueue(env, "gpu1")
+    handed = remote.poll(box, 0)
+    assert handed is not None
+    assert remote.append_log(box, handed["id"], run_id, 0, b"hello ") == 6
+    assert remote.append_log(box, handed["id"], run_id, 0, b"hello ") == 6  # a retry
+    assert remote.append_log(box, handed["id"], run_id, 3, b"lo world\n") == 12
+    with pytest.raises(LogGap) as gap:
+        remote.append_log(box, handed["id"], run_id, 20, b"later")
+    assert gap.value.received == 12
+    log = (env.layout.run_logs / f"{run_id}.log").read_text()
+    assert log.endswith("on runner box\nhello world\n")
+    other = runner(env, "other", "gpu")
+    with pytest.raises(UnknownExecution):  # not the other runner's
+        remote.append_log(other, handed["id"], run_id, 12, b"x")
+
+
+def test_an_outcome_is_recorded_once(env: OfficeEnv) -> None:
+    remote = remote_runs(env, Ticks())
+    box = runner(env, "box", "gpu")
+    run_id = enqueue(env, "gpu1")
+    handed = remote.poll(box, 0)
+    assert handed is not None
+    ending = {"outcome": "succeeded", "exit_code": 0, "summary": "done", "cost_cents": 2.5}
+    assert remote.end(box, handed["id"], run_id, ending) is True
+    assert remote.end(box, handed["id"], run_id, ending) is False
+    run = env.queue.get(run_id)
+    assert (run.status, run.output_summary, run.cost_cents) == ("finished", "done", 2.5)
+
+
+def test_a_failure_follows_the_retry_policy_and_an_unknown_outcome_is_an_error(
+        env: OfficeEnv) -> None:
+    remote = remote_runs(env, Ticks())
+    box = runner(env, "box", "gpu")
+    run_id = enqueue(env, "gpu1")
+    handed = remote.poll(box, 0)
+    assert handed is not None
+    assert remote.end(box, handed["id"], run_id, {"outcome": "made-up", "error": "boom"})
+    run = env.queue.get(run_id)
+    assert run.status == "queued" and run.scheduled_retry_at is not None  # retried later
+
+
+def test_a_silent_runner_has_its_claims_rescued_and_its_late_report_changes_nothing(
+        env: OfficeEnv) -> None:
+    ticks = Ticks()
+    remote = remote_runs(env, ticks, dead_after_s=30)
+    box = runner(env, "box", "gpu")
+    run_id = enqueue(env, "gpu1")
+    handed = remote.poll(box, 0)
+    assert handed is not None
+    ticks.now += 29
+    assert remote.watch() == 0
+    remote.heartbeat(box, [{"id": handed["id"], "run_id": run_id}])
+    ticks.now += 30
+    assert remote.watch() == 1
+    run = env.queue.get(run_id)
+    assert run.status == "queued" and run.attempt == 1  # the attempt counted
+    assert "runner box was silent" in (run.error_message or "")
+    assert remote.end(box, handed["id"], run_id, {"outcome": "succeeded"}) is False
+    assert env.queue.get(run_id).status == "queued"
+    cancel, unknown = remote.heartbeat(box, [{"id": handed["id"], "run_id": run_id}])
+    assert (cancel, unknown) == ([], [handed["id"]])  # stop it: it is not yours
+
+
+def test_a_restarted_runner_that_lost_its_runs_has_them_rescued_at_hello(
+        env: OfficeEnv) -> None:
+    remote = remote_runs(env, Ticks())
+    box = runner(env, "box", "gpu")
+    run_id = enqueue(env, "gpu1")
+    handed = remote.poll(box, 0)
+    assert handed is not None
+    assert remote.hello(box, []) == []
+    assert env.queue.get(run_id).status == "queued"
+
+
+def test_a_cancelled_run_is_stopped_on_its_runner(env: OfficeEnv) -> None:
+    remote = remote_runs(env, Ticks())
+    box = runner(env, "box", "gpu")
+    run_id = enqueue(env, "gpu1")
+    handed = remote.poll(box, 0)
+    assert handed is not None
+    env.queue.cancel(run_id, "not needed")
+    cancel, _ = remote.heartbeat(box, [{"id": handed["id"], "run_id": run_id}])
+    assert cancel == [handed["id"]]
+    assert remote.end(box, handed["id"], run_id, {"outcome": "stopped"}) is True
+    assert env.queue.get(run_id).status == "cancelled"
+
+
+LABEL = st.from_regex(r"[a-z0-9][a-z0-9._-]{0,8}", fullmatch=True)
+
+
+@given(st.sets(LABEL, max_size=6), st.sets(LABEL, max_size=6))
+def test_a_runner_covers_exactly_the_label_sets_it_includes(carried: set[str],
+                                                            needed: set[str]) -> None:
+    assert covers(carried, needed) == needed.issubset(carried)
+    assert covers(carried | needed, needed)
+    assert bad_label(carried) is None
+
+
+@given(st.text(max_size=70) | st.from_regex(r"[a-z]{1,5}\n?", fullmatch=True))
+def test_a_label_is_a_letter_or_digit_then_up_to_62_more(text: str) -> None:
+    ok = re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}", text) is not None
+    assert (bad_label([text]) is None) == ok
+    schema_ok = re.search(LABEL_PATTERN, text) is not None  # (as jsonschema applies it)
+    assert schema_ok == ok

@@ -24,8 +24,9 @@ def agents(console: Console, request: Request) -> Response:
         agent["current"] = claimed.get(agent["id"])
         until = parse_time(agent.get("cooldown_until"))
         agent["cooling"] = until is not None and until > now
+    runners = console.call("runners.list")["items"]
     return console.render("agents.html", request, title="Agents", nav="agents",
-                          agents=found)
+                          agents=found, runners=runners)
 
 
 def agent_act(console: Console, request: Request, agent: str, action: str) -> Response:

@@ -5,13 +5,16 @@ and configs of their own."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.support.console import console_of, request, sign_in
 from tests.support.daemon import DaemonProcess, run_cli
 from tests.support.runners import add_runner, gateway_config, gateway_url, runner_process
 
@@ -192,3 +195,37 @@ def test_a_runner_killed_mid_run_has_its_run_ended_and_the_next_runner_takes_it(
     ended = daemon.wait_until(done(daemon, run["id"]), what="the second attempt")
     assert (ended["status"], ended["attempt"]) == ("finished", 2)
     assert "second attempt" in Path(ended["log_path"]).read_text()
+
+
+def test_the_console_agents_page_shows_the_runners_and_where_an_agent_runs(
+        daemon_factory: Callable[..., DaemonProcess], runners: Callable[..., DaemonProcess],
+        tmp_path: Path) -> None:
+    config = gateway_config()
+    config["web"] = {"listen": "127.0.0.1:0"}
+    daemon = daemon_factory(config)
+    token = add_runner(daemon, tmp_path / "tokens", "gpu-box", "gpu", "linux")
+    add_runner(daemon, tmp_path / "tokens", "laptop", "mac")  # never connects
+    runners(gateway_url(daemon), token, "gpu-box", {})
+    daemon.wait_for_line("runner gpu-box connected")
+    daemon.call("workspaces.create", {"id": "w", "name": "w"})
+    daemon.call("agents.create", {"id": "g", "workspace_id": "w", "name": "g",
+                                  "profile": "coder", "runs_on": ["gpu"]})
+    console = console_of(daemon)
+    page = request(console, "GET", "/agents", cookie=sign_in(console))
+    assert page.status == 200
+    rows = page.body.split("<h2>Runners</h2>", 1)[1]
+    assert "gpu-box" in rows and "gpu, linux" in rows and "s-online" in rows
+    assert "laptop" in rows and "s-offline" in rows and "never" in rows
+    assert "on a runner with gpu" in page.body
+
+
+def test_the_shipped_runner_unit_is_a_valid_systemd_unit(tmp_path: Path) -> None:
+    shipped = resources.files("kandevd.conf").joinpath("kandevd-runner.service").read_text()
+    assert "runner --server" in shipped and "RestartPreventExitStatus=77" in shipped
+    assert "KillMode=process" in shipped  # the keeper stops the agents, not systemd
+    kandevd = Path(sys.executable).with_name("kandevd")
+    unit = tmp_path / "kandevd-runner.service"
+    unit.write_text(shipped.replace("%h/.local/bin/kandevd", str(kandevd)))
+    verified = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True,
+                              text=True, timeout=60, check=False)
+    assert verified.returncode == 0 and verified.stderr == "", verified.stderr

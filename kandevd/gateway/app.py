@@ -84,11 +84,15 @@ class GatewayApp:
             cancel, unknown = self.remote.heartbeat(runner, _held(_json(environ)))
             return 200, {"cancel": cancel, "unknown": unknown}
         if path == protocol.POLL:
-            wait = _json(environ).get("wait_s", protocol.MAX_POLL_WAIT_S)
+            body = _json(environ)
+            wait, slots = body.get("wait_s", protocol.MAX_POLL_WAIT_S), body.get("slots", 1)
             if not isinstance(wait, int | float) or isinstance(wait, bool) or wait < 0:
                 raise Refused(400, "wait_s: a number of seconds")
-            execution = self.remote.poll(runner, min(float(wait), protocol.MAX_POLL_WAIT_S))
-            return (204, None) if execution is None else (200, {"execution": execution})
+            if not isinstance(slots, int) or isinstance(slots, bool) or \
+                    not 1 <= slots <= protocol.MAX_POLL_SLOTS:
+                raise Refused(400, f"slots: 1 to {protocol.MAX_POLL_SLOTS}")
+            handed = self.remote.poll(runner, min(float(wait), protocol.MAX_POLL_WAIT_S), slots)
+            return (200, {"executions": handed}) if handed else (204, None)
         if path.startswith(protocol.EXECUTIONS):
             return self._execution(environ, runner, path[len(protocol.EXECUTIONS):])
         raise Refused(404, f"no such path: {path[:200]}")

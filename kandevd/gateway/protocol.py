@@ -23,6 +23,8 @@ EXECUTIONS = f"{PREFIX}/executions/"
 
 #: The longest a poll waits for work before it answers 204.
 MAX_POLL_WAIT_S = 25.0
+#: The most executions one poll takes (a runner's free slots).
+MAX_POLL_SLOTS = 64
 #: How often a runner says it is alive (with what it runs).
 HEARTBEAT_S = 5.0
 #: The largest log chunk a runner sends at once.

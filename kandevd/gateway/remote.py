@@ -130,18 +130,19 @@ class RemoteRuns:
                 cancel.append(item["id"])
         return cancel, unknown
 
-    def poll(self, runner: RunnerRow, wait_s: float) -> Execution | None:
-        """Claim a run for ``runner``, waiting up to ``wait_s`` for one."""
+    def poll(self, runner: RunnerRow, wait_s: float, slots: int = 1) -> list[Execution]:
+        """Claim up to ``slots`` runs for ``runner`` (one statement), waiting up to
+        ``wait_s`` for the first; none: nothing to run."""
         self.seen(runner)
         deadline = self.monotonic() + wait_s
         while True:
-            claim = self._claim(runner)
-            if claim is not None:
-                return self._hand_over(runner, claim)
+            claims = self._claim(runner, slots)
+            if claims:
+                return [self._hand_over(runner, claim) for claim in claims]
             with self._work:
                 left = deadline - self.monotonic()
                 if left <= 0 or self.stopping:
-                    return None
+                    return []
                 # (a change wakes it; the look again after at most a second also catches
                 # a due retry or an ended cooldown)
                 self._work.wait(min(left, 1.0))
@@ -231,12 +232,12 @@ class RemoteRuns:
         with self._work:
             self._work.notify_all()
 
-    def _claim(self, runner: RunnerRow) -> Claim | None:
+    def _claim(self, runner: RunnerRow, slots: int) -> list[Claim]:
         agents = frozenset(agent for agent, needed in self.runners.remote_agents().items()
                            if covers(runner.labels, needed))
         if not agents:
-            return None
-        return self.queue.claim_for_runner(claimed_by(runner.name), agents)
+            return []
+        return self.queue.claim_for_runner(claimed_by(runner.name), agents, slots)
 
     def _hand_over(self, runner: RunnerRow, claim: Claim) -> Execution:
         run = claim.run

@@ -65,10 +65,12 @@ class GatewayClient:
     def heartbeat(self, held: list[Held]) -> dict[str, Any]:
         return self._post(protocol.HEARTBEAT, {"running": held})
 
-    def poll(self, wait_s: float) -> Execution | None:
-        answer = self._post(protocol.POLL, {"wait_s": wait_s})
-        execution = answer.get("execution") if answer else None
-        return execution if isinstance(execution, dict) else None  # type: ignore[return-value]
+    def poll(self, wait_s: float, slots: int = 1) -> list[Execution]:
+        """Up to ``slots`` executions, the server waiting up to ``wait_s`` for the first."""
+        answer = self._post(protocol.POLL, {"wait_s": wait_s, "slots": slots})
+        handed = answer.get("executions") if answer else None
+        return [e for e in handed if isinstance(e, dict)] \
+            if isinstance(handed, list) else []  # type: ignore[misc]
 
     def send_log(self, execution_id: str, run_id: str, offset: int, data: bytes) -> int:
         """Append ``data`` at ``offset``; how much the server has (a 409 says so too)."""

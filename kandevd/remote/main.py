@@ -12,6 +12,7 @@ import os
 import signal
 import stat
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from kandevd import exits
@@ -89,14 +90,15 @@ def run_runner(server: str, token_file: Path, home: Path, config_path: Path | No
                 for sig in (signal.SIGINT, signal.SIGTERM)}
     keepers: list[KeeperClient] = []
 
-    def runtime_for(dead_after_s: float) -> AgentRuntime:
+    def runtime_for(dead_after_s: float, on_slot_free: Callable[[], None]) -> AgentRuntime:
         """The runtime, once the server said its ``dead_after_s``: the keeper stops the
         agents by itself when this process is gone for half of it (KeeperUnavailable)."""
         keeper = KeeperClient(layout.root, stop_alone_after=dead_after_s / 2)
         keepers.append(keeper)
         keeper.connect()
         runtime = AgentRuntime(config.runtime.max_concurrent, config.runtime.stop_grace_s,
-                               runner=KeeperRunner(keeper, kill_grace_s=5.0))
+                               runner=KeeperRunner(keeper, kill_grace_s=5.0),
+                               on_slot_free=on_slot_free)
         runtime.release_unclaimed()
         return runtime
 

@@ -63,9 +63,10 @@ class Job:
 
 class RunnerProcess:
     def __init__(self, client: GatewayClient, config: Config, layout: HomeLayout,
-                 runtime_for: Callable[[float], AgentRuntime], *, stop: threading.Event
-                 ) -> None:
-        """``runtime_for(dead_after_s)``: the runtime, made once the server answered."""
+                 runtime_for: Callable[[float, Callable[[], None]], AgentRuntime], *,
+                 stop: threading.Event) -> None:
+        """``runtime_for(dead_after_s, on_slot_free)``: the runtime, made once the server
+        answered, calling ``on_slot_free`` whenever a slot frees."""
         self.client = client
         self.config = config
         self.layout = layout
@@ -81,6 +82,8 @@ class RunnerProcess:
         self._down_since: float | None = None
         #: Set once the last reports are sent (or given up): the other threads end.
         self._closed = threading.Event()
+        #: Set by the runtime whenever a slot frees (the poll thread waits for one).
+        self._slot_freed = threading.Event()
 
     # -- the process ----------------------------------------------------------------
     def run(self) -> int:
@@ -89,7 +92,7 @@ class RunnerProcess:
         if answer is None:
             return exits.NOPERM if self.refused.is_set() else 0
         self.dead_after_s = float(answer.get("dead_after_s") or 30.0)
-        self.runtime = self.runtime_for(self.dead_after_s)
+        self.runtime = self.runtime_for(self.dead_after_s, self._slot_freed.set)
         log.info("runner %s serving %s (labels %s; %d slot(s))", answer.get("runner"),
                  self.client.base, ",".join(answer.get("labels") or []) or "-",
                  self.runtime.max_concurrent)
@@ -115,23 +118,31 @@ class RunnerProcess:
     # -- polls ----------------------------------------------------------------------
     def _polls(self) -> None:
         while not self.stop.is_set():
-            reservation = self.runtime.try_reserve()
-            if reservation is None:
-                self.stop.wait(REPORT_S)
+            self._slot_freed.clear()
+            reservations = self._free_slots()
+            if not reservations:
+                self._slot_freed.wait(REPORT_S)  # (REPORT_S: a stop is noticed soon)
                 continue
             try:
-                execution = self._call(lambda: self.client.poll(POLL_WAIT_S))
+                handed = self._call(partial(self.client.poll, POLL_WAIT_S, len(reservations)))
             except (Unreachable, Rejected):
-                self.runtime.release(reservation)
+                handed = []
                 self.stop.wait(self._backoff())
-                continue
             except BaseException:  # (a refused token: the stop is set)
+                handed = []
+            for reservation, execution in zip(reservations, handed, strict=False):
+                self._start(reservation, execution)
+            for reservation in reservations[len(handed):]:
                 self.runtime.release(reservation)
+            if self.refused.is_set():
                 return
-            if execution is None:
-                self.runtime.release(reservation)
-                continue
-            self._start(reservation, execution)
+
+    def _free_slots(self) -> list[Reservation]:
+        """Every slot free now, reserved (a poll takes as many executions)."""
+        taken = []
+        while (reservation := self.runtime.try_reserve()) is not None:
+            taken.append(reservation)
+        return taken
 
     def _start(self, reservation: Reservation, execution: Execution) -> None:
         run_id = execution["run_id"]

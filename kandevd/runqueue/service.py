@@ -149,14 +149,14 @@ class RunQueue:
         return run
 
     # -- runners on other machines (the gateway) -------------------------------------
-    def claim_for_runner(self, claimed_by: str, agents: frozenset[str]) -> Claim | None:
-        """The oldest due run of one of ``agents`` (those a runner may take), claimed for
-        it (None: none now); announced as any claim."""
-        claims = self.repo.claim_batch(self.clock(), 1, runner=(claimed_by, agents))
-        if not claims:
-            return None
-        self.bus.publish("run.claimed", {"run": claims[0].run})
-        return claims[0]
+    def claim_for_runner(self, claimed_by: str, agents: frozenset[str], limit: int = 1
+                         ) -> list[Claim]:
+        """Up to ``limit`` runs of ``agents`` (those a runner may take), oldest first, one
+        per agent, claimed for it in one statement; announced as any claim."""
+        claims = self.repo.claim_batch(self.clock(), limit, runner=(claimed_by, agents))
+        for claim in claims:
+            self.bus.publish("run.claimed", {"run": claim.run})
+        return claims
 
     def claim_in_force(self, run_id: str, token: str) -> Claim | None:
         """Run ``run_id``'s claim ``token`` while it still holds (None: it ended)."""

@@ -68,20 +68,29 @@ def test_a_runner_takes_only_the_agents_its_labels_cover_and_the_queue_only_the_
     # The daemon's own claims leave the labelled agents alone.
     claimed = env.repo.claim_batch(env.clock(), 10)
     assert [c.run.id for c in claimed] == [local]
-    handed = remote.poll(small, 0)
-    assert handed is not None and handed["run_id"] == first and handed["profile"] == "coder"
+    [handed] = remote.poll(small, 0, slots=5)
+    assert handed["run_id"] == first and handed["profile"] == "coder"
     assert handed["stdin"]["agent_id"] == "gpu1" and handed["attempt"] == 1
-    assert remote.poll(small, 0) is None  # gpu2 needs "big" too; gpu1 is busy now
+    assert remote.poll(small, 0) == []  # gpu2 needs "big" too; gpu1 is busy now
     assert env.queue.get(second).status == "queued"
     assert env.queue.get(first).status == "claimed"
+
+
+def test_a_poll_takes_up_to_its_free_slots_one_run_per_agent_oldest_first(
+        env: OfficeEnv) -> None:
+    remote = remote_runs(env, Ticks())
+    big = runner(env, "big", "gpu", "big")
+    runs = [enqueue(env, "gpu1"), enqueue(env, "gpu1"), enqueue(env, "gpu2")]
+    handed = remote.poll(big, 0, slots=3)
+    assert [h["run_id"] for h in handed] == [runs[0], runs[2]]  # gpu1's second waits
+    assert len({h["id"] for h in handed}) == 2
 
 
 def test_the_log_takes_each_byte_once_and_says_where_a_gap_starts(env: OfficeEnv) -> None:
     remote = remote_runs(env, Ticks())
     box = runner(env, "box", "gpu")
     run_id = enqueue(env, "gpu1")
-    handed = remote.poll(box, 0)
-    assert handed is not None
+    [handed] = remote.poll(box, 0)
     assert remote.append_log(box, handed["id"], run_id, 0, b"hello ") == 6
     assert remote.append_log(box, handed["id"], run_id, 0, b"hello ") == 6  # a retry
     assert remote.append_log(box, handed["id"], run_id, 3, b"lo world\n") == 12
@@ -99,8 +108,7 @@ def test_an_outcome_is_recorded_once(env: OfficeEnv) -> None:
     remote = remote_runs(env, Ticks())
     box = runner(env, "box", "gpu")
     run_id = enqueue(env, "gpu1")
-    handed = remote.poll(box, 0)
-    assert handed is not None
+    [handed] = remote.poll(box, 0)
     ending = {"outcome": "succeeded", "exit_code": 0, "summary": "done", "cost_cents": 2.5}
     assert remote.end(box, handed["id"], run_id, ending) is True
     assert remote.end(box, handed["id"], run_id, ending) is False
@@ -113,8 +121,7 @@ def test_a_failure_follows_the_retry_policy_and_an_unknown_outcome_is_an_error(
     remote = remote_runs(env, Ticks())
     box = runner(env, "box", "gpu")
     run_id = enqueue(env, "gpu1")
-    handed = remote.poll(box, 0)
-    assert handed is not None
+    [handed] = remote.poll(box, 0)
     assert remote.end(box, handed["id"], run_id, {"outcome": "made-up", "error": "boom"})
     run = env.queue.get(run_id)
     assert run.status == "queued" and run.scheduled_retry_at is not None  # retried later
@@ -126,8 +133,7 @@ def test_a_silent_runner_has_its_claims_rescued_and_its_late_report_changes_noth
     remote = remote_runs(env, ticks, dead_after_s=30)
     box = runner(env, "box", "gpu")
     run_id = enqueue(env, "gpu1")
-    handed = remote.poll(box, 0)
-    assert handed is not None
+    [handed] = remote.poll(box, 0)
     ticks.now += 29
     assert remote.watch() == 0
     remote.heartbeat(box, [{"id": handed["id"], "run_id": run_id}])
@@ -147,8 +153,7 @@ def test_a_restarted_runner_that_lost_its_runs_has_them_rescued_at_hello(
     remote = remote_runs(env, Ticks())
     box = runner(env, "box", "gpu")
     run_id = enqueue(env, "gpu1")
-    handed = remote.poll(box, 0)
-    assert handed is not None
+    assert len(remote.poll(box, 0)) == 1
     assert remote.hello(box, []) == []
     assert env.queue.get(run_id).status == "queued"
 
@@ -157,8 +162,7 @@ def test_a_cancelled_run_is_stopped_on_its_runner(env: OfficeEnv) -> None:
     remote = remote_runs(env, Ticks())
     box = runner(env, "box", "gpu")
     run_id = enqueue(env, "gpu1")
-    handed = remote.poll(box, 0)
-    assert handed is not None
+    [handed] = remote.poll(box, 0)
     env.queue.cancel(run_id, "not needed")
     cancel, _ = remote.heartbeat(box, [{"id": handed["id"], "run_id": run_id}])
     assert cancel == [handed["id"]]

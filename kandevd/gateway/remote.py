@@ -86,6 +86,8 @@ class RemoteRuns:
         self._seen: dict[str, float] = {}  # runner -> monotonic time of its last request
         self._seen_written: dict[str, float] = {}
         self._started = monotonic()
+        #: (often enough that another daemon's watch sees the runner alive)
+        self._seen_every = min(SEEN_WRITE_S, dead_after_s / 4)
         self.stopping = False
         for topic in ("run.queued", "run.finished", "run.cancelled", "agent.updated",
                       "agent.created"):
@@ -97,7 +99,8 @@ class RemoteRuns:
         now = self.monotonic()
         with self._lock:
             self._seen[runner.name] = now
-            write = now - self._seen_written.get(runner.name, -SEEN_WRITE_S) >= SEEN_WRITE_S
+            write = now - self._seen_written.get(runner.name, -SEEN_WRITE_S) \
+                >= self._seen_every
             if write:
                 self._seen_written[runner.name] = now
         if write:
@@ -190,14 +193,22 @@ class RemoteRuns:
 
     # -- the watch ------------------------------------------------------------------
     def watch(self) -> int:
-        """Rescue the claims of runners silent for ``dead_after_s``; how many."""
-        now = self.monotonic()
+        """Rescue the claims of runners silent for ``dead_after_s``; how many.
+
+        Silent: neither this daemon nor any other on the store (``last_seen_at``,
+        written by whichever daemon's gateway the runner talks to) heard from it."""
+        now, wall = self.monotonic(), self.clock()
         rescued = 0
+        seen = {row.name: row.last_seen_at for row in self.runners.all()}
         for name, held in self.runners.running().items():
             with self._lock:
-                last = self._seen.get(name, self._started)
-            if held <= 0 or now - last < self.dead_after_s:
+                silent = now - self._seen.get(name, self._started)
+            stored = seen.get(name)
+            if stored is not None:
+                silent = min(silent, (wall - stored).total_seconds())
+            if held <= 0 or silent < self.dead_after_s:
                 continue
+            last = now - silent
             claims = self.runners.claims_of(name)
             with self._lock:
                 for remote in [r for r in self._live.values() if r.runner == name]:

@@ -5,6 +5,7 @@ and configs of their own."""
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -229,3 +230,43 @@ def test_the_shipped_runner_unit_is_a_valid_systemd_unit(tmp_path: Path) -> None
     verified = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True,
                               text=True, timeout=60, check=False)
     assert verified.returncode == 0 and verified.stderr == "", verified.stderr
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_the_server_killed_while_a_runner_works_loses_nothing(
+        daemon_factory: Callable[..., DaemonProcess], runners: Callable[..., DaemonProcess],
+        tmp_path: Path) -> None:
+    config = gateway_config()
+    config["gateway"]["listen"] = f"127.0.0.1:{free_port()}"  # (the same after the restart)
+    daemon = daemon_factory(config)
+    started, release = tmp_path / "started", tmp_path / "release"
+    agent = [sys.executable, "-c",
+             f"import json, os, sys, time; sys.stdin.read(); open({str(started)!r}, 'w')\n"
+             f"while not os.path.exists({str(release)!r}): time.sleep(0.05)\n"
+             "print('worked through the outage')\n"
+             "print(json.dumps({'summary': 'done once', 'cost_cents': 4}))"]
+    runner = runners(gateway_url(daemon), add_runner(daemon, tmp_path / "tokens", "box",
+                                                     "gpu"), "box",
+                     {"gpu": {"command": agent, "timeout_s": 300}})
+    daemon.call("workspaces.create", {"id": "w", "name": "w"})
+    daemon.call("agents.create", {"id": "g", "workspace_id": "w", "name": "g",
+                                  "profile": "gpu", "runs_on": ["gpu"]})
+    run = daemon.call("runs.enqueue", {"workspace_id": "w", "agent_id": "g",
+                                       "reason": "long"})["run"]
+    daemon.wait_until(started.exists, what="the agent on the runner")
+
+    daemon.kill9()  # the server's machine: its daemon, its keeper, its own agents
+    release.touch()  # the runner's agent ends while no server listens
+    runner.wait_for_line("the server cannot be reached")
+    daemon.start()
+    ended = daemon.wait_until(done(daemon, run["id"]), what="the outcome, reported late")
+    assert (ended["status"], ended["attempt"], ended["output_summary"]) == \
+        ("finished", 1, "done once")
+    assert "worked through the outage" in Path(ended["log_path"]).read_text()
+    runner.wait_for_line("the server is reachable again")
+    assert daemon.count_lines("re-queued") == 0

@@ -134,10 +134,14 @@ def test_a_silent_runner_has_its_claims_rescued_and_its_late_report_changes_noth
     box = runner(env, "box", "gpu")
     run_id = enqueue(env, "gpu1")
     [handed] = remote.poll(box, 0)
-    ticks.now += 29
+    def later(seconds: float) -> None:
+        ticks.now += seconds
+        env.clock.advance(seconds=seconds)
+
+    later(29)
     assert remote.watch() == 0
     remote.heartbeat(box, [{"id": handed["id"], "run_id": run_id}])
-    ticks.now += 30
+    later(30)
     assert remote.watch() == 1
     run = env.queue.get(run_id)
     assert run.status == "queued" and run.attempt == 1  # the attempt counted
@@ -146,6 +150,21 @@ def test_a_silent_runner_has_its_claims_rescued_and_its_late_report_changes_noth
     assert env.queue.get(run_id).status == "queued"
     cancel, unknown = remote.heartbeat(box, [{"id": handed["id"], "run_id": run_id}])
     assert (cancel, unknown) == ([], [handed["id"]])  # stop it: it is not yours
+
+
+def test_a_runner_another_daemon_hears_from_is_not_silent(env: OfficeEnv) -> None:
+    """Several daemons: the runner talks to another one, which keeps its last_seen_at."""
+    ticks = Ticks()
+    here, there = remote_runs(env, ticks), remote_runs(env, ticks)
+    box = runner(env, "box", "gpu")
+    run_id = enqueue(env, "gpu1")
+    [handed] = there.poll(box, 0)
+    for _ in range(4):
+        ticks.now += 10
+        env.clock.advance(seconds=10)
+        there.heartbeat(box, [{"id": handed["id"], "run_id": run_id}])
+        assert here.watch() == 0  # (this daemon never heard from it)
+    assert env.queue.get(run_id).status == "claimed"
 
 
 def test_a_restarted_runner_that_lost_its_runs_has_them_rescued_at_hello(

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kandevd import exits
-from kandevd.app.gateway import GatewayTlsError, build_gateway
+from kandevd.app.gateway import GatewayTlsError, build_gateway, build_remote, turns_on_runners
 from kandevd.app.metrics import DaemonMetrics
 from kandevd.app.scheduler import build_scheduler
 from kandevd.app.status import StatusReporter
@@ -170,12 +170,15 @@ def _assemble(config: Config, layout: HomeLayout, store: BaseStore, *, boot_id: 
         loops["office"] = OfficeLoop(store, queue, bus, config.office,
                                      leader=cluster.is_leader if cluster else None,
                                      parent=stop_signal)
+    runners = Runners(store)
+    remote = build_remote(config, layout, queue, runners, bus)
     scheduler = build_scheduler(config, layout, runtime, parent=stop_signal,
-                                fire_gate=cluster.fire_gate if cluster else None)
+                                fire_gate=cluster.fire_gate if cluster else None,
+                                remote_turns=turns_on_runners(remote))
     cron = scheduler.loop
     loops["cron"] = cron
     try:
-        gateway = build_gateway(config, layout, queue, Runners(store), bus, stop_signal)
+        gateway = build_gateway(config, remote, runners, stop_signal) if remote else None
     except GatewayTlsError as exc:
         raise StartupError(str(exc), exits.CONFIG) from None
     if gateway is not None:

@@ -3,12 +3,15 @@ started just before the control socket opens, stopped with the intake."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kandevd import __version__
 from kandevd.bus import EventBus
 from kandevd.config import Config
 from kandevd.gateway.app import GatewayApp
 from kandevd.gateway.remote import RemoteRuns
 from kandevd.gateway.server import Gateway, RunnerWatch
+from kandevd.gateway.turns import RemoteTurns
 from kandevd.lifecycle import StopSignal
 from kandevd.net.httpintake import LazyTlsAdapter, tls_adapter
 from kandevd.paths import HomeLayout
@@ -20,17 +23,31 @@ class GatewayTlsError(Exception):
     """``gateway.tls_cert`` or ``gateway.tls_key`` cannot be used (a config error)."""
 
 
-def build_gateway(config: Config, layout: HomeLayout, queue: RunQueue, runners: Runners,
-                  bus: EventBus, stop_signal: StopSignal
-                  ) -> tuple[Gateway, RunnerWatch] | None:
-    """The gateway and its watch over silent runners (None: ``gateway.listen`` unset)."""
-    address = config.gateway.address
-    if address is None:
+def build_remote(config: Config, layout: HomeLayout, queue: RunQueue, runners: Runners,
+                 bus: EventBus) -> RemoteRuns | None:
+    """What runners are handed (None: ``gateway.listen`` unset): built before the
+    scheduler, whose schedules with ``runs_on`` hand their turns to it."""
+    if config.gateway.address is None:
         return None
+    return RemoteRuns(queue, runners, bus, layout, dead_after_s=config.gateway.dead_after_s)
+
+
+def build_gateway(config: Config, remote: RemoteRuns, runners: Runners,
+                  stop_signal: StopSignal) -> tuple[Gateway, RunnerWatch]:
+    """The gateway over ``remote`` and its watch over silent runners."""
+    address = config.gateway.address
+    assert address is not None
     tls = load_gateway_tls(config)
-    remote = RemoteRuns(queue, runners, bus, layout, dead_after_s=config.gateway.dead_after_s)
     app = GatewayApp(remote, runners, version=__version__)
     return Gateway(address, app, remote, tls=tls), RunnerWatch(remote, parent=stop_signal)
+
+
+def turns_on_runners(remote: RemoteRuns | None
+                     ) -> Callable[[tuple[str, ...], str], RemoteTurns] | None:
+    """Where the turns of a schedule with ``runs_on`` go (None: no gateway here)."""
+    if remote is None:
+        return None
+    return lambda labels, profile: RemoteTurns(remote.turns, labels, profile)
 
 
 def load_gateway_tls(config: Config) -> LazyTlsAdapter | None:

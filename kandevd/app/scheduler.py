@@ -25,6 +25,7 @@ from kandevd.schedules.registry import JobRegistry
 from kandevd.schedules.restart.repair import TurnRestart
 from kandevd.schedules.restart.stranded import StrandedTurns
 from kandevd.schedules.sessions.runner import SessionRunner
+from kandevd.schedules.sessions.session import TurnRuntime
 from kandevd.schedules.settings import Switches, scheduler_root
 from kandevd.schedules.source import SourceParts
 from kandevd.schedules.workflows.source import WorkflowSource
@@ -59,9 +60,12 @@ class Scheduler:
 
 def build_scheduler(config: Config, layout: HomeLayout, runtime: AgentRuntime, *,
                     parent: StopSignal | None = None,
-                    fire_gate: Callable[[str, datetime], bool] | None = None) -> Scheduler:
+                    fire_gate: Callable[[str, datetime], bool] | None = None,
+                    remote_turns: Callable[[tuple[str, ...], str], TurnRuntime] | None = None
+                    ) -> Scheduler:
     """The cron loop over the home's workflow root, its jobs loaded (histories a dead
-    daemon left ``running`` are closed here, before anything can start a session)."""
+    daemon left ``running`` are closed here, before anything can start a session);
+    ``remote_turns``: where the turns of schedules with ``runs_on`` go (the gateway's)."""
     # The loop's wake-up: set when a failed history write is kept, or a session's
     # deadline is new.
     wakeup = threading.Event()
@@ -75,7 +79,8 @@ def build_scheduler(config: Config, layout: HomeLayout, runtime: AgentRuntime, *
     fanout = FanOut("cron", logging.getLogger("kandevd.scheduler"))  # its session threads
     firing = Firing(registry)
     runner = SessionRunner(registry, config=config, layout=layout, runtime=runtime,
-                           spawn=fanout.spawn, firing=firing, wake=wakeup.set)
+                           spawn=fanout.spawn, firing=firing, wake=wakeup.set,
+                           remote_turns=remote_turns)
     loop = CronLoop(registry, runner=runner, firing=firing,
                     stop_grace_s=config.runtime.stop_grace_s, parent=parent,
                     fire_gate=fire_gate, wakeup=wakeup, fanout=fanout)

@@ -18,7 +18,8 @@ from urllib.parse import parse_qs
 
 from kandevd.gateway import protocol
 from kandevd.gateway.protocol import Held
-from kandevd.gateway.remote import LogGap, RemoteRuns, UnknownExecution
+from kandevd.gateway.remote import RemoteRuns, UnknownExecution
+from kandevd.gateway.turns import LogGap
 from kandevd.net.httpintake import KEEP_ALIVE, MAX_BODY
 from kandevd.store.base import is_environmental
 from kandevd.store.runners import RunnerRow, Runners

@@ -25,15 +25,16 @@ from typing import Any
 from kandevd.bus import EventBus
 from kandevd.fsutil import append_note, ensure_dir
 from kandevd.gateway.protocol import Ending, Execution, Held
+from kandevd.gateway.turns import TurnBoard, append_from, ending_result
 from kandevd.paths import HomeLayout
 from kandevd.runqueue.outcomes import note_ended
 from kandevd.runqueue.service import RunQueue
 from kandevd.runs.labels import covers
 from kandevd.runs.model import Claim
-from kandevd.runtime import INTERRUPTED, ExecutionResult
+from kandevd.runtime import INTERRUPTED
 from kandevd.runtime.output import attempt_started
 from kandevd.store.runners import RunnerRow, Runners, claimed_by
-from kandevd.timeutil import parse_rfc3339, utc_now
+from kandevd.timeutil import utc_now
 
 log = logging.getLogger("kandevd.gateway")
 
@@ -45,14 +46,6 @@ SEEN_WRITE_S = 5.0
 
 class UnknownExecution(LookupError):
     """No execution of that id is this runner's (never, or no longer)."""
-
-
-class LogGap(ValueError):
-    """A log chunk that starts past what was received: resend from ``received``."""
-
-    def __init__(self, received: int) -> None:
-        super().__init__(f"the chunk starts past the {received} bytes received")
-        self.received = received
 
 
 @dataclass
@@ -86,6 +79,8 @@ class RemoteRuns:
         self._seen: dict[str, float] = {}  # runner -> monotonic time of its last request
         self._seen_written: dict[str, float] = {}
         self._started = monotonic()
+        #: The scheduled turns of schedules with ``runs_on`` (gateway/turns.py).
+        self.turns = TurnBoard(wake=self._wake_pollers)
         #: (often enough that another daemon's watch sees the runner alive)
         self._seen_every = min(SEEN_WRITE_S, dead_after_s / 4)
         self.stopping = False
@@ -118,14 +113,19 @@ class RemoteRuns:
                 for _run_id, token in lost:
                     self._live.pop(token, None)
             self.queue.rescue_remote(lost, f"runner {runner.name} restarted without it")
-        return [item["id"] for item in held if self._adopt(runner, item) is None]
+        self.turns.lose(runner.name, f"runner {runner.name} restarted without it",
+                        keep=frozenset(item["id"] for item in held))
+        return [item["id"] for item in held if self.turns.find(runner.name, item["id"]) is None
+                and self._adopt(runner, item) is None]
 
     def heartbeat(self, runner: RunnerRow, held: list[Held]) -> tuple[list[str], list[str]]:
         """``(cancel, unknown)``: executions to stop (cancelled runs), and those that are
         not the runner's any more (rescued while it was silent: stop them too)."""
         self.seen(runner)
-        cancel, unknown = [], []
+        cancel, unknown = self.turns.cancelled(runner.name), []
         for item in held:
+            if self.turns.find(runner.name, item["id"]) is not None:
+                continue
             remote = self._find(runner, item["id"], item["run_id"])
             if remote is None:
                 unknown.append(item["id"])
@@ -139,9 +139,10 @@ class RemoteRuns:
         self.seen(runner)
         deadline = self.monotonic() + wait_s
         while True:
-            claims = self._claim(runner, slots)
-            if claims:
-                return [self._hand_over(runner, claim) for claim in claims]
+            handed = self.turns.take(runner.name, runner.labels, slots)
+            claims = self._claim(runner, slots - len(handed)) if len(handed) < slots else []
+            if handed or claims:
+                return handed + [self._hand_over(runner, claim) for claim in claims]
             with self._work:
                 left = deadline - self.monotonic()
                 if left <= 0 or self.stopping:
@@ -156,32 +157,27 @@ class RemoteRuns:
         """Append the agent's output from ``offset`` (bytes already here are skipped);
         how much has been received. LogGap: a gap (the runner resends from there)."""
         self.seen(runner)
+        turn = self.turns.find(runner.name, execution_id)
+        if turn is not None:
+            return append_from(turn.spec.log_path, turn, offset, data)
         remote = self._find(runner, execution_id, run_id)
         if remote is None:
             raise UnknownExecution(execution_id)
-        with remote.lock:
-            if remote.received < 0:  # (adopted after a restart of this daemon)
-                remote.received = offset
-            if offset > remote.received:
-                raise LogGap(remote.received)
-            fresh = data[remote.received - offset:]
-            if fresh:
-                with remote.log_path.open("ab") as handle:
-                    handle.write(fresh)
-                remote.received += len(fresh)
-            return remote.received
+        return append_from(remote.log_path, remote, offset, data)
 
     def end(self, runner: RunnerRow, execution_id: str, run_id: str, ending: Ending) -> bool:
         """Record how the execution ended; False when its claim no longer holds (rescued,
         or recorded already): nothing changes then."""
         self.seen(runner)
+        if self.turns.end(runner.name, execution_id, ending):
+            return True
         remote = self._find(runner, execution_id, run_id)
         if remote is None:
             return False
         with self._lock:
             if self._live.pop(execution_id, None) is None:
                 return False  # (another request recorded it meanwhile)
-        result = _result(remote, ending, self.clock())
+        result = ending_result(remote.claim.run.id, remote.log_path, ending)
         note_ended(remote.claim, result)
         if result.outcome == INTERRUPTED:  # the runner stopped gracefully: uncounted
             self.queue.release_remote(remote.claim, "interrupted: runner "
@@ -200,7 +196,10 @@ class RemoteRuns:
         now, wall = self.monotonic(), self.clock()
         rescued = 0
         seen = {row.name: row.last_seen_at for row in self.runners.all()}
-        for name, held in self.runners.running().items():
+        holding = self.runners.running()
+        for name in set(seen) | self.turns.holders():
+            holding[name] = holding.get(name, 0) + self.turns.held_by(name)
+        for name, held in holding.items():
             with self._lock:
                 silent = now - self._seen.get(name, self._started)
             stored = seen.get(name)
@@ -213,11 +212,12 @@ class RemoteRuns:
             with self._lock:
                 for remote in [r for r in self._live.values() if r.runner == name]:
                     self._live.pop(remote.claim.token, None)
-            done = self.queue.rescue_remote(
-                claims, f"runner {name} was silent for {now - last:.0f}s during the execution")
-            rescued += len(done)
-            log.warning("runner %s silent for %.0fs: %d run(s) it held rescued", name,
-                        now - last, len(done))
+            why = f"runner {name} was silent for {now - last:.0f}s during the execution"
+            done = self.queue.rescue_remote(claims, why) if claims else {}
+            turns = self.turns.lose(name, why)
+            rescued += len(done) + turns
+            log.warning("runner %s silent for %.0fs: %d run(s) it held rescued, %d "
+                        "turn(s) ended", name, now - last, len(done), turns)
         return rescued
 
     def online(self, name: str) -> bool:
@@ -226,9 +226,14 @@ class RemoteRuns:
         return last is not None and self.monotonic() - last < self.dead_after_s
 
     def stop(self) -> None:
-        """Pollers answer now (the gateway is stopping)."""
+        """Pollers answer now (the gateway is stopping); turns here end interrupted."""
         with self._work:
             self.stopping = True
+            self._work.notify_all()
+        self.turns.close("interrupted: the daemon stopped during the turn")
+
+    def _wake_pollers(self) -> None:
+        with self._work:
             self._work.notify_all()
 
     # -- inside -----------------------------------------------------------------------
@@ -289,34 +294,3 @@ class RemoteRuns:
         remote.received = -1  # unknown here: the next chunk's offset is taken as it comes
         with self._lock:
             return self._live.setdefault(claim.token, remote)
-
-
-def _result(remote: Remote, ending: Ending, now: datetime) -> ExecutionResult:
-    outcome = ending.get("outcome")
-    if outcome not in OUTCOMES:
-        outcome = "error"
-    started = _time(ending.get("started_at"), now)
-    code = ending.get("exit_code")
-    cost = ending.get("cost_cents")
-    evaluation = ending.get("evaluation")
-    return ExecutionResult(
-        key=remote.claim.run.id, outcome=str(outcome),
-        exit_code=code if isinstance(code, int) and not isinstance(code, bool) else None,
-        summary=_text(ending.get("summary")),
-        cost_cents=float(cost) if isinstance(cost, int | float) and
-        not isinstance(cost, bool) and cost >= 0 else None,
-        error=_text(ending.get("error")), started_at=started,
-        ended_at=max(started, _time(ending.get("ended_at"), now)),
-        log_path=remote.log_path,
-        evaluation=evaluation if isinstance(evaluation, dict) else None)
-
-
-def _text(value: object, limit: int = 4000) -> str | None:
-    return value[:limit] if isinstance(value, str) else None
-
-
-def _time(value: object, default: datetime) -> datetime:
-    try:
-        return parse_rfc3339(value) if isinstance(value, str) else default
-    except ValueError:
-        return default

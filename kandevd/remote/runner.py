@@ -145,29 +145,30 @@ class RunnerProcess:
         return taken
 
     def _start(self, reservation: Reservation, execution: Execution) -> None:
-        run_id = execution["run_id"]
-        job = Job(execution, self.layout.run_logs / f"{run_id}-{execution['attempt']}.log")
+        run_id, key = execution["run_id"], execution["id"]
+        job = Job(execution, self.layout.run_logs / f"{key}.log")
         with self._lock:
             self._jobs[execution["id"]] = job
         profile = self.config.agents.get(execution["profile"])
         now = utc_now()
-        if self.stop.is_set() or profile is None:
+        if self.stop.is_set() or profile is None or execution["kind"] not in ("run", "turn"):
             self.runtime.release(reservation)
             why = "interrupted" if self.stop.is_set() else "error"
-            error = "the runner was stopping" if profile is not None else \
-                f"this runner has no agent profile {execution['profile']!r}"
-            job.result = ExecutionResult(key=run_id, outcome=why, exit_code=None,
+            error = "the runner was stopping" if self.stop.is_set() else \
+                f"this runner has no agent profile {execution['profile']!r}" \
+                if profile is None else f"unknown execution kind {execution['kind']!r}"
+            job.result = ExecutionResult(key=key, outcome=why, exit_code=None,
                                          summary=None, cost_cents=None, error=error,
                                          started_at=now, ended_at=now, log_path=job.log_path)
             log.warning("run %s: %s", run_id, error)
             self._report.set()
             return
-        session_id = f"ses_{uuid.uuid4().hex}"
+        stdin = execution["stdin"]
+        session_id = str(stdin.get("session_id") or f"ses_{uuid.uuid4().hex}")
         spec = agent_execution(
-            profile, self.layout, kind="run", key=run_id, run_id=run_id,
-            session_id=session_id, stdin={**execution["stdin"], "session_id": session_id},
-            log_path=job.log_path,
-            record_dir=attempt_dir(self.layout.attempts, run_id, execution["id"]))
+            profile, self.layout, kind=execution["kind"], key=key, run_id=run_id,
+            session_id=session_id, stdin={**stdin, "session_id": session_id},
+            log_path=job.log_path, record_dir=attempt_dir(self.layout.attempts, run_id, key))
 
         def done(result: ExecutionResult) -> None:
             job.result = result
@@ -177,11 +178,10 @@ class RunnerProcess:
             self.runtime.start(reservation, spec, done)
         except Exception as exc:
             self.runtime.release(reservation)
-            done(ExecutionResult(key=run_id, outcome="error", exit_code=None, summary=None,
+            done(ExecutionResult(key=key, outcome="error", exit_code=None, summary=None,
                                  cost_cents=None, error=f"could not start the agent: {exc}",
                                  started_at=now, ended_at=now, log_path=job.log_path))
-        log.info("run %s started (profile %s, attempt %d)", run_id, execution["profile"],
-                 execution["attempt"])
+        log.info("%s %s started (profile %s)", execution["kind"], run_id, execution["profile"])
 
     # -- reports --------------------------------------------------------------------
     def _reports(self) -> None:
@@ -193,8 +193,9 @@ class RunnerProcess:
             for job in jobs:
                 try:
                     self._report_one(job)
-                except (Unreachable, TokenRefused):
-                    break  # (said by _call; tried again at the next round)
+                except (Unreachable, TokenRefused):  # (said by _call)
+                    self._closed.wait(self._backoff())  # then tried again
+                    break
 
     def _report_one(self, job: Job) -> None:
         ended = job.result  # read before the log: all of its output is in it then
@@ -269,7 +270,7 @@ class RunnerProcess:
             job = self._jobs.get(execution_id)
         if job is not None and job.result is None:
             log.warning("run %s stopped: %s", job.execution["run_id"], reason)
-            self.runtime.stop_execution(job.execution["run_id"], reason)
+            self.runtime.stop_execution(job.execution["id"], reason)
 
     # -- the server -----------------------------------------------------------------
     def _call(self, request: Callable[[], T]) -> T:

@@ -26,7 +26,7 @@ from kandevd.timeutil import parse_rfc3339, rfc3339
 NOTIFY_EVENTS = ("failure", "recovery", "success")
 DEFAULT_NOTIFY_ON = ("failure", "recovery")
 OPTION_FIELDS = ("notify", "pause_after_failures", "catchup_window_s", "timeout_s",
-                 "jitter_s", "start_at", "end_at")
+                 "jitter_s", "start_at", "end_at", "runs_on")
 
 
 class NotifyObject(TypedDict):
@@ -47,6 +47,8 @@ class OptionsObject(TypedDict):
     jitter_s: float
     start_at: str | None
     end_at: str | None
+    #: The labels a runner on another machine must carry to run the turns (None: here).
+    runs_on: list[str] | None
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,7 @@ class ScheduleOptions:
     jitter_s: float = 0
     start_at: datetime | None = None
     end_at: datetime | None = None
+    runs_on: tuple[str, ...] | None = None
 
     def as_dict(self) -> OptionsObject:
         """The JOB's option fields (every one, so a reader sees what is in force)."""
@@ -90,7 +93,8 @@ class ScheduleOptions:
                 "catchup_window_s": self.catchup_window_s, "timeout_s": self.timeout_s,
                 "jitter_s": self.jitter_s,
                 "start_at": rfc3339(self.start_at) if self.start_at else None,
-                "end_at": rfc3339(self.end_at) if self.end_at else None}
+                "end_at": rfc3339(self.end_at) if self.end_at else None,
+                "runs_on": list(self.runs_on) if self.runs_on else None}
 
     def window_timing(self) -> tuple[datetime | None, datetime | None]:
         return self.start_at, self.end_at
@@ -152,7 +156,8 @@ def parse_options(raw: Mapping[str, Any]) -> ScheduleOptions:
         timeout_s=raw.get("timeout_s"),
         jitter_s=raw.get("jitter_s", 0),
         start_at=parse_rfc3339(start) if isinstance(start, str) else None,
-        end_at=parse_rfc3339(end) if isinstance(end, str) else None)
+        end_at=parse_rfc3339(end) if isinstance(end, str) else None,
+        runs_on=tuple(raw["runs_on"]) if raw.get("runs_on") else None)
 
 
 def jitter_delay(key: str, intended: datetime, jitter_s: float) -> timedelta:

@@ -30,11 +30,13 @@ from kandevd.schedules.registry import JobRegistry
 from kandevd.schedules.rules.options import NotifySpec
 from kandevd.schedules.rules.states import paused_after_failures
 from kandevd.schedules.sessions.notify import Notifier, notify_event
+from kandevd.schedules.sessions.nowhere import NoGateway
 from kandevd.schedules.sessions.session import (
     MANUAL_STOP_ERROR,
     Session,
     SessionControl,
     SessionPlan,
+    TurnRuntime,
 )
 from kandevd.timeutil import rfc3339, utc_now
 
@@ -86,14 +88,18 @@ class SessionRunner:
     def __init__(self, registry: JobRegistry, *, config: Config, layout: HomeLayout,
                  runtime: AgentRuntime, spawn: Spawn,
                  firing: Firing | None = None,
-                 wake: Callable[[], None] | None = None) -> None:
+                 wake: Callable[[], None] | None = None,
+                 remote_turns: Callable[[tuple[str, ...], str], TurnRuntime] | None = None
+                 ) -> None:
         """``firing`` decides a buffered fire again once its session ended (the cron
         loop's policy; None: a kept fire is dropped). ``wake()`` has the loop look again
-        (a new session's deadline)."""
+        (a new session's deadline). ``remote_turns(labels, profile)``: where the turns of a
+        schedule with ``runs_on`` execute (runners on other machines; None: no gateway)."""
         self._registry = registry
         self._config = config
         self._layout = layout
         self._runtime = runtime
+        self._remote_turns = remote_turns
         self._spawn = spawn
         self._firing = firing
         self._wake = wake
@@ -146,7 +152,8 @@ class SessionRunner:
                                      f"{self._running[job.key].plan.session_id})")
             self._running[job.key] = _InFlight(plan, control, deadline, timeout)
         session = Session(plan, config=self._config, layout=self._layout,
-                          runtime=self._runtime, history=history, control=control)
+                          runtime=self._turns_of(job, plan.program.agent_profile),
+                          history=history, control=control)
         try:
             self._begin(job, session)
             self._spawn(f"session-{plan.entry_id[:8]}",
@@ -230,6 +237,16 @@ class SessionRunner:
         # The newest run is this one from now on (a replaced one's are history).
         job.state.last_run_at = session.entry["started_at"]
         job.state.last_session_id = session.plan.session_id
+
+    def _turns_of(self, job: Job, profile: str) -> TurnRuntime:
+        """Where ``job``'s turns execute: here, or on a runner carrying its ``runs_on``
+        (that runs its own ``profile``)."""
+        labels = job.spec.schedule.options.runs_on
+        if not labels:
+            return self._runtime
+        if self._remote_turns is None:
+            return NoGateway(labels)
+        return self._remote_turns(labels, profile)
 
     def settle_turns(self, names: list[str]) -> None:
         """These turns' outcomes are on their entries: the runtime may let their exits go."""

@@ -39,7 +39,7 @@ from typing import Any, Protocol
 from kandevd.config import Config, UnknownProfile
 from kandevd.fsutil import ensure_dir
 from kandevd.paths import HomeLayout
-from kandevd.runtime import DETACHED, AgentRuntime, ExecutionResult
+from kandevd.runtime import DETACHED, ExecutionResult
 from kandevd.runtime.attempts import spent_stdout_path
 from kandevd.runtime.specs import agent_execution
 from kandevd.schedules import history as hist
@@ -54,6 +54,20 @@ DETACH_WAIT_S = 5.0
 #: A turn whose agent started this much after it was sent (it waited for a slot) has its
 #: ``started_at`` written again while it runs (its end writes the exact start anyway).
 RESTAMP_AFTER_S = 1.0
+
+
+class TurnRuntime(Protocol):
+    """Where a session's turns execute: the AgentRuntime here, or the turns the gateway
+    hands to runners on other machines (a schedule with ``runs_on``)."""
+
+    def launch_when_free(self, spec: Any, on_done: Callable[[ExecutionResult], None],
+                         cancelled: Callable[[], bool]) -> bool: ...
+
+    def stop_execution(self, key: str, reason: str) -> bool: ...
+
+    def detach_execution(self, key: str) -> bool: ...
+
+    def settle_ids(self, ids: list[str]) -> None: ...
 
 
 class TurnDetached(Exception):
@@ -222,7 +236,7 @@ class Session:
     """Runs one :class:`SessionPlan` in the calling thread; see the module docstring."""
 
     def __init__(self, plan: SessionPlan, *, config: Config, layout: HomeLayout,
-                 runtime: AgentRuntime,
+                 runtime: TurnRuntime,
                  history: hist.History, control: SessionControl,
                  clock: Callable[[], datetime] = utc_now) -> None:
         self.plan = plan
@@ -348,8 +362,10 @@ class Session:
         try:
             profile = self._config.profile(plan.program.agent_profile)
         except UnknownProfile as exc:
-            record.update(status=hist.ERROR, error=str(exc), started_at=None)
-            return None
+            if not getattr(self._runtime, "remote", False):
+                record.update(status=hist.ERROR, error=str(exc), started_at=None)
+                return None
+            profile = self._config.profile("default")  # (the runner runs its own profile)
         try:
             ensure_dir(turn.cwd)  # 0700 for the parents it creates too
         except OSError as exc:

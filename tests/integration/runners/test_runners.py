@@ -18,6 +18,7 @@ import pytest
 from tests.support.console import console_of, request, sign_in
 from tests.support.daemon import DaemonProcess, run_cli
 from tests.support.runners import add_runner, gateway_config, gateway_url, runner_process
+from tests.support.workflows import schedule, write_workflow
 
 pytestmark = pytest.mark.integration
 
@@ -270,3 +271,69 @@ def test_the_server_killed_while_a_runner_works_loses_nothing(
     assert "worked through the outage" in Path(ended["log_path"]).read_text()
     runner.wait_for_line("the server is reachable again")
     assert daemon.count_lines("re-queued") == 0
+
+
+def test_a_scheduled_turn_with_runs_on_runs_on_the_runner(
+        daemon_factory: Callable[..., DaemonProcess], runners: Callable[..., DaemonProcess],
+        tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    write_workflow(home / "workspace", "reports", [schedule(
+        "daily", messages=["hello there"], runs_on=["gpu"])])
+    write_workflow(home / "workspace", "local", [schedule("daily", messages=["here"])])
+    daemon = daemon_factory(gateway_config(), home=home)
+    token = add_runner(daemon, tmp_path / "tokens", "box", "gpu")
+    turn_agent = [sys.executable, "-c",
+                  "import json, os, sys; given = json.load(sys.stdin);"
+                  " print('turn on', os.environ['KANDEVD_HOME'], given['message']);"
+                  " print(json.dumps({'summary': 'remote turn', 'cost_cents': 5}))"]
+    runner = runners(gateway_url(daemon), token, "box",
+                     {"default": {"command": turn_agent, "timeout_s": 60}})
+    job = daemon.call("scheduler.jobs.get", {"id": "workflow:reports:daily"})
+    assert job["runs_on"] == ["gpu"]
+    daemon.call("scheduler.jobs.trigger", {"id": "workflow:reports:daily"})
+
+    def ended() -> Any:
+        items = daemon.call("scheduler.jobs.runs", {"id": "workflow:reports:daily"})["items"]
+        return items[0] if items and items[0]["status"] != "running" else None
+    entry = daemon.wait_until(ended, what="the session's end")
+    assert entry["status"] == "success", entry
+    first = entry["turns"][0]
+    assert (first["status"], first["output"], first["cost_cents"]) == \
+        ("success", "remote turn", 5)
+    log = Path(first["log_path"]).read_text()
+    assert f"turn on {runner.home} hello there" in log  # the runner's agent, here
+    logs = run_cli(daemon.home, "jobs", "logs", "workflow:reports:daily")
+    assert f"turn on {runner.home}" in logs.stdout
+
+
+def test_a_runner_killed_mid_turn_ends_the_turn_naming_it_and_the_next_takes_the_job(
+        daemon_factory: Callable[..., DaemonProcess], runners: Callable[..., DaemonProcess],
+        tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    write_workflow(home / "workspace", "reports", [schedule(
+        "daily", messages=["work"], runs_on=["gpu"])])
+    daemon = daemon_factory(gateway_config(dead_after_s=3), home=home)
+    first_ran = tmp_path / "first-ran"
+    agent = [sys.executable, "-c",
+             f"import os, sys, time; sys.stdin.read(); p = {str(first_ran)!r}\n"
+             "if os.path.exists(p): print('second runner')\n"
+             "else:\n open(p, 'w').close(); time.sleep(120)"]
+    profiles = {"default": {"command": agent, "timeout_s": 300}}
+    server = gateway_url(daemon)
+    first = runners(server, add_runner(daemon, tmp_path / "tokens", "one", "gpu"), "one",
+                    profiles)
+    daemon.call("scheduler.jobs.trigger", {"id": "workflow:reports:daily"})
+    daemon.wait_until(first_ran.exists, what="the turn on the first runner")
+    first.kill9()
+
+    def runs() -> list[Any]:
+        return daemon.call("scheduler.jobs.runs", {"id": "workflow:reports:daily"})["items"]
+    lost = daemon.wait_until(lambda: runs() and runs()[0]["status"] != "running" and
+                             runs()[0], what="the session ended")
+    assert lost["status"] == "error" and "runner one was silent" in lost["error"], lost
+    runners(server, add_runner(daemon, tmp_path / "tokens", "two", "gpu"), "two", profiles)
+    daemon.call("scheduler.jobs.trigger", {"id": "workflow:reports:daily"})
+    done = daemon.wait_until(lambda: len(runs()) == 2 and runs()[0]["status"] != "running"
+                             and runs()[0], what="the next session")
+    assert done["status"] == "success", done
+    assert "second runner" in Path(done["turns"][0]["log_path"]).read_text()

@@ -12,7 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kandevd.gateway.protocol import token_hash
-from kandevd.gateway.remote import LogGap, RemoteRuns, UnknownExecution
+from kandevd.gateway.remote import RemoteRuns, UnknownExecution
+from kandevd.gateway.turns import LogGap
 from kandevd.runs.labels import LABEL_PATTERN, bad_label, covers
 from kandevd.store.runners import RunnerRow, Runners
 from tests.support.office import OfficeEnv

@@ -30,7 +30,7 @@ CRONS = ("*/15 * * * *", "0 9 * * *", "30 2 * * *", "0 2 * * *", "0 0 1 * mon",
          "0 */6 * * *", "5 4 * * sun", "0 12 1 1 *")
 ALLOWED = ("cadence_hours, catchup_window_s, cron_expression, description, enabled, end_at, "
            "id, jitter_s, max_deferral_hours, messages, name, notify, pause_after_failures, "
-           "preferred_hour, quiet_minutes, start_at, timeout_s, timezone")
+           "preferred_hour, quiet_minutes, runs_on, start_at, timeout_s, timezone")
 T0 = datetime(2026, 3, 1, 8, 0, tzinfo=UTC)
 
 

@@ -174,7 +174,8 @@ def _assemble(config: Config, layout: HomeLayout, store: BaseStore, *, boot_id: 
     remote = build_remote(config, layout, queue, runners, bus)
     scheduler = build_scheduler(config, layout, runtime, parent=stop_signal,
                                 fire_gate=cluster.fire_gate if cluster else None,
-                                remote_turns=turns_on_runners(remote))
+                                remote_turns=turns_on_runners(remote),
+                                runners_online=remote.online_labels if remote else None)
     cron = scheduler.loop
     loops["cron"] = cron
     try:

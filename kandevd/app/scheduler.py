@@ -61,11 +61,13 @@ class Scheduler:
 def build_scheduler(config: Config, layout: HomeLayout, runtime: AgentRuntime, *,
                     parent: StopSignal | None = None,
                     fire_gate: Callable[[str, datetime], bool] | None = None,
-                    remote_turns: Callable[[tuple[str, ...], str], TurnRuntime] | None = None
+                    remote_turns: Callable[[tuple[str, ...], str], TurnRuntime] | None = None,
+                    runners_online: Callable[[], tuple[frozenset[str], ...]] | None = None
                     ) -> Scheduler:
     """The cron loop over the home's workflow root, its jobs loaded (histories a dead
     daemon left ``running`` are closed here, before anything can start a session);
-    ``remote_turns``: where the turns of schedules with ``runs_on`` go (the gateway's)."""
+    ``remote_turns``: where the turns of schedules with ``runs_on`` go (the gateway's);
+    ``runners_online()``: the label sets of the runners online (a job's state)."""
     # The loop's wake-up: set when a failed history write is kept, or a session's
     # deadline is new.
     wakeup = threading.Event()
@@ -83,7 +85,8 @@ def build_scheduler(config: Config, layout: HomeLayout, runtime: AgentRuntime, *
                            remote_turns=remote_turns)
     loop = CronLoop(registry, runner=runner, firing=firing,
                     stop_grace_s=config.runtime.stop_grace_s, parent=parent,
-                    fire_gate=fire_gate, wakeup=wakeup, fanout=fanout)
+                    fire_gate=fire_gate, wakeup=wakeup, fanout=fanout,
+                    runners_online=runners_online)
     restart = TurnRestart(stranded, registry, runner, runtime, str(layout.root),
                           shared=fire_gate is not None)
     return Scheduler(loop=loop, restart=restart)

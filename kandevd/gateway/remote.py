@@ -220,10 +220,12 @@ class RemoteRuns:
                         "turn(s) ended", name, now - last, len(done), turns)
         return rescued
 
-    def online(self, name: str) -> bool:
-        with self._lock:
-            last = self._seen.get(name)
-        return last is not None and self.monotonic() - last < self.dead_after_s
+    def online_labels(self) -> tuple[frozenset[str], ...]:
+        """The label sets of the runners online (seen by any daemon within dead_after_s)."""
+        wall = self.clock()
+        return tuple(frozenset(row.labels) for row in self.runners.all()
+                     if row.last_seen_at is not None
+                     and (wall - row.last_seen_at).total_seconds() < self.dead_after_s)
 
     def stop(self) -> None:
         """Pollers answer now (the gateway is stopping); turns here end interrupted."""

@@ -52,15 +52,19 @@ class CronLoop(Loop):
                  stop_grace_s: float, parent: StopSignal | None = None,
                  clock: Callable[[], datetime] = utc_now,
                  fire_gate: Callable[[str, datetime], bool] | None = None,
-                 wakeup: threading.Event | None = None, fanout: FanOut | None = None) -> None:
+                 wakeup: threading.Event | None = None, fanout: FanOut | None = None,
+                 runners_online: Callable[[], tuple[frozenset[str], ...]] | None = None
+                 ) -> None:
         """``runner`` starts the sessions (in ``fanout``, which it was built with);
         ``firing`` decides each fire (the runner asks it again for a buffered one);
-        ``wakeup``: the event the registry's history backlog and the runner set."""
+        ``wakeup``: the event the registry's history backlog and the runner set;
+        ``runners_online()``: the label sets of the runners online (None: no gateway)."""
         super().__init__("cron", clock=clock, parent=parent, logger=log, wakeup=wakeup,
                          fanout=fanout)
         self.registry = registry
         self.runner = runner
         self.firing = firing
+        self.runners_online = runners_online
         self.backfills = Backfills(self.runner, self.fanout.spawn, registry.by_key)
         self._stop_grace_s = stop_grace_s
         self._reload = threading.Event()
@@ -187,7 +191,8 @@ class CronLoop(Loop):
         """What a job's state depends on besides the job, read once for many jobs."""
         return Surroundings(self.registry.switches, self.registry.pause.get(),
                             self.runner.running_ids(), self.runner.buffered_ids(),
-                            now=self._clock())
+                            now=self._clock(), runners=self.runners_online()
+                            if self.runners_online is not None else None)
 
     def status_of(self, job: Job, around: Surroundings | None = None) -> JobStatus:
         return job_status(job, around or self.surroundings())

@@ -8,7 +8,9 @@ answer everywhere. The states, most decisive first:
 ``invalid``  its file has a problem; the job is kept as last loaded and does not fire
 ``ended``    past its ``end_at`` (no fire is left in its window)
 ``disabled`` the schedule (or the user's override) is off
-``blocked``  cron execution is switched off, or an allow/block list keeps it out
+``blocked``  cron execution is switched off, or an allow/block list keeps it out; or
+             its turns run on a runner (``runs_on``) and none online carries its labels
+             (it still fires: the session's turn waits for one)
 ``paused``   the scheduler is globally paused
 ``held``     the quiet rule holds a due product occurrence back (until ``held_until``)
 ``scheduled`` it fires at ``next_run_at``
@@ -59,6 +61,8 @@ class Surroundings:
     buffered: frozenset[str] = frozenset()
     #: The moment the states are read at (``ended`` needs it); None: never ended.
     now: datetime | None = None
+    #: The label sets of the runners online (None: this daemon serves no runners).
+    runners: tuple[frozenset[str], ...] | None = None
 
 
 def job_status(job: Job, around: Surroundings) -> JobStatus:
@@ -73,6 +77,9 @@ def job_status(job: Job, around: Surroundings) -> JobStatus:
         return JobStatus(RUNNING, f"a session is running{since}", upcoming)
     if stopped is not None:
         return JobStatus(*stopped, None)
+    waiting = _no_runner(job.spec.schedule.options.runs_on, around.runners)
+    if waiting is not None:
+        return JobStatus(BLOCKED, waiting, upcoming)
     held = job.state.held_until
     if held is not None:
         return JobStatus(HELD, f"held back by the quiet rule (the user was active "
@@ -126,6 +133,20 @@ def _why_not(job: Job, around: Surroundings) -> tuple[str, str] | None:
         since = f" since {pause['paused_at']}" if pause.get("paused_at") else ""
         return PAUSED, f"the scheduler is globally paused{by}{since}"
     return None
+
+
+def _no_runner(labels: tuple[str, ...] | None,
+               runners: tuple[frozenset[str], ...] | None) -> str | None:
+    """Why the turns of a job with ``runs_on`` would wait for a runner (None: they would
+    not: no ``runs_on``, or a runner online carries every label)."""
+    if not labels:
+        return None
+    named = ", ".join(labels)
+    if runners is None:
+        return f"runs_on {named}: this daemon serves no runners (gateway.listen is not set)"
+    if any(set(labels) <= carried for carried in runners):
+        return None
+    return f"runs_on {named}: no runner online carries them all; its turns wait for one"
 
 
 def _upcoming(job: Job) -> datetime | None:

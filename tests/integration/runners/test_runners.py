@@ -282,6 +282,10 @@ def test_a_scheduled_turn_with_runs_on_runs_on_the_runner(
     write_workflow(home / "workspace", "local", [schedule("daily", messages=["here"])])
     daemon = daemon_factory(gateway_config(), home=home)
     token = add_runner(daemon, tmp_path / "tokens", "box", "gpu")
+    waiting = daemon.call("scheduler.jobs.get", {"id": "workflow:reports:daily"})
+    assert waiting["state"] == "blocked" and "runs_on gpu: no runner online" in \
+        waiting["state_reason"], waiting
+    assert waiting["next_run_at"] is not None  # it fires: its turns wait for a runner
     turn_agent = [sys.executable, "-c",
                   "import json, os, sys; given = json.load(sys.stdin);"
                   " print('turn on', os.environ['KANDEVD_HOME'], given['message']);"
@@ -289,7 +293,7 @@ def test_a_scheduled_turn_with_runs_on_runs_on_the_runner(
     runner = runners(gateway_url(daemon), token, "box",
                      {"default": {"command": turn_agent, "timeout_s": 60}})
     job = daemon.call("scheduler.jobs.get", {"id": "workflow:reports:daily"})
-    assert job["runs_on"] == ["gpu"]
+    assert job["runs_on"] == ["gpu"] and job["state"] == "scheduled", job
     daemon.call("scheduler.jobs.trigger", {"id": "workflow:reports:daily"})
 
     def ended() -> Any:

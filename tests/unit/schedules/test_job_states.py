@@ -105,3 +105,22 @@ def test_reasons_name_the_cause() -> None:
     held = job_status(make_job(held=True), around())
     assert held.state == HELD and "2026-12-03T10:30:00" in held.reason
     assert job_status(make_job(), around()).reason == "fires at 2026-12-03T10:00:00.000000Z"
+
+
+LABELS = st.sets(st.sampled_from(["gpu", "big", "mac", "linux"]), max_size=3)
+
+
+@given(needed=LABELS, online=st.one_of(st.none(), st.lists(LABELS, max_size=3)))
+def test_a_job_whose_turns_need_a_runner_is_blocked_until_one_online_carries_its_labels(
+        needed: set[str], online: list[set[str]] | None) -> None:
+    job = make_job()
+    job.spec.schedule.options = ScheduleOptions(  # type: ignore[attr-defined]
+        runs_on=tuple(sorted(needed)) or None)
+    runners = None if online is None else tuple(frozenset(r) for r in online)
+    status = job_status(job, Surroundings(Switches(), {}, runners=runners))
+    covered = not needed or (runners is not None and any(needed <= r for r in runners))
+    assert status.state == (SCHEDULED if covered else BLOCKED)
+    assert status.next_run_at == T0  # it still fires: its turns wait for a runner
+    if not covered:
+        assert all(label in status.reason for label in needed)
+        assert ("gateway.listen" in status.reason) == (runners is None)

@@ -96,17 +96,18 @@ def run_runner(server: str, token_file: Path, home: Path, config_path: Path | No
         keeper = KeeperClient(layout.root, stop_alone_after=dead_after_s / 2)
         keepers.append(keeper)
         keeper.connect()
-        runtime = AgentRuntime(config.runtime.max_concurrent, config.runtime.stop_grace_s,
-                               runner=KeeperRunner(keeper, kill_grace_s=5.0),
-                               on_slot_free=on_slot_free)
-        runtime.release_unclaimed()
-        return runtime
+        return AgentRuntime(config.runtime.max_concurrent, config.runtime.stop_grace_s,
+                            runner=KeeperRunner(keeper, kill_grace_s=5.0),
+                            on_slot_free=on_slot_free)
+
+    def sweep(keep: frozenset[int]) -> None:
+        """Agents a crash of this runner left and it did not take back: stopped (their
+        runs are re-queued: the runner does not name them at its hello)."""
+        stop_orphan_agents(layout.root, min(config.runtime.stop_grace_s, 10.0), keep=keep)
 
     try:
-        # Agents a crash of this runner left: their runs were its own; the server ends
-        # them (it is told at hello that none runs here any more).
-        stop_orphan_agents(layout.root, min(config.runtime.stop_grace_s, 10.0))
-        return RunnerProcess(client, config, layout, runtime_for, stop=stop).run()
+        return RunnerProcess(client, config, layout, runtime_for, stop=stop,
+                             sweep=sweep).run()
     except (KeeperUnavailable, OSError) as exc:
         log.error("the keeper cannot be started: %s", exc)
         return exits.CANTCREAT

@@ -28,6 +28,7 @@ from kandevd.config import Config
 from kandevd.gateway.protocol import HEARTBEAT_S, MAX_LOG_CHUNK, Ending, Execution, Held
 from kandevd.paths import HomeLayout
 from kandevd.remote.client import GatewayClient, Rejected, TokenRefused, Unreachable
+from kandevd.remote.held import HeldFiles, Kept
 from kandevd.runtime import AgentRuntime, ExecutionResult, Reservation
 from kandevd.runtime.attempts import attempt_dir
 from kandevd.runtime.specs import agent_execution
@@ -64,14 +65,20 @@ class Job:
 class RunnerProcess:
     def __init__(self, client: GatewayClient, config: Config, layout: HomeLayout,
                  runtime_for: Callable[[float, Callable[[], None]], AgentRuntime], *,
-                 stop: threading.Event) -> None:
-        """``runtime_for(dead_after_s, on_slot_free)``: the runtime, made once the server
-        answered, calling ``on_slot_free`` whenever a slot frees."""
+                 stop: threading.Event,
+                 sweep: Callable[[frozenset[int]], object] = lambda keep: None) -> None:
+        """``runtime_for(dead_after_s, on_slot_free)``: the runtime (its keeper attached),
+        calling ``on_slot_free`` whenever a slot frees; ``sweep(keep)``: stop the agents a
+        crash of this runner left, but those of ``keep`` (adopted)."""
         self.client = client
         self.config = config
         self.layout = layout
         self.runtime_for = runtime_for
+        #: The runtime, once its keeper is attached (:meth:`_attach`).
         self.runtime: AgentRuntime
+        self._attached = False
+        self.sweep = sweep
+        self.files = HeldFiles(layout)
         self.stop = stop
         self.refused = threading.Event()
         self.dead_after_s = 30.0
@@ -88,11 +95,22 @@ class RunnerProcess:
     # -- the process ----------------------------------------------------------------
     def run(self) -> int:
         """Serve until stopped; the exit code (77: the token was refused)."""
-        answer = self._until_through(lambda: self.client.hello([]))
+        kept = self._take_back()
+        self.sweep(frozenset(item.pid for item in kept if item.pid is not None))
+        with self._lock:
+            held = [job.held for job in self._jobs.values()]
+        answer = self._until_through(partial(self.client.hello, held))
         if answer is None:
+            if self._attached:  # (taken back: left to the keeper, as at a crash)
+                self.runtime.stop(keep_agents=True)
             return exits.NOPERM if self.refused.is_set() else 0
         self.dead_after_s = float(answer.get("dead_after_s") or 30.0)
-        self.runtime = self.runtime_for(self.dead_after_s, self._slot_freed.set)
+        self.files.remember(self.dead_after_s)
+        if not self._attached:
+            self._attach(self.dead_after_s)
+        self.runtime.release_unclaimed()  # (exits of executions not taken back)
+        for gone in answer.get("gone") or []:  # not this runner's any more: stopped
+            self._stop_one(gone, "no longer this runner's (the server ended it)")
         log.info("runner %s serving %s (labels %s; %d slot(s))", answer.get("runner"),
                  self.client.base, ",".join(answer.get("labels") or []) or "-",
                  self.runtime.max_concurrent)
@@ -114,6 +132,32 @@ class RunnerProcess:
             thread.join()
         self.runtime.stop()
         return exits.NOPERM if self.refused.is_set() else 0
+
+    def _take_back(self) -> list[Kept]:
+        """What a previous run of this runner left: its agents adopted, their ends read."""
+        if not self.files.saved():
+            return []
+        self._attach(self.files.dead_after_s() or 30.0)
+        kept = self.files.take_back(self.runtime, self._log_path, self._ended)
+        with self._lock:
+            for item in kept:
+                self._jobs[item.execution["id"]] = Job(item.execution, item.log_path,
+                                                       result=item.result)
+        return kept
+
+    def _attach(self, dead_after_s: float) -> None:
+        self.runtime = self.runtime_for(dead_after_s, self._slot_freed.set)
+        self._attached = True
+
+    def _log_path(self, key: str) -> Path:
+        return self.layout.run_logs / f"{key}.log"
+
+    def _ended(self, key: str, result: ExecutionResult) -> None:
+        with self._lock:
+            job = self._jobs.get(key)
+        if job is not None:
+            job.result = result
+            self._report.set()
 
     # -- polls ----------------------------------------------------------------------
     def _polls(self) -> None:
@@ -146,7 +190,7 @@ class RunnerProcess:
 
     def _start(self, reservation: Reservation, execution: Execution) -> None:
         run_id, key = execution["run_id"], execution["id"]
-        job = Job(execution, self.layout.run_logs / f"{key}.log")
+        job = Job(execution, self._log_path(key))
         with self._lock:
             self._jobs[execution["id"]] = job
         profile = self.config.agents.get(execution["profile"])
@@ -175,6 +219,7 @@ class RunnerProcess:
             self._report.set()
 
         try:
+            self.files.keep(execution)  # (a restarted runner takes it back from there)
             self.runtime.start(reservation, spec, done)
         except Exception as exc:
             self.runtime.release(reservation)
@@ -230,6 +275,7 @@ class RunnerProcess:
     def _forget(self, job: Job) -> None:
         with self._lock:
             self._jobs.pop(job.execution["id"], None)
+        self.files.forget(job.execution["id"])
         if job.result is not None:
             self.runtime.settle([job.result])  # (the keeper may forget its exit)
 

@@ -341,3 +341,47 @@ def test_a_runner_killed_mid_turn_ends_the_turn_naming_it_and_the_next_takes_the
                              and runs()[0], what="the next session")
     assert done["status"] == "success", done
     assert "second runner" in Path(done["turns"][0]["log_path"]).read_text()
+
+
+def test_a_runner_restarted_mid_run_adopts_its_agent_and_the_run_is_recorded_once(
+        daemon_factory: Callable[..., DaemonProcess], runners: Callable[..., DaemonProcess],
+        tmp_path: Path) -> None:
+    daemon = daemon_factory(gateway_config())
+    started, release = tmp_path / "started", tmp_path / "release"
+    agent = [sys.executable, "-c",
+             f"import json, os, sys, time; sys.stdin.read(); open({str(started)!r}, 'w')"
+             ".write(str(os.getpid()))\n"
+             "print('before the restart', flush=True)\n"
+             f"while not os.path.exists({str(release)!r}): time.sleep(0.05)\n"
+             "print('after the restart')\n"
+             "print(json.dumps({'summary': 'adopted and done', 'cost_cents': 2}))"]
+    token = add_runner(daemon, tmp_path / "tokens", "box", "gpu")
+    profiles = {"gpu": {"command": agent, "timeout_s": 300}}
+    first = runners(gateway_url(daemon), token, "box", profiles)
+    daemon.call("workspaces.create", {"id": "w", "name": "w"})
+    daemon.call("agents.create", {"id": "g", "workspace_id": "w", "name": "g",
+                                  "profile": "gpu", "runs_on": ["gpu"]})
+    run = daemon.call("runs.enqueue", {"workspace_id": "w", "agent_id": "g",
+                                       "reason": "long"})["run"]
+    daemon.wait_until(lambda: started.exists() and started.read_text(),
+                      what="the agent on the runner")
+    agent_pid = int(started.read_text())
+
+    first.kill_daemon_only()  # the runner's process alone; its keeper keeps the agent
+    assert alive(agent_pid)
+    again = runner_process(first.home, gateway_url(daemon), token, profiles)
+    again.start()
+    try:
+        again.wait_for_line("adopted its agent")
+        assert alive(agent_pid)
+        release.touch()
+        ended = daemon.wait_until(done(daemon, run["id"]), what="the adopted run's end")
+        assert (ended["status"], ended["attempt"], ended["output_summary"]) == \
+            ("finished", 1, "adopted and done")
+        log = Path(ended["log_path"]).read_text()
+        assert log.count("before the restart") == 1 and "after the restart" in log
+        assert log.count("attempt 1 ended") == 1
+        assert daemon.count_lines("re-queued") == 0
+        assert again.stop() == 0
+    finally:
+        again.cleanup()

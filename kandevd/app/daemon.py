@@ -36,6 +36,7 @@ from kandevd.paths import HomeLayout
 from kandevd.runtime.keeperclient import KeeperUnavailable
 from kandevd.runtime.orphans import stop_orphan_agents
 from kandevd.sdnotify import SystemdNotifier, queue_status
+from kandevd.store.runners import Runners
 from kandevd.timeutil import rfc3339, utc_now
 from kandevd.web.server import WebConsole
 
@@ -196,6 +197,10 @@ class Daemon:
                                min(self.config.runtime.stop_grace_s, ORPHAN_GRACE_CAP_S),
                                keep=adopted)
             queue.recover_after_restart()
+            if parts.gateway is None and not parts.store.shared:
+                # No gateway now: what runners held can never be reported here.
+                queue.rescue_remote(Runners(parts.store).every_claim(),
+                                    "the gateway is off (gateway.listen is not set)")
             parts.runtime.release_unclaimed()
             if parts.cluster is not None:
                 self._settle_cluster(parts)

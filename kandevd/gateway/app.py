@@ -79,7 +79,7 @@ class GatewayApp:
                      ",".join(runner.labels) or "-", str(body.get("version", "?"))[:40])
             return 200, {"runner": runner.name, "labels": list(runner.labels),
                          "server_version": self.version,
-                         "heartbeat_s": protocol.HEARTBEAT_S,
+                         "heartbeat_s": min(protocol.HEARTBEAT_S, self.remote.dead_after_s / 4),
                          "dead_after_s": self.remote.dead_after_s, "gone": gone}
         if path == protocol.HEARTBEAT:
             cancel, unknown = self.remote.heartbeat(runner, _held(_json(environ)))

@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -31,7 +31,7 @@ from kandevd.runqueue.outcomes import note_ended
 from kandevd.runqueue.service import RunQueue
 from kandevd.runs.labels import covers
 from kandevd.runs.model import Claim
-from kandevd.runtime import INTERRUPTED
+from kandevd.runtime import ERROR, INTERRUPTED, STOPPED
 from kandevd.runtime.output import attempt_started
 from kandevd.store.runners import RunnerRow, Runners, claimed_by
 from kandevd.timeutil import utc_now
@@ -59,6 +59,13 @@ class Remote:
     received: int = 0
     cancel: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
+    #: When it was handed over or taken back (monotonic): a runner that stops naming
+    #: it in its heartbeats lost it (a poll answer that never arrived, say).
+    handed_at: float = field(default_factory=time.monotonic)
+
+
+#: A runner that has not named an execution this long after taking it lost it.
+LOST_AFTER_S = 15.0
 
 
 class RemoteRuns:
@@ -80,7 +87,7 @@ class RemoteRuns:
         self._seen_written: dict[str, float] = {}
         self._started = monotonic()
         #: The scheduled turns of schedules with ``runs_on`` (gateway/turns.py).
-        self.turns = TurnBoard(wake=self._wake_pollers)
+        self.turns = TurnBoard(wake=self._wake_pollers, monotonic=monotonic)
         #: (often enough that another daemon's watch sees the runner alive)
         self._seen_every = min(SEEN_WRITE_S, dead_after_s / 4)
         self.stopping = False
@@ -122,6 +129,7 @@ class RemoteRuns:
         """``(cancel, unknown)``: executions to stop (cancelled runs), and those that are
         not the runner's any more (rescued while it was silent: stop them too)."""
         self.seen(runner)
+        self._lost(runner, frozenset(item["id"] for item in held))
         cancel, unknown = self.turns.cancelled(runner.name), []
         for item in held:
             if self.turns.find(runner.name, item["id"]) is not None:
@@ -132,6 +140,20 @@ class RemoteRuns:
             elif remote.cancel:
                 cancel.append(item["id"])
         return cancel, unknown
+
+    def _lost(self, runner: RunnerRow, named: frozenset[str]) -> None:
+        """What ``runner`` was handed long enough ago and no longer names: it never got
+        it, or dropped it. Its runs are rescued (counted), its turns end."""
+        before = self.monotonic() - LOST_AFTER_S
+        why = f"runner {runner.name} no longer holds it"
+        with self._lock:
+            lost = [r for token, r in self._live.items() if r.runner == runner.name
+                    and token not in named and r.handed_at < before]
+            for remote in lost:
+                self._live.pop(remote.claim.token, None)
+        if lost:
+            self.queue.rescue_remote([(r.claim.run.id, r.claim.token) for r in lost], why)
+        self.turns.lose(runner.name, why, keep=named, handed_before=before)
 
     def poll(self, runner: RunnerRow, wait_s: float, slots: int = 1) -> list[Execution]:
         """Claim up to ``slots`` runs for ``runner`` (one statement), waiting up to
@@ -174,10 +196,14 @@ class RemoteRuns:
         remote = self._find(runner, execution_id, run_id)
         if remote is None:
             return False
+        result = ending_result(remote.claim.run.id, remote.log_path, ending)  # never raises
+        if result.outcome == STOPPED and not remote.cancel:  # (not cancelled: its end
+            # is not known to be wanted; a failed attempt, under the retry policy)
+            result = replace(result, outcome=ERROR, error=f"stopped on runner "
+                             f"{runner.name}: {result.error or 'no reason given'}")
         with self._lock:
             if self._live.pop(execution_id, None) is None:
                 return False  # (another request recorded it meanwhile)
-        result = ending_result(remote.claim.run.id, remote.log_path, ending)
         note_ended(remote.claim, result)
         if result.outcome == INTERRUPTED:  # the runner stopped gracefully: uncounted
             self.queue.release_remote(remote.claim, "interrupted: runner "
@@ -253,6 +279,9 @@ class RemoteRuns:
     def _claim(self, runner: RunnerRow, slots: int) -> list[Claim]:
         agents = frozenset(agent for agent, needed in self.runners.remote_agents().items()
                            if covers(runner.labels, needed))
+        with self._lock:  # a cancelled run's agent is busy until its runner stopped it
+            stopping = {r.claim.run.agent_id for r in self._live.values() if r.cancel}
+        agents -= stopping
         if not agents:
             return []
         return self.queue.claim_for_runner(claimed_by(runner.name), agents, slots)
@@ -274,7 +303,7 @@ class RemoteRuns:
     def _remote(self, runner: RunnerRow, claim: Claim) -> Remote:
         log_path = self.layout.run_logs / f"{claim.run.id}.log"
         ensure_dir(log_path.parent)
-        return Remote(claim, runner.name, log_path)
+        return Remote(claim, runner.name, log_path, handed_at=self.monotonic())
 
     def _find(self, runner: RunnerRow, execution_id: str, run_id: str) -> Remote | None:
         with self._lock:

@@ -12,7 +12,9 @@ turn ``error`` naming the runner; a daemon that stops ends every turn here
 
 from __future__ import annotations
 
+import math
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -43,6 +45,8 @@ class Turn:
     on_done: Callable[[ExecutionResult], None]
     token: str = field(default_factory=lambda: f"turn.{uuid.uuid4().hex}")
     runner: str | None = None
+    #: When a runner took it (monotonic): a runner that stops naming it is told.
+    handed_at: float = 0.0
     received: int = 0
     cancel: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -51,8 +55,10 @@ class Turn:
 class TurnBoard:
     """The turns waiting for a runner and those runners hold; thread-safe."""
 
-    def __init__(self, wake: Callable[[], None]) -> None:
+    def __init__(self, wake: Callable[[], None],
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
         self._wake = wake
+        self._monotonic = monotonic
         self._lock = threading.Lock()
         self._waiting: list[Turn] = []
         self._held: dict[str, Turn] = {}
@@ -72,7 +78,7 @@ class TurnBoard:
             taken = [t for t in self._waiting if covers(labels, t.labels)][:slots]
             for turn in taken:
                 self._waiting.remove(turn)
-                turn.runner = runner
+                turn.runner, turn.handed_at = runner, self._monotonic()
                 self._held[turn.token] = turn
         return [{"id": t.token, "run_id": t.spec.run_id, "kind": "turn", "profile": t.profile,
                  "attempt": 0, "stdin": dict(t.spec.stdin)} for t in taken]
@@ -87,8 +93,11 @@ class TurnBoard:
             turn = self._held.get(token)
             if turn is None or turn.runner != runner:
                 return False
-            del self._held[token]
-        turn.on_done(ending_result(turn.spec.key, turn.spec.log_path, ending))
+        result = ending_result(turn.spec.key, turn.spec.log_path, ending)  # (never raises)
+        with self._lock:
+            if self._held.pop(token, None) is None:
+                return False  # (ended meanwhile by another request or the watch)
+        turn.on_done(result)
         return True
 
     def stop(self, key: str) -> bool:
@@ -109,12 +118,15 @@ class TurnBoard:
         with self._lock:
             return [t.token for t in self._held.values() if t.runner == runner and t.cancel]
 
-    def lose(self, runner: str, why: str, keep: frozenset[str] = frozenset()) -> int:
-        """End ``runner``'s turns (but ``keep``) with ``why`` (it went silent, or came
-        back without them); how many."""
+    def lose(self, runner: str, why: str, keep: frozenset[str] = frozenset(),
+             handed_before: float | None = None) -> int:
+        """End ``runner``'s turns (but ``keep``; ``handed_before``: only those it took
+        before that monotonic time) with ``why`` (it went silent, came back without them,
+        or no longer names them); how many."""
         with self._lock:
             lost = [t for t in self._held.values() if t.runner == runner
-                    and t.token not in keep]
+                    and t.token not in keep
+                    and (handed_before is None or t.handed_at < handed_before)]
             for turn in lost:
                 del self._held[turn.token]
         for turn in lost:
@@ -184,18 +196,28 @@ def ending_result(key: str, log_path: Path, ending: Ending) -> ExecutionResult:
     outcome is an error, a bad number or time is left out)."""
     now = utc_now()
     outcome = ending.get("outcome")
-    outcome = outcome if outcome in OUTCOMES and outcome != DETACHED else ERROR
-    code, cost, evaluation = ending.get("exit_code"), ending.get("cost_cents"), \
-        ending.get("evaluation")
+    outcome = outcome if isinstance(outcome, str) and outcome in OUTCOMES \
+        and outcome != DETACHED else ERROR
+    code, evaluation = ending.get("exit_code"), ending.get("evaluation")
     started = _time(ending.get("started_at"), now)
     return ExecutionResult(
-        key=key, outcome=str(outcome),
-        exit_code=code if isinstance(code, int) and not isinstance(code, bool) else None,
-        summary=_text(ending.get("summary")),
-        cost_cents=float(cost) if isinstance(cost, int | float) and not isinstance(cost, bool)
-        and cost >= 0 else None, error=_text(ending.get("error")), started_at=started,
+        key=key, outcome=outcome,
+        exit_code=code if isinstance(code, int) and not isinstance(code, bool)
+        and -(2 ** 31) <= code < 2 ** 31 else None,
+        summary=_text(ending.get("summary")), cost_cents=_cost(ending.get("cost_cents")),
+        error=_text(ending.get("error")), started_at=started,
         ended_at=max(started, _time(ending.get("ended_at"), now)),
         log_path=log_path, evaluation=evaluation if isinstance(evaluation, dict) else None)
+
+
+def _cost(value: Any) -> float | None:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return None
+    try:
+        cost = float(value)
+    except OverflowError:
+        return None
+    return cost if math.isfinite(cost) and cost >= 0 else None
 
 
 def append_from(path: Path, holder: Turn | Any, offset: int, data: bytes) -> int:
@@ -230,5 +252,5 @@ def _text(value: Any) -> str | None:
 def _time(value: Any, default: datetime) -> datetime:
     try:
         return parse_rfc3339(value) if isinstance(value, str) else default
-    except ValueError:
+    except (ValueError, OverflowError):
         return default

@@ -21,9 +21,11 @@ from kandevd import __version__
 from kandevd.gateway import protocol
 from kandevd.gateway.protocol import Ending, Execution, Held
 
-#: Seconds to connect; a poll's read waits longer than the server holds it.
-CONNECT_S = 10.0
-READ_S = 30.0
+#: Seconds to connect; a poll's read waits longer than the server holds it; every other
+#: request's read is short (a heartbeat must fail fast in a partition).
+CONNECT_S = 5.0
+POLL_READ_S = 30.0
+READ_S = 10.0
 
 
 class TokenRefused(Exception):
@@ -58,6 +60,7 @@ class GatewayClient:
         self._pool = urllib3.PoolManager(
             maxsize=8, block=False, retries=False, ssl_context=context,
             timeout=urllib3.Timeout(connect=CONNECT_S, read=READ_S))
+        self._poll_timeout = urllib3.Timeout(connect=CONNECT_S, read=POLL_READ_S)
 
     def hello(self, held: list[Held]) -> dict[str, Any]:
         return self._post(protocol.HELLO, {"version": __version__, "running": held})
@@ -67,7 +70,8 @@ class GatewayClient:
 
     def poll(self, wait_s: float, slots: int = 1) -> list[Execution]:
         """Up to ``slots`` executions, the server waiting up to ``wait_s`` for the first."""
-        answer = self._post(protocol.POLL, {"wait_s": wait_s, "slots": slots})
+        answer = self._post(protocol.POLL, {"wait_s": wait_s, "slots": slots},
+                            timeout=self._poll_timeout)
         handed = answer.get("executions") if answer else None
         return [e for e in handed if isinstance(e, dict)] \
             if isinstance(handed, list) else []  # type: ignore[misc]
@@ -96,14 +100,17 @@ class GatewayClient:
         return (f"{protocol.EXECUTIONS}{quote(execution_id, safe='')}/{what}"
                 f"?run_id={quote(run_id, safe='')}")
 
-    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        return self._request(path, json.dumps(body).encode("utf-8"), "application/json")
+    def _post(self, path: str, body: dict[str, Any], timeout: Any = None) -> dict[str, Any]:
+        return self._request(path, json.dumps(body).encode("utf-8"), "application/json",
+                             timeout)
 
-    def _request(self, path: str, data: bytes, content_type: str) -> dict[str, Any]:
+    def _request(self, path: str, data: bytes, content_type: str, timeout: Any = None
+                 ) -> dict[str, Any]:
         try:
             response = self._pool.request("POST", self.base + path, body=data,
                                           headers={**self._headers,
-                                                   "Content-Type": content_type})
+                                                   "Content-Type": content_type},
+                                          **({"timeout": timeout} if timeout else {}))
         except urllib3.exceptions.HTTPError as exc:
             raise Unreachable(f"{self.base}: {exc}") from None
         if response.status == 204:

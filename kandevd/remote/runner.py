@@ -14,6 +14,7 @@ silent runner's after ``dead_after_s``, and no run may execute twice at once.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 import uuid
@@ -25,7 +26,14 @@ from typing import TypeVar
 
 from kandevd import exits
 from kandevd.config import Config
-from kandevd.gateway.protocol import HEARTBEAT_S, MAX_LOG_CHUNK, Ending, Execution, Held
+from kandevd.gateway.protocol import (
+    HEARTBEAT_S,
+    MAX_LOG_CHUNK,
+    MAX_POLL_SLOTS,
+    Ending,
+    Execution,
+    Held,
+)
 from kandevd.paths import HomeLayout
 from kandevd.remote.client import GatewayClient, Rejected, TokenRefused, Unreachable
 from kandevd.remote.held import HeldFiles, Kept
@@ -46,6 +54,8 @@ MAX_BACKOFF_S = 30.0
 FINAL_REPORT_S = 10.0
 
 T = TypeVar("T")
+#: What an execution's and a run's ids may be (they become file names on the runner).
+_SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*(\.[A-Za-z0-9_-]+)*")
 
 
 @dataclass
@@ -56,6 +66,8 @@ class Job:
     log_path: Path
     sent: int = 0
     result: ExecutionResult | None = None
+    #: The server refused its output: it is no longer this runner's.
+    refused: bool = False
 
     @property
     def held(self) -> Held:
@@ -82,6 +94,7 @@ class RunnerProcess:
         self.stop = stop
         self.refused = threading.Event()
         self.dead_after_s = 30.0
+        self.heartbeat_s = HEARTBEAT_S
         self._jobs: dict[str, Job] = {}
         self._lock = threading.Lock()
         self._report = threading.Event()
@@ -105,6 +118,8 @@ class RunnerProcess:
                 self.runtime.stop(keep_agents=True)
             return exits.NOPERM if self.refused.is_set() else 0
         self.dead_after_s = float(answer.get("dead_after_s") or 30.0)
+        self.heartbeat_s = min(HEARTBEAT_S, float(answer.get("heartbeat_s") or HEARTBEAT_S),
+                               self.dead_after_s / 4)
         self.files.remember(self.dead_after_s)
         if not self._attached:
             self._attach(self.dead_after_s)
@@ -172,8 +187,12 @@ class RunnerProcess:
             except (Unreachable, Rejected):
                 handed = []
                 self.stop.wait(self._backoff())
-            except BaseException:  # (a refused token: the stop is set)
+            except TokenRefused:  # (the stop is set)
                 handed = []
+            except Exception:  # (a bug: said, and the next poll after a pause)
+                log.exception("a poll failed")
+                handed = []
+                self.stop.wait(1.0)
             for reservation, execution in zip(reservations, handed, strict=False):
                 self._start(reservation, execution)
             for reservation in reservations[len(handed):]:
@@ -183,13 +202,17 @@ class RunnerProcess:
 
     def _free_slots(self) -> list[Reservation]:
         """Every slot free now, reserved (a poll takes as many executions)."""
-        taken = []
-        while (reservation := self.runtime.try_reserve()) is not None:
+        taken: list[Reservation] = []
+        while len(taken) < MAX_POLL_SLOTS and (reservation := self.runtime.try_reserve()):
             taken.append(reservation)
         return taken
 
     def _start(self, reservation: Reservation, execution: Execution) -> None:
         run_id, key = execution["run_id"], execution["id"]
+        if not (_SAFE_ID.fullmatch(str(key)) and _SAFE_ID.fullmatch(str(run_id))):
+            self.runtime.release(reservation)  # (they become file names here)
+            log.error("an execution with unusable ids was refused: %r / %r", key, run_id)
+            return
         job = Job(execution, self._log_path(key))
         with self._lock:
             self._jobs[execution["id"]] = job
@@ -241,10 +264,14 @@ class RunnerProcess:
                 except (Unreachable, TokenRefused):  # (said by _call)
                     self._closed.wait(self._backoff())  # then tried again
                     break
+                except Exception:  # one bad report must not end the reports
+                    log.exception("reporting %s failed; tried again", job.execution["id"])
+                    self._closed.wait(1.0)
+                    break
 
     def _report_one(self, job: Job) -> None:
         ended = job.result  # read before the log: all of its output is in it then
-        while True:
+        while not job.refused:
             try:
                 with job.log_path.open("rb") as handle:
                     handle.seek(job.sent)
@@ -257,8 +284,10 @@ class RunnerProcess:
             try:
                 job.sent = self._call(partial(self.client.send_log, ex["id"], ex["run_id"],
                                               job.sent, chunk))
-            except Rejected:
-                return self._forget(job)  # not this runner's any more
+            except Rejected:  # not this runner's any more: its agent is stopped, and
+                job.refused = True  # its end still sent (the server ignores it)
+                self._stop_one(ex["id"], "the server refused its output (no longer "
+                               "this runner's)")
         if ended is None:
             return None
         try:
@@ -286,15 +315,22 @@ class RunnerProcess:
     # -- heartbeats -----------------------------------------------------------------
     def _heartbeats(self) -> None:
         # (on after a stop, while the last outcomes are reported: the runner is alive)
-        while not self._closed.wait(HEARTBEAT_S):
+        next_beat = time.monotonic() + self.heartbeat_s
+        while not self._closed.wait(1.0):
+            self._fence()  # (every second, whatever a request is doing meanwhile)
             if self.refused.is_set():
                 return
-            with self._lock:
-                held = [job.held for job in self._jobs.values() if job.result is None]
+            if time.monotonic() < next_beat:
+                continue
+            next_beat = time.monotonic() + self.heartbeat_s
+            with self._lock:  # (every one it holds, ended or not: not yet reported)
+                held = [job.held for job in self._jobs.values()]
             try:
                 answer = self._call(partial(self.client.heartbeat, held))
-            except (Unreachable, TokenRefused):
-                self._fence()
+            except (Unreachable, TokenRefused, Rejected):
+                continue
+            except Exception:
+                log.exception("a heartbeat failed; the next one is sent as usual")
                 continue
             for execution_id in (answer.get("cancel") or []) + (answer.get("unknown") or []):
                 self._stop_one(execution_id, "cancelled on the server"

@@ -81,6 +81,12 @@ class Runners:
                                 " AND claimed_by = ?", (claimed_by(name),))
         return [(str(r[0]), str(r[1])) for r in rows]
 
+    def every_claim(self) -> list[tuple[str, str]]:
+        """The ``(run id, claim token)`` of every run a runner holds claimed."""
+        rows = self.store.query("SELECT id, claim_token FROM runs WHERE status = 'claimed'"
+                                " AND claimed_by LIKE 'runner:%'")
+        return [(str(r[0]), str(r[1])) for r in rows]
+
     def remote_agents(self) -> dict[str, tuple[str, ...]]:
         """Every agent that runs on a runner, with the labels it needs."""
         rows = self.store.query("SELECT id, runs_on FROM agents WHERE runs_on IS NOT NULL")

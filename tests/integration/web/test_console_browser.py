@@ -175,6 +175,9 @@ def test_runs_appear_cancel_retry_dead_letter_and_agents(site) -> None:
 
     open_page(driver, address, "/")
     live = driver.find_element(By.ID, "overview-live")
+    # (its event stream open first: an event before it would not be seen)
+    wait_for(driver, lambda d: live.get_attribute("data-live-state") == "live",
+             what="the overview's live stream")
     run = daemon.call("runs.enqueue", {"workspace_id": "ws", "agent_id": "writer",
                                        "reason": "from the socket"})["run"]["id"]
     wait_for(driver, lambda d: int(live.get_attribute("data-refreshed") or 0) >= 1,

@@ -207,3 +207,43 @@ def test_a_label_is_a_letter_or_digit_then_up_to_62_more(text: str) -> None:
     assert (bad_label([text]) is None) == ok
     schema_ok = re.search(LABEL_PATTERN, text) is not None  # (as jsonschema applies it)
     assert schema_ok == ok
+
+
+def test_a_run_stopped_on_its_runner_without_a_cancel_is_a_failed_attempt(
+        env: OfficeEnv) -> None:
+    remote = remote_runs(env, Ticks())
+    box = runner(env, "box", "gpu")
+    run_id = enqueue(env, "gpu1")
+    [handed] = remote.poll(box, 0)
+    assert remote.end(box, handed["id"], run_id, {"outcome": "stopped", "error": "fenced"})
+    run = env.queue.get(run_id)
+    assert run.status == "queued" and "stopped on runner box: fenced" in \
+        (run.error_message or "")  # retried under the policy, not left claimed
+
+
+@pytest.mark.parametrize("ending", [
+    {"outcome": []}, {"outcome": "succeeded", "started_at": "0001-01-01T00:00:00+01:00"},
+    {"outcome": "succeeded", "cost_cents": 10 ** 400}, {"exit_code": 2 ** 80},
+    {"evaluation": "not an object", "summary": {"x": 1}}])
+def test_any_end_a_runner_reports_is_recorded_never_raised(env: OfficeEnv,
+                                                           ending: dict[str, object]) -> None:
+    remote = remote_runs(env, Ticks())
+    box = runner(env, "box", "gpu")
+    run_id = enqueue(env, "gpu1")
+    [handed] = remote.poll(box, 0)
+    assert remote.end(box, handed["id"], run_id, ending) is True  # type: ignore[arg-type]
+    assert env.queue.get(run_id).status != "claimed"
+
+
+def test_what_a_runner_no_longer_names_in_its_heartbeats_is_rescued(env: OfficeEnv) -> None:
+    ticks = Ticks()
+    remote = remote_runs(env, ticks)
+    box = runner(env, "box", "gpu")
+    run_id = enqueue(env, "gpu1")
+    [_lost_answer] = remote.poll(box, 0)  # (the answer never reached the runner)
+    remote.heartbeat(box, [])
+    assert env.queue.get(run_id).status == "claimed"  # (it may be on its way)
+    ticks.now += 16
+    remote.heartbeat(box, [])
+    run = env.queue.get(run_id)
+    assert run.status == "queued" and "no longer holds it" in (run.error_message or "")

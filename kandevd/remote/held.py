@@ -16,13 +16,13 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kandevd.fsutil import ensure_dir, replace_atomically
 from kandevd.gateway.protocol import Execution
 from kandevd.paths import HomeLayout
-from kandevd.runtime import AgentRuntime, ExecutionResult, ExecutionSpec
+from kandevd.runtime import ERROR, INTERRUPTED, AgentRuntime, ExecutionResult, ExecutionSpec
 from kandevd.runtime.attempts import attempt_dir
 from kandevd.runtime.records import locate, outcome_from_record, record_alive
 
@@ -108,6 +108,10 @@ class HeldFiles:
             if ended is None:
                 self.forget(key)
                 continue
+            if ended.outcome == INTERRUPTED:  # its keeper stopped it while no runner ran:
+                # a counted attempt (an uncounted one could be retried without bound)
+                ended = replace(ended, outcome=ERROR, error="stopped by the runner's keeper "
+                                "while no runner process was attached")
             kept.append(Kept(execution, log_path, result=ended))
         return kept
 

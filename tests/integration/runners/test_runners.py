@@ -385,3 +385,38 @@ def test_a_runner_restarted_mid_run_adopts_its_agent_and_the_run_is_recorded_onc
         assert again.stop() == 0
     finally:
         again.cleanup()
+
+
+def test_an_agent_its_keeper_stopped_while_no_runner_ran_counts_as_a_failed_attempt(
+        daemon_factory: Callable[..., DaemonProcess], runners: Callable[..., DaemonProcess],
+        tmp_path: Path) -> None:
+    daemon = daemon_factory(gateway_config(dead_after_s=20))
+    started = tmp_path / "started"
+    agent = [sys.executable, "-c",
+             f"import os, sys, time; sys.stdin.read(); open({str(started)!r}, 'w')"
+             ".write(str(os.getpid())); time.sleep(300)"]
+    token = add_runner(daemon, tmp_path / "tokens", "box", "gpu")
+    profiles = {"gpu": {"command": agent, "timeout_s": 600}}
+    first = runners(gateway_url(daemon), token, "box", profiles)
+    daemon.call("workspaces.create", {"id": "w", "name": "w"})
+    daemon.call("agents.create", {"id": "g", "workspace_id": "w", "name": "g",
+                                  "profile": "gpu", "runs_on": ["gpu"]})
+    run = daemon.call("runs.enqueue", {"workspace_id": "w", "agent_id": "g",
+                                       "reason": "long"})["run"]
+    daemon.wait_until(lambda: started.exists() and started.read_text(),
+                      what="the agent on the runner")
+    agent_pid = int(started.read_text())
+    first.kill_daemon_only()
+    daemon.wait_until(lambda: not alive(agent_pid), timeout=20,
+                      what="the keeper stopping the agent (after half of dead_after_s)")
+    again = runner_process(first.home, gateway_url(daemon), token, profiles)
+    again.start()
+    try:
+        failed = daemon.wait_until(
+            lambda: (r := daemon.call("runs.get", {"id": run["id"]}))["status"] != "claimed"
+            and r, what="the end reported by the restarted runner")
+        assert failed["status"] == "queued" and failed["attempt"] == 1
+        assert "stopped by the runner's keeper" in (failed["error_message"] or ""), failed
+        assert failed["scheduled_retry_at"] is not None  # a counted, retried attempt
+    finally:
+        again.cleanup()

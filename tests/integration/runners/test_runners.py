@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from tests.support.console import console_of, request, sign_in
 from tests.support.daemon import DaemonProcess, run_cli
@@ -420,3 +421,34 @@ def test_an_agent_its_keeper_stopped_while_no_runner_ran_counts_as_a_failed_atte
         assert failed["scheduled_retry_at"] is not None  # a counted, retried attempt
     finally:
         again.cleanup()
+
+
+def test_a_product_schedule_with_runs_on_sends_its_messages_through_a_runner(
+        daemon_factory: Callable[..., DaemonProcess], runners: Callable[..., DaemonProcess],
+        tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    folder = home / "workspace" / "products" / "helper"
+    folder.mkdir(parents=True)
+    (folder / "product.yaml").write_text(yaml.safe_dump({"profile": {
+        "id": "helper", "runtime": {"conversation": {"mode": "singleton"}},
+        "schedules": [{"id": "brief", "cron_expression": "0 8 * * *",
+                       "timezone": "Europe/Paris", "messages": ["one", "two"],
+                       "runs_on": ["gpu"]}]}}))
+    daemon = daemon_factory(gateway_config(), home=home)
+    turn_agent = [sys.executable, "-c",
+                  "import json, os, sys; given = json.load(sys.stdin);"
+                  " print('product turn', given['message'], given['user_id']);"
+                  " print(json.dumps({'summary': 'said ' + given['message']}))"]
+    runners(gateway_url(daemon), add_runner(daemon, tmp_path / "tokens", "box", "gpu"),
+            "box", {"default": {"command": turn_agent, "timeout_s": 60}})
+    job = "product:helper:brief"
+    assert daemon.call("scheduler.jobs.get", {"id": job})["runs_on"] == ["gpu"]
+    daemon.call("scheduler.jobs.trigger", {"id": job})
+
+    def ended() -> Any:
+        items = daemon.call("scheduler.jobs.runs", {"id": job})["items"]
+        return items[0] if items and items[0]["status"] != "running" else None
+    entry = daemon.wait_until(ended, what="the product session's end")
+    assert entry["status"] == "success", entry
+    assert [t["output"] for t in entry["turns"]] == ["said one", "said two"]
+    assert "product turn one local" in Path(entry["turns"][0]["log_path"]).read_text()

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.support.cluster import cluster_config
 from tests.support.console import console_of, request, sign_in
 from tests.support.daemon import DaemonProcess, run_cli
 from tests.support.runners import add_runner, gateway_config, gateway_url, runner_process
@@ -452,3 +453,28 @@ def test_a_product_schedule_with_runs_on_sends_its_messages_through_a_runner(
     assert entry["status"] == "success", entry
     assert [t["output"] for t in entry["turns"]] == ["said one", "said two"]
     assert "product turn one local" in Path(entry["turns"][0]["log_path"]).read_text()
+
+
+def test_several_daemons_on_postgresql_any_gateway_serves_a_runners_queued_runs(
+        daemon_factory: Callable[..., DaemonProcess], runners: Callable[..., DaemonProcess],
+        tmp_path: Path, pg_url: str) -> None:
+    """The runner talks to one daemon; the run is enqueued on the other, which never hears
+    from the runner and must not take it for silent (dead_after_s 4, the agent takes 6 s)."""
+    config = cluster_config(pg_url, tmp_path / "probe.jsonl",
+                            gateway={"listen": "127.0.0.1:0", "dead_after_s": 4})
+    first = daemon_factory(config, home=tmp_path / "home-a")
+    second = daemon_factory(config, home=tmp_path / "home-b")
+    token = add_runner(first, tmp_path / "tokens", "box", "gpu")
+    agent = [sys.executable, "-c", "import sys, time; sys.stdin.read(); time.sleep(6);"
+             " print('{\"summary\": \"slow and once\"}')"]
+    runners(gateway_url(second), token, "box", {"gpu": {"command": agent, "timeout_s": 60}})
+    first.call("workspaces.create", {"id": "w", "name": "w"})
+    first.call("agents.create", {"id": "g", "workspace_id": "w", "name": "g",
+                                 "profile": "gpu", "runs_on": ["gpu"]})
+    run = first.call("runs.enqueue", {"workspace_id": "w", "agent_id": "g",
+                                      "reason": "through the other"})["run"]
+    ended = first.wait_until(done(first, run["id"]), what="the run through the other daemon")
+    assert (ended["status"], ended["attempt"], ended["output_summary"]) == \
+        ("finished", 1, "slow and once")
+    assert first.count_lines("silent for") == 0 and second.count_lines("silent for") == 0
+    assert first.call("runners.list")["items"][0]["online"] is True

@@ -279,8 +279,8 @@ def test_a_scheduled_turn_with_runs_on_runs_on_the_runner(
         daemon_factory: Callable[..., DaemonProcess], runners: Callable[..., DaemonProcess],
         tmp_path: Path) -> None:
     home = tmp_path / "home"
-    write_workflow(home / "workspace", "reports", [schedule(
-        "daily", messages=["hello there"], runs_on=["gpu"])])
+    write_workflow(home / "workspace", "reports", [schedule(  # (coder: the runner's only)
+        "daily", messages=["hello there"], runs_on=["gpu"])], agent_profile="coder")
     write_workflow(home / "workspace", "local", [schedule("daily", messages=["here"])])
     daemon = daemon_factory(gateway_config(), home=home)
     token = add_runner(daemon, tmp_path / "tokens", "box", "gpu")
@@ -293,7 +293,7 @@ def test_a_scheduled_turn_with_runs_on_runs_on_the_runner(
                   " print('turn on', os.environ['KANDEVD_HOME'], given['message']);"
                   " print(json.dumps({'summary': 'remote turn', 'cost_cents': 5}))"]
     runner = runners(gateway_url(daemon), token, "box",
-                     {"default": {"command": turn_agent, "timeout_s": 60}})
+                     {"coder": {"command": turn_agent, "timeout_s": 60}})
     job = daemon.call("scheduler.jobs.get", {"id": "workflow:reports:daily"})
     assert job["runs_on"] == ["gpu"] and job["state"] == "scheduled", job
     daemon.call("scheduler.jobs.trigger", {"id": "workflow:reports:daily"})

@@ -18,7 +18,7 @@ from urllib.parse import parse_qs
 
 from kandevd.gateway import protocol
 from kandevd.gateway.protocol import Held
-from kandevd.gateway.remote import RemoteRuns, UnknownExecution
+from kandevd.gateway.remote import NotRecorded, RemoteRuns, UnknownExecution
 from kandevd.gateway.turns import LogGap
 from kandevd.net.httpintake import KEEP_ALIVE, MAX_BODY
 from kandevd.store.base import is_environmental
@@ -120,7 +120,11 @@ class GatewayApp:
                     return 409, {"error": str(gap), "received": gap.received}
                 return 200, {"received": size}
             if what == "end":
-                recorded = self.remote.end(runner, execution_id, run_id, _json(environ))
+                try:
+                    recorded = self.remote.end(runner, execution_id, run_id, _json(environ))
+                except NotRecorded:
+                    return 503, {"error": "the outcome could not be written now; send it "
+                                          "again"}
                 return 200, {"recorded": recorded}
         except UnknownExecution:
             raise Refused(404, f"no execution {execution_id[:80]} of runner "

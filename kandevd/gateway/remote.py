@@ -44,6 +44,10 @@ OUTCOMES = frozenset({"succeeded", "failed", "timed_out", "stopped", "interrupte
 SEEN_WRITE_S = 5.0
 
 
+class NotRecorded(Exception):
+    """An outcome the database refused now: the runner sends it again (503)."""
+
+
 class UnknownExecution(LookupError):
     """No execution of that id is this runner's (never, or no longer)."""
 
@@ -204,12 +208,16 @@ class RemoteRuns:
         with self._lock:
             if self._live.pop(execution_id, None) is None:
                 return False  # (another request recorded it meanwhile)
-        note_ended(remote.claim, result)
         if result.outcome == INTERRUPTED:  # the runner stopped gracefully: uncounted
+            note_ended(remote.claim, result)
             self.queue.release_remote(remote.claim, "interrupted: runner "
                                       f"{runner.name} stopped during the execution")
-        else:
-            self.queue.record_remote(remote.claim, result)
+        elif self.queue.record_remote(remote.claim, result):
+            note_ended(remote.claim, result)
+        else:  # the database refused it: the runner keeps it and sends it again
+            with self._lock:
+                self._live.setdefault(execution_id, remote)
+            raise NotRecorded(run_id)
         log.debug("run %s ended on runner %s: %s", run_id, runner.name, result.outcome)
         return True
 

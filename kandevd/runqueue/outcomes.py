@@ -209,24 +209,32 @@ class OutcomeRecorder:
         with self._lock:
             return len(self._unrecorded)
 
-    def record(self, claim: Claim, result: ExecutionResult) -> None:
-        """Write one outcome in its own (group) commit, then announce it.
+    def record(self, claim: Claim, result: ExecutionResult, *, keep_refused: bool = True
+               ) -> bool:
+        """Write one outcome in its own (group) commit, then announce it; False when the
+        write was refused.
 
         A refused write keeps the outcome in memory for a retry with back-off;
         until it succeeds the run stays live here, so its agent stays busy and
-        stale-claim recovery leaves it alone.
+        stale-claim recovery leaves it alone. ``keep_refused`` False: kept by whoever
+        reported it instead (a runner, which sends it again).
         """
         if result.outcome in NO_WRITE:
             self.settled(claim, result)
             self.announce(claim, result, NOT_WRITTEN)
-            return
+            return True
         try:
             effect = self.commits.submit(lambda: self.apply(claim, result))
         except Exception as exc:
+            if not keep_refused:
+                log.warning("run %s: its outcome could not be written (%s); its runner "
+                            "sends it again", claim.run.id, exc)
+                return False
             self._write_refused(claim, result, exc)
-            return
+            return False
         self.settled(claim, result)
         self.announce(claim, result, effect)
+        return True
 
     def _write_refused(self, claim: Claim, result: ExecutionResult, exc: Exception) -> None:
         run_id = claim.run.id

@@ -162,10 +162,11 @@ class RunQueue:
         """Run ``run_id``'s claim ``token`` while it still holds (None: it ended)."""
         return self.repo.claim_of(run_id, token)
 
-    def record_remote(self, claim: Claim, result: ExecutionResult) -> None:
-        """A runner's execution ended: its outcome recorded as a local one's is."""
+    def record_remote(self, claim: Claim, result: ExecutionResult) -> bool:
+        """A runner's execution ended: its outcome recorded as a local one's is; False
+        when the database refused it (the runner keeps it and sends it again)."""
         try:
-            self.outcomes.record(claim, result)
+            return self.outcomes.record(claim, result, keep_refused=False)
         finally:
             self.wake()
 

@@ -11,8 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kandevd.faults import Faults
 from kandevd.gateway.protocol import token_hash
-from kandevd.gateway.remote import RemoteRuns, UnknownExecution
+from kandevd.gateway.remote import NotRecorded, RemoteRuns, UnknownExecution
 from kandevd.gateway.turns import LogGap
 from kandevd.runs.labels import LABEL_PATTERN, bad_label, covers
 from kandevd.store.runners import RunnerRow, Runners
@@ -247,3 +248,22 @@ def test_what_a_runner_no_longer_names_in_its_heartbeats_is_rescued(env: OfficeE
     remote.heartbeat(box, [])
     run = env.queue.get(run_id)
     assert run.status == "queued" and "no longer holds it" in (run.error_message or "")
+
+
+def test_an_outcome_the_database_refuses_is_sent_again_by_the_runner_not_kept_here(
+        env: OfficeEnv) -> None:
+    env.queue.outcomes.faults = Faults(fail_outcome_writes=1)  # the next write is refused
+    remote = remote_runs(env, Ticks())
+    box = runner(env, "box", "gpu")
+    run_id = enqueue(env, "gpu1")
+    [handed] = remote.poll(box, 0)
+    ending = {"outcome": "succeeded", "summary": "done"}
+    with pytest.raises(NotRecorded):
+        remote.end(box, handed["id"], run_id, ending)
+    assert env.queue.get(run_id).status == "claimed"
+    assert env.queue.outcomes.unrecorded() == 0  # (the runner holds it, not memory here)
+    assert remote.end(box, handed["id"], run_id, ending) is True  # sent again
+    run = env.queue.get(run_id)
+    assert (run.status, run.output_summary) == ("finished", "done")
+    log = (env.layout.run_logs / f"{run_id}.log").read_text()
+    assert log.count("attempt 1 ended") == 1

@@ -41,7 +41,8 @@ def add_runner(daemon: DaemonProcess, folder: Path, name: str, *labels: str) -> 
 
 
 def runner_process(home: Path, server: str, token_file: Path,
-                   profiles: dict[str, Any], *, slots: int = 2) -> DaemonProcess:
+                   profiles: dict[str, Any], *, slots: int = 2,
+                   args: tuple[str, ...] = ()) -> DaemonProcess:
     """A ``kandevd runner`` (not started) with its own home and config."""
     home.mkdir(mode=0o700, parents=True, exist_ok=True)
     config = home / "runner.yaml"
@@ -49,4 +50,4 @@ def runner_process(home: Path, server: str, token_file: Path,
                                       "agents": profiles}))
     return DaemonProcess(home, None, command="runner", ready=RUNNER_READY,
                          args=["--server", server, "--token-file", str(token_file),
-                               "--config", str(config)])
+                               "--config", str(config), *args])

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.support.certs import make_certificate
 from tests.support.cluster import cluster_config
 from tests.support.console import console_of, request, sign_in
 from tests.support.daemon import DaemonProcess, run_cli
@@ -35,8 +36,9 @@ def runners(tmp_path: Path) -> Iterator[Callable[..., DaemonProcess]]:
     made: list[DaemonProcess] = []
 
     def make(server: str, token_file: Path, name: str, profiles: dict[str, Any],
-             start: bool = True) -> DaemonProcess:
-        runner = runner_process(tmp_path / f"runner-{name}", server, token_file, profiles)
+             start: bool = True, args: tuple[str, ...] = ()) -> DaemonProcess:
+        runner = runner_process(tmp_path / f"runner-{name}", server, token_file, profiles,
+                                args=args)
         made.append(runner)
         if start:
             runner.start()
@@ -478,3 +480,28 @@ def test_several_daemons_on_postgresql_any_gateway_serves_a_runners_queued_runs(
         ("finished", 1, "slow and once")
     assert first.count_lines("silent for") == 0 and second.count_lines("silent for") == 0
     assert first.call("runners.list")["items"][0]["online"] is True
+
+
+def test_over_https_a_runner_trusts_only_the_ca_it_is_given(
+        daemon_factory: Callable[..., DaemonProcess], runners: Callable[..., DaemonProcess],
+        tmp_path: Path) -> None:
+    cert, key = make_certificate(tmp_path, "gateway")
+    config = gateway_config()
+    config["gateway"].update(tls_cert=str(cert), tls_key=str(key))
+    daemon = daemon_factory(config)
+    server = gateway_url(daemon)
+    assert server.startswith("https://127.0.0.1:")
+    token = add_runner(daemon, tmp_path / "tokens", "box", "gpu")
+    doubting = runners(server, token, "doubting", {}, start=False)
+    doubting.start(wait_ready=False)
+    doubting.wait_for_line("the server cannot be reached")  # (its system CAs refuse it)
+    assert "CERTIFICATE_VERIFY_FAILED" in doubting.log_text
+    runners(server, token, "box", {"gpu": {"command": GPU_AGENT, "timeout_s": 60}},
+            args=("--ca-file", str(cert)))
+    daemon.call("workspaces.create", {"id": "w", "name": "w"})
+    daemon.call("agents.create", {"id": "g", "workspace_id": "w", "name": "g",
+                                  "profile": "gpu", "runs_on": ["gpu"]})
+    run = daemon.call("runs.enqueue", {"workspace_id": "w", "agent_id": "g",
+                                       "reason": "over https"})["run"]
+    ended = daemon.wait_until(done(daemon, run["id"]), what="the run over https")
+    assert (ended["status"], ended["output_summary"]) == ("finished", "remote ok")

@@ -68,8 +68,10 @@ def test_an_agent_is_the_keepers_own_child_with_no_shell_between(
     assert (environ[b"FROM_DAEMON"], environ[b"FROM_PROFILE"]) == (b"d", b"p")
     assert environ[b"KANDEVD_RUN_ID"] == run["id"].encode()
     assert environ[b"PATH"] == os.environ["PATH"].encode()
-    keeper = keeper_of(daemon)
-    assert parent_of(agent) == keeper["pid"] and keeper["agents"] == 1
+    # (the agent is in /proc a moment before the keeper's word of its spawn is read)
+    keeper = daemon.wait_until(lambda: (k := keeper_of(daemon))["agents"] == 1 and k,
+                               what="the keeper counting the agent")
+    assert parent_of(agent) == keeper["pid"]
     argv = Path(f"/proc/{agent}/cmdline").read_bytes().split(b"\0")
     assert argv[1:3] == [b"-m", b"kandevd.agents.echo"]  # the profile's argv, as is
     assert os.getsid(agent) == os.getpgid(agent) == agent  # its own session and group

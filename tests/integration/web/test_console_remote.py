@@ -7,7 +7,6 @@ from __future__ import annotations
 import http.client
 import socket
 import ssl
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,20 +15,11 @@ import pytest
 import yaml
 
 from kandevd import exits
+from tests.support.certs import make_certificate
 from tests.support.console import console_of
 from tests.support.daemon import FAST_CONFIG, DaemonProcess, run_cli
 
 pytestmark = pytest.mark.integration
-
-
-def make_certificate(folder: Path) -> tuple[Path, Path]:
-    cert, key = folder / "console.pem", folder / "console.key"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
-                    "-subj", "/CN=localhost", "-addext",
-                    "subjectAltName=DNS:localhost,IP:127.0.0.1",
-                    "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True, timeout=60)
-    return cert, key
 
 
 def test_a_remote_listen_address_needs_tls_or_consent(

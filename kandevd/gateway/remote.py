@@ -208,13 +208,13 @@ class RemoteRuns:
         with self._lock:
             if self._live.pop(execution_id, None) is None:
                 return False  # (another request recorded it meanwhile)
+        # The end line first, as for a local run (once: a resent outcome adds none).
+        note_ended(remote.claim, result, once=True)
         if result.outcome == INTERRUPTED:  # the runner stopped gracefully: uncounted
-            note_ended(remote.claim, result)
             self.queue.release_remote(remote.claim, "interrupted: runner "
                                       f"{runner.name} stopped during the execution")
-        elif self.queue.record_remote(remote.claim, result):
-            note_ended(remote.claim, result)
-        else:  # the database refused it: the runner keeps it and sends it again
+        elif not self.queue.record_remote(remote.claim, result):
+            # the database refused it: the runner keeps it and sends it again
             with self._lock:
                 self._live.setdefault(execution_id, remote)
             raise NotRecorded(run_id)

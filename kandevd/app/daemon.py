@@ -5,8 +5,8 @@ Start order (a failure rolls back what already started, CherryPy style)::
     home lock -> assemble (store + migrations, bus, runtime, queue, loops, control
     server: kandevd.app.assemble) -> cluster heartbeats -> restart recovery (what
     an earlier instance left: outcomes recorded, agents adopted, orphans stopped,
-    claims re-queued, scheduled turns settled) -> loops: queue, office, cron ->
-    control socket (intake last)
+    claims re-queued) -> loops: queue, office, cron (its first tick settles the
+    scheduled turns left) -> control socket (intake last)
 
 Stop order is the reverse, run by :class:`kandevd.app.shutdown.ShutdownCoordinator`
 in a joined worker while the main thread stays ready for a second signal.
@@ -204,9 +204,6 @@ class Daemon:
             parts.runtime.release_unclaimed()
             if parts.cluster is not None:
                 self._settle_cluster(parts)
-            # The other turns those runs had: their real ends recorded (their agents
-            # are stopped now, so their exits are written).
-            parts.turn_restart.settle()
             for loop in parts.loops.values():
                 loop.start()
                 started.append((f"stop {loop.name} loop", loop.stop))

@@ -83,10 +83,12 @@ def build_scheduler(config: Config, layout: HomeLayout, runtime: AgentRuntime, *
     runner = SessionRunner(registry, config=config, layout=layout, runtime=runtime,
                            spawn=fanout.spawn, firing=firing, wake=wakeup.set,
                            remote_turns=remote_turns)
+    restart = TurnRestart(stranded, registry, runner, runtime, str(layout.root),
+                          shared=fire_gate is not None)
+    # The turns not adopted are settled on the loop's first tick: after the start stopped
+    # their agents, once the keeper has had the moment to tell their exits.
     loop = CronLoop(registry, runner=runner, firing=firing,
                     stop_grace_s=config.runtime.stop_grace_s, parent=parent,
                     fire_gate=fire_gate, wakeup=wakeup, fanout=fanout,
-                    runners_online=runners_online)
-    restart = TurnRestart(stranded, registry, runner, runtime, str(layout.root),
-                          shared=fire_gate is not None)
+                    runners_online=runners_online, first_tick=restart.settle)
     return Scheduler(loop=loop, restart=restart)

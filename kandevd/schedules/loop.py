@@ -53,18 +53,20 @@ class CronLoop(Loop):
                  clock: Callable[[], datetime] = utc_now,
                  fire_gate: Callable[[str, datetime], bool] | None = None,
                  wakeup: threading.Event | None = None, fanout: FanOut | None = None,
-                 runners_online: Callable[[], tuple[frozenset[str], ...]] | None = None
-                 ) -> None:
+                 runners_online: Callable[[], tuple[frozenset[str], ...]] | None = None,
+                 first_tick: Callable[[], object] | None = None) -> None:
         """``runner`` starts the sessions (in ``fanout``, which it was built with);
         ``firing`` decides each fire (the runner asks it again for a buffered one);
         ``wakeup``: the event the registry's history backlog and the runner set;
-        ``runners_online()``: the label sets of the runners online (None: no gateway)."""
+        ``runners_online()``: the label sets of the runners online (None: no gateway);
+        ``first_tick()``: done once, at the first tick (the restart's settling of turns)."""
         super().__init__("cron", clock=clock, parent=parent, logger=log, wakeup=wakeup,
                          fanout=fanout)
         self.registry = registry
         self.runner = runner
         self.firing = firing
         self.runners_online = runners_online
+        self._first_tick = first_tick
         self.backfills = Backfills(self.runner, self.fanout.spawn, registry.by_key)
         self._stop_grace_s = stop_grace_s
         self._reload = threading.Event()
@@ -96,6 +98,9 @@ class CronLoop(Loop):
             self._reload.clear()
             self.registry.rescan(now)
         deadline = self.runner.expire(now)
+        if self._first_tick is not None:
+            once, self._first_tick = self._first_tick, None
+            once()
         if self._late_since is not None and self.fire_gate is not None:
             since, self._late_since = self._late_since, None
             paused = self.registry.pause.get()["globally_paused"]

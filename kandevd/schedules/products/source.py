@@ -207,7 +207,7 @@ class ProductSource:
 
     def _repair(self, user_id: str, profile_id: str, now: datetime) -> None:
         """At start: runs a dead daemon left ``running`` in this user's history with the
-        product become ``error`` (their turns are settled later at start)."""
+        product become ``error`` (their turns are settled on the first tick)."""
         history = product_history(self.root, user_id, profile_id,
                                   retention_days=self.retention_days,
                                   backlog=self.parts.backlog,

@@ -14,7 +14,7 @@ recorded, its stdout merged into its log, its record removed once that is
 written, and the run ends with the turn's outcome (``success`` included),
 which the job's state, notification and ``pause_after_failures`` follow as for
 any run. A turn that ended meanwhile, or was not adopted, is settled by
-:mod:`kandevd.schedules.restart.stranded` once the others are stopped.
+:mod:`kandevd.schedules.restart.stranded` on the first tick.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def _adopt_entry(stranded: Stranded, noted: StrandedTurns, registry: JobRegistry
             continue  # (not this turn's record: never adopted on its word)
         record = locate(record)
         if not record_alive(record):
-            continue  # ended meanwhile: settled after the orphan sweep
+            continue  # ended meanwhile: settled on the first tick
         _adopt(stranded, entry, position, record, registry, runner, runtime, home)
         noted.discard(stranded.entry_id)
         return record.pid

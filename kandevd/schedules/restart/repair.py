@@ -1,13 +1,14 @@
-"""Restart repair of scheduled turns, in one place, entered from the daemon's start.
+"""Restart repair of scheduled turns, in one place.
 
 What a dead daemon's sessions left is repaired in three steps whose order
 matters, all here: while the root loads, its runs left ``running`` are marked
 interrupted and noted (:meth:`StrandedTurns.mark
 <kandevd.schedules.restart.stranded.StrandedTurns.mark>`, called by each source
-as it reads a history); then :meth:`TurnRestart.adopt` takes the turns whose
-agents still run (before the daemon stops the agents it does not keep); then,
-once those others are stopped and their exits written, :meth:`TurnRestart.settle`
-records every other turn's real end. With several daemons on one store, the
+as it reads a history); then :meth:`TurnRestart.adopt` (called by the daemon's
+start) takes the turns whose agents still run, before the daemon stops the agents
+it does not keep; then, on the cron loop's first tick (the keeper has told those
+others' exits by then), :meth:`TurnRestart.settle` records every other turn's real
+end. With several daemons on one store, the
 entries may be another daemon's: only this home's records are swept.
 """
 

@@ -7,8 +7,8 @@ first (or stops leaving its agents running, or stops while a full disk keeps
 the entry's writes in memory), the next start marks the session ``error:
 interrupted: server restarted`` (stale until shown otherwise), adopts the
 turns still running (:mod:`kandevd.schedules.restart.adopted`, which takes their
-entries off the list here) and stops the agents it does not adopt. Then, later in
-the same start (after those agents were stopped, so their shims
+entries off the list here) and stops the agents it does not adopt. Then, on
+the cron loop's first tick (after those agents were stopped, so their shims
 have written their exit status), each turn of the other entries is settled
 here: its real outcome (the exit code, the agent's summary line as
 ``output``, its cost and evaluation) is recorded on the entry (turns the file

@@ -49,6 +49,15 @@ def runners(tmp_path: Path) -> Iterator[Callable[..., DaemonProcess]]:
         runner.cleanup()
 
 
+def remote_run(daemon: DaemonProcess, reason: str) -> dict[str, Any]:
+    """Workspace ``w`` and agent ``g`` (profile ``gpu``, runs_on ``gpu``), and a run of it."""
+    daemon.call("workspaces.create", {"id": "w", "name": "w"})
+    daemon.call("agents.create", {"id": "g", "workspace_id": "w", "name": "g",
+                                  "profile": "gpu", "runs_on": ["gpu"]})
+    return daemon.call("runs.enqueue", {"workspace_id": "w", "agent_id": "g",
+                                        "reason": reason})["run"]
+
+
 def done(daemon: DaemonProcess, run_id: str) -> Callable[[], Any]:
     def check() -> Any:
         run = daemon.call("runs.get", {"id": run_id})
@@ -143,11 +152,7 @@ def test_a_removed_runner_gets_nothing_more_and_exits_77(
     result = run_cli(daemon.home, "runners", "remove", "laptop")
     assert result.returncode == 0, result.stderr
     assert runner.wait(60) == 77  # its next request (a heartbeat or a poll) is refused
-    daemon.call("workspaces.create", {"id": "w", "name": "w"})
-    daemon.call("agents.create", {"id": "g", "workspace_id": "w", "name": "g",
-                                  "profile": "gpu", "runs_on": ["gpu"]})
-    run = daemon.call("runs.enqueue", {"workspace_id": "w", "agent_id": "g",
-                                       "reason": "x"})["run"]
+    run = remote_run(daemon, "x")
     assert daemon.call("runs.get", {"id": run["id"]})["status"] == "queued"
     assert daemon.call("runners.list")["items"] == []
     again = runners(gateway_url(daemon), token, "again", {}, start=False)
@@ -178,11 +183,7 @@ def test_a_runner_killed_mid_run_has_its_run_ended_and_the_next_runner_takes_it(
     profiles = {"gpu": {"command": agent, "timeout_s": 300}}
     first = runners(server, add_runner(daemon, tmp_path / "tokens", "one", "gpu"), "one",
                     profiles)
-    daemon.call("workspaces.create", {"id": "w", "name": "w"})
-    daemon.call("agents.create", {"id": "g", "workspace_id": "w", "name": "g",
-                                  "profile": "gpu", "runs_on": ["gpu"]})
-    run = daemon.call("runs.enqueue", {"workspace_id": "w", "agent_id": "g",
-                                       "reason": "long"})["run"]
+    run = remote_run(daemon, "long")
     daemon.wait_until(lambda: daemon.call("runs.get", {"id": run["id"]})["status"]
                       == "claimed" and first_ran.exists() and first_ran.read_text(),
                       what="the first attempt running")
@@ -258,11 +259,7 @@ def test_the_server_killed_while_a_runner_works_loses_nothing(
     runner = runners(gateway_url(daemon), add_runner(daemon, tmp_path / "tokens", "box",
                                                      "gpu"), "box",
                      {"gpu": {"command": agent, "timeout_s": 300}})
-    daemon.call("workspaces.create", {"id": "w", "name": "w"})
-    daemon.call("agents.create", {"id": "g", "workspace_id": "w", "name": "g",
-                                  "profile": "gpu", "runs_on": ["gpu"]})
-    run = daemon.call("runs.enqueue", {"workspace_id": "w", "agent_id": "g",
-                                       "reason": "long"})["run"]
+    run = remote_run(daemon, "long")
     daemon.wait_until(started.exists, what="the agent on the runner")
 
     daemon.kill9()  # the server's machine: its daemon, its keeper, its own agents
@@ -362,11 +359,7 @@ def test_a_runner_restarted_mid_run_adopts_its_agent_and_the_run_is_recorded_onc
     token = add_runner(daemon, tmp_path / "tokens", "box", "gpu")
     profiles = {"gpu": {"command": agent, "timeout_s": 300}}
     first = runners(gateway_url(daemon), token, "box", profiles)
-    daemon.call("workspaces.create", {"id": "w", "name": "w"})
-    daemon.call("agents.create", {"id": "g", "workspace_id": "w", "name": "g",
-                                  "profile": "gpu", "runs_on": ["gpu"]})
-    run = daemon.call("runs.enqueue", {"workspace_id": "w", "agent_id": "g",
-                                       "reason": "long"})["run"]
+    run = remote_run(daemon, "long")
     daemon.wait_until(lambda: started.exists() and started.read_text(),
                       what="the agent on the runner")
     agent_pid = int(started.read_text())
@@ -402,11 +395,7 @@ def test_an_agent_its_keeper_stopped_while_no_runner_ran_counts_as_a_failed_atte
     token = add_runner(daemon, tmp_path / "tokens", "box", "gpu")
     profiles = {"gpu": {"command": agent, "timeout_s": 600}}
     first = runners(gateway_url(daemon), token, "box", profiles)
-    daemon.call("workspaces.create", {"id": "w", "name": "w"})
-    daemon.call("agents.create", {"id": "g", "workspace_id": "w", "name": "g",
-                                  "profile": "gpu", "runs_on": ["gpu"]})
-    run = daemon.call("runs.enqueue", {"workspace_id": "w", "agent_id": "g",
-                                       "reason": "long"})["run"]
+    run = remote_run(daemon, "long")
     daemon.wait_until(lambda: started.exists() and started.read_text(),
                       what="the agent on the runner")
     agent_pid = int(started.read_text())
@@ -470,11 +459,7 @@ def test_several_daemons_on_postgresql_any_gateway_serves_a_runners_queued_runs(
     agent = [sys.executable, "-c", "import sys, time; sys.stdin.read(); time.sleep(6);"
              " print('{\"summary\": \"slow and once\"}')"]
     runners(gateway_url(second), token, "box", {"gpu": {"command": agent, "timeout_s": 60}})
-    first.call("workspaces.create", {"id": "w", "name": "w"})
-    first.call("agents.create", {"id": "g", "workspace_id": "w", "name": "g",
-                                 "profile": "gpu", "runs_on": ["gpu"]})
-    run = first.call("runs.enqueue", {"workspace_id": "w", "agent_id": "g",
-                                      "reason": "through the other"})["run"]
+    run = remote_run(first, "through the other")
     ended = first.wait_until(done(first, run["id"]), what="the run through the other daemon")
     assert (ended["status"], ended["attempt"], ended["output_summary"]) == \
         ("finished", 1, "slow and once")
@@ -498,10 +483,6 @@ def test_over_https_a_runner_trusts_only_the_ca_it_is_given(
     assert "CERTIFICATE_VERIFY_FAILED" in doubting.log_text
     runners(server, token, "box", {"gpu": {"command": GPU_AGENT, "timeout_s": 60}},
             args=("--ca-file", str(cert)))
-    daemon.call("workspaces.create", {"id": "w", "name": "w"})
-    daemon.call("agents.create", {"id": "g", "workspace_id": "w", "name": "g",
-                                  "profile": "gpu", "runs_on": ["gpu"]})
-    run = daemon.call("runs.enqueue", {"workspace_id": "w", "agent_id": "g",
-                                       "reason": "over https"})["run"]
+    run = remote_run(daemon, "over https")
     ended = daemon.wait_until(done(daemon, run["id"]), what="the run over https")
     assert (ended["status"], ended["output_summary"]) == ("finished", "remote ok")

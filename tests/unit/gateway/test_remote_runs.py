@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kandevd.faults import Faults
-from kandevd.gateway.protocol import token_hash
+from kandevd.gateway.protocol import Execution, token_hash
 from kandevd.gateway.remote import NotRecorded, RemoteRuns, UnknownExecution
 from kandevd.gateway.turns import LogGap
 from kandevd.runs.labels import LABEL_PATTERN, bad_label, covers
@@ -58,6 +58,15 @@ def remote_runs(env: OfficeEnv, ticks: Ticks, dead_after_s: float = 30) -> Remot
                       dead_after_s=dead_after_s, clock=env.clock, monotonic=ticks)
 
 
+def handed_run(env: OfficeEnv) -> tuple[RemoteRuns, RunnerRow, str, Execution]:
+    """Runner ``box`` (gpu) with a run of ``gpu1`` handed to it."""
+    remote = remote_runs(env, Ticks())
+    box = runner(env, "box", "gpu")
+    run_id = enqueue(env, "gpu1")
+    [handed] = remote.poll(box, 0)
+    return remote, box, run_id, handed
+
+
 def enqueue(env: OfficeEnv, agent: str) -> str:
     return env.queue.enqueue(workspace_id="w", agent_id=agent, reason="r").run.id
 
@@ -89,10 +98,7 @@ def test_a_poll_takes_up_to_its_free_slots_one_run_per_agent_oldest_first(
 
 
 def test_the_log_takes_each_byte_once_and_says_where_a_gap_starts(env: OfficeEnv) -> None:
-    remote = remote_runs(env, Ticks())
-    box = runner(env, "box", "gpu")
-    run_id = enqueue(env, "gpu1")
-    [handed] = remote.poll(box, 0)
+    remote, box, run_id, handed = handed_run(env)
     assert remote.append_log(box, handed["id"], run_id, 0, b"hello ") == 6
     assert remote.append_log(box, handed["id"], run_id, 0, b"hello ") == 6  # a retry
     assert remote.append_log(box, handed["id"], run_id, 3, b"lo world\n") == 12
@@ -107,10 +113,7 @@ def test_the_log_takes_each_byte_once_and_says_where_a_gap_starts(env: OfficeEnv
 
 
 def test_an_outcome_is_recorded_once(env: OfficeEnv) -> None:
-    remote = remote_runs(env, Ticks())
-    box = runner(env, "box", "gpu")
-    run_id = enqueue(env, "gpu1")
-    [handed] = remote.poll(box, 0)
+    remote, box, run_id, handed = handed_run(env)
     ending = {"outcome": "succeeded", "exit_code": 0, "summary": "done", "cost_cents": 2.5}
     assert remote.end(box, handed["id"], run_id, ending) is True
     assert remote.end(box, handed["id"], run_id, ending) is False
@@ -120,10 +123,7 @@ def test_an_outcome_is_recorded_once(env: OfficeEnv) -> None:
 
 def test_a_failure_follows_the_retry_policy_and_an_unknown_outcome_is_an_error(
         env: OfficeEnv) -> None:
-    remote = remote_runs(env, Ticks())
-    box = runner(env, "box", "gpu")
-    run_id = enqueue(env, "gpu1")
-    [handed] = remote.poll(box, 0)
+    remote, box, run_id, handed = handed_run(env)
     assert remote.end(box, handed["id"], run_id, {"outcome": "made-up", "error": "boom"})
     run = env.queue.get(run_id)
     assert run.status == "queued" and run.scheduled_retry_at is not None  # retried later
@@ -180,10 +180,7 @@ def test_a_restarted_runner_that_lost_its_runs_has_them_rescued_at_hello(
 
 
 def test_a_cancelled_run_is_stopped_on_its_runner(env: OfficeEnv) -> None:
-    remote = remote_runs(env, Ticks())
-    box = runner(env, "box", "gpu")
-    run_id = enqueue(env, "gpu1")
-    [handed] = remote.poll(box, 0)
+    remote, box, run_id, handed = handed_run(env)
     env.queue.cancel(run_id, "not needed")
     cancel, _ = remote.heartbeat(box, [{"id": handed["id"], "run_id": run_id}])
     assert cancel == [handed["id"]]
@@ -212,10 +209,7 @@ def test_a_label_is_a_letter_or_digit_then_up_to_62_more(text: str) -> None:
 
 def test_a_run_stopped_on_its_runner_without_a_cancel_is_a_failed_attempt(
         env: OfficeEnv) -> None:
-    remote = remote_runs(env, Ticks())
-    box = runner(env, "box", "gpu")
-    run_id = enqueue(env, "gpu1")
-    [handed] = remote.poll(box, 0)
+    remote, box, run_id, handed = handed_run(env)
     assert remote.end(box, handed["id"], run_id, {"outcome": "stopped", "error": "fenced"})
     run = env.queue.get(run_id)
     assert run.status == "queued" and "stopped on runner box: fenced" in \
@@ -228,10 +222,7 @@ def test_a_run_stopped_on_its_runner_without_a_cancel_is_a_failed_attempt(
     {"evaluation": "not an object", "summary": {"x": 1}}])
 def test_any_end_a_runner_reports_is_recorded_never_raised(env: OfficeEnv,
                                                            ending: dict[str, object]) -> None:
-    remote = remote_runs(env, Ticks())
-    box = runner(env, "box", "gpu")
-    run_id = enqueue(env, "gpu1")
-    [handed] = remote.poll(box, 0)
+    remote, box, run_id, handed = handed_run(env)
     assert remote.end(box, handed["id"], run_id, ending) is True  # type: ignore[arg-type]
     assert env.queue.get(run_id).status != "claimed"
 
@@ -253,10 +244,7 @@ def test_what_a_runner_no_longer_names_in_its_heartbeats_is_rescued(env: OfficeE
 def test_an_outcome_the_database_refuses_is_sent_again_by_the_runner_not_kept_here(
         env: OfficeEnv) -> None:
     env.queue.outcomes.faults = Faults(fail_outcome_writes=1)  # the next write is refused
-    remote = remote_runs(env, Ticks())
-    box = runner(env, "box", "gpu")
-    run_id = enqueue(env, "gpu1")
-    [handed] = remote.poll(box, 0)
+    remote, box, run_id, handed = handed_run(env)
     ending = {"outcome": "succeeded", "summary": "done"}
     with pytest.raises(NotRecorded):
         remote.end(box, handed["id"], run_id, ending)

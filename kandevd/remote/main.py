@@ -105,12 +105,14 @@ def run_runner(server: str, token_file: Path, home: Path, config_path: Path | No
         runs are re-queued: the runner does not name them at its hello)."""
         stop_orphan_agents(layout.root, min(config.runtime.stop_grace_s, 10.0), keep=keep)
 
+    code = exits.CANTCREAT
     try:
-        return RunnerProcess(client, config, layout, runtime_for, stop=stop,
+        code = RunnerProcess(client, config, layout, runtime_for, stop=stop,
                              sweep=sweep).run()
+        return code
     except (KeeperUnavailable, OSError) as exc:
         log.error("the keeper cannot be started: %s", exc)
-        return exits.CANTCREAT
+        return code
     finally:
         for keeper in keepers:
             keeper.close(quit_keeper=True)
@@ -118,4 +120,5 @@ def run_runner(server: str, token_file: Path, home: Path, config_path: Path | No
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         lock.release()
-        log.info("runner stopped (pid %d)", os.getpid())
+        if code != exits.NOPERM:  # (a refused token is one line, said already)
+            log.info("runner stopped (pid %d)", os.getpid())

@@ -70,16 +70,23 @@ class Agents:
         self.overlap: dict[str, int] = {}
         self.attempts: dict[str, int] = {}
         self._gates: dict[str, threading.Event] = {}
+        self._all_released = False
 
     def gate(self, run_id: str) -> threading.Event:
         with self._cond:
-            return self._gates.setdefault(run_id, threading.Event())
+            gate = self._gates.setdefault(run_id, threading.Event())
+            if self._all_released:
+                gate.set()
+            return gate
 
     def release(self, run_id: str) -> None:
         self.gate(run_id).set()
 
     def release_all(self) -> None:
+        """Release every execution, also those whose thread has not reached its gate
+        yet (a claim's execution starts on a thread of its own)."""
         with self._cond:
+            self._all_released = True
             gates = list(self._gates.values())
         for gate in gates:
             gate.set()

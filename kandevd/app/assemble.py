@@ -16,7 +16,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kandevd import exits
-from kandevd.app.gateway import GatewayTlsError, build_gateway, build_remote, turns_on_runners
+from kandevd.app.gateway import (
+    GatewayTlsError,
+    build_gateway,
+    build_remote,
+    build_turn_board,
+    turns_on_runners,
+)
 from kandevd.app.metrics import DaemonMetrics
 from kandevd.app.scheduler import build_scheduler
 from kandevd.app.status import StatusReporter
@@ -28,6 +34,8 @@ from kandevd.control.registry import Registry
 from kandevd.control.server import ControlServer
 from kandevd.control.services import Services
 from kandevd.faults import Faults
+from kandevd.gateway.directory import RunnerDirectory
+from kandevd.gateway.turns import TurnWatch
 from kandevd.lifecycle import Loop, StopSignal
 from kandevd.model.service import WorkspaceService
 from kandevd.net.urls import redact_url
@@ -61,6 +69,7 @@ from kandevd.store.runs.retention import ExpiredRuns
 if TYPE_CHECKING:
     from kandevd.cluster.membership import Cluster
     from kandevd.gateway.server import Gateway
+    from kandevd.gateway.turns import TurnBoard
 
 log = logging.getLogger("kandevd.daemon")
 
@@ -96,6 +105,9 @@ class Parts:
     keeper: KeeperClient
     #: The runners' gateway (``gateway.listen``; started by the daemon), else None.
     gateway: Gateway | None = None
+    #: The turns of schedules with ``runs_on`` this daemon handed to runners (None:
+    #: no runner can take them); the daemon's stop ends them.
+    turns: TurnBoard | None = None
 
 
 def open_configured_store(config: Config, layout: HomeLayout) -> BaseStore:
@@ -171,11 +183,13 @@ def _assemble(config: Config, layout: HomeLayout, store: BaseStore, *, boot_id: 
                                      leader=cluster.is_leader if cluster else None,
                                      parent=stop_signal)
     runners = Runners(store)
-    remote = build_remote(config, layout, queue, runners, bus)
+    board = build_turn_board(config, store, runners, bus, boot_id)
+    remote = build_remote(config, layout, queue, runners, board, bus)
+    directory = RunnerDirectory(runners, dead_after_s=config.gateway.dead_after_s)
     scheduler = build_scheduler(config, layout, runtime, parent=stop_signal,
                                 fire_gate=cluster.fire_gate if cluster else None,
-                                remote_turns=turns_on_runners(remote),
-                                runners_online=remote.online_labels if remote else None)
+                                remote_turns=turns_on_runners(board),
+                                runners_online=directory.online_labels if board else None)
     cron = scheduler.loop
     loops["cron"] = cron
     try:
@@ -184,6 +198,8 @@ def _assemble(config: Config, layout: HomeLayout, store: BaseStore, *, boot_id: 
         raise StartupError(str(exc), exits.CONFIG) from None
     if gateway is not None:
         loops["gateway"] = gateway[1]  # the watch over silent runners
+    if board is not None:
+        loops["turns"] = TurnWatch(board, parent=stop_signal)
     status = StatusReporter(config, layout, store, runtime, queue, loops, cron, cluster,
                             boot_id=boot_id, started_at=started_at, state=state, keeper=keeper)
     metrics.collect(status.status, cron.job_statuses)
@@ -200,7 +216,7 @@ def _assemble(config: Config, layout: HomeLayout, store: BaseStore, *, boot_id: 
                  cluster_hooks=_cluster_hooks(cluster, queue, runtime, cron) if cluster else None,
                  loops=loops, cron=cron, turn_restart=scheduler.restart, metrics=metrics,
                  status=status, server=server, keeper=keeper,
-                 gateway=gateway[0] if gateway is not None else None)
+                 gateway=gateway[0] if gateway is not None else None, turns=board)
 
 
 def _cluster_hooks(cluster: Cluster, queue: RunQueue, runtime: AgentRuntime, cron: CronLoop

@@ -254,6 +254,10 @@ class Daemon:
                                         ("stop web console", self._stop_web)]
         if parts.gateway is not None:  # (runners keep their agents and report later)
             steps.append(("stop the gateway", parts.gateway.stop))
+        if parts.turns is not None:  # (their sessions end; the cron loop can stop)
+            board = parts.turns
+            steps.append(("end the turns on runners", lambda: board.close(
+                "interrupted: the daemon stopped during the turn")))
         for loop in reversed(list(parts.loops.values())):
             steps.append((f"stop {loop.name} loop", loop.stop))
         if parts.cluster is not None:  # it fires nothing more: the next leader, now

@@ -17,9 +17,9 @@ from typing import Any
 from urllib.parse import parse_qs
 
 from kandevd.gateway import protocol
+from kandevd.gateway.endings import LogGap, UnknownExecution
 from kandevd.gateway.protocol import Held
-from kandevd.gateway.remote import NotRecorded, RemoteRuns, UnknownExecution
-from kandevd.gateway.turns import LogGap
+from kandevd.gateway.remote import NotRecorded, RemoteRuns
 from kandevd.net.httpintake import KEEP_ALIVE, MAX_BODY
 from kandevd.store.base import is_environmental
 from kandevd.store.runners import RunnerRow, Runners

@@ -17,7 +17,7 @@ from typing import TypedDict
 from kandevd.gateway.protocol import new_token, token_hash
 from kandevd.runs.labels import bad_label
 from kandevd.store.runners import Runners
-from kandevd.timeutil import rfc3339
+from kandevd.timeutil import rfc3339, utc_now
 
 log = logging.getLogger("kandevd.gateway")
 
@@ -67,6 +67,13 @@ class RunnerDirectory:
         if not self.runners.remove(name):
             raise RunnerNotFound(f"no runner {name!r}")
         log.info("runner %s removed: its token is refused from now on", name)
+
+    def online_labels(self) -> tuple[frozenset[str], ...]:
+        """The label sets of the runners online (seen by any daemon within dead_after_s)."""
+        now = utc_now()
+        return tuple(frozenset(row.labels) for row in self.runners.all()
+                     if row.last_seen_at is not None
+                     and (now - row.last_seen_at).total_seconds() < self.dead_after_s)
 
     def items(self, now: datetime) -> list[RunnerItem]:
         running = self.runners.running()

@@ -18,14 +18,15 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 from kandevd.bus import EventBus
 from kandevd.fsutil import append_note, ensure_dir
+from kandevd.gateway.endings import UnknownExecution, append_from, ending_result
 from kandevd.gateway.protocol import Ending, Execution, Held
-from kandevd.gateway.turns import TurnBoard, append_from, ending_result
+from kandevd.gateway.turns import TurnBoard, is_turn
 from kandevd.paths import HomeLayout
 from kandevd.runqueue.outcomes import note_ended
 from kandevd.runqueue.service import RunQueue
@@ -46,10 +47,6 @@ SEEN_WRITE_S = 5.0
 
 class NotRecorded(Exception):
     """An outcome the database refused now: the runner sends it again (503)."""
-
-
-class UnknownExecution(LookupError):
-    """No execution of that id is this runner's (never, or no longer)."""
 
 
 @dataclass
@@ -75,8 +72,9 @@ LOST_AFTER_S = 15.0
 class RemoteRuns:
     """Thread-safe: the gateway's request threads and its watch loop share it."""
 
-    def __init__(self, queue: RunQueue, runners: Runners, bus: EventBus, layout: HomeLayout,
-                 *, dead_after_s: float, clock: Callable[[], datetime] = utc_now,
+    def __init__(self, queue: RunQueue, runners: Runners, turns: TurnBoard, bus: EventBus,
+                 layout: HomeLayout, *, dead_after_s: float,
+                 clock: Callable[[], datetime] = utc_now,
                  monotonic: Callable[[], float] = time.monotonic) -> None:
         self.queue = queue
         self.runners = runners
@@ -90,13 +88,13 @@ class RemoteRuns:
         self._seen: dict[str, float] = {}  # runner -> monotonic time of its last request
         self._seen_written: dict[str, float] = {}
         self._started = monotonic()
-        #: The scheduled turns of schedules with ``runs_on`` (gateway/turns.py).
-        self.turns = TurnBoard(wake=self._wake_pollers, monotonic=monotonic)
+        #: The scheduled turns of schedules with ``runs_on``, any daemon's (gateway/turns.py).
+        self.turns = turns
         #: (often enough that another daemon's watch sees the runner alive)
         self._seen_every = min(SEEN_WRITE_S, dead_after_s / 4)
         self.stopping = False
         for topic in ("run.queued", "run.finished", "run.cancelled", "agent.updated",
-                      "agent.created"):
+                      "agent.created", "turn.waiting"):
             bus.subscribe(topic, self._changed)
 
     # -- what the runner asks -------------------------------------------------------
@@ -126,19 +124,22 @@ class RemoteRuns:
             self.queue.rescue_remote(lost, f"runner {runner.name} restarted without it")
         self.turns.lose(runner.name, f"runner {runner.name} restarted without it",
                         keep=frozenset(item["id"] for item in held))
-        return [item["id"] for item in held if self.turns.find(runner.name, item["id"]) is None
-                and self._adopt(runner, item) is None]
+        turns = self.turns.held(runner.name)
+        return [item["id"] for item in held if item["id"] not in turns
+                and (is_turn(item["id"]) or self._adopt(runner, item) is None)]
 
     def heartbeat(self, runner: RunnerRow, held: list[Held]) -> tuple[list[str], list[str]]:
         """``(cancel, unknown)``: executions to stop (cancelled runs), and those that are
         not the runner's any more (rescued while it was silent: stop them too)."""
         self.seen(runner)
         self._lost(runner, frozenset(item["id"] for item in held))
-        cancel, unknown = self.turns.cancelled(runner.name), []
+        turns = self.turns.held(runner.name)
+        cancel, unknown = [token for token, turn in turns.items() if turn.cancel], []
         for item in held:
-            if self.turns.find(runner.name, item["id"]) is not None:
+            if item["id"] in turns:
                 continue
-            remote = self._find(runner, item["id"], item["run_id"])
+            remote = None if is_turn(item["id"]) else \
+                self._find(runner, item["id"], item["run_id"])
             if remote is None:
                 unknown.append(item["id"])
             elif remote.cancel:
@@ -157,7 +158,8 @@ class RemoteRuns:
                 self._live.pop(remote.claim.token, None)
         if lost:
             self.queue.rescue_remote([(r.claim.run.id, r.claim.token) for r in lost], why)
-        self.turns.lose(runner.name, why, keep=named, handed_before=before)
+        self.turns.lose(runner.name, why, keep=named,
+                        handed_before=self.clock() - timedelta(seconds=LOST_AFTER_S))
 
     def poll(self, runner: RunnerRow, wait_s: float, slots: int = 1) -> list[Execution]:
         """Claim up to ``slots`` runs for ``runner`` (one statement), waiting up to
@@ -183,9 +185,8 @@ class RemoteRuns:
         """Append the agent's output from ``offset`` (bytes already here are skipped);
         how much has been received. LogGap: a gap (the runner resends from there)."""
         self.seen(runner)
-        turn = self.turns.find(runner.name, execution_id)
-        if turn is not None:
-            return append_from(turn.spec.log_path, turn, offset, data)
+        if is_turn(execution_id):
+            return self.turns.append(runner.name, execution_id, offset, data)
         remote = self._find(runner, execution_id, run_id)
         if remote is None:
             raise UnknownExecution(execution_id)
@@ -195,8 +196,8 @@ class RemoteRuns:
         """Record how the execution ended; False when its claim no longer holds (rescued,
         or recorded already): nothing changes then."""
         self.seen(runner)
-        if self.turns.end(runner.name, execution_id, ending):
-            return True
+        if is_turn(execution_id):
+            return self.turns.end(runner.name, execution_id, ending)
         remote = self._find(runner, execution_id, run_id)
         if remote is None:
             return False
@@ -230,10 +231,7 @@ class RemoteRuns:
         now, wall = self.monotonic(), self.clock()
         rescued = 0
         seen = {row.name: row.last_seen_at for row in self.runners.all()}
-        holding = self.runners.running()
-        for name in set(seen) | self.turns.holders():
-            holding[name] = holding.get(name, 0) + self.turns.held_by(name)
-        for name, held in holding.items():
+        for name, held in self.runners.running().items():
             with self._lock:
                 silent = now - self._seen.get(name, self._started)
             stored = seen.get(name)
@@ -248,28 +246,15 @@ class RemoteRuns:
                     self._live.pop(remote.claim.token, None)
             why = f"runner {name} was silent for {now - last:.0f}s during the execution"
             done = self.queue.rescue_remote(claims, why) if claims else {}
-            turns = self.turns.lose(name, why)
-            rescued += len(done) + turns
-            log.warning("runner %s silent for %.0fs: %d run(s) it held rescued, %d "
-                        "turn(s) ended", name, now - last, len(done), turns)
+            rescued += len(done)
+            log.warning("runner %s silent for %.0fs: %d run(s) it held rescued", name,
+                        now - last, len(done))
         return rescued
 
-    def online_labels(self) -> tuple[frozenset[str], ...]:
-        """The label sets of the runners online (seen by any daemon within dead_after_s)."""
-        wall = self.clock()
-        return tuple(frozenset(row.labels) for row in self.runners.all()
-                     if row.last_seen_at is not None
-                     and (wall - row.last_seen_at).total_seconds() < self.dead_after_s)
-
     def stop(self) -> None:
-        """Pollers answer now (the gateway is stopping); turns here end interrupted."""
+        """Pollers answer now (the gateway is stopping)."""
         with self._work:
             self.stopping = True
-            self._work.notify_all()
-        self.turns.close("interrupted: the daemon stopped during the turn")
-
-    def _wake_pollers(self) -> None:
-        with self._work:
             self._work.notify_all()
 
     # -- inside -----------------------------------------------------------------------

@@ -1,40 +1,50 @@
 """Scheduled turns on runners: the turns of a schedule with ``runs_on``, handed to a
 runner carrying its labels, their output into the turn's log, their end to the session.
 
-A session thread hands its turn over (:class:`RemoteTurns`, a TurnRuntime) and waits
-for its end as for a local one; the turn waits here until a runner's poll takes it.
-The session's stop reaches it (a turn not taken yet ends ``stopped`` at once; a
-taken one is stopped on its runner at the runner's next heartbeat), and so does
-its ``timeout_s``. A runner that goes silent, or comes back without it, ends the
-turn ``error`` naming the runner; a daemon that stops ends every turn here
-``interrupted`` (its session is recorded as a shutdown's).
+A session thread hands its turn over (:class:`RemoteTurns`, a TurnRuntime) and
+waits for its end as for a local one. The turn is written to the database
+(:mod:`kandevd.store.turns`), so that any daemon's gateway on it can hand it to a
+runner and take its output and end; this daemon, its owner, reads those into the
+turn's log and gives the end to the session (at once when its own gateway took
+them, else at the next look of :class:`TurnWatch`, every second).
+
+The session's stop reaches the turn (one not taken yet ends ``stopped`` at once; a
+taken one is stopped on its runner at the runner's next heartbeat), and so does its
+``timeout_s``. A runner that goes silent for ``gateway.dead_after_s``, or comes back
+without it, ends the turn ``error`` naming the runner; a daemon that stops ends
+every turn it owns ``interrupted`` (its session is recorded as a shutdown's).
 """
 
 from __future__ import annotations
 
-import math
+import logging
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
-from pathlib import Path
-from typing import Any
 
+from kandevd.bus import EventBus
 from kandevd.fsutil import ensure_dir
+from kandevd.gateway.endings import LogGap, UnknownExecution, ending_result
 from kandevd.gateway.protocol import Ending, Execution
+from kandevd.lifecycle import Loop, StopSignal
 from kandevd.runs.labels import covers
-from kandevd.runtime import (
-    DETACHED,
-    ERROR,
-    INTERRUPTED,
-    OUTCOMES,
-    STOPPED,
-    ExecutionResult,
-    ExecutionSpec,
-)
-from kandevd.timeutil import parse_rfc3339, utc_now
+from kandevd.runtime import ERROR, INTERRUPTED, STOPPED, ExecutionResult, ExecutionSpec
+from kandevd.store.runners import Runners
+from kandevd.store.turns import HeldTurn, RemoteTurnRows, WaitingTurn
+from kandevd.timeutil import utc_now
+
+log = logging.getLogger("kandevd.gateway")
+
+#: A turn's execution id begins so (a run's is its claim token).
+TURN_PREFIX = "turn."
+#: How often the owner looks at its turns (ends and output other daemons received).
+WATCH_S = 1.0
+
+
+def is_turn(execution_id: str) -> bool:
+    return execution_id.startswith(TURN_PREFIX)
 
 
 @dataclass
@@ -43,113 +53,198 @@ class Turn:
     profile: str
     labels: tuple[str, ...]
     on_done: Callable[[ExecutionResult], None]
-    token: str = field(default_factory=lambda: f"turn.{uuid.uuid4().hex}")
-    runner: str | None = None
-    #: When a runner took it (monotonic): a runner that stops naming it is told.
-    handed_at: float = 0.0
-    received: int = 0
-    cancel: bool = False
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    token: str = field(default_factory=lambda: f"{TURN_PREFIX}{uuid.uuid4().hex}")
 
 
 class TurnBoard:
-    """The turns waiting for a runner and those runners hold; thread-safe."""
+    """This daemon's turns on runners, and what every gateway does with any daemon's;
+    thread-safe."""
 
-    def __init__(self, wake: Callable[[], None],
-                 monotonic: Callable[[], float] = time.monotonic) -> None:
-        self._wake = wake
-        self._monotonic = monotonic
+    def __init__(self, rows: RemoteTurnRows, runners: Runners, bus: EventBus, *,
+                 dead_after_s: float, clock: Callable[[], datetime] = utc_now) -> None:
+        self.rows = rows
+        self.runners = runners
+        self.bus = bus
+        self.dead_after_s = dead_after_s
+        self.clock = clock
         self._lock = threading.Lock()
-        self._waiting: list[Turn] = []
-        self._held: dict[str, Turn] = {}
+        self._read = threading.Lock()  # one reader of the output at a time
+        self._mine: dict[str, Turn] = {}
         self._closed = False
 
+    # -- the owner's side -------------------------------------------------------------
     def add(self, turn: Turn) -> bool:
+        """Hand ``turn`` over; False: the daemon is stopping."""
         with self._lock:
             if self._closed:
                 return False
-            self._waiting.append(turn)
-        self._wake()
-        return True
-
-    def take(self, runner: str, labels: tuple[str, ...], slots: int) -> list[Execution]:
-        """The oldest waiting turns ``runner``'s labels cover, up to ``slots``."""
-        with self._lock:
-            taken = [t for t in self._waiting if covers(labels, t.labels)][:slots]
-            for turn in taken:
-                self._waiting.remove(turn)
-                turn.runner, turn.handed_at = runner, self._monotonic()
-                self._held[turn.token] = turn
-        return [{"id": t.token, "run_id": t.spec.run_id, "kind": "turn", "profile": t.profile,
-                 "attempt": 0, "stdin": dict(t.spec.stdin)} for t in taken]
-
-    def find(self, runner: str, token: str) -> Turn | None:
-        with self._lock:
-            turn = self._held.get(token)
-        return turn if turn is not None and turn.runner == runner else None
-
-    def end(self, runner: str, token: str, ending: Ending) -> bool:
-        with self._lock:
-            turn = self._held.get(token)
-            if turn is None or turn.runner != runner:
-                return False
-        result = ending_result(turn.spec.key, turn.spec.log_path, ending)  # (never raises)
-        with self._lock:
-            if self._held.pop(token, None) is None:
-                return False  # (ended meanwhile by another request or the watch)
-        turn.on_done(result)
+            self._mine[turn.token] = turn
+        try:
+            self.rows.add(WaitingTurn(turn.token, turn.spec.run_id, turn.profile, turn.labels,
+                                      dict(turn.spec.stdin)), self.clock())
+        except Exception as exc:  # (the database refused it: the turn fails, visibly)
+            with self._lock:
+                self._mine.pop(turn.token, None)
+            _end(turn, ERROR, f"the turn could not be handed to a runner: {exc}")
+            return True
+        self.bus.publish("turn.waiting")
         return True
 
     def stop(self, key: str) -> bool:
-        """Stop the turn of ``key``: one still waiting ends now; a held one is stopped at
-        its runner's next heartbeat."""
+        """Stop the turn of ``key``: one still waiting ends now; a taken one is stopped
+        at its runner's next heartbeat."""
         with self._lock:
-            waiting = next((t for t in self._waiting if t.spec.key == key), None)
-            if waiting is not None:
-                self._waiting.remove(waiting)
-            held = next((t for t in self._held.values() if t.spec.key == key), None)
-            if held is not None:
-                held.cancel = True
-        if waiting is not None:
-            _end(waiting, STOPPED, "stopped before a runner took it")
-        return waiting is not None or held is not None
+            turn = next((t for t in self._mine.values() if t.spec.key == key), None)
+        if turn is None:
+            return False
+        try:
+            if not self.rows.withdraw(turn.token):
+                self.rows.cancel(turn.token)  # (its runner hears it at its heartbeat)
+                return True
+        except Exception as exc:  # (the database refused: its runner runs it on)
+            log.warning("turn %s: cannot stop it now: %s", turn.token, exc)
+            return True
+        with self._lock:
+            withdrawn = self._mine.pop(turn.token, None)
+        if withdrawn is not None:  # (else ended meanwhile)
+            _end(turn, STOPPED, "stopped before a runner took it")
+        return True
 
-    def cancelled(self, runner: str) -> list[str]:
+    def watch(self) -> None:
+        """Read what other daemons received for this daemon's turns, and end the turns
+        of runners silent for ``dead_after_s`` (seen by no daemon)."""
         with self._lock:
-            return [t.token for t in self._held.values() if t.runner == runner and t.cancel]
+            tokens = list(self._mine)
+        if not tokens:
+            return
+        wall = self.clock()
+        seen = {row.name: row.last_seen_at for row in self.runners.all()}
+        for token, state in self.rows.own(tokens).items():
+            if state.runner is None or state.ending is not None:
+                continue
+            last = seen.get(state.runner)
+            silent = (wall - last).total_seconds() if last is not None else None
+            if silent is None or silent >= self.dead_after_s:
+                why = f"runner {state.runner} was silent for " + \
+                    (f"{silent:.0f}s" if silent is not None else "too long") + \
+                    " during the turn"
+                if self.rows.end(token, state.runner, {"outcome": ERROR, "error": why}):
+                    log.warning("turn %s: %s", token, why)
+        self.settle()
 
-    def lose(self, runner: str, why: str, keep: frozenset[str] = frozenset(),
-             handed_before: float | None = None) -> int:
-        """End ``runner``'s turns (but ``keep``; ``handed_before``: only those it took
-        before that monotonic time) with ``why`` (it went silent, came back without them,
-        or no longer names them); how many."""
-        with self._lock:
-            lost = [t for t in self._held.values() if t.runner == runner
-                    and t.token not in keep
-                    and (handed_before is None or t.handed_at < handed_before)]
-            for turn in lost:
-                del self._held[turn.token]
-        for turn in lost:
-            _end(turn, ERROR, why)
-        return len(lost)
-
-    def holders(self) -> set[str]:
-        """The runners that hold a turn."""
-        with self._lock:
-            return {t.runner for t in self._held.values() if t.runner is not None}
-
-    def held_by(self, runner: str) -> int:
-        with self._lock:
-            return sum(t.runner == runner for t in self._held.values())
+    def settle(self) -> None:
+        """Append the output received for this daemon's turns to their logs, and give
+        those that ended to their sessions."""
+        with self._read:
+            with self._lock:
+                mine = dict(self._mine)
+            states = self.rows.own(list(mine))
+            for token, turn in mine.items():
+                self._read_output(turn)
+                state = states.get(token)
+                if state is not None and state.ending is None:
+                    continue
+                with self._lock:
+                    if self._mine.pop(token, None) is None:
+                        continue  # (stopped or closed meanwhile)
+                if state is None:
+                    _end(turn, ERROR, "the turn's record is gone from the database")
+                    continue
+                self.rows.drop(token)
+                turn.on_done(ending_result(turn.spec.key, turn.spec.log_path, state.ending))
 
     def close(self, why: str) -> None:
-        """The daemon stops: every turn here ends ``interrupted``."""
+        """The daemon stops: every turn it owns ends ``interrupted`` (a runner running
+        one is told at its next heartbeat that it is no longer its)."""
         with self._lock:
             self._closed = True
-            every = [*self._waiting, *self._held.values()]
-            self._waiting, self._held = [], {}
+            every, self._mine = list(self._mine.values()), {}
         for turn in every:
+            try:
+                self._read_output(turn)
+                self.rows.drop(turn.token)
+            except Exception as exc:  # (the database went away: the row is pruned later)
+                log.warning("turn %s: cannot forget it now: %s", turn.token, exc)
             _end(turn, INTERRUPTED, why)
+
+    # -- what a gateway does, for any daemon's turns ----------------------------------
+    def take(self, runner: str, labels: tuple[str, ...], slots: int) -> list[Execution]:
+        """The oldest waiting turns ``runner``'s labels cover, up to ``slots``."""
+        handed: list[Execution] = []
+        for turn in self.rows.waiting():
+            if len(handed) >= slots:
+                break
+            if covers(labels, turn.labels) and self.rows.hand(turn.token, runner,
+                                                              self.clock()):
+                handed.append({"id": turn.token, "run_id": turn.run_id, "kind": "turn",
+                               "profile": turn.profile, "attempt": 0, "stdin": turn.stdin})
+        return handed
+
+    def held(self, runner: str) -> dict[str, HeldTurn]:
+        """The turns ``runner`` holds (``cancel``: to be stopped), by execution id."""
+        return self.rows.held(runner)
+
+    def append(self, runner: str, token: str, offset: int, data: bytes) -> int:
+        """Keep ``runner``'s output of turn ``token`` from ``offset``; how much has
+        arrived (LogGap: resend from there; UnknownExecution: not its turn)."""
+        kept = self.rows.append(token, runner, offset, data)
+        if kept is None:
+            raise UnknownExecution(token)
+        if kept.gap:
+            raise LogGap(kept.received)
+        with self._lock:
+            turn = self._mine.get(token)
+        if turn is not None:  # this daemon's own: into the log at once
+            with self._read:
+                self._read_output(turn)
+        return kept.received
+
+    def end(self, runner: str, token: str, ending: Ending) -> bool:
+        """Note how ``runner``'s turn ended; False: not its (or ended already)."""
+        if not self.rows.end(token, runner, dict(ending)):
+            return False
+        with self._lock:
+            mine = token in self._mine
+        if mine:
+            self.settle()
+        return True
+
+    def lose(self, runner: str, why: str, keep: frozenset[str] = frozenset(),
+             handed_before: datetime | None = None) -> int:
+        """End ``runner``'s turns (but ``keep``; ``handed_before``: only those it took
+        before then) with ``why`` (it came back without them, or no longer names them);
+        how many."""
+        lost = 0
+        for token, held in self.rows.held(runner).items():
+            if token in keep or (handed_before is not None and held.handed_at >= handed_before):
+                continue
+            lost += self.rows.end(token, runner, {"outcome": ERROR, "error": why})
+        if lost:
+            self.settle()
+        return lost
+
+    def _read_output(self, turn: Turn) -> None:
+        """Append the output chunks received for ``turn`` to its log (under ``_read``)."""
+        chunks = self.rows.output(turn.token)
+        if not chunks:
+            return
+        with turn.spec.log_path.open("ab") as handle:
+            for _start, data in chunks:
+                handle.write(data)
+        self.rows.output_read(turn.token, chunks[-1][0])
+
+
+class TurnWatch(Loop):
+    """Every second: this daemon's turns that other daemons' gateways advanced, and
+    those of silent runners."""
+
+    def __init__(self, board: TurnBoard, *, parent: StopSignal | None = None) -> None:
+        super().__init__("turns", parent=parent, logger=log)
+        self.board = board
+
+    def tick(self, now: datetime) -> float:
+        self.board.watch()
+        return WATCH_S
 
 
 class RemoteTurns:
@@ -189,68 +284,3 @@ def _end(turn: Turn, outcome: str, error: str) -> None:
     turn.on_done(ExecutionResult(key=turn.spec.key, outcome=outcome, exit_code=None,
                                  summary=None, cost_cents=None, error=error, started_at=now,
                                  ended_at=now, log_path=turn.spec.log_path))
-
-
-def ending_result(key: str, log_path: Path, ending: Ending) -> ExecutionResult:
-    """An execution's end as its runner reported it, every field checked (an unknown
-    outcome is an error, a bad number or time is left out)."""
-    now = utc_now()
-    outcome = ending.get("outcome")
-    outcome = outcome if isinstance(outcome, str) and outcome in OUTCOMES \
-        and outcome != DETACHED else ERROR
-    code, evaluation = ending.get("exit_code"), ending.get("evaluation")
-    started = _time(ending.get("started_at"), now)
-    return ExecutionResult(
-        key=key, outcome=outcome,
-        exit_code=code if isinstance(code, int) and not isinstance(code, bool)
-        and -(2 ** 31) <= code < 2 ** 31 else None,
-        summary=_text(ending.get("summary")), cost_cents=_cost(ending.get("cost_cents")),
-        error=_text(ending.get("error")), started_at=started,
-        ended_at=max(started, _time(ending.get("ended_at"), now)),
-        log_path=log_path, evaluation=evaluation if isinstance(evaluation, dict) else None)
-
-
-def _cost(value: Any) -> float | None:
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        return None
-    try:
-        cost = float(value)
-    except OverflowError:
-        return None
-    return cost if math.isfinite(cost) and cost >= 0 else None
-
-
-def append_from(path: Path, holder: Turn | Any, offset: int, data: bytes) -> int:
-    """Append ``data`` (the runner's bytes from ``offset``) to ``path``, skipping what
-    ``holder.received`` says arrived already (-1: unknown, take the offset); how much
-    has arrived. LogGap when ``offset`` is past it."""
-    with holder.lock:
-        if holder.received < 0:
-            holder.received = offset
-        if offset > holder.received:
-            raise LogGap(holder.received)
-        fresh = data[holder.received - offset:]
-        if fresh:
-            with path.open("ab") as handle:
-                handle.write(fresh)
-            holder.received += len(fresh)
-        return int(holder.received)
-
-
-class LogGap(ValueError):
-    """A log chunk that starts past what was received: resend from ``received``."""
-
-    def __init__(self, received: int) -> None:
-        super().__init__(f"the chunk starts past the {received} bytes received")
-        self.received = received
-
-
-def _text(value: Any) -> str | None:
-    return value[:4000] if isinstance(value, str) else None
-
-
-def _time(value: Any, default: datetime) -> datetime:
-    try:
-        return parse_rfc3339(value) if isinstance(value, str) else default
-    except (ValueError, OverflowError):
-        return default

@@ -118,8 +118,9 @@ class ClusterTables:
             (job, rfc3339(intended), boot_id, rfc3339(utc_now()), boot_id)) == 1
 
     def prune(self, after_s: float) -> None:
-        """Forget fires and stopped daemons older than ``after_s``, and fold the
-        run-count shards of connections that are gone into shard 0."""
+        """Forget fires and stopped daemons older than ``after_s`` (and the turns of
+        every stopped daemon), and fold the run-count shards of connections that are
+        gone into shard 0."""
         with self.store.transaction() as conn:
             conn.execute(
                 "WITH gone AS (DELETE FROM run_counts WHERE shard > 0 AND shard NOT IN"
@@ -132,6 +133,11 @@ class ClusterTables:
                          (rfc3339(after(utc_now(), -after_s)),))
             conn.execute("DELETE FROM daemons WHERE stopped_at < now()"
                          " - make_interval(secs => ?)", (after_s,))
+            # Turns handed to runners by daemons that stopped (their sessions ended).
+            conn.execute("DELETE FROM remote_turns WHERE owner NOT IN"
+                         " (SELECT boot_id FROM daemons WHERE stopped_at IS NULL)")
+            conn.execute("DELETE FROM remote_turn_output WHERE token NOT IN"
+                         " (SELECT token FROM remote_turns)")
 
 
 # -- on raw connections (autocommit) -----------------------------------------------

@@ -39,7 +39,8 @@ TABLES = (
 )
 
 #: Tables of the SQLite schema that are deliberately not copied.
-NOT_COPIED = ("schema_migrations",)
+#: The turns handed to runners are a running daemon's (its sessions end with it).
+NOT_COPIED = ("schema_migrations", "remote_turns", "remote_turn_output")
 
 #: Rows per ``executemany``.
 BATCH_ROWS = 1000

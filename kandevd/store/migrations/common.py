@@ -22,3 +22,20 @@ def record(conn: Any, number: int, name: str) -> None:
     """The bookkeeping row of a migration just applied (inside its transaction)."""
     conn.execute("INSERT INTO schema_migrations (version, name, applied_at) VALUES (?, ?, ?)",
                  (number, name, rfc3339(utc_now())))
+
+
+def remote_turns_tables(text: str) -> list[str]:
+    """Scheduled turns handed to runners (:mod:`kandevd.store.turns`) and their output
+    not yet in the turn's log; ``text``: the schema's text type."""
+    return [
+        f"""CREATE TABLE remote_turns (
+            token {text} PRIMARY KEY, owner {text} NOT NULL, run_id {text} NOT NULL,
+            profile {text} NOT NULL, labels {text} NOT NULL, stdin TEXT NOT NULL,
+            queued_at {text} NOT NULL, runner {text}, handed_at {text},
+            cancel INTEGER NOT NULL DEFAULT 0, received BIGINT NOT NULL DEFAULT 0,
+            ending TEXT)""",
+        "CREATE INDEX idx_remote_turns_runner ON remote_turns (runner, queued_at)",
+        f"""CREATE TABLE remote_turn_output (
+            token {text} NOT NULL, start BIGINT NOT NULL, data TEXT NOT NULL,
+            PRIMARY KEY (token, start))""",
+    ]

@@ -17,6 +17,8 @@ need them. Differences that matter, and why:
 - Version 7 is the cluster's: ``daemons`` (who is alive) and ``fires`` (one
   row per cron occurrence fired, so an occurrence fires once across daemons).
 - Version 8 is the leader's ``leases`` (see :mod:`kandevd.store.cluster`).
+- Version 10 holds the scheduled turns handed to runners (:mod:`kandevd.store.turns`),
+  with SQLite's version 8.
 """
 
 from __future__ import annotations
@@ -24,7 +26,12 @@ from __future__ import annotations
 import logging
 
 from kandevd.store.base import BaseStore
-from kandevd.store.migrations.common import SCHEMA_TABLE, record, refuse_newer
+from kandevd.store.migrations.common import (
+    SCHEMA_TABLE,
+    record,
+    refuse_newer,
+    remote_turns_tables,
+)
 
 log = logging.getLogger("kandevd.store.migrations")
 
@@ -173,11 +180,15 @@ _V9 = [
         created_at {T} NOT NULL, last_seen_at {T})""",
 ]
 
+# Scheduled turns handed to runners, and their output (kandevd/store/turns.py).
+_V10 = remote_turns_tables(T)
+
 MIGRATIONS: list[tuple[int, str, list[str]]] = [
     (6, "workspace model and runs queue (SQLite versions 1-6)", _V6),
     (7, "cluster: daemons and cron fires", _V7),
     (8, "cluster: the leader's lease", _V8),
     (9, "runners on other machines, an agent's runs_on", _V9),
+    (10, "scheduled turns handed to runners", _V10),
 ]
 
 

@@ -18,7 +18,12 @@ from collections.abc import Callable
 import sqlite_utils
 
 from kandevd.store.base import BaseStore
-from kandevd.store.migrations.common import SCHEMA_TABLE, record, refuse_newer
+from kandevd.store.migrations.common import (
+    SCHEMA_TABLE,
+    record,
+    refuse_newer,
+    remote_turns_tables,
+)
 
 log = logging.getLogger("kandevd.store.migrations")
 
@@ -230,6 +235,13 @@ def _v7_runners(db: sqlite_utils.Database) -> None:
                " labels TEXT NOT NULL, created_at TEXT NOT NULL, last_seen_at TEXT)")
 
 
+def _v8_remote_turns(db: sqlite_utils.Database) -> None:
+    # Scheduled turns handed to runners (kandevd/store/turns.py), and their output not
+    # yet in the turn's log.
+    for statement in remote_turns_tables("TEXT"):
+        db.execute(statement)
+
+
 Migration = Callable[[sqlite_utils.Database], None]
 
 MIGRATIONS: list[tuple[int, str, Migration]] = [
@@ -240,6 +252,7 @@ MIGRATIONS: list[tuple[int, str, Migration]] = [
     (5, "runs: indexes for lists, coalescing and budget spend", _v5_runs_read_indexes),
     (6, "runs: counts by status kept by triggers", _v6_run_counts),
     (7, "runners on other machines, an agent's runs_on", _v7_runners),
+    (8, "scheduled turns handed to runners", _v8_remote_turns),
 ]
 
 

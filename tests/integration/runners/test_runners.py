@@ -467,6 +467,46 @@ def test_several_daemons_on_postgresql_any_gateway_serves_a_runners_queued_runs(
     assert first.call("runners.list")["items"][0]["online"] is True
 
 
+def test_several_daemons_on_postgresql_a_turn_of_a_daemon_without_a_gateway_runs_through_another(
+        daemon_factory: Callable[..., DaemonProcess], runners: Callable[..., DaemonProcess],
+        tmp_path: Path, pg_url: str) -> None:
+    """The session runs on a daemon with no gateway; the runner talks to the other
+    daemon, which hands it the turn and takes its output and end (through the database):
+    the entry, its output and its log land on the session's daemon."""
+    home = tmp_path / "home-a"
+    write_workflow(home / "workspace", "reports", [schedule(
+        "daily", messages=["far away"], runs_on=["gpu"])])
+    config = cluster_config(pg_url, tmp_path / "probe.jsonl")
+    first = daemon_factory(config, home=home)
+    second = daemon_factory({**config, "gateway": {"listen": "127.0.0.1:0",
+                                                   "dead_after_s": 4}},
+                            home=tmp_path / "home-b")
+    token = add_runner(second, tmp_path / "tokens", "box", "gpu")
+    agent = [sys.executable, "-c",
+             "import json, os, sys, time; given = json.load(sys.stdin);"
+             " print('turn on', os.environ['KANDEVD_HOME'], given['message'], flush=True);"
+             " time.sleep(6); print(json.dumps({'summary': 'via b', 'cost_cents': 2}))"]
+    runner = runners(gateway_url(second), token, "box",
+                     {"default": {"command": agent, "timeout_s": 60}})
+    first.wait_until(lambda: first.call("scheduler.jobs.get", {
+        "id": "workflow:reports:daily"})["state"] == "scheduled", what="the runner online")
+    first.call("scheduler.jobs.trigger", {"id": "workflow:reports:daily"})
+
+    def ended() -> Any:
+        items = first.call("scheduler.jobs.runs", {"id": "workflow:reports:daily"})["items"]
+        return items[0] if items and items[0]["status"] != "running" else None
+    entry = first.wait_until(ended, what="the session's end on the first daemon")
+    assert entry["status"] == "success", entry
+    turn = entry["turns"][0]
+    assert (turn["status"], turn["output"], turn["cost_cents"]) == ("success", "via b", 2)
+    assert f"turn on {runner.home} far away" in Path(turn["log_path"]).read_text()
+    assert f"turn on {runner.home}" in run_cli(first.home, "jobs", "logs",
+                                               "workflow:reports:daily").stdout
+    # (6 s of work, longer than dead_after_s: the daemon that never heard from the
+    # runner did not take it for silent)
+    assert first.count_lines("silent for") == 0 and second.count_lines("silent for") == 0
+
+
 def test_over_https_a_runner_trusts_only_the_ca_it_is_given(
         daemon_factory: Callable[..., DaemonProcess], runners: Callable[..., DaemonProcess],
         tmp_path: Path) -> None:

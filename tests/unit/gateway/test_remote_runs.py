@@ -12,11 +12,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kandevd.faults import Faults
+from kandevd.gateway.endings import LogGap, UnknownExecution
 from kandevd.gateway.protocol import Execution, token_hash
-from kandevd.gateway.remote import NotRecorded, RemoteRuns, UnknownExecution
-from kandevd.gateway.turns import LogGap
+from kandevd.gateway.remote import NotRecorded, RemoteRuns
+from kandevd.gateway.turns import TurnBoard
 from kandevd.runs.labels import LABEL_PATTERN, bad_label, covers
 from kandevd.store.runners import RunnerRow, Runners
+from kandevd.store.turns import RemoteTurnRows
 from tests.support.office import OfficeEnv
 
 
@@ -54,7 +56,9 @@ def runner(env: OfficeEnv, name: str, *labels: str) -> RunnerRow:
 
 
 def remote_runs(env: OfficeEnv, ticks: Ticks, dead_after_s: float = 30) -> RemoteRuns:
-    return RemoteRuns(env.queue, Runners(env.store), env.bus, env.layout,
+    board = TurnBoard(RemoteTurnRows(env.store, "me"), Runners(env.store), env.bus,
+                      dead_after_s=dead_after_s, clock=env.clock)
+    return RemoteRuns(env.queue, Runners(env.store), board, env.bus, env.layout,
                       dead_after_s=dead_after_s, clock=env.clock, monotonic=ticks)
 
 

@@ -114,7 +114,10 @@ def test_a_full_root_refuses_starts_and_loses_no_record(
         return next(e for e in entries(daemon) if e["session_id"] == started["session_id"])
     daemon.wait_for_line(f"session {started['session_id']} of {JOB} ended")
     assert ours()["status"] == "running"  # the file could not take its end
-    assert turn_records(daemon)  # (kept until the turn's outcome is on the entry)
+    # The turn's record is kept until its outcome is on the entry (a write that still
+    # found a few bytes free, freed by the daemon's own temporary file as the disk
+    # filled, may have put it there already).
+    assert turn_records(daemon) or ours()["turns"][0]["status"] != "running"
     filler.unlink()
     recorded = daemon.wait_until(lambda: ours()["status"] == "stopped" and ours(),
                                  what="the kept entry written once space returned",

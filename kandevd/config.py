@@ -43,7 +43,7 @@ DEFAULTS: dict[str, Any] = {
     },
     "runtime": {"max_concurrent": 4, "stop_grace_s": 20, "adopt_on_restart": True,
                 "keep_agents_on_stop": False},
-    "control": {"idle_timeout_s": 60},
+    "control": {"idle_timeout_s": 60, "event_buffer": 1000},
     "metrics": {"listen": None},
     "web": {"listen": None, "allowed_hosts": [], "tls_cert": None, "tls_key": None,
             "insecure_remote": False},
@@ -158,6 +158,8 @@ class RuntimeConfig:
 @dataclass(frozen=True)
 class ControlConfig:
     idle_timeout_s: float = 60.0
+    #: Events a subscription holds for a client that reads slowly (events.subscribe).
+    event_buffer: int = 1000
 
 
 @dataclass(frozen=True)
@@ -325,7 +327,8 @@ def build_config(
         retry=RetryConfig(**{**merged["retry"], "delays_s": tuple(merged["retry"]["delays_s"])}),
         runtime=RuntimeConfig(**merged["runtime"]),
         office=OfficeConfig(**merged["office"]),
-        control=ControlConfig(idle_timeout_s=float(merged["control"]["idle_timeout_s"])),
+        control=ControlConfig(idle_timeout_s=float(merged["control"]["idle_timeout_s"]),
+                              event_buffer=int(merged["control"]["event_buffer"])),
         metrics=MetricsConfig(listen=merged["metrics"]["listen"]),
         web=WebConfig(listen=merged["web"]["listen"],
                       allowed_hosts=tuple(merged["web"]["allowed_hosts"]),

@@ -33,6 +33,8 @@ from kandevd.control.methods import MODULES
 from kandevd.control.registry import Registry
 from kandevd.control.server import ControlServer
 from kandevd.control.services import Services
+from kandevd.events.feed import EventFeed
+from kandevd.events.hub import EventHub
 from kandevd.faults import Faults
 from kandevd.gateway.directory import RunnerDirectory
 from kandevd.gateway.turns import TurnWatch
@@ -45,6 +47,8 @@ from kandevd.office.budgets import (
     exceeded_hard_budgets,
 )
 from kandevd.office.loop import OfficeLoop
+from kandevd.office.routines import REASON as ROUTINE_REASON
+from kandevd.office.subscribers import REASON as ASSIGNED_REASON
 from kandevd.office.subscribers import AssignmentSubscriber
 from kandevd.paths import HomeLayout
 from kandevd.runqueue.live import Waker
@@ -68,6 +72,7 @@ from kandevd.store.runs.retention import ExpiredRuns
 
 if TYPE_CHECKING:
     from kandevd.cluster.membership import Cluster
+    from kandevd.events.relay import EventRelay
     from kandevd.gateway.server import Gateway
     from kandevd.gateway.turns import TurnBoard
 
@@ -108,6 +113,10 @@ class Parts:
     #: The turns of schedules with ``runs_on`` this daemon handed to runners (None:
     #: no runner can take them); the daemon's stop ends them.
     turns: TurnBoard | None = None
+    #: The events clients subscribe to (``events.subscribe``, the console's live views).
+    events: EventHub | None = None
+    #: Every daemon's events to every subscriber, on a shared database (else None).
+    relay: EventRelay | None = None
 
 
 def open_configured_store(config: Config, layout: HomeLayout) -> BaseStore:
@@ -169,6 +178,12 @@ def _assemble(config: Config, layout: HomeLayout, store: BaseStore, *, boot_id: 
     queue = RunQueue(repo, runtime, config, layout, bus, faults=Faults.from_env(),
                      observer=metrics, on_saturated=cluster.notify if cluster else None,
                      waker=waker)
+    events = EventHub(config.control.event_buffer)
+    relay = _event_relay(store, boot_id, events, queue) if store.shared else None
+    bus.subscribe("*", EventFeed(
+        relay.publish if relay is not None else events.deliver,
+        listened=(lambda: True) if relay is not None else (lambda: events.listened),
+        office_reasons=frozenset({ASSIGNED_REASON, ROUTINE_REASON})).on_bus)
     expired = ExpiredRuns(store, keep=[RETENTION_KEEPS_COUNTED_RUNS],
                           home_prefix=layout.root_prefix if store.shared else None)
     loops: dict[str, Loop] = {"queue": QueueLoop(
@@ -189,7 +204,8 @@ def _assemble(config: Config, layout: HomeLayout, store: BaseStore, *, boot_id: 
     scheduler = build_scheduler(config, layout, runtime, parent=stop_signal,
                                 fire_gate=cluster.fire_gate if cluster else None,
                                 remote_turns=turns_on_runners(board),
-                                runners_online=directory.online_labels if board else None)
+                                runners_online=directory.online_labels if board else None,
+                                publish=bus.publish)
     cron = scheduler.loop
     loops["cron"] = cron
     try:
@@ -201,13 +217,14 @@ def _assemble(config: Config, layout: HomeLayout, store: BaseStore, *, boot_id: 
     if board is not None:
         loops["turns"] = TurnWatch(board, parent=stop_signal)
     status = StatusReporter(config, layout, store, runtime, queue, loops, cron, cluster,
-                            boot_id=boot_id, started_at=started_at, state=state, keeper=keeper)
+                            boot_id=boot_id, started_at=started_at, state=state, keeper=keeper,
+                            events=events)
     metrics.collect(status.status, cron.job_statuses)
     services = Services(config=config, layout=layout, store=store, bus=bus, runtime=runtime,
                         queue=queue,
                         model=WorkspaceService(store, bus, queue, runtime, config, layout),
                         cron=cron, status=status.status, request_shutdown=request_shutdown,
-                        metrics_text=metrics.exposition)
+                        metrics_text=metrics.exposition, events=events)
     registry = Registry(reader=store.reading)  # a read never waits behind a write
     for module in MODULES:
         module.register(registry, services)
@@ -216,7 +233,8 @@ def _assemble(config: Config, layout: HomeLayout, store: BaseStore, *, boot_id: 
                  cluster_hooks=_cluster_hooks(cluster, queue, runtime, cron) if cluster else None,
                  loops=loops, cron=cron, turn_restart=scheduler.restart, metrics=metrics,
                  status=status, server=server, keeper=keeper,
-                 gateway=gateway[0] if gateway is not None else None, turns=board)
+                 gateway=gateway[0] if gateway is not None else None, turns=board,
+                 events=events, relay=relay)
 
 
 def _cluster_hooks(cluster: Cluster, queue: RunQueue, runtime: AgentRuntime, cron: CronLoop
@@ -236,6 +254,21 @@ def _cluster_hooks(cluster: Cluster, queue: RunQueue, runtime: AgentRuntime, cro
 
     return ClusterHooks(wake=queue.signal_if_a_slot_is_free, on_beat=queue.settle_with_peers,
                         on_fence=fence, on_heal=heal, on_leader=cron.request_late_fires)
+
+
+def _event_relay(store: BaseStore, boot_id: str, events: EventHub, queue: RunQueue
+                 ) -> EventRelay:
+    """Events between the daemons on ``store`` (PostgreSQL); a run too large for a
+    notification travels as its id and is read here."""
+    from kandevd.events.relay import EventRelay
+
+    def read_run(run_id: str) -> dict[str, object] | None:
+        try:
+            return queue.get(run_id).to_dict()
+        except Exception:  # (gone, or the database refused: the event is dropped)
+            return None
+
+    return EventRelay(getattr(store, "url", ""), boot_id, events.deliver, read_run)
 
 
 def _join_cluster(config: Config, layout: HomeLayout, store: BaseStore, boot_id: str

@@ -204,6 +204,9 @@ class Daemon:
             parts.runtime.release_unclaimed()
             if parts.cluster is not None:
                 self._settle_cluster(parts)
+            if parts.relay is not None:  # (every daemon's events, from now on)
+                parts.relay.start()
+                started.append(("stop the event relay", parts.relay.stop))
             for loop in parts.loops.values():
                 loop.start()
                 started.append((f"stop {loop.name} loop", loop.stop))
@@ -211,7 +214,7 @@ class Daemon:
             # before it does: the first request can arrive the instant the socket listens.
             self.coordinator = ShutdownCoordinator(
                 self._shutdown_steps(parts),
-                on_started=lambda: self.systemd.stopping("graceful shutdown started"))
+                on_started=lambda: self._stopping(parts))
             self.state = "running"
             # The console first: once the socket answers (`kandevd wait`), it serves too.
             self._start_web(parts)
@@ -247,6 +250,12 @@ class Daemon:
             raise
         return True
 
+    def _stopping(self, parts: Parts) -> None:
+        """A graceful stop begins: systemd and the subscribers are told."""
+        self.systemd.stopping("graceful shutdown started")
+        parts.bus.publish("daemon.stopping", {"pid": os.getpid(),
+                                              "reason": "a graceful stop was asked"})
+
     def _shutdown_steps(self, parts: Parts) -> list[tuple[str, Any]]:
         steps: list[tuple[str, Any]] = [("stop intake", parts.server.begin_drain),
                                         ("start the agents' grace", parts.runtime.begin_grace),
@@ -273,6 +282,8 @@ class Daemon:
             # After the runtime: the heartbeat goes on while executions end, so no other
             # daemon takes this one for dead and runs its claims a second time.
             ("leave the cluster", lambda: self._leave_cluster(parts)),
+            # (after the loops and the runtime: their last events reach the others)
+            ("stop the event relay", parts.relay.stop if parts.relay else lambda: None),
             ("close control connections", parts.server.close),
             ("close event bus", parts.bus.close),
             ("stop metrics server", self._stop_metrics_http),

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from kandevd.config import Config
 from kandevd.formats.jsonfile import CorruptFiles
@@ -62,12 +63,14 @@ def build_scheduler(config: Config, layout: HomeLayout, runtime: AgentRuntime, *
                     parent: StopSignal | None = None,
                     fire_gate: Callable[[str, datetime], bool] | None = None,
                     remote_turns: Callable[[tuple[str, ...], str], TurnRuntime] | None = None,
-                    runners_online: Callable[[], tuple[frozenset[str], ...]] | None = None
+                    runners_online: Callable[[], tuple[frozenset[str], ...]] | None = None,
+                    publish: Callable[[str, Mapping[str, Any]], None] | None = None
                     ) -> Scheduler:
     """The cron loop over the home's workflow root, its jobs loaded (histories a dead
     daemon left ``running`` are closed here, before anything can start a session);
     ``remote_turns``: where the turns of schedules with ``runs_on`` go (the gateway's);
-    ``runners_online()``: the label sets of the runners online (a job's state)."""
+    ``runners_online()``: the label sets of the runners online (a job's state);
+    ``publish``: the daemon's bus (fires, sessions, pauses)."""
     # The loop's wake-up: set when a failed history write is kept, or a session's
     # deadline is new.
     wakeup = threading.Event()
@@ -82,7 +85,7 @@ def build_scheduler(config: Config, layout: HomeLayout, runtime: AgentRuntime, *
     firing = Firing(registry)
     runner = SessionRunner(registry, config=config, layout=layout, runtime=runtime,
                            spawn=fanout.spawn, firing=firing, wake=wakeup.set,
-                           remote_turns=remote_turns)
+                           remote_turns=remote_turns, publish=publish)
     restart = TurnRestart(stranded, registry, runner, runtime, str(layout.root),
                           shared=fire_gate is not None)
     # The turns not adopted are settled on the loop's first tick: after the start stopped

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 from kandevd import __version__
 from kandevd.config import Config
+from kandevd.events.hub import EventHub
 from kandevd.lifecycle import Loop
 from kandevd.paths import HomeLayout
 from kandevd.runqueue.service import RunQueue
@@ -59,9 +60,11 @@ class StatusReporter:
     def __init__(self, config: Config, layout: HomeLayout, store: BaseStore,
                  runtime: AgentRuntime, queue: RunQueue, loops: Mapping[str, Loop],
                  cron: CronLoop, cluster: Cluster | None, *, boot_id: str, started_at: str,
-                 state: Callable[[], str], keeper: KeeperClient | None = None) -> None:
+                 state: Callable[[], str], keeper: KeeperClient | None = None,
+                 events: EventHub | None = None) -> None:
         """``state()``: the daemon's (starting, running, stopping)."""
         self.keeper = keeper
+        self.events = events
         self.config = config
         self.layout = layout
         self.store = store
@@ -114,6 +117,9 @@ class StatusReporter:
                               "retrying": stored["retrying"],
                               "oldest_queued_at": stored["oldest_queued_at"]}
         result["scheduler"] = self.cron.status()
+        if self.events is not None:
+            result["events"] = {"subscribers": self.events.count(),
+                                "published": self.events.published}
         if self.cluster is not None and not store.closed:
             result["cluster"] = self.cluster.status()
         for name, loop in self.loops.items():

@@ -56,9 +56,9 @@ def start_console(config: Config, home: Path, parts: Any) -> WebConsole | None:
 
     console = WebConsole(address, home=home, dispatch=parts.server.dispatch, reads=reads,
                          version=__version__, workflow_root=scheduler_root(config, home),
-                         allowed_hosts=config.web.allowed_hosts, tls=adapter)
+                         allowed_hosts=config.web.allowed_hosts, tls=adapter,
+                         events=parts.events)
     console.start()
-    parts.bus.subscribe("*", console.changed)
     try:
         replace_atomically(Path(home) / URL_FILE, console.url + "\n", durable=False)
     except OSError as exc:  # the console works; only `kandevd web url` cannot read it

@@ -16,6 +16,7 @@ import click
 from kandevd import __version__, exits
 from kandevd.cli.common import client_options, config_option, echo_json, home_option, invoke
 from kandevd.cli.db import db
+from kandevd.cli.events import events
 from kandevd.cli.format import json_option, queue_line
 from kandevd.cli.init import init
 from kandevd.cli.jobs import jobs
@@ -144,6 +145,7 @@ cli.add_command(methods)
 cli.add_command(metrics)
 cli.add_command(runners)
 cli.add_command(runner)
+cli.add_command(events)
 for group in MODEL_GROUPS:
     cli.add_command(group)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +85,24 @@ class Client:
         if "error" in response:
             raise RpcCallError(response["error"])
         return response.get("result")
+
+    def subscribe(self, topics: list[str]) -> tuple[dict[str, Any], Iterator[dict[str, Any]]]:
+        """``events.subscribe``: its answer, and the notifications that follow it (the
+        connection carries nothing else from then on; the iterator ends when the daemon
+        closes it)."""
+        answer = self.call("events.subscribe", {"topics": topics})
+        self._sock.settimeout(None)  # (a quiet stream is no failure)
+
+        def notifications() -> Iterator[dict[str, Any]]:
+            while True:
+                try:
+                    raw = self._reader.readline()
+                except OSError:
+                    return
+                if not raw.endswith(b"\n"):
+                    return
+                yield json.loads(raw)
+        return answer, notifications()
 
     def close(self) -> None:
         self._reader.close()

@@ -4,7 +4,8 @@ The registry is built here without a daemon (stand-in services: ``register``
 only captures services in closures, it never calls them), so the reference is
 exactly what the daemon checks. ``python -m kandevd.control.reference
 --write`` refreshes docs/protocol.md (between the ``methods:begin`` and
-``methods:end`` markers) and ``--check`` exits 1 when it is stale.
+``methods:end`` markers, and the event topics between ``topics:begin`` and
+``topics:end``) and ``--check`` exits 1 when it is stale.
 """
 
 from __future__ import annotations
@@ -18,10 +19,13 @@ from typing import Any
 from kandevd.control.methods import MODULES
 from kandevd.control.openrpc import discover
 from kandevd.control.registry import Registry
+from kandevd.events.topics import markdown as topic_markdown
 
 DOCS_PATH = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
 BEGIN = "<!-- methods:begin -->"
 END = "<!-- methods:end -->"
+TOPICS_BEGIN = "<!-- topics:begin -->"
+TOPICS_END = "<!-- topics:end -->"
 
 
 class _Stub:
@@ -121,12 +125,19 @@ def markdown_reference(registry: Registry | None = None) -> str:
     return "\n".join(out)
 
 
-def render_docs(text: str, reference: str) -> str:
-    """``text`` with the section between the markers replaced by ``reference``."""
-    start, end = text.find(BEGIN), text.find(END)
+def render_docs(text: str, reference: str, topics: str | None = None) -> str:
+    """``text`` with the method reference between its markers replaced by
+    ``reference``, and the topic reference by ``topics`` (default: the topics')."""
+    text = _between(text, BEGIN, END, reference)
+    return _between(text, TOPICS_BEGIN, TOPICS_END, topics if topics is not None
+                    else topic_markdown())
+
+
+def _between(text: str, begin: str, end_marker: str, body: str) -> str:
+    start, end = text.find(begin), text.find(end_marker)
     if start < 0 or end < start:
-        raise ValueError(f"{DOCS_PATH.name}: missing {BEGIN} ... {END} markers")
-    return text[:start + len(BEGIN)] + "\n\n" + reference.rstrip("\n") + "\n\n" + text[end:]
+        raise ValueError(f"{DOCS_PATH.name}: missing {begin} ... {end_marker} markers")
+    return text[:start + len(begin)] + "\n\n" + body.rstrip("\n") + "\n\n" + text[end:]
 
 
 def main(argv: list[str] | None = None) -> int:

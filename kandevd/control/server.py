@@ -52,6 +52,7 @@ from kandevd.control.sockets import (
     shutdown,
     socket_is_live,
 )
+from kandevd.control.streaming import Streaming, pump
 
 log = logging.getLogger("kandevd.control")
 
@@ -349,7 +350,21 @@ class ControlServer:
             with self._lock:
                 state.busy = False
                 state.last_active = time.monotonic()
+        streaming = response.get("result") if response is not None else None
+        if isinstance(streaming, Streaming):
+            return self._stream(state, {**response, "result": streaming.result}, streaming)
         return response is None or self._send(state, response)
+
+    def _stream(self, state: _Connection, answer: dict[str, Any], streaming: Streaming
+                ) -> bool:
+        """Answer, then carry notifications until either side ends: the connection
+        is never idle (nor evicted) meanwhile, and it ends with the stream."""
+        with self._lock:
+            state.busy = True
+        if self._send(state, answer):
+            pump(state.sock, streaming, lambda: self._closed or state.evicted)
+        streaming.end()
+        return False
 
     def _send(self, state: _Connection, message: dict[str, Any]) -> bool:
         try:
@@ -380,7 +395,10 @@ class ControlServer:
                 if limited and name not in PRIORITY_METHODS:
                     raise Refused("too many control connections: this one is limited to "
                                   f"{', '.join(sorted(PRIORITY_METHODS))}; retry later")
-                response = success(request_id, self.dispatch(name, params))
+                result = self.dispatch(name, params)
+                if notification and isinstance(result, Streaming):
+                    result.end()  # (no answer to carry anything after)
+                response = success(request_id, result)
             except RpcError as exc:
                 response = failure(request_id, exc)
             return None if notification else response

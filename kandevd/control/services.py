@@ -12,6 +12,7 @@ from typing import Any
 
 from kandevd.bus import EventBus
 from kandevd.config import Config
+from kandevd.events.hub import EventHub
 from kandevd.model.service import WorkspaceService
 from kandevd.paths import HomeLayout
 from kandevd.runqueue.service import RunQueue
@@ -36,3 +37,5 @@ class Services:
     request_shutdown: Callable[[], None]
     #: ``daemon.metrics``: the Prometheus text exposition.
     metrics_text: Callable[[], str]
+    #: ``events.subscribe``: the events clients subscribe to.
+    events: EventHub

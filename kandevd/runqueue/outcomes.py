@@ -42,6 +42,7 @@ from kandevd.runtime import (
 from kandevd.runtime.output import attempt_ended
 from kandevd.store.base import is_environmental
 from kandevd.store.runs import RunRepository
+from kandevd.timeutil import rfc3339
 
 log = logging.getLogger("kandevd.queue")
 
@@ -102,14 +103,25 @@ class _Unrecorded:
 @dataclass(frozen=True, slots=True)
 class Written:
     """What writing an outcome did. ``recorded``: False when the attempt was superseded
-    (its token no longer in force) or the outcome needs no write; ``run``: a failed
-    attempt's run as written (queued for its retry, failed, or cancelled as too old)."""
+    (its token no longer in force) or the outcome needs no write; ``run``: the run as
+    written (finished; or, for a failed attempt, queued for its retry, failed, or
+    cancelled as too old)."""
 
     recorded: bool
     run: Run | None = None
 
 
 NOT_WRITTEN = Written(False)
+
+
+def finished_run(claimed: Run, now: datetime, summary: str | None, cost_cents: float | None,
+                 log_path: str) -> Run:
+    """The run as a successful attempt's write leaves it (statements.FINISH), without
+    reading it back: the cost adds up over the attempts."""
+    cost = claimed.cost_cents if cost_cents is None else (claimed.cost_cents or 0) + cost_cents
+    return dataclasses.replace(claimed, status="finished", finished_at=rfc3339(now),
+                   output_summary=summary, cost_cents=cost, log_path=log_path,
+                   error_message=None, scheduled_retry_at=None)
 
 
 class OutcomeRecorder:
@@ -305,9 +317,11 @@ class OutcomeRecorder:
         now = self.clock()
         log_path = str(result.log_path)
         if result.succeeded:
-            return Written(self.repo.finish(run_id, claim.token, now=now,
-                                            summary=result.summary,
-                                            cost_cents=result.cost_cents, log_path=log_path))
+            recorded = self.repo.finish(run_id, claim.token, now=now, summary=result.summary,
+                                        cost_cents=result.cost_cents, log_path=log_path)
+            return Written(recorded, finished_run(claim.run, now, result.summary,
+                                                  result.cost_cents, log_path)
+                           if recorded else None)
         updated = self.repo.fail_attempt(
             run_id, claim.token, now=now, error=result.error or result.outcome,
             decide=self.decide_retry, summary=result.summary, cost_cents=result.cost_cents,
@@ -329,7 +343,8 @@ class OutcomeRecorder:
                 log.debug("run %s finished", run_id)
                 self.bus.publish("run.finished", {"run_id": run_id,
                                                   "agent_id": claim.run.agent_id,
-                                                  "cost_cents": result.cost_cents})
+                                                  "cost_cents": result.cost_cents,
+                                                  "run": effect.run})
             else:
                 log.warning("run %s: completion of a superseded attempt ignored", run_id)
         elif effect.run is None:

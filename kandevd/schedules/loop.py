@@ -37,7 +37,8 @@ from kandevd.schedules.sessions.runner import (
     SessionRunner,
     StartNotRecorded,
 )
-from kandevd.timeutil import utc_now
+from kandevd.schedules.sessions.session import SessionPlan
+from kandevd.timeutil import rfc3339, utc_now
 
 log = logging.getLogger("kandevd.scheduler")
 
@@ -45,6 +46,11 @@ log = logging.getLogger("kandevd.scheduler")
 MAX_WAIT_S = 60.0
 #: How soon history writes that failed (a full disk) are tried again.
 RETRY_WRITES = timedelta(seconds=5)
+#: A fire's ``status`` in its ``schedule.fired`` event.
+FIRED = {Decision.RUN: "started", Decision.BUFFER: "buffered", Decision.REPLACE: "replacing",
+         Decision.SKIP_OVERLAP: "skipped_overlap", Decision.SKIP_PAUSED: "skipped_paused",
+         Decision.SKIP_DISABLED: "skipped_disabled",
+         Decision.SKIP_UNRECORDED: "skipped_unrecorded"}
 
 
 class CronLoop(Loop):
@@ -139,9 +145,19 @@ class CronLoop(Loop):
             return False
 
     def fire(self, job: Job, now: datetime, *, paused: bool) -> Decision:
-        """Act on one due cron fire of ``job``: a session, a buffered fire, or a skip.
+        """Act on one due cron fire of ``job``: a session, a buffered fire, or a skip
+        (told as ``schedule.fired``). A skipped occurrence is spent (never kept for
+        later)."""
+        intended = job.state.due_at or now
+        started: list[SessionPlan] = []
+        decision = self._fire(job, now, paused=paused, started=started)
+        self.runner.tell("schedule.fired", {
+            "id": job.key, "entry_id": started[0].entry_id if started else None,
+            "status": FIRED[decision], "intended_at": rfc3339(intended)})
+        return decision
 
-        A skipped occurrence is spent (never kept for later)."""
+    def _fire(self, job: Job, now: datetime, *, paused: bool,
+              started: list[SessionPlan]) -> Decision:
         self.fires += 1
         intended = job.state.due_at or now
         catchup, job.state.catchup = job.state.catchup, None
@@ -168,10 +184,11 @@ class CronLoop(Loop):
         if decision is Decision.RUN:
             try:
                 if catchup:
-                    self.runner.start(job, "catchup", fire_times=catchup)
+                    started.append(self.runner.start(job, "catchup", fire_times=catchup))
                 else:
                     late = job.spec.schedule.options.jitter_s > 0
-                    self.runner.start(job, "cron", intended_at=intended if late else None)
+                    started.append(self.runner.start(job, "cron", intended_at=intended
+                                                     if late else None))
                 return decision
             except AlreadyRunning:  # a manual trigger won the race
                 decision, why = Decision.SKIP_OVERLAP, "a session is already running"

@@ -179,3 +179,23 @@ def take_lease(conn: psycopg.Connection[Any], boot_id: str, lease_s: float) -> L
     if row is None:
         return None
     return Lease(row[0], row[1], None if row[2] is None else float(row[2]))
+
+
+# -- events pushed to clients, between daemons (kandevd/events/relay.py) ----------------
+
+#: The channel every daemon's events travel on.
+EVENTS_CHANNEL = "kandevd_events"
+
+
+def listen_events(conn: psycopg.Connection[Any]) -> None:
+    """Receive the other daemons' events on ``conn``."""
+    conn.execute(f"LISTEN {EVENTS_CHANNEL}")
+
+
+def notify_events(conn: psycopg.Connection[Any], payloads: list[str]) -> None:
+    """Send ``payloads`` (each under 8000 bytes), in order, in one round trip."""
+    calls = ", ".join("pg_notify(%s, %s)" for _ in payloads)
+    params: list[str] = []
+    for payload in payloads:
+        params += [EVENTS_CHANNEL, payload]
+    conn.execute(f"SELECT {calls}", params)

@@ -6,7 +6,7 @@ import base64
 import json
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -15,6 +15,7 @@ from typing import Any
 from jinja2 import Environment, PackageLoader, select_autoescape
 from markupsafe import Markup, escape
 
+from kandevd.events.hub import Subscription
 from kandevd.web.auth import Guard
 from kandevd.web.http import Request, Response
 
@@ -31,8 +32,10 @@ class Console:
     guard: Guard
     stopping: threading.Event
     version: str
-    #: Called with a callback to run on any event of the daemon's bus (live pages).
-    subscribe: Callable[[Callable[[], None]], Callable[[], None]]
+    #: ``subscribe(patterns)``: the daemon's events for a live page (as
+    #: ``events.subscribe`` carries them); ``unsubscribe`` when the page's stream ends.
+    subscribe: Callable[[Sequence[str]], Subscription]
+    unsubscribe: Callable[[Subscription], None]
     #: Where the scheduler reads workflows (the schedule form lists them).
     workflow_root: Path
     #: The daemon's home (logs are read from its ``logs/`` folder only).

@@ -42,6 +42,8 @@ STATUS_EVERY_S = 2.0
 BUSY_RETRY_S = 10
 CHUNK = 64 * 1024
 TERMINAL_RUNS = ("finished", "failed", "cancelled")
+#: What the overview is refreshed for (the topics of ``events.subscribe``).
+OVERVIEW_TOPICS = ("run.*", "schedule.*")
 
 _slots = threading.BoundedSemaphore(MAX_STREAMS)
 
@@ -63,20 +65,18 @@ def _guarded(chunks: Callable[[], Iterator[bytes]]) -> Response:
 
 def overview_events(console: Console, request: Request) -> Response:
     def chunks() -> Iterator[bytes]:
-        changed = threading.Event()
-        unsubscribe = console.subscribe(changed.set)
+        events = console.subscribe(OVERVIEW_TOPICS)
         try:
-            while not console.stopping.is_set():
-                if not changed.wait(KEEPALIVE_S):
+            while not console.stopping.is_set() and not events.closed:
+                if not events.take(KEEPALIVE_S):
                     yield b": keepalive\n\n"
                     continue
-                if console.stopping.is_set():
+                if console.stopping.is_set() or events.closed:
                     return
-                changed.clear()
                 yield b"event: refresh\ndata: {}\n\n"
                 console.stopping.wait(REFRESH_MIN_S)  # several changes, one refresh
         finally:
-            unsubscribe()
+            console.unsubscribe(events)
     return _guarded(chunks)
 
 

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from cheroot import wsgi
 
+from kandevd.events.hub import EventHub, Subscription
 from kandevd.net.httpintake import GuardedServer, LazyTlsAdapter, stop_and_join
 from kandevd.net.listen import is_loopback
 from kandevd.web.app import ConsoleApp
@@ -41,27 +42,30 @@ def console_url(host: str, port: int, token: str | None, path: str = "/", *,
 
 
 class Subscribers:
-    """Callbacks of the open live views, called on any change (and at the stop)."""
+    """The live views' subscriptions to the daemon's events: the same hub, topics and
+    buffers as ``events.subscribe`` (one mechanism). The console's stop ends them."""
 
-    def __init__(self) -> None:
+    def __init__(self, hub: EventHub) -> None:
+        self.hub = hub
         self._lock = threading.Lock()
-        self._callbacks: list[Callable[[], None]] = []
+        self._open: set[Subscription] = set()
 
-    def subscribe(self, callback: Callable[[], None]) -> Callable[[], None]:
+    def subscribe(self, patterns: Sequence[str]) -> Subscription:
+        subscription = self.hub.subscribe(patterns)
         with self._lock:
-            self._callbacks.append(callback)
+            self._open.add(subscription)
+        return subscription
 
-        def unsubscribe() -> None:
-            with self._lock:
-                if callback in self._callbacks:
-                    self._callbacks.remove(callback)
-        return unsubscribe
-
-    def notify(self, *_: Any) -> None:
+    def unsubscribe(self, subscription: Subscription) -> None:
+        self.hub.unsubscribe(subscription)
         with self._lock:
-            callbacks = list(self._callbacks)
-        for callback in callbacks:
-            callback()
+            self._open.discard(subscription)
+
+    def close(self) -> None:
+        with self._lock:
+            every, self._open = list(self._open), set()
+        for subscription in every:
+            self.hub.unsubscribe(subscription)
 
 
 class WebConsole:
@@ -69,13 +73,14 @@ class WebConsole:
 
     def __init__(self, address: tuple[str, int], *, home: Path, dispatch: Dispatch,
                  reads: Callable[[Callable[[Any], Any]], Any], version: str,
+                 events: EventHub,
                  workflow_root: Path, allowed_hosts: tuple[str, ...] = (),
                  tls: LazyTlsAdapter | None = None) -> None:
         self.address = address
         self.home = Path(home)
         self.token = ensure_token(self.home)
         self.stopping = threading.Event()
-        self.subscribers = Subscribers()
+        self.subscribers = Subscribers(events)
         self.tls = tls
         self._parts = dict(dispatch=dispatch, reads=reads, version=version,
                            workflow_root=workflow_root, allowed_hosts=allowed_hosts)
@@ -112,6 +117,7 @@ class WebConsole:
                             port=server.bind_addr[1], secure=self.tls is not None),
                 stopping=self.stopping, version=parts["version"],
                 subscribe=self.subscribers.subscribe,
+                unsubscribe=self.subscribers.unsubscribe,
                 workflow_root=parts["workflow_root"], home=self.home)
             server.wsgi_app = ConsoleApp(self.console)
             self._server = server
@@ -123,10 +129,6 @@ class WebConsole:
                         "who has its token can act on this daemon", self.address[0],
                         "" if self.tls else " over plain HTTP (web.insecure_remote)")
 
-    def changed(self, *_: Any) -> None:
-        """Something live views show has changed (a bus event)."""
-        self.subscribers.notify()
-
     def stop(self) -> None:
         """Stop serving: live streams end, then the server's threads are joined."""
         with self._lock:
@@ -135,5 +137,5 @@ class WebConsole:
         if server is None:
             return
         self.stopping.set()
-        self.subscribers.notify()
+        self.subscribers.close()
         stop_and_join(server, thread, "web console", log)

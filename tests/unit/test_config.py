@@ -47,7 +47,9 @@ EXTENSIONS: dict[str, Any] = {"log": {"level": None},
                                       "tls_cert": None, "tls_key": None,
                                       "insecure_remote": False},
                               "gateway": {**CONTRACT_DEFAULTS["gateway"],
-                                          "insecure_remote": False}}
+                                          "insecure_remote": False},
+                              "control": {**CONTRACT_DEFAULTS["control"],
+                                          "event_buffer": 1000}}
 ALL_DEFAULTS: dict[str, Any] = {**CONTRACT_DEFAULTS, **EXTENSIONS}
 
 

@@ -98,10 +98,15 @@ def register(registry: Registry, services: Services) -> None:
         return {**jobs.pause.get(), **jobs.switches.as_dict()}
 
     def config_put(p: dict[str, Any]) -> dict[str, Any]:
+        was = jobs.pause.get()["globally_paused"]
         try:
             jobs.pause.put(p["globally_paused"], p.get("paused_by"), utc_now())
         except OSError as exc:
             raise unwritable(exc) from None
+        if p["globally_paused"] and not was:
+            services.bus.publish("schedule.paused", {
+                "id": None, "entry_id": None, "status": "paused",
+                "reason": f"paused by {p.get('paused_by') or 'an operator'}"})
         return config_get({})
 
     # -- reading --------------------------------------------------------------------

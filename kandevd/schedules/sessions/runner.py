@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -89,12 +89,15 @@ class SessionRunner:
                  runtime: AgentRuntime, spawn: Spawn,
                  firing: Firing | None = None,
                  wake: Callable[[], None] | None = None,
-                 remote_turns: Callable[[tuple[str, ...], str], TurnRuntime] | None = None
+                 remote_turns: Callable[[tuple[str, ...], str], TurnRuntime] | None = None,
+                 publish: Callable[[str, Mapping[str, Any]], None] | None = None
                  ) -> None:
         """``firing`` decides a buffered fire again once its session ended (the cron
         loop's policy; None: a kept fire is dropped). ``wake()`` has the loop look again
         (a new session's deadline). ``remote_turns(labels, profile)``: where the turns of a
-        schedule with ``runs_on`` execute (runners on other machines; None: no gateway)."""
+        schedule with ``runs_on`` execute (runners on other machines; None: no gateway).
+        ``publish(topic, data)``: the daemon's bus, told of fires, sessions and pauses."""
+        self._publish = publish
         self._registry = registry
         self._config = config
         self._layout = layout
@@ -113,6 +116,11 @@ class SessionRunner:
         self._closed = False
         self.notifier = Notifier(spawn)
         self._default_notify = NotifySpec.from_raw(config.scheduler.notify)
+
+    def tell(self, topic: str, data: Mapping[str, Any]) -> None:
+        """An event for the daemon's subscribers (``schedule.*``)."""
+        if self._publish is not None:
+            self._publish(topic, data)
 
     # -- queries --------------------------------------------------------------------
     def is_running(self, job_id: str) -> bool:
@@ -164,6 +172,9 @@ class SessionRunner:
             raise
         if deadline is not None and self._wake is not None:
             self._wake()  # the loop ticks at the deadline (expire)
+        self.tell("schedule.session_started", {
+            "id": job.key, "entry_id": plan.entry_id, "status": "running",
+            "trigger_source": trigger_source})
         return plan
 
     def hold(self, plan: SessionPlan, control: SessionControl, *,
@@ -298,7 +309,13 @@ class SessionRunner:
         """A run of ``job`` ended with ``entry``: its state, the pause, the notification."""
         failures_before = job.state.consecutive_failures
         job.source.finished(job, entry)
+        self.tell("schedule.session_ended", {"id": job.key, "entry_id": entry.get("id"),
+                                             "status": entry.get("status"),
+                                             "error": entry.get("error")})
         paused = self._pause_if_failing(job, entry)
+        if paused is not None:
+            self.tell("schedule.paused", {"id": job.key, "entry_id": entry.get("id"),
+                                          "status": "paused", "reason": paused})
         self._notify(job, entry, failures_before, history, paused)
 
     def _start_kept(self, job_id: str) -> None:

@@ -12,6 +12,7 @@ from kandevd.control.methods import office
 from kandevd.control.protocol import Conflict, InvalidParams, NotFound, RpcError
 from kandevd.control.registry import Registry
 from kandevd.control.services import Services
+from kandevd.events.hub import EventHub
 from kandevd.timeutil import parse_rfc3339, utc_now
 from tests.support.office import OfficeEnv, seeded_env
 
@@ -22,7 +23,7 @@ class Methods:
         office.register(self.registry, Services(
             config=env.config, layout=env.layout, store=env.store, bus=env.bus,
             runtime=env.runtime, queue=env.queue, model=env.model, cron=None, status=dict,
-            request_shutdown=lambda: None, metrics_text=str))
+            request_shutdown=lambda: None, metrics_text=str, events=EventHub()))
 
     def __call__(self, name: str, params: dict[str, Any] | None = None) -> Any:
         method = self.registry.get(name)

@@ -43,6 +43,8 @@ class Agent:
 
     seen: list[dict[str, Any]] = field(default_factory=list)
     gate: threading.Event | None = None
+    #: The events the session runner published (schedule.*), in order.
+    told: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __call__(self, spec: ExecutionSpec) -> tuple[int, str | None, float | None]:
@@ -74,8 +76,11 @@ def build(home: HomeLayout) -> Iterator[Callable[..., tuple[CronLoop, Agent]]]:
 
         fanout = FanOut("cron", logging.getLogger("kandevd.scheduler"))
         firing = Firing(registry)
+        told: list[tuple[str, dict[str, Any]]] = []
         runner = SessionRunner(registry, config=config, layout=home, runtime=runtime,
-                               spawn=fanout.spawn, firing=firing)
+                               spawn=fanout.spawn, firing=firing,
+                               publish=lambda topic, data: told.append((topic, dict(data))))
+        agent.told = told
         loop = CronLoop(registry, runner=runner, firing=firing, stop_grace_s=0, fanout=fanout)
         made.append((loop, runtime))
         return loop, agent
@@ -169,6 +174,34 @@ def test_overlap_policies(build, home, policy: str, sessions: int, skipped: int)
     entries = history(folder_of(home))
     assert len(entries) == sessions
     assert all(e["status"] == "success" and e["trigger_source"] == "cron" for e in entries)
+
+
+def test_fires_and_sessions_are_told_to_the_daemons_subscribers(build, home) -> None:
+    write_workflow(home.workspace, "w", [schedule("s", "* * * * *", overlap_policy="skip",
+                                                  messages=["hi", "FAIL"],
+                                                  pause_after_failures=1)])
+    gate = threading.Event()
+    loop, agent = build(Agent(gate=gate))
+    loop.tick(T0 + timedelta(minutes=1))
+    loop.tick(T0 + timedelta(minutes=2))
+    gate.set()
+    loop.fanout.join()
+    [entry] = history(folder_of(home))
+    topics = [(topic, data.get("status")) for topic, data in agent.told]
+    assert topics == [("schedule.session_started", "running"),
+                      ("schedule.fired", "started"),
+                      ("schedule.fired", "skipped_overlap"),
+                      ("schedule.session_ended", "error"),
+                      ("schedule.paused", "paused")]
+    started, fired, skipped, ended, paused = (data for _topic, data in agent.told)
+    job = loop.registry.resolve("s").key
+    assert started == {"id": job, "entry_id": entry["id"], "status": "running",
+                       "trigger_source": "cron"}
+    assert fired["id"] == skipped["id"] == ended["id"] == paused["id"] == job
+    assert fired["entry_id"] == entry["id"] == ended["entry_id"] == paused["entry_id"]
+    assert skipped["entry_id"] is None
+    assert fired["intended_at"] == "2026-12-03T10:01:00.000000Z"
+    assert "paused after 1 consecutive failure" in paused["reason"]
 
 
 # -- the session -----------------------------------------------------------------------

@@ -1,0 +1,151 @@
+"""What events cost the drain: the rate with 0, 1 and 50 subscribers, and the events
+each subscriber receives per second.
+
+Each round starts the real ``kandevd serve`` on a fresh home (SQLite, 100 agents,
+``runtime.max_concurrent`` 4, ``/bin/true`` agents), opens the round's
+subscriptions (``events.subscribe {topics: ["run.*"]}``) from one reader process
+(one thread, ``selectors``, as a client would), queues ``--runs`` runs with
+``runs.enqueue_many`` and times the drain until none is queued or claimed. The
+reader counts every notification it receives until the last ``run.finished``.
+Rounds alternate 0, 1, 50 subscribers (``--rounds`` times each); the medians and
+the drain's ratio to the round without subscribers are printed last.
+
+Usage: .venv/bin/python scripts/bench/events_bench.py [--runs 1500] [--rounds 3]
+       [--subscribers 0,1,50] [--dir /dev/shm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import selectors
+import shutil
+import socket
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import benchdaemon  # this folder (the script's own) is on sys.path
+
+
+def reader(path: str, count: int, runs: int, ready: Any, results: Any) -> None:
+    """Subscribe ``count`` times; count the notifications until each saw ``runs``
+    ``run.finished`` (or 120 s passed)."""
+    selector = selectors.DefaultSelector()
+    state: dict[socket.socket, dict[str, Any]] = {}
+    for _ in range(count):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(path)
+        sock.sendall(b'{"jsonrpc":"2.0","id":1,"method":"events.subscribe",'
+                     b'"params":{"topics":["run.*"]}}\n')
+        sock.setblocking(False)
+        state[sock] = {"buffer": b"", "events": 0, "finished": 0, "lost": 0,
+                       "answered": False}
+        selector.register(sock, selectors.EVENT_READ)
+    ready.set()
+    deadline = time.monotonic() + 120
+    first = last = None
+    while any(s["finished"] < runs for s in state.values()) and time.monotonic() < deadline:
+        for key, _mask in selector.select(timeout=1.0):
+            sock = key.fileobj
+            assert isinstance(sock, socket.socket)
+            data = sock.recv(1 << 20)
+            if not data:
+                selector.unregister(sock)
+                continue
+            held = state[sock]
+            lines = (held["buffer"] + data).split(b"\n")
+            held["buffer"] = lines.pop()
+            for line in lines:
+                message = json.loads(line)
+                if not held["answered"]:
+                    held["answered"] = True
+                    continue
+                if message["method"] == "events.lost":
+                    held["lost"] += message["params"]["count"]
+                    continue
+                now = time.monotonic()
+                first = first if first is not None else now
+                last = now
+                held["events"] += 1
+                held["finished"] += message["params"]["topic"] == "run.finished"
+    results.put({"events": sum(s["events"] for s in state.values()),
+                 "lost": sum(s["lost"] for s in state.values()),
+                 "span_s": (last - first) if first is not None and last is not None else 0.0})
+    for sock in state:
+        sock.close()
+
+
+def round_(base: Path, runs: int, subscribers: int) -> dict[str, float]:
+    home = Path(tempfile.mkdtemp(prefix="events-", dir=base))
+    config = {"runtime": {"max_concurrent": 4, "stop_grace_s": 2},
+              "office": {"enabled": False},
+              "agents": {"default": {"command": ["/bin/true"], "timeout_s": 60}}}
+    daemon = benchdaemon.Daemon(home, config).start()
+    process = None
+    try:
+        ws = daemon.call("workspaces.create", {"name": "bench"})["id"]
+        agents = [daemon.call("agents.create", {"workspace_id": ws, "name": f"a{i}"})["id"]
+                  for i in range(100)]
+        results: Any = multiprocessing.Queue()
+        if subscribers:
+            ready = multiprocessing.Event()
+            process = multiprocessing.Process(target=reader, args=(
+                str(home / "kandevd.sock"), subscribers, runs, ready, results))
+            process.start()
+            ready.wait(30)
+            while daemon.call("daemon.status")["events"]["subscribers"] < subscribers:
+                time.sleep(0.02)
+        client = daemon.client()
+        started = time.perf_counter()
+        for k in range(0, runs, 500):
+            client.call("runs.enqueue_many", {"runs": [
+                {"workspace_id": ws, "agent_id": agents[i % 100], "reason": f"r{i}"}
+                for i in range(k, min(runs, k + 500))]})
+        while (client.call("runs.list", {"status": "queued", "limit": 1})["total"]
+               + client.call("runs.list", {"status": "claimed", "limit": 1})["total"]):
+            time.sleep(0.02)
+        elapsed = time.perf_counter() - started
+        client.close()
+        got = {"events": 0, "lost": 0, "span_s": 0.0}
+        if process is not None:
+            got = results.get(timeout=180)
+            process.join(30)
+    finally:
+        daemon.stop()
+        shutil.rmtree(home, ignore_errors=True)
+    per_subscriber = got["events"] / subscribers if subscribers else 0.0
+    return {"rate": runs / elapsed, "events_per_s": per_subscriber / elapsed,
+            "lost": float(got["lost"])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=1500)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--subscribers", default="0,1,50")
+    parser.add_argument("--dir", default=tempfile.gettempdir())
+    args = parser.parse_args()
+    counts = [int(n) for n in args.subscribers.split(",")]
+    seen: dict[int, list[dict[str, float]]] = {n: [] for n in counts}
+    for number in range(1, args.rounds + 1):
+        for count in counts:
+            result = round_(Path(args.dir), args.runs, count)
+            seen[count].append(result)
+            print(f"round {number}, {count:>2} subscriber(s): {result['rate']:7.1f} runs/s, "
+                  f"{result['events_per_s']:7.1f} events/s to each, "
+                  f"{result['lost']:.0f} lost", flush=True)
+    base = statistics.median(r["rate"] for r in seen[counts[0]])
+    print(f"\nmedians of {args.rounds} round(s), {args.runs} runs each:")
+    for count in counts:
+        rate = statistics.median(r["rate"] for r in seen[count])
+        each = statistics.median(r["events_per_s"] for r in seen[count])
+        print(f"{count:>2} subscriber(s): {rate:7.1f} runs/s ({rate / base:.3f}x), "
+              f"{each:7.1f} events/s to each ({each * count:8.1f} in all)")
+
+
+if __name__ == "__main__":
+    main()

@@ -52,7 +52,7 @@ from kandevd.control.sockets import (
     shutdown,
     socket_is_live,
 )
-from kandevd.control.streaming import Streaming, pump
+from kandevd.control.streaming import LAST_S, Streaming, pump
 
 log = logging.getLogger("kandevd.control")
 
@@ -71,6 +71,7 @@ class _Connection:
     last_active: float  # time.monotonic() of the connect or of the last request done
     busy: bool = False  # a request is running: never evicted
     evicted: bool = False
+    streaming: bool = False  # carries events (events.subscribe): flushed at the close
 
 
 class ControlServer:
@@ -145,12 +146,17 @@ class ControlServer:
             pass
 
     def close(self) -> None:
-        """Close every connection and join its thread. Idempotent."""
+        """Close every connection and join its thread (a subscription's last events go
+        out first, for at most a second). Idempotent."""
         with self._lock:
             self._draining = True
             self._closed = True
             connections = dict(self._connections)
         self._close_listener()
+        deadline = time.monotonic() + LAST_S + 0.5
+        for thread, state in connections.items():
+            if state.streaming:
+                thread.join(max(0.0, deadline - time.monotonic()))
         for state in connections.values():
             shutdown(state.sock)
         for thread in connections:
@@ -351,20 +357,14 @@ class ControlServer:
                 state.busy = False
                 state.last_active = time.monotonic()
         streaming = response.get("result") if response is not None else None
-        if isinstance(streaming, Streaming):
-            return self._stream(state, {**response, "result": streaming.result}, streaming)
+        if isinstance(streaming, Streaming):  # notifications until either side ends:
+            with self._lock:  # never idle (nor evicted) meanwhile; then the connection ends
+                state.busy = state.streaming = True
+            if self._send(state, {**response, "result": streaming.result}):
+                pump(state.sock, streaming, lambda: self._closed or state.evicted)
+            streaming.end()
+            return False
         return response is None or self._send(state, response)
-
-    def _stream(self, state: _Connection, answer: dict[str, Any], streaming: Streaming
-                ) -> bool:
-        """Answer, then carry notifications until either side ends: the connection
-        is never idle (nor evicted) meanwhile, and it ends with the stream."""
-        with self._lock:
-            state.busy = True
-        if self._send(state, answer):
-            pump(state.sock, streaming, lambda: self._closed or state.evicted)
-        streaming.end()
-        return False
 
     def _send(self, state: _Connection, message: dict[str, Any]) -> bool:
         try:

@@ -56,10 +56,13 @@ def test_a_buffer_keeps_order_and_tells_every_loss_once_where_it_happened(
     sent, received = 0, []
     for step in [*steps, "take"]:
         if step == "take":
+            hub.flush()
             received += decoded(subscription.take(0))
         else:
             hub.deliver("run.queued", "t", {"n": sent})
             sent += 1
+            if step % 3 == 0:  # (the hub's thread hands events on in batches of any size)
+                hub.flush()
     numbers = [item for item in received if not isinstance(item, tuple)]
     lost = sum(item[1] for item in received if isinstance(item, tuple))
     assert numbers == sorted(numbers) and len(set(numbers)) == len(numbers)
@@ -79,13 +82,28 @@ def test_only_the_subscriptions_whose_patterns_match_get_an_event_encoded_once()
     runs, schedules = hub.subscribe(["run.*"]), hub.subscribe(["schedule.fired"])
     assert hub.listened and hub.count() == 2
     hub.deliver("run.claimed", "2026-12-07T00:00:00.000000Z", {"id": "r1"})
+    assert runs.take(0) == []  # (handed on by the hub's thread, in batches)
+    assert hub.flush() == 1
     [line] = runs.take(0)
     assert schedules.take(0) == []
     assert json.loads(line) == {"jsonrpc": "2.0", "method": "event", "params": {
         "topic": "run.claimed", "at": "2026-12-07T00:00:00.000000Z", "data": {"id": "r1"}}}
     hub.unsubscribe(runs)
     hub.deliver("run.claimed", "t", {"id": "r2"})
+    hub.flush()
     assert runs.take(0) == [] and runs.closed and hub.count() == 1
+
+
+def test_the_hubs_thread_hands_events_on_and_its_stop_hands_on_the_rest() -> None:
+    hub = EventHub()
+    subscription = hub.subscribe(["schedule.*"])
+    hub.start()
+    hub.deliver("schedule.fired", "t", {"id": "j"})
+    assert len(subscription.take(10)) == 1  # (a lone event goes out at once)
+    hub.stop()
+    hub.deliver("schedule.fired", "t", {"id": "j"})
+    hub.flush()
+    assert len(subscription.take(0)) == 1
 
 
 @dataclass

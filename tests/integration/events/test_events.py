@@ -159,16 +159,31 @@ def test_kandevd_events_streams_a_session_and_ends_when_the_daemon_stops(
 
 def test_on_postgresql_a_subscriber_sees_a_run_another_daemon_ran(
         daemon_factory: Factory, tmp_path: Path, pg_url: str) -> None:
-    config = cluster_config(pg_url, tmp_path / "probe.jsonl")
+    """One slot per daemon and two held runs: one runs on each daemon, and the
+    subscriber on the second sees both in their order."""
+    config = cluster_config(pg_url, tmp_path / "probe.jsonl", runtime={"max_concurrent": 1},
+                            agents={"default": {"command": None, "timeout_s": 60}})
     first = daemon_factory(config, home=tmp_path / "home-a")
     second = daemon_factory(config, home=tmp_path / "home-b")
     first.call("workspaces.create", {"id": "ws", "name": "ws"})
-    first.call("agents.create", {"id": "a1", "workspace_id": "ws", "name": "a1"})
+    for agent in ("a1", "a2"):
+        first.call("agents.create", {"id": agent, "workspace_id": "ws", "name": agent})
     stream = subscribed(second, "run.*")
-    second.call("runs.enqueue", {"workspace_id": "ws", "agent_id": "a1", "reason": "r"})
-    run = first.call("runs.enqueue", {"workspace_id": "ws", "agent_id": "a1",
-                                      "reason": "other", "coalesce": False})["run"]
-    wait_status(first, run["id"], "finished", timeout=WAIT_S)
-    seen = events_of(stream, run["id"], "run.finished")
-    assert [e["topic"] for e in seen] == ["run.queued", "run.claimed", "run.finished"]
-    assert seen[-1]["data"]["status"] == "finished"
+    gate = tmp_path / "go"
+    runs = [first.call("runs.enqueue", {"workspace_id": "ws", "agent_id": agent,
+                                        "reason": "r", "payload": {"wait_for": str(gate)}}
+                       )["run"] for agent in ("a1", "a2")]
+    for run in runs:
+        wait_status(first, run["id"], "claimed", timeout=WAIT_S)
+    gate.touch()
+    finished = [wait_status(first, run["id"], "finished", timeout=WAIT_S) for run in runs]
+    homes = sorted(Path(run["log_path"]).parents[2].name for run in finished)
+    assert homes == ["home-a", "home-b"], homes  # (one on each daemon)
+    seen: dict[str, list[str]] = {run["id"]: [] for run in runs}
+    for message in stream:
+        params = message["params"]
+        seen[params["data"]["id"]].append(params["topic"])
+        if all(topics[-1:] == ["run.finished"] for topics in seen.values()):
+            break
+    assert all(topics == ["run.queued", "run.claimed", "run.finished"]
+               for topics in seen.values()), seen

@@ -213,6 +213,10 @@ class Daemon:
             for loop in parts.loops.values():
                 loop.start()
                 started.append((f"stop {loop.name} loop", loop.stop))
+            if parts.turns is not None:  # (a start that fails ends them before the loops
+                board = parts.turns      # stop: no session waits for a turn then)
+                started.append(("end the turns on runners", lambda: board.close(
+                    "interrupted: the daemon did not start")))
             # Intake opens last, and the daemon is "running" (with its coordinator ready)
             # before it does: the first request can arrive the instant the socket listens.
             self.coordinator = ShutdownCoordinator(

@@ -18,6 +18,7 @@ numbers that overflow to infinity and nesting deeper than
 from __future__ import annotations
 
 import json
+import socket
 from typing import Any
 
 from kandevd.formats import jsonstrict
@@ -215,3 +216,13 @@ def parse_request(line: bytes) -> tuple[Any, str, dict[str, Any], bool]:
         raise InvalidRequest(f"invalid request: unknown member(s) {sorted(extra)}",
                              data={"id": request_id})
     return request_id, method, params, "id" not in message
+
+
+def reject(conn: socket.socket, message: str) -> None:
+    """Tell a connection turned away why (``refused``, within a second), and close it."""
+    try:
+        conn.settimeout(1.0)
+        conn.sendall(encode(failure(None, Refused(message))))
+    except OSError:
+        pass
+    conn.close()

@@ -39,6 +39,7 @@ from kandevd.control.protocol import (
     failure,
     file_unavailable,
     parse_request,
+    reject,
     success,
 )
 from kandevd.control.registry import Registry
@@ -58,6 +59,8 @@ log = logging.getLogger("kandevd.control")
 
 #: Served even on a connection admitted beyond the cap.
 PRIORITY_METHODS = frozenset({"daemon.status", "daemon.shutdown"})
+#: Connections subscriptions may never take (events.subscribe is refused beyond).
+KEPT_FOR_REQUESTS = 8
 #: Upper bound of the send timeout (the idle timeout is used when smaller).
 MAX_SEND_TIMEOUT_S = 10.0
 _RECV_BYTES = 65536
@@ -204,7 +207,7 @@ class ControlServer:
             return
         if uid not in (os.getuid(), 0):
             log.warning("refused control connection from uid %d", uid)
-            self._reject(conn, "connection refused: peer uid is not allowed")
+            reject(conn, "connection refused: peer uid is not allowed")
             return
         with self._lock:
             if self._closed:
@@ -223,7 +226,7 @@ class ControlServer:
                 # too, and joining a registered-but-unstarted thread would raise.
                 thread.start()
         if not admitted:
-            self._reject(conn, "too many control connections")
+            reject(conn, "too many control connections")
 
     def _make_room(self) -> bool | None:
         """Under the lock: False (a regular slot), True (a limited one) or None (none).
@@ -259,15 +262,6 @@ class ControlServer:
                   time.monotonic() - victim.last_active)
         shutdown(victim.sock)  # its thread wakes from recv/sendall and exits
         return True
-
-    @staticmethod
-    def _reject(conn: socket.socket, message: str) -> None:
-        try:
-            conn.settimeout(1.0)
-            conn.sendall(encode(failure(None, Refused(message))))
-        except OSError:
-            pass
-        conn.close()
 
     # -- one connection ------------------------------------------------------
     def _serve(self, state: _Connection) -> None:
@@ -359,7 +353,14 @@ class ControlServer:
         streaming = response.get("result") if response is not None else None
         if isinstance(streaming, Streaming):  # notifications until either side ends:
             with self._lock:  # never idle (nor evicted) meanwhile; then the connection ends
-                state.busy = state.streaming = True
+                full = sum(c.streaming for c in self._connections.values()) \
+                    >= self.max_connections - KEPT_FOR_REQUESTS
+                state.busy = state.streaming = not full
+            if full:  # (subscriptions never take the slots other clients' requests need)
+                streaming.end()
+                return self._send(state, failure(response.get("id"), Refused(
+                    "too many subscriptions: every connection but "
+                    f"{KEPT_FOR_REQUESTS} carries events; retry later")))
             if self._send(state, {**response, "result": streaming.result}):
                 pump(state.sock, streaming, lambda: self._closed or state.evicted)
             streaming.end()

@@ -19,7 +19,9 @@ import heapq
 import itertools
 import json
 import logging
+import sqlite3
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -41,6 +43,10 @@ MAX_PAYLOAD = 7800
 MAX_OUTGOING = 10000
 #: Events per round trip.
 BATCH = 100
+#: Events held for their turn at most (beyond, the oldest is handed on at once).
+MAX_HELD = 10000
+#: Topics each daemon's subscribers hear only from their own daemon.
+LOCAL_TOPICS = frozenset({"daemon.stopping"})
 _TICK_S = 0.05
 _RECONNECT_S = 1.0
 
@@ -68,14 +74,19 @@ class EventRelay:
         self.received = 0
 
     def publish(self, topic: str, at: str, data: Mapping[str, Any]) -> None:
-        """An event of this daemon: held for its subscribers, sent to the others."""
+        """An event of this daemon: held for its subscribers, sent to the others (but
+        ``daemon.stopping``: each daemon's subscribers hear their own daemon's)."""
+        if topic in LOCAL_TOPICS:
+            with self._lock:
+                self._hold(at, topic, data)
+            return
         payload = json.dumps({"o": self.boot_id, "t": topic, "a": at, "d": data},
                              separators=(",", ":"), default=str)
         if len(payload.encode("utf-8")) > MAX_PAYLOAD:
             payload = json.dumps({"o": self.boot_id, "t": topic, "a": at,
                                   "r": data.get("id")}, separators=(",", ":"))
         with self._lock:
-            heapq.heappush(self._held, (at, next(self._order), topic, data))
+            self._hold(at, topic, data)
             if len(self._outgoing) >= MAX_OUTGOING:
                 self._outgoing.popleft()
                 self.dropped += 1
@@ -111,8 +122,16 @@ class EventRelay:
         return len(ready)
 
     # -- the thread -----------------------------------------------------------------
+    def _wait_handing_on(self, seconds: float) -> None:
+        """Wait ``seconds``, this daemon's own events still handed on meanwhile."""
+        deadline = time.monotonic() + seconds
+        while not self._stopping.is_set() and time.monotonic() < deadline:
+            self.flush()
+            self._stopping.wait(_TICK_S)
+
     def _run(self) -> None:
         conn: psycopg.Connection[Any] | None = None
+        failing = False
         while not self._stopping.is_set():
             try:
                 if conn is None or conn.closed or conn.broken:
@@ -122,20 +141,26 @@ class EventRelay:
                 for note in conn.notifies(timeout=_TICK_S, stop_after=BATCH):
                     self._received(note.payload)
                 self.flush()
-            except (psycopg.Error, OSError, ValueError) as exc:
-                log.warning("events: the connection to the database failed (%s); "
-                            "retrying", type(exc).__name__)
+            except (psycopg.Error, sqlite3.Error, OSError, ValueError) as exc:
+                if not failing:  # (once per outage)
+                    log.warning("events: the connection to the database failed (%s); "
+                                "other daemons' events wait until it is back", exc)
+                failing = True
                 if conn is not None:
                     conn.close()
                 conn = None
-                self.flush()
-                self._stopping.wait(_RECONNECT_S)
+                self._wait_handing_on(_RECONNECT_S)
+                continue
             except Exception:
                 log.exception("events: the relay failed; retrying")
-                self._stopping.wait(_RECONNECT_S)
+                self._wait_handing_on(_RECONNECT_S)
+                continue
+            if failing:
+                log.info("events: connected to the database again")
+                failing = False
         if conn is not None:
             try:
-                self._send(conn)  # (the last ones, daemon.stopping among them)
+                self._send(conn)  # (the last ones: the runs the stop interrupted)
             except psycopg.Error:
                 pass
             conn.close()
@@ -147,7 +172,12 @@ class EventRelay:
                          for _ in range(min(BATCH, len(self._outgoing)))]
             if not batch:
                 return
-            tables.notify_events(conn, batch)
+            try:
+                tables.notify_events(conn, batch)
+            except BaseException:  # (sent again once connected again)
+                with self._lock:
+                    self._outgoing.extendleft(reversed(batch))
+                raise
 
     def _received(self, payload: str) -> None:
         try:
@@ -164,4 +194,12 @@ class EventRelay:
             return
         self.received += 1
         with self._lock:
-            heapq.heappush(self._held, (str(at), next(self._order), str(topic), data))
+            self._hold(str(at), str(topic), data)
+
+    def _hold(self, at: str, topic: str, data: Mapping[str, Any]) -> None:
+        """Keep an event for its turn (under the lock); beyond MAX_HELD (nothing handed
+        on for long) the oldest goes on at once."""
+        heapq.heappush(self._held, (at, next(self._order), topic, data))
+        while len(self._held) > MAX_HELD:
+            old_at, _n, old_topic, old_data = heapq.heappop(self._held)
+            self.deliver(old_topic, old_at, old_data)

@@ -74,19 +74,25 @@ class TurnBoard:
 
     # -- the owner's side -------------------------------------------------------------
     def add(self, turn: Turn) -> bool:
-        """Hand ``turn`` over; False: the daemon is stopping."""
+        """Hand ``turn`` over; False: the daemon is stopping. Its row is written first
+        and the turn is this daemon's only then, so a look at its turns meanwhile never
+        takes it for gone (a runner may take it at once: its end waits in the row)."""
         with self._lock:
             if self._closed:
                 return False
-            self._mine[turn.token] = turn
         try:
             self.rows.add(WaitingTurn(turn.token, turn.spec.run_id, turn.profile, turn.labels,
                                       dict(turn.spec.stdin)), self.clock())
         except Exception as exc:  # (the database refused it: the turn fails, visibly)
-            with self._lock:
-                self._mine.pop(turn.token, None)
             _end(turn, ERROR, f"the turn could not be handed to a runner: {exc}")
             return True
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._mine[turn.token] = turn
+        if closed:  # (the daemon stopped meanwhile: nobody would read its end)
+            self._forget(turn.token)
+            return False
         self.bus.publish("turn.waiting")
         return True
 
@@ -134,14 +140,20 @@ class TurnBoard:
 
     def settle(self) -> None:
         """Append the output received for this daemon's turns to their logs, and give
-        those that ended to their sessions."""
+        those that ended to their sessions (each turn on its own: one whose log cannot
+        be written does not hold the others)."""
         with self._read:
             with self._lock:
                 mine = dict(self._mine)
             states = self.rows.own(list(mine))
             for token, turn in mine.items():
-                self._read_output(turn)
                 state = states.get(token)
+                try:
+                    self._read_output(turn)
+                except OSError as exc:  # (its log cannot take it now: read again later)
+                    log.warning("turn %s: cannot append its output now: %s", token, exc)
+                    if state is not None and state.ending is None:
+                        continue
                 if state is not None and state.ending is None:
                     continue
                 with self._lock:
@@ -150,8 +162,11 @@ class TurnBoard:
                 if state is None:
                     _end(turn, ERROR, "the turn's record is gone from the database")
                     continue
-                self.rows.drop(token)
-                turn.on_done(ending_result(turn.spec.key, turn.spec.log_path, state.ending))
+                try:
+                    turn.on_done(ending_result(turn.spec.key, turn.spec.log_path,
+                                               state.ending))
+                finally:
+                    self._forget(token)
 
     def close(self, why: str) -> None:
         """The daemon stops: every turn it owns ends ``interrupted`` (a runner running
@@ -159,13 +174,23 @@ class TurnBoard:
         with self._lock:
             self._closed = True
             every, self._mine = list(self._mine.values()), {}
-        for turn in every:
-            try:
-                self._read_output(turn)
-                self.rows.drop(turn.token)
-            except Exception as exc:  # (the database went away: the row is pruned later)
-                log.warning("turn %s: cannot forget it now: %s", turn.token, exc)
-            _end(turn, INTERRUPTED, why)
+        with self._read:
+            for turn in every:
+                try:
+                    self._read_output(turn)
+                except OSError as exc:
+                    log.warning("turn %s: cannot append its output now: %s", turn.token, exc)
+                except Exception as exc:  # (the database went away)
+                    log.warning("turn %s: cannot read its output now: %s", turn.token, exc)
+                self._forget(turn.token)
+                _end(turn, INTERRUPTED, why)
+
+    def _forget(self, token: str) -> None:
+        """Delete ``token``'s row, or leave it to the pruning (the database refused)."""
+        try:
+            self.rows.drop(token)
+        except Exception as exc:
+            log.warning("turn %s: cannot forget it now (pruned later): %s", token, exc)
 
     # -- what a gateway does, for any daemon's turns ----------------------------------
     def take(self, runner: str, labels: tuple[str, ...], slots: int) -> list[Execution]:

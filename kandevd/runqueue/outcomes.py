@@ -17,7 +17,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -351,6 +351,17 @@ class OutcomeRecorder:
             log.warning("run %s: failure of a superseded attempt ignored", run_id)
         else:
             self.announce_failure(effect.run, result.error)
+
+    def announce_rescued(self, run_ids: Iterable[str]) -> None:
+        """Runs a rescue re-queued (their attempt counted) or gave up: their events,
+        as an outcome's (read back: rescues are rare, and write many runs at once)."""
+        for run_id in run_ids:
+            try:
+                run = self.repo.get(run_id)
+            except Exception:  # (gone meanwhile, or the database refused: no event)
+                continue
+            self.bus.publish("run.retry_scheduled" if run.status == "queued"
+                             else f"run.{run.status}", {"run": run})
 
     def announce_failure(self, updated: Run, error: str | None) -> None:
         run_id = updated.id

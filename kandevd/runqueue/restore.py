@@ -63,6 +63,7 @@ class Restorer:
 
     def _log_rescued(self, rescued: dict[str, str], what: str) -> None:
         self.rescued_total += len(rescued)
+        self.outcomes.announce_rescued(rescued)
         for run_id, status in rescued.items():
             if status == "failed":
                 log.warning("run %s: %s; attempts used up, the run failed (dead letter)",
@@ -183,6 +184,7 @@ class Restorer:
             log.info("removed %d attempt folder(s) of earlier attempts", pruned)
         if recovered:
             requeued = sum(1 for status in recovered.values() if status == "queued")
+            self.outcomes.announce_rescued(k for k, v in recovered.items() if v == "queued")
             self.rescued_total += requeued
             log.info("re-queued %d run(s) claimed by a previous daemon instance", requeued)
         self._log_rescued({k: v for k, v in recovered.items() if v == "failed"},

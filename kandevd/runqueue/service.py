@@ -183,6 +183,7 @@ class RunQueue:
             log.warning("run %s: %s; %s", run_id, why,
                         "re-queued" if status == "queued" else "gave up")
         if done:
+            self.outcomes.announce_rescued(done)
             self.wake()
         return done
 

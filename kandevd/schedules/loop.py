@@ -151,9 +151,10 @@ class CronLoop(Loop):
         intended = job.state.due_at or now
         started: list[SessionPlan] = []
         decision = self._fire(job, now, paused=paused, started=started)
-        self.runner.tell("schedule.fired", {
-            "id": job.key, "entry_id": started[0].entry_id if started else None,
-            "status": FIRED[decision], "intended_at": rfc3339(intended)})
+        if not started:  # (a session started told its fire itself, before its own events)
+            self.runner.tell("schedule.fired", {
+                "id": job.key, "entry_id": None, "status": FIRED[decision],
+                "intended_at": rfc3339(intended)})
         return decision
 
     def _fire(self, job: Job, now: datetime, *, paused: bool,
@@ -184,11 +185,12 @@ class CronLoop(Loop):
         if decision is Decision.RUN:
             try:
                 if catchup:
-                    started.append(self.runner.start(job, "catchup", fire_times=catchup))
+                    started.append(self.runner.start(job, "catchup", fire_times=catchup,
+                                                     fired=intended))
                 else:
                     late = job.spec.schedule.options.jitter_s > 0
                     started.append(self.runner.start(job, "cron", intended_at=intended
-                                                     if late else None))
+                                                     if late else None, fired=intended))
                 return decision
             except AlreadyRunning:  # a manual trigger won the race
                 decision, why = Decision.SKIP_OVERLAP, "a session is already running"

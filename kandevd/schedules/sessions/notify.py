@@ -86,6 +86,30 @@ class Notifier:
         self.sent = 0
         self.failed = 0
 
+    def tell_ended(self, job_id: str, spec: NotifySpec, entry: HistoryEntry,
+                   failures_before: int, update_entry: Callable[[str, HistoryEntry], Any],
+                   paused: str | None) -> None:
+        """Hand over the notification a run of ``job_id`` that ended with ``entry`` calls
+        for (none when ``spec`` tells no one of it); its outcome is recorded on the entry
+        (``update_entry``)."""
+        event = notify_event(str(entry.get("status")), failures_before, spec.on,
+                             paused=paused is not None)
+        if event is None or not spec.has_target:
+            return
+        body = dict(entry)
+        if paused is not None:
+            body["paused_reason"] = paused
+        entry_id = str(entry.get("id"))
+
+        def record(outcome: dict[str, Any]) -> None:
+            try:
+                update_entry(entry_id, {**entry, "notified": outcome})
+                entry["notified"] = outcome
+            except Exception as exc:  # the notification went out; only its record failed
+                log.warning("%s: notification outcome not recorded: %s", job_id, exc)
+
+        self.submit(job_id, spec, event, body, record)
+
     def submit(self, job_id: str, spec: NotifySpec, event: str, entry: HistoryEntry,
                record: Record) -> None:
         """Send ``entry`` as ``event`` to ``spec``'s targets, soon, from another thread."""

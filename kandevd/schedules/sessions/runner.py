@@ -29,7 +29,7 @@ from kandevd.schedules.jobs import Job, JobNotFound
 from kandevd.schedules.registry import JobRegistry
 from kandevd.schedules.rules.options import NotifySpec
 from kandevd.schedules.rules.states import paused_after_failures
-from kandevd.schedules.sessions.notify import Notifier, notify_event
+from kandevd.schedules.sessions.notify import Notifier
 from kandevd.schedules.sessions.nowhere import NoGateway
 from kandevd.schedules.sessions.session import (
     MANUAL_STOP_ERROR,
@@ -84,10 +84,13 @@ class _InFlight:
     timeout_s: float | None = None
 
 
+def _nobody(_topic: str, _data: Mapping[str, Any]) -> None:
+    return None
+
+
 class SessionRunner:
     def __init__(self, registry: JobRegistry, *, config: Config, layout: HomeLayout,
-                 runtime: AgentRuntime, spawn: Spawn,
-                 firing: Firing | None = None,
+                 runtime: AgentRuntime, spawn: Spawn, firing: Firing | None = None,
                  wake: Callable[[], None] | None = None,
                  remote_turns: Callable[[tuple[str, ...], str], TurnRuntime] | None = None,
                  publish: Callable[[str, Mapping[str, Any]], None] | None = None
@@ -97,7 +100,8 @@ class SessionRunner:
         (a new session's deadline). ``remote_turns(labels, profile)``: where the turns of a
         schedule with ``runs_on`` execute (runners on other machines; None: no gateway).
         ``publish(topic, data)``: the daemon's bus, told of fires, sessions and pauses."""
-        self._publish = publish
+        #: ``tell(topic, data)``: an event for the daemon's subscribers (schedule.*).
+        self.tell = publish if publish is not None else _nobody
         self._registry = registry
         self._config = config
         self._layout = layout
@@ -116,11 +120,6 @@ class SessionRunner:
         self._closed = False
         self.notifier = Notifier(spawn)
         self._default_notify = NotifySpec.from_raw(config.scheduler.notify)
-
-    def tell(self, topic: str, data: Mapping[str, Any]) -> None:
-        """An event for the daemon's subscribers (``schedule.*``)."""
-        if self._publish is not None:
-            self._publish(topic, data)
 
     # -- queries --------------------------------------------------------------------
     def is_running(self, job_id: str) -> bool:
@@ -141,12 +140,14 @@ class SessionRunner:
 
     # -- starting -------------------------------------------------------------------
     def start(self, job: Job, trigger_source: str, *, intended_at: datetime | None = None,
-              fire_times: list[datetime] | None = None) -> SessionPlan:
+              fire_times: list[datetime] | None = None,
+              fired: datetime | None = None) -> SessionPlan:
         """Start a session of ``job`` now; AlreadyRunning when one is in flight.
 
         ``intended_at``: the fire time it stands for, when it starts later (a jittered
         or a backfilled fire); ``fire_times``: the missed fires a catch-up run stands
-        for. Both are recorded on the entry."""
+        for. Both are recorded on the entry. ``fired``: the cron fire it starts (told
+        as ``schedule.fired`` before the session's own events)."""
         plan, history = job.source.plan(job, trigger_source)
         plan.intended_at, plan.fire_times = intended_at, fire_times
         control = SessionControl(self._runtime.wake_waiters)
@@ -164,6 +165,12 @@ class SessionRunner:
                           history=history, control=control)
         try:
             self._begin(job, session)
+            about = {"id": job.key, "entry_id": plan.entry_id}
+            if fired is not None:
+                self.tell("schedule.fired", {**about, "status": "started",
+                                             "intended_at": rfc3339(fired)})
+            self.tell("schedule.session_started", {**about, "status": "running",
+                                                   "trigger_source": trigger_source})
             self._spawn(f"session-{plan.entry_id[:8]}",
                         lambda: self._run(session, history))
         except BaseException:
@@ -172,9 +179,6 @@ class SessionRunner:
             raise
         if deadline is not None and self._wake is not None:
             self._wake()  # the loop ticks at the deadline (expire)
-        self.tell("schedule.session_started", {
-            "id": job.key, "entry_id": plan.entry_id, "status": "running",
-            "trigger_source": trigger_source})
         return plan
 
     def hold(self, plan: SessionPlan, control: SessionControl, *,
@@ -309,13 +313,12 @@ class SessionRunner:
         """A run of ``job`` ended with ``entry``: its state, the pause, the notification."""
         failures_before = job.state.consecutive_failures
         job.source.finished(job, entry)
-        self.tell("schedule.session_ended", {"id": job.key, "entry_id": entry.get("id"),
-                                             "status": entry.get("status"),
+        about = {"id": job.key, "entry_id": entry.get("id")}
+        self.tell("schedule.session_ended", {**about, "status": entry.get("status"),
                                              "error": entry.get("error")})
         paused = self._pause_if_failing(job, entry)
         if paused is not None:
-            self.tell("schedule.paused", {"id": job.key, "entry_id": entry.get("id"),
-                                          "status": "paused", "reason": paused})
+            self.tell("schedule.paused", {**about, "status": "paused", "reason": paused})
         self._notify(job, entry, failures_before, history, paused)
 
     def _start_kept(self, job_id: str) -> None:
@@ -359,24 +362,9 @@ class SessionRunner:
 
     def _notify(self, job: Job, entry: HistoryEntry, failures_before: int,
                 history: History, paused: str | None) -> None:
-        spec = job.spec.schedule.options.notify or self._default_notify
-        event = notify_event(str(entry.get("status")), failures_before, spec.on,
-                             paused=paused is not None)
-        if event is None or not spec.has_target:
-            return
-        body = dict(entry)
-        if paused is not None:
-            body["paused_reason"] = paused
-        entry_id = str(entry.get("id"))
-
-        def record(outcome: dict[str, Any]) -> None:
-            try:
-                history.update_entry(entry_id, {**entry, "notified": outcome})
-                entry["notified"] = outcome
-            except Exception as exc:  # the notification went out; only its record failed
-                log.warning("%s: notification outcome not recorded: %s", job.key, exc)
-
-        self.notifier.submit(job.key, spec, event, body, record)
+        self.notifier.tell_ended(job.key, job.spec.schedule.options.notify
+                                 or self._default_notify, entry, failures_before,
+                                 history.update_entry, paused)
 
     def expire(self, now: datetime) -> datetime | None:
         """Stop the sessions past their ``timeout_s`` (as ``jobs stop`` does, recorded

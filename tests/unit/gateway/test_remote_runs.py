@@ -152,6 +152,10 @@ def test_a_silent_runner_has_its_claims_rescued_and_its_late_report_changes_noth
     run = env.queue.get(run_id)
     assert run.status == "queued" and run.attempt == 1  # the attempt counted
     assert "runner box was silent" in (run.error_message or "")
+    # told as an outcome's retry is (events.subscribe's run.retry_scheduled)
+    [told] = [payload["run"] for topic, payload in env.events
+              if topic == "run.retry_scheduled"]
+    assert told == run
     assert remote.end(box, handed["id"], run_id, {"outcome": "succeeded"}) is False
     assert env.queue.get(run_id).status == "queued"
     cancel, unknown = remote.heartbeat(box, [{"id": handed["id"], "run_id": run_id}])

@@ -188,12 +188,12 @@ def test_fires_and_sessions_are_told_to_the_daemons_subscribers(build, home) -> 
     loop.fanout.join()
     [entry] = history(folder_of(home))
     topics = [(topic, data.get("status")) for topic, data in agent.told]
-    assert topics == [("schedule.session_started", "running"),
-                      ("schedule.fired", "started"),
+    assert topics == [("schedule.fired", "started"),
+                      ("schedule.session_started", "running"),
                       ("schedule.fired", "skipped_overlap"),
                       ("schedule.session_ended", "error"),
                       ("schedule.paused", "paused")]
-    started, fired, skipped, ended, paused = (data for _topic, data in agent.told)
+    fired, started, skipped, ended, paused = (data for _topic, data in agent.told)
     job = loop.registry.resolve("s").key
     assert started == {"id": job, "entry_id": entry["id"], "status": "running",
                        "trigger_source": "cron"}

@@ -108,13 +108,13 @@ class Parts:
     server: ControlServer
     #: The home's keeper as this daemon speaks to it (attached by the daemon's start).
     keeper: KeeperClient
+    #: The events clients subscribe to (``events.subscribe``, the console's live views).
+    events: EventHub
     #: The runners' gateway (``gateway.listen``; started by the daemon), else None.
     gateway: Gateway | None = None
     #: The turns of schedules with ``runs_on`` this daemon handed to runners (None:
     #: no runner can take them); the daemon's stop ends them.
     turns: TurnBoard | None = None
-    #: The events clients subscribe to (``events.subscribe``, the console's live views).
-    events: EventHub | None = None
     #: Every daemon's events to every subscriber, on a shared database (else None).
     relay: EventRelay | None = None
 

@@ -204,9 +204,8 @@ class Daemon:
             parts.runtime.release_unclaimed()
             if parts.cluster is not None:
                 self._settle_cluster(parts)
-            if parts.events is not None:  # (events to subscribers, in batches)
-                parts.events.start()
-                started.append(("stop the event hub", parts.events.stop))
+            parts.events.start()  # (events to subscribers, in batches)
+            started.append(("stop the event hub", parts.events.stop))
             if parts.relay is not None:  # (every daemon's events, from now on)
                 parts.relay.start()
                 started.append(("stop the event relay", parts.relay.stop))
@@ -292,7 +291,7 @@ class Daemon:
             # (after the loops and the runtime: their last events reach the others)
             ("stop the event relay", parts.relay.stop if parts.relay else lambda: None),
             # (its last batch into the subscriptions, which send it as they close)
-            ("stop the event hub", parts.events.stop if parts.events else lambda: None),
+            ("stop the event hub", parts.events.stop),
             ("close control connections", parts.server.close),
             ("close event bus", parts.bus.close),
             ("stop metrics server", self._stop_metrics_http),

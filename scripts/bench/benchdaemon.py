@@ -89,3 +89,30 @@ class Daemon:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
         return float("nan")
+
+
+#: The drain benchmarks' daemon: 4 slots, no Office, ``/bin/true`` agents.
+DRAIN_CONFIG: dict[str, Any] = {
+    "runtime": {"max_concurrent": 4, "stop_grace_s": 2}, "office": {"enabled": False},
+    "agents": {"default": {"command": ["/bin/true"], "timeout_s": 60}}}
+
+
+def bench_agents(daemon: Daemon, count: int = 100) -> tuple[str, list[str]]:
+    """A workspace ``bench`` with ``count`` agents: (its id, theirs)."""
+    ws = daemon.call("workspaces.create", {"name": "bench"})["id"]
+    return ws, [daemon.call("agents.create", {"workspace_id": ws, "name": f"a{i}"})["id"]
+                for i in range(count)]
+
+
+def enqueue_and_drain(client: Client, ws: str, agents: list[str], runs: int) -> float:
+    """Queue ``runs`` runs over the agents (``runs.enqueue_many``, 500 a call) and wait
+    until none is queued or claimed; the seconds it took."""
+    started = time.perf_counter()
+    for k in range(0, runs, 500):
+        client.call("runs.enqueue_many", {"runs": [
+            {"workspace_id": ws, "agent_id": agents[i % len(agents)], "reason": f"r{i}"}
+            for i in range(k, min(runs, k + 500))]})
+    while (client.call("runs.list", {"status": "queued", "limit": 1})["total"]
+           + client.call("runs.list", {"status": "claimed", "limit": 1})["total"]):
+        time.sleep(0.02)
+    return time.perf_counter() - started

@@ -32,7 +32,6 @@ import os
 import shutil
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import benchdaemon  # this folder (the script's own) is on sys.path
@@ -48,28 +47,16 @@ def cpu_s(pid: int) -> tuple[float, float]:
 
 
 def drain(home: Path, runs: int, command: list[str], env: dict[str, str]) -> dict[str, float]:
-    config = {"runtime": {"max_concurrent": 4, "stop_grace_s": 2},
-              "office": {"enabled": False},
-              "agents": {"default": {"command": ["/bin/true"], "timeout_s": 60}}}
-    daemon = benchdaemon.Daemon(home, config, command=command, env=env).start()
+    daemon = benchdaemon.Daemon(home, benchdaemon.DRAIN_CONFIG, command=command,
+                                env=env).start()
     try:
-        ws = daemon.call("workspaces.create", {"name": "bench"})["id"]
-        agents = [daemon.call("agents.create", {"workspace_id": ws, "name": f"a{i}"})["id"]
-                  for i in range(100)]
+        ws, agents = benchdaemon.bench_agents(daemon)
         client = daemon.client()
         assert daemon.proc is not None
         keeper = daemon.call("daemon.status")["runtime"].get("keeper", {}).get("pid")
         own0, children0 = cpu_s(daemon.proc.pid)
         keeper0, kept0 = cpu_s(keeper) if keeper else (0.0, 0.0)
-        started = time.perf_counter()
-        for k in range(0, runs, 500):
-            client.call("runs.enqueue_many", {"runs": [
-                {"workspace_id": ws, "agent_id": agents[i % 100], "reason": f"r{i}"}
-                for i in range(k, min(runs, k + 500))]})
-        while (client.call("runs.list", {"status": "queued", "limit": 1})["total"]
-               + client.call("runs.list", {"status": "claimed", "limit": 1})["total"]):
-            time.sleep(0.02)
-        elapsed = time.perf_counter() - started
+        elapsed = benchdaemon.enqueue_and_drain(client, ws, agents, runs)
         own1, children1 = cpu_s(daemon.proc.pid)
         keeper1, kept1 = cpu_s(keeper) if keeper else (0.0, 0.0)
         client.close()

@@ -86,15 +86,10 @@ def reader(path: str, count: int, runs: int, ready: Any, results: Any) -> None:
 
 def round_(base: Path, runs: int, subscribers: int) -> dict[str, float]:
     home = Path(tempfile.mkdtemp(prefix="events-", dir=base))
-    config = {"runtime": {"max_concurrent": 4, "stop_grace_s": 2},
-              "office": {"enabled": False},
-              "agents": {"default": {"command": ["/bin/true"], "timeout_s": 60}}}
-    daemon = benchdaemon.Daemon(home, config).start()
+    daemon = benchdaemon.Daemon(home, benchdaemon.DRAIN_CONFIG).start()
     process = None
     try:
-        ws = daemon.call("workspaces.create", {"name": "bench"})["id"]
-        agents = [daemon.call("agents.create", {"workspace_id": ws, "name": f"a{i}"})["id"]
-                  for i in range(100)]
+        ws, agents = benchdaemon.bench_agents(daemon)
         results: Any = multiprocessing.Queue()
         if subscribers:
             ready = multiprocessing.Event()
@@ -106,15 +101,7 @@ def round_(base: Path, runs: int, subscribers: int) -> dict[str, float]:
                 time.sleep(0.02)
         client = daemon.client()
         ticks = daemon.cpu_ticks()
-        started = time.perf_counter()
-        for k in range(0, runs, 500):
-            client.call("runs.enqueue_many", {"runs": [
-                {"workspace_id": ws, "agent_id": agents[i % 100], "reason": f"r{i}"}
-                for i in range(k, min(runs, k + 500))]})
-        while (client.call("runs.list", {"status": "queued", "limit": 1})["total"]
-               + client.call("runs.list", {"status": "claimed", "limit": 1})["total"]):
-            time.sleep(0.02)
-        elapsed = time.perf_counter() - started
+        elapsed = benchdaemon.enqueue_and_drain(client, ws, agents, runs)
         cpu_ms = (daemon.cpu_ticks() - ticks) * 1000 / os.sysconf("SC_CLK_TCK") / runs
         client.close()
         got = {"events": 0, "lost": 0, "span_s": 0.0}

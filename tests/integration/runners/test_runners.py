@@ -58,6 +58,15 @@ def remote_run(daemon: DaemonProcess, reason: str) -> dict[str, Any]:
                                         "reason": reason})["run"]
 
 
+def session_ended(daemon: DaemonProcess, job: str) -> dict[str, Any]:
+    """``job``'s newest history entry once it no longer runs."""
+    def ended() -> Any:
+        items = daemon.call("scheduler.jobs.runs", {"id": job})["items"]
+        return items[0] if items and items[0]["status"] != "running" else None
+    entry: dict[str, Any] = daemon.wait_until(ended, what=f"the end of {job}'s session")
+    return entry
+
+
 def done(daemon: DaemonProcess, run_id: str) -> Callable[[], Any]:
     def check() -> Any:
         run = daemon.call("runs.get", {"id": run_id})
@@ -296,11 +305,7 @@ def test_a_scheduled_turn_with_runs_on_runs_on_the_runner(
     job = daemon.call("scheduler.jobs.get", {"id": "workflow:reports:daily"})
     assert job["runs_on"] == ["gpu"] and job["state"] == "scheduled", job
     daemon.call("scheduler.jobs.trigger", {"id": "workflow:reports:daily"})
-
-    def ended() -> Any:
-        items = daemon.call("scheduler.jobs.runs", {"id": "workflow:reports:daily"})["items"]
-        return items[0] if items and items[0]["status"] != "running" else None
-    entry = daemon.wait_until(ended, what="the session's end")
+    entry = session_ended(daemon, "workflow:reports:daily")
     assert entry["status"] == "success", entry
     first = entry["turns"][0]
     assert (first["status"], first["output"], first["cost_cents"]) == \
@@ -436,11 +441,7 @@ def test_a_product_schedule_with_runs_on_sends_its_messages_through_a_runner(
     job = "product:helper:brief"
     assert daemon.call("scheduler.jobs.get", {"id": job})["runs_on"] == ["gpu"]
     daemon.call("scheduler.jobs.trigger", {"id": job})
-
-    def ended() -> Any:
-        items = daemon.call("scheduler.jobs.runs", {"id": job})["items"]
-        return items[0] if items and items[0]["status"] != "running" else None
-    entry = daemon.wait_until(ended, what="the product session's end")
+    entry = session_ended(daemon, job)
     assert entry["status"] == "success", entry
     assert [t["output"] for t in entry["turns"]] == ["said one", "said two"]
     assert "product turn one local" in Path(entry["turns"][0]["log_path"]).read_text()
@@ -491,11 +492,7 @@ def test_several_daemons_on_postgresql_a_turn_of_a_daemon_without_a_gateway_runs
     first.wait_until(lambda: first.call("scheduler.jobs.get", {
         "id": "workflow:reports:daily"})["state"] == "scheduled", what="the runner online")
     first.call("scheduler.jobs.trigger", {"id": "workflow:reports:daily"})
-
-    def ended() -> Any:
-        items = first.call("scheduler.jobs.runs", {"id": "workflow:reports:daily"})["items"]
-        return items[0] if items and items[0]["status"] != "running" else None
-    entry = first.wait_until(ended, what="the session's end on the first daemon")
+    entry = session_ended(first, "workflow:reports:daily")
     assert entry["status"] == "success", entry
     turn = entry["turns"][0]
     assert (turn["status"], turn["output"], turn["cost_cents"]) == ("success", "via b", 2)

@@ -72,11 +72,16 @@ class RunRepositoryBase:
 
         ``cooldown_s``: the agent's, when the caller read it already.
         """
+        now_s = rfc3339(now)
         if cooldown_s is None:
+            # Most agents have no cooldown: for them one statement does it all.
+            if conn.execute("UPDATE agents SET last_finished_at = ?, cooldown_until = NULL"
+                            " WHERE id = ? AND COALESCE(cooldown_s, 0) <= 0",
+                            (now_s, agent_id)).rowcount:
+                return
             agent = conn.execute("SELECT cooldown_s FROM agents WHERE id = ?",
                                  (agent_id,)).fetchone()
             cooldown_s = float(agent["cooldown_s"] or 0) if agent else 0.0
         conn.execute(
             "UPDATE agents SET last_finished_at = ?, cooldown_until = ? WHERE id = ?",
-            (rfc3339(now), rfc3339(after(now, cooldown_s)) if cooldown_s > 0 else None,
-             agent_id))
+            (now_s, rfc3339(after(now, cooldown_s)) if cooldown_s > 0 else None, agent_id))

@@ -9,14 +9,7 @@ from typing import Any
 
 from kandevd.store.base import BaseStore
 from kandevd.store.runs.base import RunRepositoryBase
-from kandevd.store.runs.statements import (
-    CLAIM,
-    ELIGIBLE,
-    FINISH,
-    HEADS,
-    QUEUE_HEAD,
-    exclusion,
-)
+from kandevd.store.runs.statements import CLAIM, FINISH, HEADS, QUEUE_FRONT, exclusion
 
 #: How many runs at the head of the queue a claim looks at before it asks every agent.
 HEAD_WINDOW = 16
@@ -62,11 +55,13 @@ class SqliteRuns:
         """
         if repo.claim_gate is not None:
             excluded.update(repo.claim_gate(conn, now))
-        seqs = heads_at_the_front(conn, excluded, str(params["now"]), limit) \
+        front = heads_at_the_front(conn, excluded, str(params["now"]), limit) \
             if only is None else None  # (a runner's claim: among its agents only)
-        if seqs is None:
+        if front is None:
             where = "seq IN (" + HEADS.format(exclusion=exclusion(excluded, params, only)) + ")"
-        elif seqs:  # (bound, not spelled out: the statement is prepared once per count)
+            profiles: dict[str, str] = {}
+        elif front[0]:  # (bound, not spelled out: the statement is prepared once per count)
+            seqs, profiles = front
             where = "seq IN (" + ", ".join(f":s{n}" for n in range(len(seqs))) + ")"
             params.update({f"s{n}": int(seq) for n, seq in enumerate(seqs)})
         else:
@@ -75,10 +70,11 @@ class SqliteRuns:
                             params).fetchall()
         if not rows:
             return [], {}
-        agents = sorted({r["agent_id"] for r in rows})
-        profiles = dict(conn.execute(
-            f"SELECT id, profile FROM agents WHERE id IN ({', '.join('?' * len(agents))})",
-            agents).fetchall())
+        agents = sorted({r["agent_id"] for r in rows} - profiles.keys())
+        if agents:  # (the front read its agents' profiles already)
+            profiles = {**profiles, **dict(conn.execute(
+                f"SELECT id, profile FROM agents WHERE id IN ({', '.join('?' * len(agents))})",
+                agents).fetchall())}
         return rows, profiles
 
     def lock_agent_of(self, conn: Any, run_id: str) -> float | None:
@@ -100,28 +96,33 @@ class SqliteRuns:
         return ""
 
 
+def _seq(row: Any) -> int:
+    return int(row[0])
+
+
 def heads_at_the_front(conn: Any, excluded: set[str], now: str, limit: int
-                       ) -> list[int] | None:
-    """What HEADS would claim, found among the first queued runs; None when they do not
-    tell (the front holds fewer than ``limit`` claimable runs and more runs wait behind).
+                       ) -> tuple[list[int], dict[str, str]] | None:
+    """What HEADS would claim, found among the first queued runs, with the profiles of
+    their agents; None when they do not tell (the front holds fewer than ``limit``
+    claimable runs and more runs wait behind).
 
     The first due run of each agent in the queue's front is that agent's oldest due
     run, and every agent whose oldest due run lies further back comes after them.
+    One statement reads the front and its agents together.
     """
     window = max(HEAD_WINDOW, 4 * limit)
-    front = conn.execute(QUEUE_HEAD, {"window": window}).fetchall()
-    first: dict[str, int] = {}  # each agent's first due run in the front, in seq order
-    for seq, agent, retry_at in front:
-        if agent not in first and agent not in excluded and (retry_at is None
-                                                              or retry_at <= now):
-            first[agent] = seq
-    if first:
-        agents = list(first)
-        eligible = {row[0] for row in conn.execute(
-            ELIGIBLE.format(agents=", ".join("?" * len(agents))), [*agents, now])}
-        seqs = [seq for agent, seq in first.items() if agent in eligible][:limit]
-    else:
-        seqs = []
+    front = sorted(conn.execute(QUEUE_FRONT, {"window": window, "now": now}).fetchall(),
+                   key=_seq)
+    seen: set[str] = set()  # agents whose first due run in the front was looked at
+    seqs: list[int] = []
+    profiles: dict[str, str] = {}
+    for seq, agent, retry_at, profile, eligible in front:
+        if agent in seen or agent in excluded or (retry_at is not None and retry_at > now):
+            continue
+        seen.add(agent)
+        if eligible and len(seqs) < limit:
+            seqs.append(seq)
+            profiles[agent] = profile
     if len(seqs) < limit and len(front) == window:
         return None
-    return seqs
+    return seqs, profiles

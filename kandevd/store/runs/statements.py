@@ -34,16 +34,19 @@ HEADS = """
 """
 
 #: The head of the queue: its first queued runs in request order, due or not (the
-#: walk stops after ``:window`` rows, however many retries wait there).
-QUEUE_HEAD = ("SELECT seq, agent_id, scheduled_retry_at FROM runs INDEXED BY"
-              " idx_runs_status_seq WHERE status = 'queued' ORDER BY seq LIMIT :window")
-
-#: Which of some agents may take a run here now: active, cooled down, no claimed run,
-#: not one that runs on a runner on another machine.
-ELIGIBLE = """
-    SELECT a.id FROM agents a WHERE a.id IN ({agents}) AND a.status = 'active'
-      AND a.runs_on IS NULL AND (a.cooldown_until IS NULL OR a.cooldown_until <= ?)
-      AND NOT EXISTS (SELECT 1 FROM runs c WHERE c.agent_id = a.id AND c.status = 'claimed')
+#: walk stops after ``:window`` rows, however many retries wait there), each with
+#: whether its agent may take a run here now (active, cooled down, no claimed run,
+#: not one that runs on a runner on another machine) and the agent's profile. (In no
+#: promised order: sorting the few rows in Python costs less than SQLite's sort.)
+QUEUE_FRONT = """
+    SELECT r.seq, r.agent_id, r.scheduled_retry_at, a.profile,
+           a.status = 'active' AND a.runs_on IS NULL
+             AND (a.cooldown_until IS NULL OR a.cooldown_until <= :now)
+             AND NOT EXISTS (SELECT 1 FROM runs c WHERE c.agent_id = a.id
+                             AND c.status = 'claimed') AS eligible
+    FROM (SELECT seq, agent_id, scheduled_retry_at FROM runs INDEXED BY idx_runs_status_seq
+          WHERE status = 'queued' ORDER BY seq LIMIT :window) AS r
+    LEFT JOIN agents a ON a.id = r.agent_id
 """
 
 #: A claim's row, less what it claims.

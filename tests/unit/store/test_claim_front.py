@@ -65,9 +65,13 @@ def test_the_front_of_the_queue_claims_what_every_agent_would(agents, runs, limi
                     HEADS.format(exclusion=exclusion(set(excluded), params)), params)]
                 found = heads_at_the_front(conn, set(excluded), NOW, limit)
                 queued = sum(1 for _a, status, _r in runs if status == "queued")
+                agent_of = dict(conn.execute("SELECT seq, agent_id FROM runs").fetchall())
         finally:
             store.close()
     if found is None:
         assert queued >= HEAD_WINDOW  # it may only pass when more waits behind the front
     else:
-        assert found == expected
+        seqs, profiles = found
+        assert seqs == expected
+        assert set(profiles) == {agent_of[seq] for seq in seqs}
+        assert set(profiles.values()) <= {"default"}

@@ -8,10 +8,13 @@ prompts and secrets, so whatever kandevd creates is private (0700 folders,
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import stat
+import sys
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +51,65 @@ def ensure_dir(path: Path) -> Path:
     if not path.is_dir():
         raise NotADirectoryError(f"not a directory: {path}")
     return path
+
+
+#: ``FS_IOC_GETFLAGS``, ``FS_IOC_SETFLAGS`` and ``FS_TOPDIR_FL`` (linux/fs.h).
+_GET_FLAGS, _SET_FLAGS, _TOP_DIR = 0x80086601, 0x40086602, 0x00020000
+
+
+def make_spread_dirs(parent: Path, names: Iterable[str]) -> None:
+    """Create the folders ``names`` missing in ``parent`` (0700), each placed by the
+    file system where nothing was freed lately.
+
+    Why: ext4 without a journal gives out a new inode only after skipping, one
+    by one, every inode of the block group freed in the last minute (six while
+    the group's table is dirty). Run folders and logs made in the group where a
+    deleted home's files were (the same folder names land in the same place)
+    paid about 2 ms of system time per run (docs/benchmarks.md). So ``parent``
+    is marked the top of a hierarchy (``chattr +T``: ext4 spreads its new
+    subfolders over the disk, to little-used groups) and each folder is first
+    made under a random name (the spreading starts from a hash of the name),
+    then renamed into place. Where the mark is refused (tmpfs, other file
+    systems) the folders are simply made. Errors are left to ``ensure_dir``.
+    """
+    missing = [name for name in names if not os.path.lexists(parent / name)]
+    if not missing:
+        return
+    _mark_top(parent)
+    for name in missing:
+        spare = parent / f".{name}.{os.urandom(6).hex()}"
+        try:
+            os.mkdir(spare, 0o700)
+        except OSError:
+            continue
+        try:
+            os.rename(spare, parent / name)  # (onto an empty folder made meanwhile: fine)
+        except OSError:
+            _remove_empty(spare)
+
+
+def _mark_top(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        flags = bytearray(8)
+        fcntl.ioctl(fd, _GET_FLAGS, flags, True)
+        value = int.from_bytes(flags[:4], sys.byteorder)
+        if not value & _TOP_DIR:
+            fcntl.ioctl(fd, _SET_FLAGS, (value | _TOP_DIR).to_bytes(4, sys.byteorder) + bytes(4))
+    except OSError:
+        pass  # not ext4 (or not allowed): the folders are made where they fall
+    finally:
+        os.close(fd)
+
+
+def _remove_empty(folder: Path) -> None:
+    try:
+        os.rmdir(folder)
+    except OSError:
+        pass
 
 
 def fsync_dir(folder: Path) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from kandevd.fsutil import ensure_dir
+from kandevd.fsutil import ensure_dir, make_spread_dirs
 
 DEFAULT_HOME = "~/.local/share/kandevd"
 ADVISED_MODE = 0o700
@@ -133,6 +133,8 @@ class HomeLayout:
             (warn or log.warning)(message)
         if not os.access(self.root, os.W_OK | os.X_OK):
             raise HomeError(_not_writable(self.root, info))
+        # (The folders that take files for every run, away from files freed lately.)
+        make_spread_dirs(self.root, (self.logs.name, self.runs.name, ATTEMPTS_FOLDER))
         try:
             ensure_dir(self.logs)
         except OSError as exc:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kandevd.fsutil import ensure_dir
+from kandevd.fsutil import ensure_dir, make_spread_dirs
 
 
 def mode(path: Path) -> int:
@@ -34,3 +34,38 @@ def test_a_file_in_the_way_is_refused(tmp_path: Path) -> None:
         ensure_dir(tmp_path / "file")
     with pytest.raises(NotADirectoryError):
         ensure_dir(tmp_path / "file" / "below")
+
+
+def top_of_hierarchy(folder: Path) -> bool | None:
+    """Is ``folder`` marked the top of a hierarchy (``chattr +T``)? None: no such mark here."""
+    import fcntl
+    import os
+    import sys
+
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        flags = bytearray(8)
+        fcntl.ioctl(fd, 0x80086601, flags, True)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return bool(int.from_bytes(flags[:4], sys.byteorder) & 0x00020000)
+
+
+def test_spread_folders_are_made_private_under_their_names_and_kept_when_there(
+        tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    (home / "runs").mkdir(mode=0o755)
+    (home / "runs" / "r1").mkdir()
+    (home / "file").write_text("mine")
+    make_spread_dirs(home, ["logs", "runs", "attempts", "file"])
+    assert sorted(p.name for p in home.iterdir()) == ["attempts", "file", "logs", "runs"]
+    assert mode(home / "logs") == mode(home / "attempts") == 0o700
+    assert mode(home / "runs") == 0o755 and (home / "runs" / "r1").is_dir()  # (kept)
+    assert (home / "file").read_text() == "mine"  # (a file in the way: left alone)
+    # On a file system that has the mark (ext4), the home carries it; tmpfs has none.
+    assert top_of_hierarchy(home) in (True, None)
+    make_spread_dirs(home, ["logs"])  # nothing missing: nothing done
+    assert sorted(p.name for p in home.iterdir()) == ["attempts", "file", "logs", "runs"]

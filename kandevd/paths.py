@@ -133,8 +133,9 @@ class HomeLayout:
             (warn or log.warning)(message)
         if not os.access(self.root, os.W_OK | os.X_OK):
             raise HomeError(_not_writable(self.root, info))
-        # (The folders that take files for every run, away from files freed lately.)
-        make_spread_dirs(self.root, (self.logs.name, self.runs.name, ATTEMPTS_FOLDER))
+        if created:  # (the folders that take files for every run, away from files freed
+            # lately; an existing home is left as it is)
+            make_spread_dirs(self.root, (self.logs.name, self.runs.name, ATTEMPTS_FOLDER))
         try:
             ensure_dir(self.logs)
         except OSError as exc:

@@ -69,3 +69,18 @@ def test_spread_folders_are_made_private_under_their_names_and_kept_when_there(
     assert top_of_hierarchy(home) in (True, None)
     make_spread_dirs(home, ["logs"])  # nothing missing: nothing done
     assert sorted(p.name for p in home.iterdir()) == ["attempts", "file", "logs", "runs"]
+
+
+def test_a_home_kandevd_creates_gets_its_run_folders_spread_and_an_existing_one_is_kept(
+        tmp_path: Path) -> None:
+    from kandevd.paths import HomeLayout
+
+    new = tmp_path / "new"
+    HomeLayout(new).prepare()
+    assert sorted(p.name for p in new.iterdir()) == ["attempts", "logs", "runs"]
+    assert top_of_hierarchy(new) in (True, None)
+    existing = tmp_path / "existing"
+    existing.mkdir(mode=0o700)
+    HomeLayout(existing).prepare()
+    assert sorted(p.name for p in existing.iterdir()) == ["logs"]  # (the rest made on use)
+    assert top_of_hierarchy(existing) in (False, None)

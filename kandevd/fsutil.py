@@ -57,25 +57,26 @@ def ensure_dir(path: Path) -> Path:
 _GET_FLAGS, _SET_FLAGS, _TOP_DIR = 0x80086601, 0x40086602, 0x00020000
 
 
-def make_spread_dirs(parent: Path, names: Iterable[str]) -> None:
-    """Create the folders ``names`` missing in ``parent`` (0700), each placed by the
-    file system where nothing was freed lately.
+def make_spread_dirs(parent: Path, names: Iterable[str]) -> bool:
+    """Create the folders ``names`` missing in ``parent`` (0700), spread over the
+    disk by the file system; whether ``parent`` carries the mark that spreads them.
 
     Why: ext4 without a journal gives out a new inode only after skipping, one
-    by one, every inode of the block group freed in the last minute (six while
-    the group's table is dirty). Run folders and logs made in the group where a
-    deleted home's files were (the same folder names land in the same place)
-    paid about 2 ms of system time per run (docs/benchmarks.md). So ``parent``
-    is marked the top of a hierarchy (``chattr +T``: ext4 spreads its new
-    subfolders over the disk, to little-used groups) and each folder is first
-    made under a random name (the spreading starts from a hash of the name),
-    then renamed into place. Where the mark is refused (tmpfs, other file
-    systems) the folders are simply made. Errors are left to ``ensure_dir``.
+    by one, every inode of the block group freed in the last minute (six
+    minutes while the group's inode table is dirty). Run folders and logs made
+    in the group where a deleted home's files were (the same folder names land
+    in the same place) paid 1 to 3 ms of system time a run (docs/benchmarks.md,
+    "The run path, fourth round"). So ``parent`` is marked the top of a
+    hierarchy (``chattr +T``: ext4 then places each new folder in it in a
+    little-used group, searching from a hash of its name) and each folder is
+    first made under a random name, then renamed into place. Where the mark is
+    refused (tmpfs, other file systems) the folders are simply made. Errors are
+    left to ``ensure_dir``, and no spare folder is left behind.
     """
     missing = [name for name in names if not os.path.lexists(parent / name)]
     if not missing:
-        return
-    _mark_top(parent)
+        return _marked(parent)
+    marked = _mark_top(parent)
     for name in missing:
         spare = parent / f".{name}.{os.urandom(6).hex()}"
         try:
@@ -86,21 +87,44 @@ def make_spread_dirs(parent: Path, names: Iterable[str]) -> None:
             os.rename(spare, parent / name)  # (onto an empty folder made meanwhile: fine)
         except OSError:
             _remove_empty(spare)
+        except BaseException:
+            _remove_empty(spare)
+            raise
+    return marked
 
 
-def _mark_top(folder: Path) -> None:
+def _flags(fd: int) -> int:
+    flags = bytearray(8)  # (the kernel reads and writes an int of it)
+    fcntl.ioctl(fd, _GET_FLAGS, flags, True)
+    return int.from_bytes(flags[:4], sys.byteorder)
+
+
+def _marked(folder: Path) -> bool:
     try:
         fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
-        return
+        return False
     try:
-        flags = bytearray(8)
-        fcntl.ioctl(fd, _GET_FLAGS, flags, True)
-        value = int.from_bytes(flags[:4], sys.byteorder)
+        return bool(_flags(fd) & _TOP_DIR)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _mark_top(folder: Path) -> bool:
+    """Mark ``folder`` the top of a hierarchy; whether it carries the mark now."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        value = _flags(fd)
         if not value & _TOP_DIR:
             fcntl.ioctl(fd, _SET_FLAGS, (value | _TOP_DIR).to_bytes(4, sys.byteorder) + bytes(4))
+        return True
     except OSError:
-        pass  # not ext4 (or not allowed): the folders are made where they fall
+        return False  # not ext4 (or not allowed): the folders are made where they fall
     finally:
         os.close(fd)
 

@@ -24,10 +24,12 @@ LATER = "2026-06-01T13:00:00.000000Z"
 
 agents_st = st.lists(st.tuples(st.sampled_from(["active", "active", "active", "paused"]),
                                st.sampled_from([None, None, PAST, LATER]),
-                               st.booleans()),  # excluded (still running here)
+                               st.booleans(),  # excluded (still running here)
+                               st.sampled_from([None, None, None, '["gpu"]'])),  # runs_on
                      min_size=1, max_size=8)
-# (a0 has most runs: a front full of one ineligible agent's backlog must happen)
-runs_st = st.lists(st.tuples(st.one_of(st.just(0), st.just(0), st.integers(0, 7)),
+# (a0 has most runs: a front full of one ineligible agent's backlog must happen; agent
+# number 8 is no agent at all: its runs stay queued, never claimed)
+runs_st = st.lists(st.tuples(st.one_of(st.just(0), st.just(0), st.integers(0, 8)),
                              st.sampled_from(["queued"] * 6 + ["claimed", "finished"]),
                              st.sampled_from([None, None, None, PAST, LATER])),
                    min_size=HEAD_WINDOW, max_size=4 * HEAD_WINDOW)
@@ -39,18 +41,21 @@ def test_the_front_of_the_queue_claims_what_every_agent_would(agents, runs, limi
     with tempfile.TemporaryDirectory() as folder:
         store = open_store(Path(folder) / "k.db")
         try:
+            with store.connection() as conn:  # (runs of an agent that is gone)
+                conn.execute("PRAGMA foreign_keys=OFF")
             with store.transaction() as conn:
                 conn.execute("INSERT INTO workspaces (id, name, office_workflow_id,"
                              " created_at, updated_at) VALUES ('ws', 'ws', '', ?, ?)",
                              (NOW, NOW))
-                for n, (status, cooldown, _excluded) in enumerate(agents):
+                for n, (status, cooldown, _excluded, runs_on) in enumerate(agents):
                     conn.execute("INSERT INTO agents (id, workspace_id, name, profile,"
-                                 " cooldown_s, status, cooldown_until, created_at,"
-                                 " updated_at) VALUES (?, 'ws', ?, 'default', 0, ?, ?, ?, ?)",
-                                 (f"a{n}", f"a{n}", status, cooldown, NOW, NOW))
+                                 " cooldown_s, status, cooldown_until, runs_on, created_at,"
+                                 " updated_at) VALUES (?, 'ws', ?, ?, 0, ?, ?, ?, ?, ?)",
+                                 (f"a{n}", f"a{n}", f"p{n}", status, cooldown, runs_on,
+                                  NOW, NOW))
                 claimed: set[str] = set()
                 for n, (agent_no, status, retry_at) in enumerate(runs):
-                    agent = f"a{agent_no % len(agents)}"
+                    agent = "gone" if agent_no == 8 else f"a{agent_no % len(agents)}"
                     if status == "claimed":  # at most one claimed run per agent
                         if agent in claimed:
                             status = "finished"
@@ -59,7 +64,7 @@ def test_the_front_of_the_queue_claims_what_every_agent_would(agents, runs, limi
                                  " status, scheduled_retry_at, requested_at, updated_at)"
                                  " VALUES (?, 'ws', ?, 'work', ?, ?, ?, ?)",
                                  (f"r{n}", agent, status, retry_at, NOW, NOW))
-                excluded = {f"a{n}" for n, (_s, _c, out) in enumerate(agents) if out}
+                excluded = {f"a{n}" for n, (_s, _c, out, _r) in enumerate(agents) if out}
                 params: dict[str, object] = {"now": NOW, "limit": limit}
                 expected = [row[0] for row in conn.execute(
                     HEADS.format(exclusion=exclusion(set(excluded), params)), params)]
@@ -73,5 +78,5 @@ def test_the_front_of_the_queue_claims_what_every_agent_would(agents, runs, limi
     else:
         seqs, profiles = found
         assert seqs == expected
-        assert set(profiles) == {agent_of[seq] for seq in seqs}
-        assert set(profiles.values()) <= {"default"}
+        # Each claimed run's agent with its own profile (the claim reads no other).
+        assert profiles == {agent_of[seq]: "p" + agent_of[seq][1:] for seq in seqs}

@@ -104,11 +104,18 @@ def bench_agents(daemon: Daemon, count: int = 100) -> tuple[str, list[str]]:
                 for i in range(count)]
 
 
-def enqueue_and_drain(client: Client, ws: str, agents: list[str], runs: int) -> float:
-    """Queue ``runs`` runs over the agents (``runs.enqueue_many``, 500 a call) and wait
-    until none is queued or claimed; the seconds it took."""
+def enqueue_and_drain(client: Client, ws: str, agents: list[str], runs: int, *,
+                      one_by_one: bool = False) -> float:
+    """Queue ``runs`` runs over the agents (``runs.enqueue_many``, 500 a call; with
+    ``one_by_one``, one ``runs.enqueue`` at a time, as the black-box benchmarks do, so
+    the intake competes with the drain) and wait until none is queued or claimed; the
+    seconds it took."""
     started = time.perf_counter()
-    for k in range(0, runs, 500):
+    if one_by_one:
+        for i in range(runs):
+            client.call("runs.enqueue", {"workspace_id": ws, "agent_id": agents[i % len(agents)],
+                                         "reason": f"r{i}"})
+    for k in range(0, runs if not one_by_one else 0, 500):
         client.call("runs.enqueue_many", {"runs": [
             {"workspace_id": ws, "agent_id": agents[i % len(agents)], "reason": f"r{i}"}
             for i in range(k, min(runs, k + 500))]})

@@ -20,17 +20,25 @@ changes measured here.
 The homes are kept until every round is done: deleting a drained home frees
 thousands of inodes, and on ext4 without a journal each file created in the
 following minute is slower for every one of them (docs/benchmarks.md), so one
-round's clean-up would slow the next one.
+round's clean-up would slow the next one. ``--delete-homes`` deletes each
+round's home when it ends, as the black-box drain does, to measure just that.
+``--one-by-one`` queues the runs with one ``runs.enqueue`` at a time while the
+queue drains (the black-box benchmarks' intake). ``--threads`` also prints the
+daemon's CPU per run for each of its threads (named by ``py-spy dump`` when
+py-spy is installed).
 
 Usage: .venv/bin/python scripts/bench/drain_cpu.py [--runs 1500] [--rounds 3] [--baseline DIR]
+       [--one-by-one] [--delete-homes] [--threads]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import statistics
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -46,7 +54,31 @@ def cpu_s(pid: int) -> tuple[float, float]:
             (int(fields[13]) + int(fields[14])) * TICK_S)
 
 
-def drain(home: Path, runs: int, command: list[str], env: dict[str, str]) -> dict[str, float]:
+def thread_cpu(pid: int) -> dict[str, tuple[float, float]]:
+    """(CPU seconds, of which system time) so far of each thread of ``pid``, by id."""
+    seconds = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # (ended meanwhile)
+        seconds[tid] = ((int(fields[11]) + int(fields[12])) * TICK_S, int(fields[12]) * TICK_S)
+    return seconds
+
+
+def thread_names(pid: int) -> dict[str, str]:
+    """Python's names of the threads of ``pid`` (by thread id), from ``py-spy dump``."""
+    spy = shutil.which("py-spy") or str(Path(os.sys.executable).with_name("py-spy"))
+    try:
+        dump = subprocess.run([spy, "dump", "-p", str(pid)], capture_output=True, text=True,
+                              timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return dict(re.findall(r'Thread (\d+) \([^)]*\): "([^"]+)"', dump))
+
+
+def drain(home: Path, runs: int, command: list[str], env: dict[str, str], *,
+          one_by_one: bool = False, threads: bool = False) -> dict[str, float]:
     daemon = benchdaemon.Daemon(home, benchdaemon.DRAIN_CONFIG, command=command,
                                 env=env).start()
     try:
@@ -56,15 +88,27 @@ def drain(home: Path, runs: int, command: list[str], env: dict[str, str]) -> dic
         keeper = daemon.call("daemon.status")["runtime"].get("keeper", {}).get("pid")
         own0, children0 = cpu_s(daemon.proc.pid)
         keeper0, kept0 = cpu_s(keeper) if keeper else (0.0, 0.0)
-        elapsed = benchdaemon.enqueue_and_drain(client, ws, agents, runs)
+        per_thread0 = thread_cpu(daemon.proc.pid) if threads else {}
+        elapsed = benchdaemon.enqueue_and_drain(client, ws, agents, runs,
+                                                one_by_one=one_by_one)
         own1, children1 = cpu_s(daemon.proc.pid)
         keeper1, kept1 = cpu_s(keeper) if keeper else (0.0, 0.0)
+        figures = {"rate": runs / elapsed, "daemon_ms": (own1 - own0) * 1000 / runs,
+                   "keeper_ms": (keeper1 - keeper0) * 1000 / runs,
+                   "children_ms": (children1 - children0 + kept1 - kept0) * 1000 / runs}
+        if threads:
+            names = thread_names(daemon.proc.pid)
+            for tid, (total, system) in thread_cpu(daemon.proc.pid).items():
+                name = f"thread {names.get(tid, tid)}"
+                total0, system0 = per_thread0.get(tid, (0.0, 0.0))
+                if total > total0:
+                    figures[name] = figures.get(name, 0.0) + (total - total0) * 1000 / runs
+                    figures[name + " system"] = (figures.get(name + " system", 0.0)
+                                                 + (system - system0) * 1000 / runs)
         client.close()
     finally:
         daemon.stop()
-    return {"rate": runs / elapsed, "daemon_ms": (own1 - own0) * 1000 / runs,
-            "keeper_ms": (keeper1 - keeper0) * 1000 / runs,
-            "children_ms": (children1 - children0 + kept1 - kept0) * 1000 / runs}
+    return figures
 
 
 def direct_spawn_ms(count: int = 1500) -> float:
@@ -83,6 +127,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--baseline", type=Path, help="a checkout of another version")
     parser.add_argument("--dir", type=Path, help="where the homes go (default: a temp folder)")
+    parser.add_argument("--one-by-one", action="store_true",
+                        help="one runs.enqueue at a time while the queue drains")
+    parser.add_argument("--delete-homes", action="store_true",
+                        help="delete each round's home when it ends")
+    parser.add_argument("--threads", action="store_true",
+                        help="the daemon's CPU per run, thread by thread")
     args = parser.parse_args()
     versions: dict[str, tuple[list[str], dict[str, str]]] = {
         "this": (list(benchdaemon.KANDEVD), {})}
@@ -95,15 +145,24 @@ def main() -> None:
             order = list(versions) if round_no % 2 else list(reversed(versions))
             for name in order:
                 command, env = versions[name]
-                figures = drain(top / f"{name}-{round_no}" / "home", args.runs, command, env)
+                home = top / f"{name}-{round_no}" / "home"
+                figures = drain(home, args.runs, command, env, one_by_one=args.one_by_one,
+                                threads=args.threads)
+                if args.delete_homes:
+                    shutil.rmtree(home.parent, ignore_errors=True)
                 results[name].append(figures)
                 print(f"round {round_no} {name:8s} {figures['rate']:7.1f} runs/s; CPU per run: "
                       f"daemon {figures['daemon_ms']:.2f} ms, keeper "
                       f"{figures['keeper_ms']:.2f} ms, agents' processes "
                       f"{figures['children_ms']:.2f} ms", flush=True)
+                for key in sorted(k for k in figures
+                                  if k.startswith("thread ") and not k.endswith(" system")):
+                    print(f"    {key}: {figures[key]:.3f} ms a run "
+                          f"({figures[key + ' system']:.3f} system)", flush=True)
     finally:
         shutil.rmtree(top, ignore_errors=True)
-    medians = {name: {key: statistics.median(r[key] for r in rounds) for key in rounds[0]}
+    medians = {name: {key: statistics.median(r[key] for r in rounds)
+                      for key in ("rate", "daemon_ms", "keeper_ms", "children_ms")}
                for name, rounds in results.items()}
     for name, m in medians.items():
         print(f"median {name:8s} {m['rate']:7.1f} runs/s; daemon {m['daemon_ms']:.2f} ms/run, "

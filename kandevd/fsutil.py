@@ -136,6 +136,16 @@ def _remove_empty(folder: Path) -> None:
         pass
 
 
+def make_dir(path: Path) -> Path:
+    """``ensure_dir`` for a folder that is usually new (a run's): one ``mkdir`` when
+    its parent is there, no ``stat`` first."""
+    try:
+        os.mkdir(path, 0o700)
+        return path
+    except OSError:
+        return ensure_dir(path)  # (there already, or a parent missing: the long way)
+
+
 def fsync_dir(folder: Path) -> None:
     """Make a rename in ``folder`` durable (best effort: not every file system can)."""
     try:

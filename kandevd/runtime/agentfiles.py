@@ -43,7 +43,12 @@ def resolve(name: str, cwd: Path, path_env: str | None) -> str:
 
 def open_empty(path: Path) -> int:
     """``path`` opened read-write, created (0600) or emptied: truncated only when it
-    has something in it (an earlier attempt's), not on the usual path of a new file."""
+    has something in it (an earlier attempt's), not on the usual path of a new file
+    (created exclusively: nothing to look at)."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    except FileExistsError:
+        pass
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         if os.fstat(fd).st_size:

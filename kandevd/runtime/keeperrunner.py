@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from kandevd.fsutil import ensure_dir
+from kandevd.fsutil import ensure_dir, make_dir
 from kandevd.keeper import protocol
 from kandevd.keeper.agents import foreign_exit_of
 from kandevd.runtime.agentfiles import (
@@ -146,8 +146,11 @@ class KeeperRunner(KeeperAdoption):
         """
         started_at = utc_now()
         try:
-            ensure_dir(spec.log_path.parent)
-            sink = LogSink.open(spec.log_path)
+            try:  # (its folder is there but for the first run: made only when missing)
+                sink = LogSink.open(spec.log_path)
+            except FileNotFoundError:
+                ensure_dir(spec.log_path.parent)
+                sink = LogSink.open(spec.log_path)
         except OSError as exc:
             return self._result(spec, started_at, ERROR,
                                 error=f"cannot open log file {spec.log_path}: {exc}")
@@ -219,7 +222,7 @@ class KeeperRunner(KeeperAdoption):
                "KANDEVD_INPUT": str(spec.input_path)}
         search_path = env.get("PATH", self.client.environ.get("PATH"))
         try:
-            ensure_dir(spec.cwd)
+            make_dir(spec.cwd)
         except OSError as exc:
             return refuse(f"cannot create working directory {spec.cwd}: {exc}")
         problem, path = self._programs.find(spec.argv[0], spec.cwd, search_path)

@@ -75,8 +75,8 @@ def make_spread_dirs(parent: Path, names: Iterable[str]) -> bool:
     """
     missing = [name for name in names if not os.path.lexists(parent / name)]
     if not missing:
-        return _marked(parent)
-    marked = _mark_top(parent)
+        return _top_mark(parent, add=False)
+    marked = _top_mark(parent, add=True)
     for name in missing:
         spare = parent / f".{name}.{os.urandom(6).hex()}"
         try:
@@ -93,35 +93,20 @@ def make_spread_dirs(parent: Path, names: Iterable[str]) -> bool:
     return marked
 
 
-def _flags(fd: int) -> int:
-    flags = bytearray(8)  # (the kernel reads and writes an int of it)
-    fcntl.ioctl(fd, _GET_FLAGS, flags, True)
-    return int.from_bytes(flags[:4], sys.byteorder)
-
-
-def _marked(folder: Path) -> bool:
+def _top_mark(folder: Path, *, add: bool) -> bool:
+    """Does ``folder`` carry the top-of-hierarchy mark (after adding it, with ``add``)?
+    False where the file system has no such mark or refuses it."""
     try:
         fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
         return False
     try:
-        return bool(_flags(fd) & _TOP_DIR)
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-
-
-def _mark_top(folder: Path) -> bool:
-    """Mark ``folder`` the top of a hierarchy; whether it carries the mark now."""
-    try:
-        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        value = _flags(fd)
-        if not value & _TOP_DIR:
-            fcntl.ioctl(fd, _SET_FLAGS, (value | _TOP_DIR).to_bytes(4, sys.byteorder) + bytes(4))
+        flags = bytearray(8)  # (the kernel reads and writes an int of it)
+        fcntl.ioctl(fd, _GET_FLAGS, flags, True)
+        value = int.from_bytes(flags[:4], sys.byteorder)
+        if value & _TOP_DIR or not add:
+            return bool(value & _TOP_DIR)
+        fcntl.ioctl(fd, _SET_FLAGS, (value | _TOP_DIR).to_bytes(4, sys.byteorder) + bytes(4))
         return True
     except OSError:
         return False  # not ext4 (or not allowed): the folders are made where they fall

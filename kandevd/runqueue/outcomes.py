@@ -288,6 +288,7 @@ class OutcomeRecorder:
         """:meth:`settled` for outcomes written in one commit: what kept them for a restart
         (the keeper's journal) is released in one message."""
         released: list[ExecutionResult] = []
+        retried: list[tuple[str, int]] = []
         for claim, result in outcomes:
             run_id = claim.run.id
             directory = self.live.folder(claim)
@@ -300,10 +301,13 @@ class OutcomeRecorder:
             if result.outcome != DETACHED:
                 released.append(result)
             if failures:
-                log.info("run %s: its outcome was written after %d refused attempt(s)",
-                         run_id, failures)
+                retried.append((run_id, failures))
         if self.release is not None and released:
             self.release(released)
+        # Said once everything the outcome kept is released (its stdout file included).
+        for run_id, failures in retried:
+            log.info("run %s: its outcome was written after %d refused attempt(s)",
+                     run_id, failures)
 
     def apply(self, claim: Claim, result: ExecutionResult) -> Written:
         """The database side of an outcome; what it did is what :meth:`announce` reports.

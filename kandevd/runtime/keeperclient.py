@@ -340,8 +340,8 @@ class KeeperClient:
             self._ready.clear()
         if self._closing:
             return
-        log.warning("the keeper ended unexpectedly; starting another (its agents run on)")
         self.restarts += 1
+        log.warning("the keeper ended unexpectedly; starting another (its agents run on)")
         try:
             self._attach(first=False)
         except (KeeperUnavailable, OSError) as exc:

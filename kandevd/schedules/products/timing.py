@@ -69,13 +69,14 @@ def apply(job: Job, decision: Decision, now: datetime, last_active: datetime | N
         return False
     state.next_check = decision.next_at
     if decision.reason == QUIET:
-        if state.held_until is None:
+        newly_held = state.held_until is None
+        state.held_until = decision.next_at  # (before it is said: a reader may act on it)
+        if newly_held:
             active = rfc3339(last_active) if last_active else "recently"
             log.info("%s: occurrence of %s held by the quiet rule (user %s active at %s); "
                      "fires at %s unless the user is active again", job.key,
                      rfc3339(state.next_fire) if state.next_fire else "now", job.user_id,
                      active, rfc3339(decision.next_at))
-        state.held_until = decision.next_at
         return False
     if state.next_fire is None:
         state.next_fire = decision.next_at

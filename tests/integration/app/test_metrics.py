@@ -31,6 +31,10 @@ def test_metrics_over_http_and_socket(daemon_factory: Callable[..., DaemonProces
     daemon.wait_until(lambda: daemon.call("runs.get", {"id": run["id"]})["status"]
                       == "finished", what="the run finished")
     base = f"http://127.0.0.1:{port}"
+    # The execution's duration is observed once its outcome is settled, after the commit.
+    finished_key = ("kandevd_execution_duration_seconds_count", (("outcome", "succeeded"),))
+    daemon.wait_until(lambda: samples(http_get(base + "/metrics")[2]).get(finished_key) == 1,
+                      what="the execution's duration observed")
     code, ctype, body = http_get(base + "/metrics")
     assert code == 200 and ctype.startswith("text/plain; version=")
     got = samples(body)
@@ -38,8 +42,7 @@ def test_metrics_over_http_and_socket(daemon_factory: Callable[..., DaemonProces
     assert got[("kandevd_runs", (("status", "finished"),))] == 1
     assert got[("kandevd_claims_total", ())] >= 1
     assert got[("kandevd_runtime_slots_max", ())] == 4
-    assert got[("kandevd_execution_duration_seconds_count",
-                (("outcome", "succeeded"),))] == 1
+    assert got[finished_key] == 1
     assert http_get(base + "/health")[::2] == (200, "ok\n")
 
     over_socket = daemon.call("daemon.metrics")

@@ -147,9 +147,11 @@ def test_a_kill_after_the_agent_finished_is_recorded_from_its_exit_file(
     first.wait_until(lambda: first.agent_pids(), what="the agent process")
     first.kill_daemon_only()
     first.wait_until(lambda: not first.agent_pids(), what="the agent to end on its own")
-    # The keeper outlived the daemon: it journaled the agent's exit.
+    # The keeper outlived the daemon: it journals the agent's exit once it reaped it.
     assert first.keeper_pids()
-    assert kept_exit(home, run["id"])["code"] == 0
+    exit_kept = first.wait_until(lambda: kept_exit(home, run["id"]),
+                                 what="the keeper to journal the exit")
+    assert exit_kept["code"] == 0
     second = daemon_factory(fast_config(), home=home)
     second.wait_for_line(f"run {run['id']}: recording the outcome its execution left on disk")
     assert wait_status(second, run["id"], "finished")["output_summary"] == "echoed run"

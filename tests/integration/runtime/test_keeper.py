@@ -216,9 +216,14 @@ def test_a_time_limit_holds_while_no_daemon_runs(daemon_factory: Factory,
     [agent] = first.wait_until(first.agent_pids, what="the agent")
     first.kill_daemon_only()
     first.wait_until(lambda: not _running(agent), timeout=30, what="the keeper to stop it")
-    ended = [e.exit for e in read_journal(home / "keeper" / "journal").values()
-             if e.meta.get("run_id") == run["id"]]
-    assert ended and ended[0]["by"] == "timed_out"
+
+    def journaled_exits() -> list[dict]:
+        return [e.exit for e in read_journal(home / "keeper" / "journal").values()
+                if e.meta.get("run_id") == run["id"] and e.exit]
+
+    # (The keeper journals the exit once it reaped the agent, a moment after it ended.)
+    ended = first.wait_until(journaled_exits, what="the keeper to journal the exit")
+    assert ended[0]["by"] == "timed_out"
     second = daemon_factory(cfg, home=home)
     failed = wait_status(second, run["id"], "failed", timeout=WAIT_S)
     assert "timed out after 3.0s" in failed["error_message"]

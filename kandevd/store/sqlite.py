@@ -11,7 +11,9 @@ from __future__ import annotations
 import logging
 import os
 import sqlite3
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 from kandevd.store.base import BUSY_TIMEOUT_MS, BaseStore
 
@@ -29,11 +31,35 @@ def db_size_bytes(path: str | os.PathLike[str]) -> int:
     return total
 
 
+class CountedConnection(sqlite3.Connection):
+    """A connection that counts the statements sent through it (``store.statements``).
+
+    Not a trace callback: SQLite calls that from inside each statement, which then
+    takes the interpreter lock in mid-statement (and formats the statement with its
+    values), a cost on every statement of the run path. An ``executemany`` or
+    ``executescript`` counts as one.
+    """
+
+    count: Callable[[], None] = staticmethod(lambda: None)
+
+    def execute(self, sql: str, parameters: Any = (), /) -> sqlite3.Cursor:
+        self.count()
+        return super().execute(sql, parameters)
+
+    def executemany(self, sql: str, parameters: Iterable[Any], /) -> sqlite3.Cursor:
+        self.count()
+        return super().executemany(sql, parameters)
+
+    def executescript(self, script: str, /) -> sqlite3.Cursor:
+        self.count()
+        return super().executescript(script)
+
+
 class Store(BaseStore):
     """The SQLite store in the home: one file, WAL, ``BEGIN IMMEDIATE`` writes."""
 
     #: The class of every connection the store opens (a test may record statements).
-    connection_factory: type[sqlite3.Connection] = sqlite3.Connection
+    connection_factory: type[sqlite3.Connection] = CountedConnection
 
     def __init__(self, path: Path | str, *, synchronous: str = "FULL") -> None:
         self.path = str(path)
@@ -50,10 +76,19 @@ class Store(BaseStore):
         conn.execute("PRAGMA foreign_keys=ON")
         conn.execute(f"PRAGMA synchronous={synchronous}")
         self._last_written: str | None = None
-        conn.set_trace_callback(self._trace_writer)
+        self._count_on(conn, self._trace_writer)
         self._conn = conn
         if self.path != ":memory:" and os.path.exists(self.path):
             os.chmod(self.path, 0o600)
+
+    def _count_on(self, conn: sqlite3.Connection, trace: Callable[[str], None]) -> None:
+        """Count ``conn``'s statements: by the connection itself, or by a trace callback
+        when each statement is written to the trace file (``KANDEVD_TRACE_SQL``) or the
+        connection is another class (a test's)."""
+        if self._trace_file is None and isinstance(conn, CountedConnection):
+            conn.count = self._count
+        else:
+            conn.set_trace_callback(trace)
 
     def _trace_writer(self, statement: str) -> None:
         """The writer's trace: each statement once, not once more per trigger it fires.
@@ -82,7 +117,7 @@ class Store(BaseStore):
             conn.row_factory = sqlite3.Row
             conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
             conn.execute("PRAGMA journal_mode")  # WAL: set by the writer, persistent
-            conn.set_trace_callback(self._trace)
+            self._count_on(conn, self._trace)
         except sqlite3.DatabaseError as exc:
             conn.close()
             self._note_failure(exc)

@@ -173,6 +173,17 @@ def main() -> None:
         this, base = medians["this"], medians["baseline"]
         print(f"ratio this/baseline: drain rate {this['rate'] / base['rate']:.2f}x, "
               f"daemon CPU per run {this['daemon_ms'] / base['daemon_ms']:.2f}x")
+        # The agents' processes do the same work in every round, so their CPU per run
+        # tells how fast the machine was then: each round's daemon CPU over it, this
+        # version's over the baseline's of the same round, takes out the drift between
+        # rounds that the medians above keep.
+        paired = [(t["daemon_ms"] / t["children_ms"]) / (b["daemon_ms"] / b["children_ms"])
+                  for t, b in zip(results["this"], results["baseline"], strict=True)
+                  if t["children_ms"] > 0 and b["children_ms"] > 0 and b["daemon_ms"] > 0]
+        if paired:
+            print(f"daemon CPU per run, round by round, each scaled by its agents' CPU: "
+                  f"{statistics.median(paired):.2f}x (median of {len(paired)}; "
+                  + ", ".join(f"{r:.2f}" for r in paired) + ")")
 
 
 if __name__ == "__main__":

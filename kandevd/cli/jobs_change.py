@@ -92,7 +92,8 @@ def job_ref(job_id: str, user_id: str | None) -> dict[str, Any]:
 @click.command("create")
 @click.argument("workflow")
 @click.option("--id", "schedule_id", default=None,
-              help="Schedule id, unique in the workflow (required unless in --from-json).")
+              help="Schedule id, unique in the workflow: letters, digits, '.', '_' and '-' "
+              "(required unless in --from-json).")
 @schedule_options
 @user_option
 @json_option

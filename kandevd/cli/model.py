@@ -137,8 +137,11 @@ def steps_param(params: dict[str, Any]) -> None:
         raise click.UsageError("give the steps with either --steps-json or --from-file")
     hint = "--steps-json" if text is not None else "--from-file"
     if path is not None:
-        with click.open_file(path) as handle:
-            text = handle.read()
+        try:
+            with click.open_file(path) as handle:
+                text = handle.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise click.BadParameter(f"cannot read {path}: {exc}", param_hint=hint) from None
     try:
         value = json.loads(text)
     except ValueError as exc:
@@ -189,7 +192,8 @@ holding that list or a whole workflow object (its fields under the options).
     opt("--id", dest="id", help="Workflow id (generated when left out)."),
     opt("--style", dest="style", type=STYLE, help="kanban, office or custom (default custom)."),
     opt("--steps-json", dest="steps", help="The steps as a JSON list."),
-    opt("--from-file", dest="from_file", type=click.Path(dir_okay=False, allow_dash=True),
+    opt("--from-file", dest="from_file",
+        type=click.Path(exists=True, dir_okay=False, allow_dash=True),
         help="JSON file with the steps list or a workflow object."),
 ], prepare=steps_param, render=show_workflow)
 

@@ -38,6 +38,10 @@ def format_validation_error(error: jsonschema.ValidationError, prefix: str = "",
     if error.validator == "maxItems" and isinstance(error.instance, list):
         # jsonschema would quote the whole (long) list and never say what is wrong.
         return f"{where}: {len(error.instance)} items; at most {error.validator_value} allowed"
+    if error.validator == "pattern" and isinstance(error.schema.get("x-message"), str):
+        # (A schema's own words for a pattern: a regular expression tells a user little.)
+        return f"{where}: {yamlsafe.one_line(repr(error.instance))[:MAX_MESSAGE]} " \
+            f"{error.schema['x-message']}"
     message = yamlsafe.one_line(error.message)
     if len(message) > MAX_MESSAGE:  # the message quotes the value, which may be a big list
         message = message[:MAX_MESSAGE] + "..."

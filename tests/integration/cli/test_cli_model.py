@@ -128,6 +128,10 @@ def test_errors_name_the_option_and_json_keeps_the_rpc_error(
 
     no_steps = run_cli(home, "workflows", "create", "--workspace", "ws1", "--name", "n")
     assert no_steps.returncode == 2 and "--steps-json" in no_steps.stderr
+    no_file = run_cli(home, "workflows", "create", "--workspace", "ws1", "--name", "n",
+                      "--from-file", str(home / "no-such-steps.json"))
+    assert no_file.returncode == 2 and "Traceback" not in no_file.stderr
+    assert "Invalid value for '--from-file'" in no_file.stderr
 
 
 def test_call_reads_params_from_stdin(daemon_factory: Factory) -> None:

@@ -63,9 +63,15 @@ VALIDATE_CASES = [
     ("unknown fields", {**BASE, "cadence_hours": 1, "group_ids": ["a"], "mode": "x"},
      [f"group_ids: unknown field; allowed here: {ALLOWED}",
       f"mode: unknown field; allowed here: {ALLOWED}"]),
-    ("empty id", {**BASE, "id": "", "cadence_hours": 1}, ["id: '' should be non-empty"]),
+    ("empty id", {**BASE, "id": "", "cadence_hours": 1},
+     ["id: '' is not allowed: use letters, digits, '.', '_' and '-', starting with a letter "
+      "or digit (at most 200 characters)"]),
+    ("path-like id", {**BASE, "id": "../x", "cadence_hours": 1},
+     ["id: '../x' is not allowed: use letters, digits, '.', '_' and '-', starting with a "
+      "letter or digit (at most 200 characters)"]),
     ("long id", {**BASE, "id": "x" * 201, "cadence_hours": 1},
-     [f"id: '{'x' * 201}' is too long"]),
+     [f"id: '{'x' * 201}' is not allowed: use letters, digits, '.', '_' and '-', starting "
+      "with a letter or digit (at most 200 characters)"]),
     ("no messages", {**BASE, "messages": [], "cadence_hours": 1},
      ["messages: [] should be non-empty"]),
     ("empty message", {**BASE, "messages": ["a", ""], "cadence_hours": 1},

@@ -100,6 +100,20 @@ def test_path_like_names_are_refused(name: str) -> None:
         manifest.check_workflow_name(name)
 
 
+@pytest.mark.parametrize("schedule_id", ["../h1", "x/y", "a b", "h:1", "..", ".hidden",
+                                         "-x", "x" * 201])
+def test_schedule_ids_that_would_break_a_job_id_are_refused_in_words(schedule_id: str) -> None:
+    # (A job id is "workflow:<workflow>:<schedule>": a ':' or '/' would make it ambiguous,
+    # and the console's link to the job would not lead back to it.)
+    with pytest.raises(ManifestError, match="is not allowed: use letters, digits"):
+        manifest.parse_schedule(schedule(schedule_id), None)
+
+
+@pytest.mark.parametrize("schedule_id", ["daily", "Daily-2", "a.b_c", "9am", "x" * 200])
+def test_ordinary_schedule_ids_load(schedule_id: str) -> None:
+    assert manifest.parse_schedule(schedule(schedule_id), None).id == schedule_id
+
+
 @given(st.sets(st.sampled_from(["a", "b", "c", "d"]), min_size=1),
        st.lists(st.sampled_from(["a", "b", "c", "d", "e"]), min_size=1, max_size=4,
                 unique=True))

@@ -87,13 +87,15 @@ def load_file(path: Path, what: str = "") -> Any:
 
 _BOOL_TAG = "tag:yaml.org,2002:bool"
 _STR_TAG = "tag:yaml.org,2002:str"
+_MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
 def keys_as_written(node: yaml.Node, seen: set[int]) -> None:
     """Keep a mapping key such as ``on:`` a string: YAML 1.1 reads the words on, off,
     yes, no as booleans, so ``notify: {on: [failure]}`` would have the key ``True``.
     Only keys written as those words are kept as written (``true``/``false`` and every
-    value are read as YAML says)."""
+    value are read as YAML says). A key written twice in one mapping is refused: YAML
+    would keep the second silently and drop what the first said."""
     stack = [node]
     while stack:
         current = stack.pop()
@@ -101,10 +103,18 @@ def keys_as_written(node: yaml.Node, seen: set[int]) -> None:
             continue
         seen.add(id(current))
         if isinstance(current, yaml.MappingNode):
+            written: dict[tuple[str, str], yaml.Node] = {}
             for key, value in current.value:
                 if isinstance(key, yaml.ScalarNode) and key.tag == _BOOL_TAG \
                         and key.style is None and key.value.lower() not in ("true", "false"):
                     key.tag = _STR_TAG
+                if isinstance(key, yaml.ScalarNode) and key.tag != _MERGE_TAG:
+                    first = written.setdefault((key.tag, key.value), key)
+                    if first is not key:  # (YAML keeps the last one: the first is lost)
+                        raise YamlError(
+                            f"not valid YAML: line {key.start_mark.line + 1}: key "
+                            f"{one_line(key.value)!r} given twice (first on line "
+                            f"{first.start_mark.line + 1})")
                 stack.append(value)
         elif isinstance(current, yaml.SequenceNode):
             stack.extend(current.value)

@@ -190,6 +190,20 @@ def test_load_config_prefixes_the_file_and_reports_bad_yaml(tmp_path: Path) -> N
         load_config(tmp_path / "missing.yaml", environ={})
 
 
+def test_a_key_given_twice_is_refused_not_half_dropped(tmp_path: Path) -> None:
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("queue: {safety_interval_s: 5}\nruntime: {max_concurrent: 2}\n"
+                     "queue: {max_attempts: 3}\n")
+    with pytest.raises(ConfigError, match=r"twice\.yaml: not valid YAML: line 3: key 'queue' "
+                                          r"given twice \(first on line 1\)"):
+        load_config(twice, environ={})
+    # Nested too; a merge key (<<) is not a repeated key.
+    with pytest.raises(yamlsafe.YamlError, match="line 3: key 'x' given twice"):
+        yamlsafe.loads("a:\n  x: 1\n  x: 2\n")
+    assert yamlsafe.loads("b: &b {x: 1}\nc: {<<: *b, y: 2}\n") == {"b": {"x": 1},
+                                                                   "c": {"x": 1, "y": 2}}
+
+
 def test_load_config_finds_the_home_file_and_an_explicit_file_wins(tmp_path: Path) -> None:
     assert load_config(None, home=tmp_path, environ={}).source is None  # no file: defaults
     (tmp_path / "kandevd.yaml").write_text("runtime:\n  max_concurrent: 2\n")

@@ -58,7 +58,7 @@ def jobs() -> None:
     A workflow job id is `workflow:<workflow>:<schedule_id>` (a bare schedule id
     works when it is unique); a product job id is `product:<profile>:<schedule>`,
     one per user who has the product: name the user with --user. Every command
-    takes --json for the raw result.
+    but logs (which prints the log itself) takes --json for the raw result.
     """
 
 

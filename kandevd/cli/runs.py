@@ -75,9 +75,12 @@ def enqueue(workspace_id: str | None, agent_id: str | None, reason: str | None,
     if missing:
         raise click.UsageError(f"missing {', '.join(missing)} (or give --from-file)")
     try:
-        payload_obj = json.loads(payload)
+        payload_obj = jsonstrict.loads(payload)
     except ValueError as exc:
         raise click.BadParameter(f"not valid JSON: {exc}", param_hint="--payload") from None
+    if not isinstance(payload_obj, dict):
+        raise click.BadParameter(f"must be a JSON object, not {json_type(payload_obj)}",
+                                 param_hint="--payload")
     params: dict[str, Any] = {"workspace_id": workspace_id, "agent_id": agent_id,
                               "reason": reason, "payload": payload_obj,
                               "coalesce": not no_coalesce}

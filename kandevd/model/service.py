@@ -359,8 +359,12 @@ class WorkspaceService:
         changes = changed_fields(before, after)
         if "step_id" not in changes:
             changes.insert(0, "step_id")
-        log.info("task %s moved from step %s to %s (runner %s)", task_id, before["step_id"],
-                 step_id, after["runner"])
+        if before["step_id"] != step_id:
+            log.info("task %s moved from step %s to %s (runner %s)", task_id,
+                     before["step_id"], step_id, after["runner"])
+        else:  # (its on_enter actions run again, as the same entry)
+            log.info("task %s entered step %s again (runner %s)", task_id, step_id,
+                     after["runner"])
         self.bus.publish("task.updated", {"task": after, "previous": before, "changes": changes})
         results = [self._run_action(action, after, step_id, entry)
                    for action in step["on_enter"]]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -59,6 +60,8 @@ JOB_REF = object_schema({"id": ID, "user_id": USER}, ("id",))
 MAX_NEXT = 100
 _ENTITY = {"workflows": "workflow", "products": "product"}
 
+log = logging.getLogger("kandevd.control.scheduler")
+
 
 def register(registry: Registry, services: Services) -> None:
     loop = services.cron
@@ -103,6 +106,11 @@ def register(registry: Registry, services: Services) -> None:
             jobs.pause.put(p["globally_paused"], p.get("paused_by"), utc_now())
         except OSError as exc:
             raise unwritable(exc) from None
+        by = p.get("paused_by") or "an operator"
+        if p["globally_paused"] != was:  # (said in the daemon's log, as each skip is)
+            log.info("scheduler %s by %s: %s", "paused" if p["globally_paused"] else "resumed",
+                     by, "no schedule fires until it is resumed" if p["globally_paused"]
+                     else "schedules fire again")
         if p["globally_paused"] and not was:
             services.bus.publish("schedule.paused", {
                 "id": None, "entry_id": None, "status": "paused",

@@ -93,7 +93,9 @@ def test_states_follow_the_switches_and_an_invalid_file_keeps_the_job(
     assert paused["state"] == "paused" and paused["next_run_at"] is None
     assert "paused by ann" in paused["state_reason"]
     assert daemon.call("scheduler.jobs.list", {"state": "paused"})["total"] == 1
+    daemon.wait_for_line("scheduler paused by ann: no schedule fires until it is resumed")
     daemon.call("scheduler.config.put", {"globally_paused": False})
+    daemon.wait_for_line("scheduler resumed by an operator: schedules fire again")
     daemon.call("scheduler.jobs.disable", {"id": job_id})
     disabled = daemon.call("scheduler.jobs.get", {"id": job_id})
     assert (disabled["state"], disabled["next_run_at"]) == ("disabled", None)

@@ -10,14 +10,17 @@ announce), restore.py (restart adoption, peer settlement); the queue loop
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from kandevd.bus import EventBus
 from kandevd.config import Config
 from kandevd.faults import NO_FAULTS, Faults
+from kandevd.fsutil import append_note
 from kandevd.paths import HomeLayout
 from kandevd.runqueue.dispatch import Dispatcher
 from kandevd.runqueue.live import LiveRuns, Waker
@@ -29,7 +32,7 @@ from kandevd.runs.retry import retry_decider
 from kandevd.runtime import AgentRuntime, ExecutionResult
 from kandevd.store.runners import Runners
 from kandevd.store.runs import RunRepository
-from kandevd.timeutil import utc_now
+from kandevd.timeutil import rfc3339, utc_now
 
 log = logging.getLogger("kandevd.queue")
 
@@ -127,9 +130,13 @@ class RunQueue:
 
     def retry(self, run_id: str) -> Run:
         """``runs.retry``: a failed or cancelled run queued again with a fresh attempt budget."""
-        run = self.repo.retry(run_id, self.clock())
+        now = self.clock()
+        run = self.repo.retry(run_id, now)
         # (The run cannot be claimed again before a live attempt's outcome is settled.)
         self.live.forget_cancel_unless_live(run_id)
+        if run.log_path and os.path.isfile(run.log_path):  # (its attempts start at 1 again)
+            append_note(Path(run.log_path), f"==== re-queued by runs.retry {rfc3339(now)}: "
+                        "its attempts count from 1 again ====")
         log.info("run %s re-queued by runs.retry", run_id)
         self.bus.publish("run.queued", {"run": run})
         self.wake()

@@ -227,6 +227,14 @@ def test_attempts_end_in_the_dead_letter_and_runs_retry_brings_a_run_back(
     assert f"{doomed['id']} queued" in result.stdout
     again = wait_status(daemon, doomed["id"], "failed")
     assert again["error_message"].startswith("gave up after 2 attempts")
+    # Its log says where the attempts started counting again.
+    frames = [line for line in Path(again["log_path"]).read_text().splitlines()
+              if line.startswith("[kandevd] ====")]
+    started = [i for i, line in enumerate(frames) if " started " in line]
+    assert len(started) == 4
+    retried = [i for i, line in enumerate(frames) if "re-queued by runs.retry" in line]
+    assert len(retried) == 1 and started[1] < retried[0] < started[2]
+    assert "attempt 1 started" in frames[started[2]]
 
 
 def test_a_run_waiting_for_its_back_off_is_retrying_not_waiting_in_the_queue(

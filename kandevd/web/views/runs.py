@@ -46,9 +46,12 @@ def _page(console: Console, request: Request) -> dict[str, Any]:
 
 
 def index(console: Console, request: Request) -> Response:
+    status = request.query.get("status", "").strip()
+    ignored = (f"There is no status {status!r}: runs of every status are shown."
+               if status and status not in STATUSES else None)
     return console.render("runs.html", request, title="Runs", nav="runs",
                           filters={k: request.query.get(k, "") for k in FILTERS},
-                          statuses=STATUSES, **_page(console, request))
+                          statuses=STATUSES, ignored=ignored, **_page(console, request))
 
 
 def fragment(console: Console, request: Request) -> Response:

@@ -280,6 +280,11 @@ def test_runs_listed_with_duration_cost_the_dead_letter_retried_whole_and_budget
     assert said.startswith("finished finished at ") and "after 1 attempt(s)" in said
     assert "not waiting" not in said
 
+    open_page(driver, address, "/runs?status=bogus&agent_id=writer")  # a link typed by hand
+    assert "There is no status 'bogus': runs of every status are shown." in flash(driver)
+    assert driver.find_elements(By.CSS_SELECTOR, f"a[href='/runs/{done}']")
+    shot(driver, "runs-unknown-status")
+
     open_page(driver, address, "/runs/dead")
     assert len(driver.find_elements(By.CSS_SELECTOR, "input[name=run]")) == 50  # one page
     for agent in breakers:  # their runs wait once queued again

@@ -92,9 +92,12 @@ class ExecutionSpec:
         object.__setattr__(self, "argv", tuple(self.argv))
         if not self.argv:
             raise ValueError("ExecutionSpec.argv must not be empty")
-        object.__setattr__(self, "cwd", Path(self.cwd))
-        object.__setattr__(self, "log_path", Path(self.log_path))
-        if self.record_dir is not None:
+        # (A Path is kept as it is: wrapping it again parses it again, on every run.)
+        if not isinstance(self.cwd, Path):
+            object.__setattr__(self, "cwd", Path(self.cwd))
+        if not isinstance(self.log_path, Path):
+            object.__setattr__(self, "log_path", Path(self.log_path))
+        if self.record_dir is not None and not isinstance(self.record_dir, Path):
             object.__setattr__(self, "record_dir", Path(self.record_dir))
         if not self.timeout_s > 0:  # also rejects NaN
             raise ValueError(f"ExecutionSpec.timeout_s must be > 0, not {self.timeout_s!r}")

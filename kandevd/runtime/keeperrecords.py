@@ -76,7 +76,7 @@ class KeeperAdoption:
         for execution in ids:
             handle = self.client.handle(execution)
             if handle is not None and handle.meta.get("stdout_path"):
-                unlink_stdout(Path(handle.meta["stdout_path"]))
+                unlink_stdout(str(handle.meta["stdout_path"]))  # (no Path parsed per run)
         if ids:
             try:
                 self.client.acknowledge(ids)

@@ -137,7 +137,7 @@ def collect_stdout(stdout_path: Path, log_path: Path, state_path: Path | None = 
     return report
 
 
-def unlink_stdout(path: Path) -> None:
+def unlink_stdout(path: str | os.PathLike[str]) -> None:
     """The agent's stdout file is merged and recorded: it goes (gone already is fine)."""
     try:
         os.unlink(path)

@@ -70,6 +70,9 @@ def type_text(schema: dict[str, Any]) -> str:
         text = "any"
     if kind == "array" and isinstance(schema.get("items"), dict):
         text = f"array of {type_text(schema['items'])}"
+        few, many = schema.get("minItems"), schema.get("maxItems")
+        if few is not None or many is not None:  # (the array's own length, not an item's)
+            text += f"; {'' if few is None else few}..{'' if many is None else many} items"
     low, high = schema.get("minimum"), schema.get("maximum")
     if low is not None or high is not None:
         text += f" {'' if low is None else low}..{'' if high is None else high}"

@@ -72,6 +72,11 @@ class GatewayApp:
         path = str(environ.get("PATH_INFO") or "")
         runner = self._runner(environ)
         environ[KEEP_ALIVE] = True  # a known runner's connection is kept
+        home_id = str(environ.get(protocol.HOME_HEADER_ENVIRON) or "")[:64]
+        taken = self.remote.home_problem(runner, home_id, hello=path == protocol.HELLO)
+        if taken is not None:
+            log.warning("gateway: %s refused: %s", path, taken)
+            return 409, {"error": taken, "name_taken": True}
         if path == protocol.HELLO:
             body = _json(environ)
             gone = self.remote.hello(runner, _held(body))

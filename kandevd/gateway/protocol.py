@@ -31,6 +31,10 @@ HEARTBEAT_S = 5.0
 MAX_LOG_CHUNK = 128 * 1024
 #: A token: this prefix and 43 URL-safe characters (256 random bits).
 TOKEN_PREFIX = "kdr_"
+#: The runner home a request comes from (``<runner home>/runner.id``): one token serves
+#: one runner home at a time (a 409 with ``name_taken`` answers another).
+HOME_HEADER = "X-Kandevd-Runner-Home"
+HOME_HEADER_ENVIRON = "HTTP_X_KANDEVD_RUNNER_HOME"
 
 
 def new_token() -> str:

@@ -32,6 +32,11 @@ class TokenRefused(Exception):
     """The server does not know this runner's token (revoked, or never registered)."""
 
 
+class NameTaken(TokenRefused):
+    """Another runner home serves this runner's name (one token, one runner process):
+    the token is not this process's to use now, as when it is refused."""
+
+
 class Unreachable(Exception):
     """The server could not be reached or could not answer now."""
 
@@ -61,6 +66,10 @@ class GatewayClient:
             maxsize=8, block=False, retries=False, ssl_context=context,
             timeout=urllib3.Timeout(connect=CONNECT_S, read=READ_S))
         self._poll_timeout = urllib3.Timeout(connect=CONNECT_S, read=POLL_READ_S)
+
+    def serve_as(self, home_id: str) -> None:
+        """Every request says it comes from runner home ``home_id`` (see ``NameTaken``)."""
+        self._headers[protocol.HOME_HEADER] = home_id
 
     def hello(self, held: list[Held]) -> dict[str, Any]:
         return self._post(protocol.HELLO, {"version": __version__, "running": held})
@@ -125,6 +134,8 @@ class GatewayClient:
             raise TokenRefused(message)
         if response.status >= 500:
             raise Unreachable(f"{self.base}: {message}")
+        if response.status == 409 and answer.get("name_taken") is True:
+            raise NameTaken(message)
         if response.status >= 300:
             raise Rejected(response.status, message, answer)
         return answer

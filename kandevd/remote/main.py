@@ -18,7 +18,7 @@ from pathlib import Path
 from kandevd import exits
 from kandevd.app.homelock import HomeLock, HomeLocked
 from kandevd.config import ConfigError, load_config
-from kandevd.fsutil import ensure_dir
+from kandevd.fsutil import ensure_dir, replace_atomically
 from kandevd.paths import HomeLayout
 from kandevd.remote.client import GatewayClient
 from kandevd.remote.runner import RunnerProcess
@@ -50,6 +50,27 @@ def read_token(path: Path) -> str:
     if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
         log.warning("%s: other users may read this runner's token (chmod 600 it)", path)
     return token
+
+
+#: The runner home's id, made at its first start: the server lets one home at a time serve a
+#: runner's name (two processes with one token would take each other's runs).
+HOME_ID_FILE = "runner.id"
+
+
+def home_id(root: Path) -> str:
+    """``<home>/runner.id``: 32 hex digits, made once (a file that is not one is made anew)."""
+    path = root / HOME_ID_FILE
+    try:
+        text = path.read_text(encoding="ascii", errors="replace").strip()
+    except FileNotFoundError:
+        text = ""
+    if len(text) == 32 and all(c in "0123456789abcdef" for c in text):
+        return text
+    if text:
+        log.warning("%s is not a runner home id; a new one is made", path)
+    made = os.urandom(16).hex()
+    replace_atomically(path, made + "\n", durable=True)
+    return made
 
 
 def run_runner(server: str, token_file: Path, home: Path, config_path: Path | None,
@@ -85,6 +106,12 @@ def run_runner(server: str, token_file: Path, home: Path, config_path: Path | No
     except HomeLocked as exc:
         log.error("%s", exc)
         return exits.TEMPFAIL
+    try:
+        client.serve_as(home_id(layout.root))
+    except OSError as exc:
+        lock.release()
+        log.error("%s: cannot be used as the runner's home: %s", home, exc)
+        return exits.CANTCREAT
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set())
                 for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -98,7 +125,7 @@ def run_runner(server: str, token_file: Path, home: Path, config_path: Path | No
         keeper.connect()
         return AgentRuntime(config.runtime.max_concurrent, config.runtime.stop_grace_s,
                             runner=KeeperRunner(keeper, kill_grace_s=5.0),
-                            on_slot_free=on_slot_free)
+                            on_slot_free=on_slot_free, shutdown_reason="runner shutting down")
 
     def sweep(keep: frozenset[int]) -> None:
         """Agents a crash of this runner left and it did not take back: stopped (their
@@ -120,5 +147,5 @@ def run_runner(server: str, token_file: Path, home: Path, config_path: Path | No
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         lock.release()
-        if code != exits.NOPERM:  # (a refused token is one line, said already)
+        if code not in (exits.NOPERM, exits.TEMPFAIL):  # (a refusal is one line, said)
             log.info("runner stopped (pid %d)", os.getpid())

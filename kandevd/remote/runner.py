@@ -35,7 +35,13 @@ from kandevd.gateway.protocol import (
     Held,
 )
 from kandevd.paths import HomeLayout
-from kandevd.remote.client import GatewayClient, Rejected, TokenRefused, Unreachable
+from kandevd.remote.client import (
+    GatewayClient,
+    NameTaken,
+    Rejected,
+    TokenRefused,
+    Unreachable,
+)
 from kandevd.remote.held import HeldFiles, Kept
 from kandevd.runtime import AgentRuntime, ExecutionResult, Reservation
 from kandevd.runtime.attempts import attempt_dir
@@ -93,6 +99,8 @@ class RunnerProcess:
         self.files = HeldFiles(layout)
         self.stop = stop
         self.refused = threading.Event()
+        #: The refusal was of this process, not of the token: another home serves it.
+        self.name_taken = False
         self.dead_after_s = 30.0
         self.heartbeat_s = HEARTBEAT_S
         self._jobs: dict[str, Job] = {}
@@ -116,7 +124,7 @@ class RunnerProcess:
         if answer is None:
             if self._attached:  # (taken back: left to the keeper, as at a crash)
                 self.runtime.stop(keep_agents=True)
-            return exits.NOPERM if self.refused.is_set() else 0
+            return self._refused_code() if self.refused.is_set() else 0
         self.dead_after_s = float(answer.get("dead_after_s") or 30.0)
         self.heartbeat_s = min(HEARTBEAT_S, float(answer.get("heartbeat_s") or HEARTBEAT_S),
                                self.dead_after_s / 4)
@@ -135,9 +143,12 @@ class RunnerProcess:
         for thread in threads:
             thread.start()
         self.stop.wait()
-        log.info("runner stopping: its agents are stopped, their outcomes reported")
+        log.info("runner stopping: its agents are being stopped, their outcomes reported")
+        # At once, not after the poll in flight (up to its wait): each agent ends
+        # interrupted and the server re-queues its run; what a last poll hands over is
+        # given back unstarted (the stop is set).
+        self.runtime.stop()
         threads[0].join()
-        self.runtime.stop()  # each agent ends interrupted: the server re-queues its run
         self._report.set()
         deadline = time.monotonic() + FINAL_REPORT_S
         while self._pending() and time.monotonic() < deadline and not self.refused.is_set():
@@ -146,7 +157,12 @@ class RunnerProcess:
         for thread in threads[1:]:
             thread.join()
         self.runtime.stop()
-        return exits.NOPERM if self.refused.is_set() else 0
+        return self._refused_code() if self.refused.is_set() else 0
+
+    def _refused_code(self) -> int:
+        """75 when another runner home serves this runner's name (try again once it is
+        gone), 77 when the token itself was refused."""
+        return exits.TEMPFAIL if self.name_taken else exits.NOPERM
 
     def _take_back(self) -> list[Kept]:
         """What a previous run of this runner left: its agents adopted, their ends read."""
@@ -361,7 +377,11 @@ class RunnerProcess:
             answer = request()
         except TokenRefused as exc:
             if not self.refused.is_set():
-                log.error("the server refused this runner's token: %s", exc)
+                if isinstance(exc, NameTaken):
+                    self.name_taken = True
+                    log.error("the server refused this runner: %s", exc)
+                else:
+                    log.error("the server refused this runner's token: %s", exc)
             self.refused.set()
             self.stop.set()
             raise

@@ -30,6 +30,7 @@ from kandevd.runs.labels import covers
 from kandevd.runs.model import Claim, EnqueueRequest, EnqueueResult, Explanation, Run, RunPage
 from kandevd.runs.retry import retry_decider
 from kandevd.runtime import AgentRuntime, ExecutionResult
+from kandevd.runtime.output import attempt_ended
 from kandevd.store.runners import Runners
 from kandevd.store.runs import RunRepository
 from kandevd.timeutil import rfc3339, utc_now
@@ -181,6 +182,10 @@ class RunQueue:
         """A runner stopped gracefully during the execution: back to the queue, uncounted."""
         if self.repo.release_interrupted(self.clock(), [(claim.run.id, claim.token)], why):
             log.info("run %s: %s; re-queued", claim.run.id, why)
+            try:  # (subscribers saw it claimed: it waits in the queue again)
+                self.bus.publish("run.queued", {"run": self.repo.get(claim.run.id)})
+            except Exception:  # (gone meanwhile, or the database refused: no event)
+                log.debug("run %s: no run.queued event for its release", claim.run.id)
         self.wake()
 
     def rescue_remote(self, claims: list[tuple[str, str]], why: str) -> dict[str, str]:
@@ -189,10 +194,24 @@ class RunQueue:
         for run_id, status in done.items():
             log.warning("run %s: %s; %s", run_id, why,
                         "re-queued" if status == "queued" else "gave up")
+            self._close_attempt(run_id, why)
         if done:
             self.outcomes.announce_rescued(done)
             self.wake()
         return done
+
+    def _close_attempt(self, run_id: str, why: str) -> None:
+        """The attempt a rescue took back ends in the run's log too (a runner that went
+        silent never sends its end): ``==== attempt N ended <time>: error (why) ====``.
+        Only where the log is (another daemon's gateway may hold it)."""
+        path = self.layout.run_logs / f"{run_id}.log"
+        try:
+            if not path.is_file():
+                return
+            run = self.repo.get(run_id)
+        except Exception:  # (gone meanwhile, or the database refused: no line)
+            return
+        append_note(path, attempt_ended(run.attempt, self.clock(), "error", why))
 
     def explain(self, run_id: str) -> Explanation:
         now = self.clock()

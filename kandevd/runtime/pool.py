@@ -33,7 +33,7 @@ from kandevd.runtime.execution import (
 )
 from kandevd.runtime.process import ProcessRunner
 from kandevd.runtime.records import ExecutionRecord, read_record
-from kandevd.runtime.stopping import LiveExecution, Stopping
+from kandevd.runtime.stopping import SHUTDOWN_REASON, LiveExecution, Stopping
 from kandevd.runtime.threadless import Threadless
 from kandevd.runtime.workers import Workers
 
@@ -88,17 +88,20 @@ class AgentRuntime(Stopping, Threadless, Workers):
     def __init__(self, max_concurrent: int, stop_grace_s: float, *,
                  runner: Runner | None = None, kill_grace_s: float = 5.0,
                  shutdown_requested: Callable[[float], bool] | None = None,
-                 on_slot_free: Callable[[], None] | None = None) -> None:
+                 on_slot_free: Callable[[], None] | None = None,
+                 shutdown_reason: str = SHUTDOWN_REASON) -> None:
         """``shutdown_requested(timeout)``: waits up to ``timeout`` for the daemon's
         "stop requested" (set from its signal handler): an agent that a signal ends
         then counts as interrupted. ``on_slot_free()``: called whenever a slot frees
-        (the queue loop's wake-up)."""
+        (the queue loop's wake-up). ``shutdown_reason``: what the stop tells each agent
+        it interrupts (a runner's is its own, not the daemon's)."""
         if max_concurrent < 1:
             raise ValueError(f"max_concurrent must be >= 1, not {max_concurrent!r}")
         if stop_grace_s < 0:
             raise ValueError(f"stop_grace_s must be >= 0, not {stop_grace_s!r}")
         self._max = max_concurrent
         self._stop_grace_s = stop_grace_s
+        self.shutdown_reason = shutdown_reason
         self._runner: Runner = runner if runner is not None else ProcessRunner(kill_grace_s)
         #: The runner opens and closes a run's attempt in its log (``ExecutionSpec.attempt``).
         self.frames_logs: bool = getattr(self._runner, "frames_logs", False)

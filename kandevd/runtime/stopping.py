@@ -65,6 +65,7 @@ class Stopping:
     _threads: list[threading.Thread]
     _jobs: deque[LiveExecution]
     _stop_grace_s: float
+    shutdown_reason: str
     _stopping: bool
     _stop_begun: bool
     _stopped: bool
@@ -187,7 +188,7 @@ class Stopping:
             log.warning("runtime stopping: interrupting %d execution(s) still running: %s",
                         len(leftover), ", ".join(sorted(e.spec.key for e in leftover)))
             for execution in leftover:
-                execution.control.request_termination(INTERRUPTED, SHUTDOWN_REASON)
+                execution.control.request_termination(INTERRUPTED, self.shutdown_reason)
         with self._cond:
             # No deadline here: each runner escalates to SIGKILL after its
             # kill grace, so every execution ends; on_done then frees the slot.

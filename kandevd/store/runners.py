@@ -30,6 +30,8 @@ class RunnerRow(NamedTuple):
     token_hash: str
     created_at: str
     last_seen_at: datetime | None
+    #: The runner home that serves this runner now (None: none said yet).
+    home_id: str | None = None
 
 
 class RunnerExists(ValueError):
@@ -55,14 +57,20 @@ class Runners:
         return self.store.execute("DELETE FROM runners WHERE name = ?", (name,)) > 0
 
     def all(self) -> list[RunnerRow]:
-        rows = self.store.query("SELECT name, labels, token_hash, created_at, last_seen_at"
-                                " FROM runners ORDER BY name")
+        rows = self.store.query("SELECT name, labels, token_hash, created_at, last_seen_at,"
+                                " home_id FROM runners ORDER BY name")
         return [_row(r) for r in rows]
 
     def by_token_hash(self, token_hash: str) -> RunnerRow | None:
-        row = self.store.query_one("SELECT name, labels, token_hash, created_at, last_seen_at"
-                                   " FROM runners WHERE token_hash = ?", (token_hash,))
+        row = self.store.query_one("SELECT name, labels, token_hash, created_at,"
+                                   " last_seen_at, home_id FROM runners WHERE token_hash = ?",
+                                   (token_hash,))
         return _row(row) if row is not None else None
+
+    def served_by(self, name: str, home_id: str, now: datetime) -> None:
+        """Runner home ``home_id`` serves ``name`` from now on (it said hello)."""
+        self.store.execute("UPDATE runners SET home_id = ?, last_seen_at = ? WHERE name = ?",
+                           (home_id, rfc3339(now), name))
 
     def seen(self, name: str, now: datetime) -> None:
         self.store.execute("UPDATE runners SET last_seen_at = ? WHERE name = ?",
@@ -97,4 +105,5 @@ def _row(row: Sequence[object]) -> RunnerRow:
     seen = row[4]
     return RunnerRow(name=str(row[0]), labels=tuple(json.loads(str(row[1]))),
                      token_hash=str(row[2]), created_at=str(row[3]),
-                     last_seen_at=parse_rfc3339(str(seen)) if seen else None)
+                     last_seen_at=parse_rfc3339(str(seen)) if seen else None,
+                     home_id=str(row[5]) if len(row) > 5 and row[5] else None)

@@ -183,12 +183,16 @@ _V9 = [
 # Scheduled turns handed to runners, and their output (kandevd/store/turns.py).
 _V10 = remote_turns_tables(T)
 
+# The runner home serving each runner's name (one token, one runner process).
+_V11 = ["ALTER TABLE runners ADD COLUMN home_id TEXT"]
+
 MIGRATIONS: list[tuple[int, str, list[str]]] = [
     (6, "workspace model and runs queue (SQLite versions 1-6)", _V6),
     (7, "cluster: daemons and cron fires", _V7),
     (8, "cluster: the leader's lease", _V8),
     (9, "runners on other machines, an agent's runs_on", _V9),
     (10, "scheduled turns handed to runners", _V10),
+    (11, "the runner home serving each runner", _V11),
 ]
 
 

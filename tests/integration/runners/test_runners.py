@@ -169,6 +169,36 @@ def test_a_removed_runner_gets_nothing_more_and_exits_77(
     assert again.wait(60) == 77
 
 
+def test_a_second_runner_process_with_the_same_token_is_refused_while_the_first_serves(
+        daemon_factory: Callable[..., DaemonProcess], runners: Callable[..., DaemonProcess],
+        tmp_path: Path) -> None:
+    daemon = daemon_factory(gateway_config(dead_after_s=3))
+    server = gateway_url(daemon)
+    token = add_runner(daemon, tmp_path / "tokens", "box", "gpu")
+    started = tmp_path / "started"
+    agent = [sys.executable, "-c",
+             f"import os, sys, time; sys.stdin.read(); open({str(started)!r}, 'a')"
+             ".write(str(os.getpid()) + '\\n'); time.sleep(2); print('done')"]
+    profiles = {"gpu": {"command": agent, "timeout_s": 60}}
+    first = runners(server, token, "box", profiles)
+    run = remote_run(daemon, "once")
+    daemon.wait_until(started.exists, what="the agent on the first runner")
+    # The same token on another home (a copy of the unit, a test in a terminal): refused,
+    # not allowed to take the first one's run as "lost" and have it taken back in turn.
+    second = runners(server, token, "box-copy", profiles, start=False)
+    second.start(wait_ready=False)
+    assert second.wait(60) == 75
+    assert "served by another runner home" in second.log_text, second.log_text
+    ended = daemon.wait_until(done(daemon, run["id"]), what="the run")
+    assert (ended["status"], ended["attempt"]) == ("finished", 1)
+    assert len(started.read_text().split()) == 1  # one execution, never two
+    # Once the first one is gone and silent for dead_after_s, another home takes over.
+    assert first.stop() == 0
+    daemon.wait_until(lambda: not daemon.call("runners.list")["items"][0]["online"],
+                      what="the first runner silent")
+    runners(server, token, "box-new", profiles)  # (started: it serves)
+
+
 def alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -209,6 +239,10 @@ def test_a_runner_killed_mid_run_has_its_run_ended_and_the_next_runner_takes_it(
     rescued = daemon.call("runs.get", {"id": run["id"]})
     assert rescued["status"] == "queued" and "runner one was silent" in \
         rescued["error_message"]
+    # The attempt the server took back ends in the run's log too.
+    log_lines = (daemon.home / "logs" / "runs" / f"{run['id']}.log").read_text().splitlines()
+    [closed] = [line for line in log_lines if "==== attempt 1 ended " in line]
+    assert ": error (runner one was silent" in closed
     runners(server, add_runner(daemon, tmp_path / "tokens", "two", "gpu"), "two", profiles)
     ended = daemon.wait_until(done(daemon, run["id"]), what="the second attempt")
     assert (ended["status"], ended["attempt"]) == ("finished", 2)

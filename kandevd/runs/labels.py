@@ -18,14 +18,20 @@ LABEL_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 #: The most labels a runner or an agent may name.
 MAX_LABELS = 16
 
+#: A label's schema: the pattern, and its words for a label that is not one.
+LABEL_SCHEMA: dict[str, Any] = {
+    "type": "string", "pattern": LABEL_PATTERN,
+    "x-message": "is not a label: letters, digits, '.', '_' and '-', starting with a letter "
+                 "or digit (at most 63 characters)"}
+
 #: The JSON Schema of ``runs_on`` (null: on the daemon's machine).
 RUNS_ON_SCHEMA: dict[str, Any] = {
     "type": ["array", "null"], "minItems": 1, "maxItems": MAX_LABELS, "uniqueItems": True,
-    "items": {"type": "string", "pattern": LABEL_PATTERN}}
+    "items": LABEL_SCHEMA}
 #: The JSON Schema of a runner's labels (none: it takes only agents that need none).
 LABELS_SCHEMA: dict[str, Any] = {
     "type": "array", "maxItems": MAX_LABELS, "uniqueItems": True,
-    "items": {"type": "string", "pattern": LABEL_PATTERN}}
+    "items": LABEL_SCHEMA}
 
 
 def covers(carried: Iterable[str], needed: Iterable[str]) -> bool:

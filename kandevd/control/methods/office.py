@@ -36,7 +36,9 @@ from kandevd.store.base import BaseStore
 from kandevd.store.office import admin as sql
 from kandevd.timeutil import rfc3339, utc_now
 
-NEW_ID = {"type": "string", "pattern": r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$"}
+NEW_ID = {"type": "string", "pattern": r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$",
+          "x-message": "is not allowed: use letters, digits, '.', '_' and '-', starting "
+                       "with a letter or digit (at most 128 characters)"}
 ID = {"type": "string", "minLength": 1, "maxLength": 200}
 NAME = {"type": "string", "minLength": 1, "maxLength": 500}
 CRON = {"type": "string", "minLength": 1, "maxLength": 200}

@@ -11,7 +11,9 @@ from kandevd.runs.labels import LABELS_SCHEMA
 from kandevd.store.runners import Runners
 from kandevd.timeutil import utc_now
 
-NAME = {"type": "string", "pattern": r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}(?!\n)$"}
+NAME = {"type": "string", "pattern": r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}(?!\n)$",
+        "x-message": "is not allowed: use letters, digits, '.', '_' and '-', starting "
+                       "with a letter or digit (at most 63 characters)"}
 
 
 def register(registry: Registry, services: Services) -> None:

@@ -21,7 +21,9 @@ from kandevd.model.service import STYLES
 from kandevd.runs.labels import RUNS_ON_SCHEMA
 
 #: Ids a caller chooses for a new object: safe in paths and in ``:``-separated keys.
-NEW_ID = {"type": "string", "pattern": r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$"}
+NEW_ID = {"type": "string", "pattern": r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$",
+          "x-message": "is not allowed: use letters, digits, '.', '_' and '-', starting "
+                       "with a letter or digit (at most 128 characters)"}
 #: Ids that are only looked up: anything else is simply not found.
 ID = {"type": "string", "minLength": 1, "maxLength": 200}
 OPTIONAL_ID = {"type": ["string", "null"], "maxLength": 200}

@@ -167,6 +167,15 @@ def test_params_are_checked_against_the_schema(registry: Registry, params: dict[
     assert fragment in info.value.message
 
 
+def test_a_pattern_with_its_own_words_is_refused_in_them_not_as_a_regular_expression() -> None:
+    reg = Registry()
+    name = {"type": "string", "pattern": r"^[a-z]+$", "x-message": "is not a plain name"}
+    reg.add("things.make", lambda p: p, object_schema({"name": name}, ("name",)))
+    with pytest.raises(InvalidParams) as info:
+        reg.check_params(reg.get("things.make"), {"name": "../x"})
+    assert info.value.message == "params.name: '../x' is not a plain name"
+
+
 # -- a real ControlServer: drain, listener, errors ---------------------------------------------
 
 

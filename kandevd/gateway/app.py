@@ -86,6 +86,9 @@ class GatewayApp:
                          "server_version": self.version,
                          "heartbeat_s": min(protocol.HEARTBEAT_S, self.remote.dead_after_s / 4),
                          "dead_after_s": self.remote.dead_after_s, "gone": gone}
+        if path == protocol.BYE:
+            self.remote.bye(runner)
+            return 204, None
         if path == protocol.HEARTBEAT:
             cancel, unknown = self.remote.heartbeat(runner, _held(_json(environ)))
             return 200, {"cancel": cancel, "unknown": unknown}

@@ -72,14 +72,12 @@ class RunnerDirectory:
         """The label sets of the runners online (seen by any daemon within dead_after_s)."""
         now = utc_now()
         return tuple(frozenset(row.labels) for row in self.runners.all()
-                     if row.last_seen_at is not None
-                     and (now - row.last_seen_at).total_seconds() < self.dead_after_s)
+                     if row.online(now, self.dead_after_s))
 
     def items(self, now: datetime) -> list[RunnerItem]:
         running = self.runners.running()
         return [{"name": row.name, "labels": list(row.labels),
-                 "online": row.last_seen_at is not None
-                 and (now - row.last_seen_at).total_seconds() < self.dead_after_s,
+                 "online": row.online(now, self.dead_after_s),
                  "last_seen_at": rfc3339(row.last_seen_at) if row.last_seen_at else None,
                  "running": running.get(row.name, 0)}
                 for row in self.runners.all()]

@@ -18,6 +18,7 @@ PREFIX = f"/v{VERSION}"
 HELLO = f"{PREFIX}/hello"
 HEARTBEAT = f"{PREFIX}/heartbeat"
 POLL = f"{PREFIX}/poll"
+BYE = f"{PREFIX}/bye"
 #: ``{PREFIX}/executions/<id>/log?offset=N`` and ``.../end``.
 EXECUTIONS = f"{PREFIX}/executions/"
 

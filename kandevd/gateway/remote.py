@@ -128,9 +128,10 @@ class RemoteRuns:
 
     def _silent_for(self, runner: RunnerRow) -> float | None:
         """Seconds since any daemon last heard from ``runner`` (what ``runners.list``
-        calls online: within ``dead_after_s``); None: never."""
-        if runner.last_seen_at is None:
+        calls online: within ``dead_after_s``); None: never, or it stopped since."""
+        if not runner.online(self.clock(), float("inf")):
             return None
+        assert runner.last_seen_at is not None
         return max(0.0, (self.clock() - runner.last_seen_at).total_seconds())
 
     # -- what the runner asks -------------------------------------------------------
@@ -163,6 +164,19 @@ class RemoteRuns:
         turns = self.turns.held(runner.name)
         return [item["id"] for item in held if item["id"] not in turns
                 and (is_turn(item["id"]) or self._adopt(runner, item) is None)]
+
+    def bye(self, runner: RunnerRow) -> None:
+        """``runner`` stopped gracefully: offline at once, unless it still holds work
+        (then its silence ends that work, after ``dead_after_s``, as after a crash)."""
+        if self.runners.claims_of(runner.name) or self.turns.held(runner.name):
+            log.info("runner %s stopped holding work: offline once silent for %gs",
+                     runner.name, self.dead_after_s)
+            return
+        self.runners.offline(runner.name, self.clock())
+        with self._lock:
+            self._seen.pop(runner.name, None)
+            self._seen_written.pop(runner.name, None)
+        log.info("runner %s stopped (offline)", runner.name)
 
     def heartbeat(self, runner: RunnerRow, held: list[Held]) -> tuple[list[str], list[str]]:
         """``(cancel, unknown)``: executions to stop (cancelled runs), and those that are

@@ -74,6 +74,10 @@ class GatewayClient:
     def hello(self, held: list[Held]) -> dict[str, Any]:
         return self._post(protocol.HELLO, {"version": __version__, "running": held})
 
+    def bye(self) -> None:
+        """This runner stops, holding nothing: the server shows it offline at once."""
+        self._post(protocol.BYE, {})
+
     def heartbeat(self, held: list[Held]) -> dict[str, Any]:
         return self._post(protocol.HEARTBEAT, {"running": held})
 

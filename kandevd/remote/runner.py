@@ -157,6 +157,11 @@ class RunnerProcess:
         for thread in threads[1:]:
             thread.join()
         self.runtime.stop()
+        if not self.refused.is_set() and not self._pending():
+            try:  # (every outcome is the server's: it may show this runner offline now)
+                self.client.bye()
+            except (Unreachable, TokenRefused, Rejected):
+                pass  # (silent, it is offline after dead_after_s, as after a crash)
         return self._refused_code() if self.refused.is_set() else 0
 
     def _refused_code(self) -> int:

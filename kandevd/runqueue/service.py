@@ -228,8 +228,7 @@ class RunQueue:
     def _runner_online(self, labels: list[str], now: datetime) -> bool:
         """Is a runner carrying every one of ``labels`` online (seen lately)?"""
         recent = self.config.gateway.dead_after_s
-        return any(covers(row.labels, labels) and row.last_seen_at is not None
-                   and (now - row.last_seen_at).total_seconds() < recent
+        return any(covers(row.labels, labels) and row.online(now, recent)
                    for row in Runners(self.repo.store).all())
 
     def get(self, run_id: str) -> Run:

@@ -32,6 +32,15 @@ class RunnerRow(NamedTuple):
     last_seen_at: datetime | None
     #: The runner home that serves this runner now (None: none said yet).
     home_id: str | None = None
+    #: When it last stopped gracefully, saying so (None: never).
+    left_at: datetime | None = None
+
+    def online(self, now: datetime, dead_after_s: float) -> bool:
+        """Heard from within ``dead_after_s``, and not stopped since (gracefully)."""
+        if self.last_seen_at is None or (self.left_at is not None
+                                         and self.left_at >= self.last_seen_at):
+            return False
+        return (now - self.last_seen_at).total_seconds() < dead_after_s
 
 
 class RunnerExists(ValueError):
@@ -58,12 +67,13 @@ class Runners:
 
     def all(self) -> list[RunnerRow]:
         rows = self.store.query("SELECT name, labels, token_hash, created_at, last_seen_at,"
-                                " home_id FROM runners ORDER BY name")
+                                " home_id, left_at FROM runners ORDER BY name")
         return [_row(r) for r in rows]
 
     def by_token_hash(self, token_hash: str) -> RunnerRow | None:
         row = self.store.query_one("SELECT name, labels, token_hash, created_at,"
-                                   " last_seen_at, home_id FROM runners WHERE token_hash = ?",
+                                   " last_seen_at, home_id, left_at FROM runners"
+                                   " WHERE token_hash = ?",
                                    (token_hash,))
         return _row(row) if row is not None else None
 
@@ -71,6 +81,10 @@ class Runners:
         """Runner home ``home_id`` serves ``name`` from now on (it said hello)."""
         self.store.execute("UPDATE runners SET home_id = ?, last_seen_at = ? WHERE name = ?",
                            (home_id, rfc3339(now), name))
+
+    def offline(self, name: str, now: datetime) -> None:
+        """``name`` stopped gracefully: not online from ``now`` (until it is heard again)."""
+        self.store.execute("UPDATE runners SET left_at = ? WHERE name = ?", (rfc3339(now), name))
 
     def seen(self, name: str, now: datetime) -> None:
         self.store.execute("UPDATE runners SET last_seen_at = ? WHERE name = ?",
@@ -106,4 +120,5 @@ def _row(row: Sequence[object]) -> RunnerRow:
     return RunnerRow(name=str(row[0]), labels=tuple(json.loads(str(row[1]))),
                      token_hash=str(row[2]), created_at=str(row[3]),
                      last_seen_at=parse_rfc3339(str(seen)) if seen else None,
-                     home_id=str(row[5]) if len(row) > 5 and row[5] else None)
+                     home_id=str(row[5]) if len(row) > 5 and row[5] else None,
+                     left_at=parse_rfc3339(str(row[6])) if len(row) > 6 and row[6] else None)

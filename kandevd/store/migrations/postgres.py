@@ -184,7 +184,8 @@ _V9 = [
 _V10 = remote_turns_tables(T)
 
 # The runner home serving each runner's name (one token, one runner process).
-_V11 = ["ALTER TABLE runners ADD COLUMN home_id TEXT"]
+_V11 = ["ALTER TABLE runners ADD COLUMN home_id TEXT",
+        f"ALTER TABLE runners ADD COLUMN left_at {T}"]
 
 MIGRATIONS: list[tuple[int, str, list[str]]] = [
     (6, "workspace model and runs queue (SQLite versions 1-6)", _V6),
@@ -192,7 +193,7 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
     (8, "cluster: the leader's lease", _V8),
     (9, "runners on other machines, an agent's runs_on", _V9),
     (10, "scheduled turns handed to runners", _V10),
-    (11, "the runner home serving each runner", _V11),
+    (11, "the runner home serving each runner, a graceful stop", _V11),
 ]
 
 

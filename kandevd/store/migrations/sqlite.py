@@ -246,6 +246,8 @@ def _v9_runner_homes(db: sqlite_utils.Database) -> None:
     # The runner home that serves a runner's name now: another home with the same token
     # is refused while that one is alive (two processes would take each other's runs).
     db.execute("ALTER TABLE runners ADD COLUMN home_id TEXT")
+    # When it last stopped gracefully (offline at once, not after dead_after_s).
+    db.execute("ALTER TABLE runners ADD COLUMN left_at TEXT")
 
 
 Migration = Callable[[sqlite_utils.Database], None]
@@ -259,7 +261,7 @@ MIGRATIONS: list[tuple[int, str, Migration]] = [
     (6, "runs: counts by status kept by triggers", _v6_run_counts),
     (7, "runners on other machines, an agent's runs_on", _v7_runners),
     (8, "scheduled turns handed to runners", _v8_remote_turns),
-    (9, "the runner home serving each runner", _v9_runner_homes),
+    (9, "the runner home serving each runner, a graceful stop", _v9_runner_homes),
 ]
 
 

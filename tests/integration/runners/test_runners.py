@@ -192,11 +192,14 @@ def test_a_second_runner_process_with_the_same_token_is_refused_while_the_first_
     ended = daemon.wait_until(done(daemon, run["id"]), what="the run")
     assert (ended["status"], ended["attempt"]) == ("finished", 1)
     assert len(started.read_text().split()) == 1  # one execution, never two
-    # Once the first one is gone and silent for dead_after_s, another home takes over.
+    # A graceful stop holding nothing says goodbye: offline at once (its last sighting
+    # kept), and another home may serve the name at once.
     assert first.stop() == 0
-    daemon.wait_until(lambda: not daemon.call("runners.list")["items"][0]["online"],
-                      what="the first runner silent")
+    [listed] = daemon.call("runners.list")["items"]
+    assert listed["online"] is False and listed["last_seen_at"] is not None
+    daemon.wait_for_line("runner box stopped (offline)")
     runners(server, token, "box-new", profiles)  # (started: it serves)
+    assert daemon.call("runners.list")["items"][0]["online"] is True
 
 
 def alive(pid: int) -> bool:

@@ -11,9 +11,11 @@ an event (keeper to daemon). docs/keeper.md lists them.
 
 from __future__ import annotations
 
+import array
 import json
 import os
 import socket
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,14 @@ LOCK = "keeper.lock"
 # (plain ints: the flags' enum arithmetic costs more than the rest of a receive)
 _CLOEXEC = int(socket.MSG_CMSG_CLOEXEC)
 _TRUNCATED = int(socket.MSG_TRUNC | socket.MSG_CTRUNC)
+_SOL_SOCKET = int(socket.SOL_SOCKET)
+_SCM_RIGHTS = int(socket.SCM_RIGHTS)
+_FD_BYTES = array.array("i").itemsize
+_ANCILLARY = socket.CMSG_SPACE(MAX_FDS * _FD_BYTES)
+
+#: One receive buffer per thread, kept: a fresh buffer of MAX_MESSAGE for each message
+#: (what ``socket.recv_fds`` allocates) is an mmap, mremap and munmap every time.
+_buffers = threading.local()
 
 
 class ProtocolError(Exception):
@@ -68,14 +78,18 @@ def receive(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
 
     Descriptors arrive close-on-exec; a malformed message's are closed before
     ProtocolError is raised, so nothing leaks."""
-    data, fds, flags, _address = socket.recv_fds(sock, MAX_MESSAGE + 1, MAX_FDS, _CLOEXEC)
-    if not data and not fds:
+    view = getattr(_buffers, "view", None)
+    if view is None:
+        view = _buffers.view = memoryview(bytearray(MAX_MESSAGE + 1))
+    size, ancillary, flags, _address = sock.recvmsg_into([view], _ANCILLARY, _CLOEXEC)
+    fds = _descriptors(ancillary)
+    if not size and not fds:
         return None
     try:
-        if flags & _TRUNCATED or len(data) > MAX_MESSAGE:
+        if flags & _TRUNCATED or size > MAX_MESSAGE:
             raise ProtocolError("message truncated")
         try:
-            message = json.loads(data)
+            message = json.loads(bytes(view[:size]))
         except ValueError as exc:
             raise ProtocolError(f"not JSON: {exc}") from None
         if not isinstance(message, dict):
@@ -84,6 +98,17 @@ def receive(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
         close_all(fds)
         raise
     return message, fds
+
+
+def _descriptors(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
+    """The descriptors of ``SCM_RIGHTS`` ancillary data (as ``socket.recv_fds`` reads it)."""
+    if not ancillary:
+        return []
+    fds = array.array("i")
+    for level, kind, data in ancillary:
+        if level == _SOL_SOCKET and kind == _SCM_RIGHTS:
+            fds.frombytes(data[:len(data) - (len(data) % _FD_BYTES)])
+    return list(fds)
 
 
 def close_all(fds: list[int]) -> None:

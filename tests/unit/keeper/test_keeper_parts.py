@@ -41,6 +41,25 @@ def test_a_message_carries_its_descriptors_and_a_bad_one_leaks_none(tmp_path: Pa
         assert protocol.receive(right) is None
 
 
+def test_the_receive_buffer_kept_between_messages_mixes_none_of_them(tmp_path: Path) -> None:
+    left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with left, right:
+        large = {"op": "hello", "env": {"X": "y" * 150_000}}  # (what the socket takes)
+        protocol.send(left, large)
+        assert protocol.receive(right) == (large, [])
+        fds = [os.open(tmp_path / name, os.O_WRONLY | os.O_CREAT, 0o600) for name in "abc"]
+        protocol.send(left, {"ev": "exit", "id": "b"}, fds)
+        protocol.close_all(fds)
+        message, got = protocol.receive(right)
+        assert message == {"ev": "exit", "id": "b"} and len(got) == 3
+        for fd, name in zip(got, "abc", strict=True):
+            os.write(fd, name.encode())
+        protocol.close_all(got)
+        assert [(tmp_path / name).read_bytes() for name in "abc"] == [b"a", b"b", b"c"]
+        protocol.send(left, {"ev": "ready"})
+        assert protocol.receive(right) == ({"ev": "ready"}, [])
+
+
 def test_a_home_too_deep_for_sun_path_still_gets_its_socket(tmp_path: Path) -> None:
     deep = tmp_path / ("d" * 80) / ("e" * 80)
     deep.mkdir(parents=True)

@@ -85,7 +85,9 @@ def reader(path: str, count: int, runs: int, ready: Any, results: Any) -> None:
 
 
 def round_(base: Path, runs: int, subscribers: int) -> dict[str, float]:
-    home = Path(tempfile.mkdtemp(prefix="events-", dir=base))
+    # (the daemon's config and stderr go beside its home: one folder holds all three)
+    folder = Path(tempfile.mkdtemp(prefix="events-", dir=base))
+    home = folder / "home"
     daemon = benchdaemon.Daemon(home, benchdaemon.DRAIN_CONFIG).start()
     process = None
     try:
@@ -110,7 +112,7 @@ def round_(base: Path, runs: int, subscribers: int) -> dict[str, float]:
             process.join(30)
     finally:
         daemon.stop()
-        shutil.rmtree(home, ignore_errors=True)
+        shutil.rmtree(folder, ignore_errors=True)
     per_subscriber = got["events"] / subscribers if subscribers else 0.0
     return {"rate": runs / elapsed, "events_per_s": per_subscriber / elapsed,
             "lost": float(got["lost"]), "cpu_ms": cpu_ms}

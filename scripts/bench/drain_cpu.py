@@ -25,25 +25,34 @@ round's home when it ends, as the black-box drain does, to measure just that.
 ``--one-by-one`` queues the runs with one ``runs.enqueue`` at a time while the
 queue drains (the black-box benchmarks' intake). ``--threads`` also prints the
 daemon's CPU per run for each of its threads (named by ``py-spy dump`` when
-py-spy is installed).
+py-spy is installed). ``--spans`` also prints where a run's time went between
+its claim and its record, from the home once the daemon stopped: claimed (the
+run's ``claimed_at``) to its execution begun (``started_at`` in the keeper's
+journal), begun to the exit seen by the keeper (the journal's exit ``at``), and
+that to its outcome recorded (``finished_at``); medians over the runs the
+journal still holds (it is compacted after 2,000 acknowledged exits).
 
 Usage: .venv/bin/python scripts/bench/drain_cpu.py [--runs 1500] [--rounds 3] [--baseline DIR]
-       [--one-by-one] [--delete-homes] [--threads]
+       [--one-by-one] [--delete-homes] [--threads] [--spans]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
+import sqlite3
 import statistics
 import subprocess
 import tempfile
+from datetime import datetime
 from pathlib import Path
 
 import benchdaemon  # this folder (the script's own) is on sys.path
 
+SPANS = ("claimed to begun", "begun to exit", "exit to recorded")
 TICK_S = 1 / os.sysconf("SC_CLK_TCK")
 
 
@@ -78,7 +87,8 @@ def thread_names(pid: int) -> dict[str, str]:
 
 
 def drain(home: Path, runs: int, command: list[str], env: dict[str, str], *,
-          one_by_one: bool = False, threads: bool = False) -> dict[str, float]:
+          one_by_one: bool = False, threads: bool = False,
+          with_spans: bool = False) -> dict[str, float]:
     daemon = benchdaemon.Daemon(home, benchdaemon.DRAIN_CONFIG, command=command,
                                 env=env).start()
     try:
@@ -108,7 +118,42 @@ def drain(home: Path, runs: int, command: list[str], env: dict[str, str], *,
         client.close()
     finally:
         daemon.stop()
+    if with_spans:
+        figures.update(spans(home))
     return figures
+
+
+def _epoch(stamp: str) -> float:
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
+def spans(home: Path) -> dict[str, float]:
+    """Median milliseconds of each of :data:`SPANS` over the runs of a stopped daemon's
+    home (those whose spawn and exit its keeper's journal still holds)."""
+    begun: dict[str, float] = {}
+    ended: dict[str, float] = {}
+    journal = home / "keeper" / "journal"
+    for line in journal.read_text().splitlines() if journal.exists() else []:
+        entry = json.loads(line)
+        meta = entry.get("meta") or {}
+        if entry.get("t") == "spawn" and meta.get("run_id") and meta.get("started_at"):
+            begun[meta["run_id"]] = _epoch(meta["started_at"])
+        elif entry.get("t") == "exit" and entry.get("at"):
+            ended[entry["id"]] = float(entry["at"])
+    run_of = {execution: execution.split(".")[0] for execution in ended}
+    exits = {run_of[execution]: at for execution, at in ended.items()}
+    parts: dict[str, list[float]] = {name: [] for name in SPANS}
+    with sqlite3.connect(f"file:{home / 'kandevd.db'}?mode=ro", uri=True) as db:
+        rows = db.execute("SELECT id, claimed_at, finished_at FROM runs"
+                          " WHERE finished_at IS NOT NULL AND claimed_at IS NOT NULL").fetchall()
+    for run_id, claimed_at, finished_at in rows:
+        if run_id in begun and run_id in exits:
+            claimed, start, end = _epoch(claimed_at), begun[run_id], exits[run_id]
+            for name, value in zip(SPANS, (start - claimed, end - start,
+                                           _epoch(finished_at) - end), strict=True):
+                parts[name].append(value * 1000)
+    return {f"span {name}": statistics.median(values)
+            for name, values in parts.items() if values}
 
 
 def direct_spawn_ms(count: int = 1500) -> float:
@@ -133,6 +178,8 @@ def main() -> None:
                         help="delete each round's home when it ends")
     parser.add_argument("--threads", action="store_true",
                         help="the daemon's CPU per run, thread by thread")
+    parser.add_argument("--spans", action="store_true",
+                        help="where a run's time went from its claim to its record")
     args = parser.parse_args()
     versions: dict[str, tuple[list[str], dict[str, str]]] = {
         "this": (list(benchdaemon.KANDEVD), {})}
@@ -147,7 +194,7 @@ def main() -> None:
                 command, env = versions[name]
                 home = top / f"{name}-{round_no}" / "home"
                 figures = drain(home, args.runs, command, env, one_by_one=args.one_by_one,
-                                threads=args.threads)
+                                threads=args.threads, with_spans=args.spans)
                 if args.delete_homes:
                     shutil.rmtree(home.parent, ignore_errors=True)
                 results[name].append(figures)
@@ -159,6 +206,10 @@ def main() -> None:
                                   if k.startswith("thread ") and not k.endswith(" system")):
                     print(f"    {key}: {figures[key]:.3f} ms a run "
                           f"({figures[key + ' system']:.3f} system)", flush=True)
+                if any(key.startswith("span ") for key in figures):
+                    print("    median per run: " + ", ".join(
+                        f"{name} {figures['span ' + name]:.2f} ms"
+                        for name in SPANS if "span " + name in figures), flush=True)
     finally:
         shutil.rmtree(top, ignore_errors=True)
     medians = {name: {key: statistics.median(r[key] for r in rounds)

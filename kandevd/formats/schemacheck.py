@@ -43,9 +43,35 @@ def format_validation_error(error: jsonschema.ValidationError, prefix: str = "",
         return f"{where}: {yamlsafe.one_line(repr(error.instance))[:MAX_MESSAGE]} " \
             f"{error.schema['x-message']}"
     message = yamlsafe.one_line(error.message)
-    if len(message) > MAX_MESSAGE:  # the message quotes the value, which may be a big list
+    quoted = repr(error.instance)
+    if message.startswith(quoted):
+        # jsonschema quotes the value first, in Python's spelling and whole: JSON's words
+        # for null, true and false, a long value cut short, so the reason still shows.
+        message = shown(error.instance) + message[len(quoted):]
+        if error.validator == "maxLength" or (error.validator == "minLength"
+                                              and error.validator_value > 1):
+            bound = "at most" if error.validator == "maxLength" else "at least"
+            message += f" ({bound} {error.validator_value} characters)"
+    if len(message) > MAX_MESSAGE:  # (a message that quotes a value elsewhere)
         message = message[:MAX_MESSAGE] + "..."
     return f"{where}: {message}"
+
+
+#: How much of a long value a message shows.
+SHOWN_CHARS = 40
+
+
+def shown(value: Any) -> str:
+    """``value`` as a message shows it: JSON's null, true and false, a long string or
+    list cut short (with its length), anything else as Python quotes it."""
+    if value is None or isinstance(value, bool):
+        return "null" if value is None else str(value).lower()
+    if isinstance(value, str) and len(value) > SHOWN_CHARS:
+        return yamlsafe.one_line(repr(value[:SHOWN_CHARS])) + f"... ({len(value)} characters)"
+    if isinstance(value, list | dict) and len(repr(value)) > SHOWN_CHARS * 2:
+        kind = "a list of" if isinstance(value, list) else "an object of"
+        return f"{kind} {len(value)} {'items' if isinstance(value, list) else 'keys'}"
+    return yamlsafe.one_line(repr(value))
 
 
 def _unknown_message(key: str, known: set[str], parts: list[str], noun: str) -> str:

@@ -167,6 +167,22 @@ def test_params_are_checked_against_the_schema(registry: Registry, params: dict[
     assert fragment in info.value.message
 
 
+def test_a_long_or_null_value_is_refused_with_its_reason_in_json_words() -> None:
+    reg = Registry()
+    reg.add("things.make", lambda p: p, object_schema(
+        {"by": {"type": "string", "maxLength": 200}, "n": {"type": "integer"}}, ()))
+    with pytest.raises(InvalidParams) as info:
+        reg.check_params(reg.get("things.make"), {"by": "x" * 5000})
+    assert info.value.message == (f"params.by: '{'x' * 40}'... (5000 characters) is too long"
+                                  " (at most 200 characters)")
+    with pytest.raises(InvalidParams) as info:
+        reg.check_params(reg.get("things.make"), {"n": None})
+    assert info.value.message == "params.n: null is not of type 'integer'"
+    with pytest.raises(InvalidParams) as info:
+        reg.check_params(reg.get("things.make"), {"n": list(range(300))})
+    assert info.value.message == "params.n: a list of 300 items is not of type 'integer'"
+
+
 def test_a_pattern_with_its_own_words_is_refused_in_them_not_as_a_regular_expression() -> None:
     reg = Registry()
     name = {"type": "string", "pattern": r"^[a-z]+$", "x-message": "is not a plain name"}

@@ -86,7 +86,7 @@ VALIDATE_CASES = [
     ("cadence zero", {**BASE, "cadence_hours": 0},
      ["cadence_hours: 0 is less than or equal to the minimum of 0"]),
     ("cadence bool", {**BASE, "cadence_hours": True},
-     ["cadence_hours: True is not of type 'number'"]),
+     ["cadence_hours: true is not of type 'number'"]),
     ("cadence NaN", {**BASE, "cadence_hours": float("nan")},
      ["cadence_hours: must be a number, not NaN"]),
     ("preferred hour range", {**BASE, "cadence_hours": 24, "preferred_hour": 24},

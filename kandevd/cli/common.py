@@ -78,11 +78,28 @@ def invoke(home: str | None, socket_path: str | None, method: str,
         sys.exit(exits.ERROR)
 
 
-_FIELD = re.compile(r"^(?:params\.)?([A-Za-z_][A-Za-z0-9_]*)(?=[.:\s])")
+#: A message's leading parameter: ``params.limit`` before anything, or a bare ``limit``
+#: before a ``.`` or ``:`` (a bare word before a space is the sentence's own:
+#: "workflow 'digest' already has ...").
+_FIELD = re.compile(r"^(?:params\.([A-Za-z_][A-Za-z0-9_]*)(?=[.:\s])"
+                    r"|([A-Za-z_][A-Za-z0-9_]*)(?=[.:]))")
 
 
 #: Parameters whose option is named otherwise in Python (``--from`` fills ``start``).
 _PARAM_ALIASES = {"from": "start", "to": "end"}
+
+
+_PARAMETER = re.compile(r"\bparams\.([A-Za-z_][A-Za-z0-9_]*)\b")
+
+
+def _shown_as(command: click.Command, name: str) -> str | None:
+    """How ``command`` names the parameter ``name``: its option, or its argument."""
+    wanted = _PARAM_ALIASES.get(name, name)
+    for param in command.params:
+        if param.name == wanted and param.name not in ("home", "socket_path"):
+            return (param.opts[0] if isinstance(param, click.Option)
+                    else param.human_readable_name)
+    return None
 
 
 def error_line(error: dict[str, Any], command: click.Command | None = None) -> str:
@@ -95,13 +112,12 @@ def error_line(error: dict[str, Any], command: click.Command | None = None) -> s
     message = " ".join(str(error.get("message") or "error").split())
     match = _FIELD.match(message)
     if match and command is not None:
-        wanted = _PARAM_ALIASES.get(match.group(1), match.group(1))
-        for param in command.params:
-            if param.name == wanted and param.name not in ("home", "socket_path"):
-                shown = (param.opts[0] if isinstance(param, click.Option)
-                         else param.human_readable_name)
-                message = shown + message[match.end():]
-                break
+        shown = _shown_as(command, match.group(1) or match.group(2))
+        if shown is not None:
+            message = shown + message[match.end():]
+    if command is not None:  # (another parameter named later: "earlier than params.from")
+        message = _PARAMETER.sub(lambda m: _shown_as(command, m.group(1)) or m.group(0),
+                                 message)
     if command is not None and any(p.name == "user_id" for p in command.params):
         message = message.replace("give user_id", "give --user")
     kind = (error.get("data") or {}).get("kind")

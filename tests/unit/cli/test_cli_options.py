@@ -55,3 +55,9 @@ def test_errors_name_the_options_the_user_typed() -> None:
     assert error_line({"message": "params.user_id: exists once per user: give user_id "
                        "(users: a, b)", "data": invalid}, get) == \
         "--user: exists once per user: give --user (users: a, b)"
+    assert error_line({"message": "params.to: must not be earlier than params.from",
+                       "data": invalid}, backfill) == "--to: must not be earlier than --from"
+    create = jobs.commands["create"]
+    assert error_line({"message": "workflow 'digest' already has a schedule 'hourly'",
+                       "data": {"kind": "conflict"}}, create) \
+        == "workflow 'digest' already has a schedule 'hourly' (conflict)"  # a word, not WORKFLOW

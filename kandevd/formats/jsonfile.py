@@ -277,7 +277,9 @@ class JsonFile:
         log.error("%s; moved aside to %s and started afresh", problem, target.name)
         if self._on_corrupt is not None:
             try:
-                self._on_corrupt(CorruptFile(str(self.path), str(target), problem,
+                # (the report names the file apart: its reason without the path again)
+                reason = problem.removeprefix(f"{self.path}: ")
+                self._on_corrupt(CorruptFile(str(self.path), str(target), reason,
                                              utc_now().isoformat()))
             except Exception:
                 log.exception("corrupt-file reporter failed")

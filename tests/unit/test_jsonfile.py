@@ -40,6 +40,7 @@ def test_a_corrupt_file_is_moved_aside_with_its_bytes_and_reported(tmp_path: Pat
     assert aside[0].read_bytes() == content
     assert json.loads(path.read_text()) == ["new"]
     assert len(reports) == 1 and reports[0].moved_to == str(aside[0])
+    assert reports[0].path == str(path) and str(path) not in reports[0].error
 
 
 def test_a_file_of_the_wrong_json_type_is_moved_aside_too(tmp_path: Path) -> None:

@@ -165,6 +165,7 @@ def test_broken_files_are_reported_and_left_alone(setup) -> None:
             if e["path"].endswith("workflow.json")} == {"broken", "badtz"}
     [corrupt] = [e for e in errors if e["path"].endswith("schedule-runs.json")]
     assert "moved aside to" in corrupt["message"]
+    assert not corrupt["message"].startswith(corrupt["path"])  # (named once, by "path")
     assert any("timezone: unknown time zone 'Mars/X'" in e["message"] for e in errors)
     assert (broken / "workflow.json").read_text() == '{"schedules": ['
     with pytest.raises(RpcCallError) as refused:

@@ -26,7 +26,7 @@ OFFICE_TOPICS: dict[str, tuple[str, ...]] = {
     "run.failed": ("office.run.processed", "office.run.failed"),
 }
 PASSED_ON = frozenset({"schedule.fired", "schedule.session_started", "schedule.session_ended",
-                       "schedule.paused", "daemon.stopping"})
+                       "schedule.paused", "schedule.resumed", "daemon.stopping"})
 
 
 class EventFeed:

@@ -53,6 +53,9 @@ TOPICS: tuple[Topic, ...] = (
           "paused itself after `pause_after_failures` failures",
           "`{id, entry_id, status, reason}`: `id` null for the whole scheduler; `status` "
           "is `paused`"),
+    Topic("schedule.resumed", "the scheduler was resumed (`scheduler.config.put`): "
+          "schedules fire again", "`{id, entry_id, status, reason}`: `id` and `entry_id` "
+          "null; `status` is `resumed`, `reason` says by whom"),
     Topic("daemon.stopping", "the daemon begins a graceful stop; the connection closes "
           "when it has stopped", "`{pid, reason}`"),
 )

@@ -80,6 +80,7 @@ class JobRegistry:
         """
         changes: dict[str, list[str]] = {"added": [], "changed": [], "removed": [],
                                          "invalid": []}
+        self.pause.get()  # (a pause file that does not parse is met, and reported, now)
         for name, source in self.sources.items():
             old = self.of(name)
             self._install(name, source.load(None, old))

@@ -16,6 +16,7 @@ Three layers, all of which stop cron fires only (a manual ``trigger`` always run
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -24,9 +25,11 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 from kandevd.config import Config, SchedulerConfig
-from kandevd.formats.jsonfile import CorruptReporter, JsonFile, stat_key
+from kandevd.formats.jsonfile import CorruptFile, CorruptReporter, JsonFile, stat_key
 from kandevd.paths import HomeLayout
-from kandevd.timeutil import rfc3339
+from kandevd.timeutil import rfc3339, utc_now
+
+log = logging.getLogger("kandevd.scheduler")
 
 PAUSE_FILE = Path("config") / "scheduler.json"
 PERSISTED = ("globally_paused", "paused_at", "paused_by", "updated_at")
@@ -130,11 +133,23 @@ def _default_pause() -> Pause:
 
 
 class PauseState:
-    """The persisted global pause (``config/scheduler.json``)."""
+    """The persisted global pause (``config/scheduler.json``).
+
+    A file that does not parse is moved aside (as every state file is) and the
+    scheduler is then paused, not resumed: whether an operator had paused it is
+    unknown, and a schedule fired by mistake cannot be taken back. ``paused_by``
+    says why, and ``kandevd scheduler resume`` lifts it."""
 
     def __init__(self, root: Path, *, on_corrupt: CorruptReporter | None = None) -> None:
-        self.file = JsonFile(root / PAUSE_FILE, on_corrupt=on_corrupt)
+        self._report = on_corrupt
+        self.file = JsonFile(root / PAUSE_FILE, on_corrupt=self._moved_aside)
         self._seen: tuple[Any, Pause] | None = None
+        self._unreadable: CorruptFile | None = None
+
+    def _moved_aside(self, report: CorruptFile) -> None:
+        self._unreadable = report
+        if self._report is not None:
+            self._report(report)
 
     def get(self) -> Pause:
         """The pause state; the file is read again only when ``stat`` says it changed
@@ -148,7 +163,15 @@ class PauseState:
         return Pause(**state)
 
     def _read(self) -> Pause:
+        self._unreadable = None
         stored = self.file.read({}, expect=dict)
+        if self._unreadable is not None:
+            aside = Path(self._unreadable.moved_to).name
+            by = f"kandevd: {PAUSE_FILE} could not be read (moved aside to {aside})"
+            log.error("scheduler paused: %s could not be read, so whether it was paused "
+                      "is unknown; no schedule fires until `kandevd scheduler resume`",
+                      self.file.path)
+            return self.put(True, by, utc_now())
         state = _default_pause()
         # Only well-typed values are believed: a hand-edited file cannot make a
         # response carry an object where a timestamp belongs.

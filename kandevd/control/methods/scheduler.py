@@ -101,7 +101,8 @@ def register(registry: Registry, services: Services) -> None:
         return {**jobs.pause.get(), **jobs.switches.as_dict()}
 
     def config_put(p: dict[str, Any]) -> dict[str, Any]:
-        was = jobs.pause.get()["globally_paused"]
+        before = jobs.pause.get()
+        was = before["globally_paused"]
         try:
             jobs.pause.put(p["globally_paused"], p.get("paused_by"), utc_now())
         except OSError as exc:
@@ -111,10 +112,15 @@ def register(registry: Registry, services: Services) -> None:
             log.info("scheduler %s by %s: %s", "paused" if p["globally_paused"] else "resumed",
                      by, "no schedule fires until it is resumed" if p["globally_paused"]
                      else "schedules fire again")
+        elif was and p.get("paused_by") != before["paused_by"]:
+            log.info("scheduler still paused, now by %s (was by %s)", by,
+                     before["paused_by"] or "an operator")
         if p["globally_paused"] and not was:
             services.bus.publish("schedule.paused", {
-                "id": None, "entry_id": None, "status": "paused",
-                "reason": f"paused by {p.get('paused_by') or 'an operator'}"})
+                "id": None, "entry_id": None, "status": "paused", "reason": f"paused by {by}"})
+        elif was and not p["globally_paused"]:
+            services.bus.publish("schedule.resumed", {
+                "id": None, "entry_id": None, "status": "resumed", "reason": f"resumed by {by}"})
         return config_get({})
 
     # -- reading --------------------------------------------------------------------

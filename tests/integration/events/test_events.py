@@ -157,6 +157,34 @@ def test_kandevd_events_streams_a_session_and_ends_when_the_daemon_stops(
             printer.wait(WAIT_S)
 
 
+def test_an_unreadable_pause_file_pauses_the_scheduler_and_a_resume_is_told(
+        daemon_factory: Factory, tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    write_workflow(home / "workspace", "w", [schedule("s", messages=["hello"])])
+    daemon = daemon_factory(fast_config(), home=home)
+    stream = subscribed(daemon, "schedule.paused", "schedule.resumed")
+    daemon.call("scheduler.config.put", {"globally_paused": True, "paused_by": "alice"})
+    assert next(stream)["params"]["data"]["reason"] == "paused by alice"
+    pause_file = home / "workspace" / "config" / "scheduler.json"
+    pause_file.write_text("garbage")
+    # Whether it was paused is unknown: it stays paused, says why, and reload reports it.
+    reloaded = daemon.call("scheduler.reload")
+    [problem] = [e for e in reloaded["errors"] if e["path"] == str(pause_file)]
+    assert problem["kind"] == "state"
+    assert f"; moved aside to {pause_file}.corrupt-" in problem["message"]
+    config = daemon.call("scheduler.config.get")
+    assert config["globally_paused"] is True
+    assert "config/scheduler.json could not be read" in config["paused_by"]
+    assert json.loads(pause_file.read_text())["globally_paused"] is True
+    daemon.wait_for_line("scheduler paused: ")
+    daemon.call("scheduler.config.put", {"globally_paused": False})
+    resumed = next(stream)["params"]
+    assert resumed["topic"] == "schedule.resumed"
+    assert resumed["data"] == {"id": None, "entry_id": None, "status": "resumed",
+                               "reason": "resumed by an operator"}
+    assert daemon.call("scheduler.config.get")["globally_paused"] is False
+
+
 def test_on_postgresql_a_subscriber_sees_a_run_another_daemon_ran(
         daemon_factory: Factory, tmp_path: Path, pg_url: str) -> None:
     """One slot per daemon and two held runs: one runs on each daemon, and the

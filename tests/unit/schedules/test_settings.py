@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kandevd.config import build_config
+from kandevd.formats.jsonfile import CorruptFile
 from kandevd.schedules.settings import PauseState, Switches, list_verdict, parse_list
 
 NAMES = st.sampled_from(["reports", "Reports", "REP", "rep", "other", "x"])
@@ -60,3 +61,20 @@ def test_pause_state_persists_only_its_fields(tmp_path: Path) -> None:
                       "paused_by": "ops", "updated_at": "2026-12-03T10:00:00.000000Z"}
     pause.put(False, None, now)
     assert pause.get()["globally_paused"] is False and pause.get()["paused_by"] is None
+
+
+def test_a_pause_file_that_does_not_parse_leaves_the_scheduler_paused(tmp_path: Path) -> None:
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "scheduler.json").write_text('{"globally_paused": tru')
+    reports: list[CorruptFile] = []
+    pause = PauseState(tmp_path, on_corrupt=reports.append)
+    state = pause.get()
+    assert state["globally_paused"] is True
+    assert state["paused_by"] is not None
+    assert state["paused_by"].startswith("kandevd: config/scheduler.json could not be read "
+                                         "(moved aside to scheduler.json.corrupt-")
+    assert len(reports) == 1  # (listed with the root's other state problems)
+    # The pause is written down: a restart (a new reader) finds it paused too.
+    assert PauseState(tmp_path).get()["globally_paused"] is True
+    assert [p.name for p in (tmp_path / "config").iterdir()
+            if p.name.startswith("scheduler.json.corrupt-")]

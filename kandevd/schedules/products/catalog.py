@@ -86,6 +86,7 @@ def load_product(folder: Path) -> tuple[Product | None, list[Problem]]:
         return None, [Problem(str(path), str(exc))]
     found = validation_problems(_validator(), document, noun="field")
     if found:
+        found += _repeated_ids(document)
         return None, [Problem(str(path), message) for message in found]
     profile = document.get("profile") or {}
     profile_id = profile.get("id") or folder.name
@@ -100,7 +101,7 @@ def load_product(folder: Path) -> tuple[Product | None, list[Problem]]:
         problems.append(f"profile.runtime.conversation.mode: must be 'singleton' when the "
                         f"profile has schedules (found {mode!r})")
     schedules = []
-    seen: set[str] = set()
+    problems += _repeated_ids(document)
     for index, raw in enumerate(raw_schedules):
         name = raw.get("id") if isinstance(raw, dict) and isinstance(raw.get("id"), str) \
             else f"schedules[{index}]"
@@ -108,16 +109,27 @@ def load_product(folder: Path) -> tuple[Product | None, list[Problem]]:
         if found:
             problems += [f"schedule {name!r}: {p}" for p in found]
             continue
-        parsed = product_schedule.parse(raw)
-        if parsed.id in seen:
-            problems.append(f"schedule {name!r}: id: used twice in this product")
-            continue
-        seen.add(parsed.id)
-        schedules.append(parsed)
+        schedules.append(product_schedule.parse(raw))
     if problems:
         return None, [Problem(str(path), p) for p in problems]
     agent = (profile.get("runtime") or {}).get("agent_profile") or "default"
     return Product(profile_id, folder, agent, tuple(schedules)), []
+
+
+def _repeated_ids(document: Any) -> list[str]:
+    """A problem for each schedule id given again, whatever else is wrong (so that every
+    problem of the file is said at once)."""
+    profile = document.get("profile") if isinstance(document, dict) else None
+    raw = profile.get("schedules") if isinstance(profile, dict) else None
+    seen: set[str] = set()
+    repeated: list[str] = []
+    for item in raw if isinstance(raw, list) else []:
+        given = item.get("id") if isinstance(item, dict) else None
+        if isinstance(given, str):
+            if given in seen:
+                repeated.append(f"schedule {given!r}: id: used twice in this product")
+            seen.add(given)
+    return repeated
 
 
 def product_folder_count(root: Path) -> int:

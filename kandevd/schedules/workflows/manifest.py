@@ -254,15 +254,19 @@ def read_groups(folder: Path) -> tuple[dict[str, bool], list[Problem]]:
     except JsonFileError as exc:
         return {}, [Problem(str(path), str(exc).removeprefix(f"{path}: "))]
     problems = [Problem(str(path), p) for p in _schema_problems("variables", document)]
+    raw = document.get("groups") if isinstance(document, Mapping) else None
+    seen: set[str] = set()
+    for group in raw if isinstance(raw, list) else []:
+        # (said whatever else is wrong, so that every problem of the file is said at once)
+        given = group.get("group_id") if isinstance(group, Mapping) else None
+        if isinstance(given, str) and given in seen:
+            problems.append(Problem(str(path), f"groups: group_id {given!r} is defined twice"))
+        if isinstance(given, str):
+            seen.add(given)
     if problems:
         return {}, problems
-    groups: dict[str, bool] = {}
-    for group in document.get("groups", []):
-        if group["group_id"] in groups:
-            problems.append(Problem(str(path), f"groups: group_id {group['group_id']!r} "
-                                               "is defined twice"))
-        groups[group["group_id"]] = group.get("enabled", True)
-    return groups, problems
+    return {group["group_id"]: group.get("enabled", True)
+            for group in document.get("groups", [])}, []
 
 
 # -- workflows ------------------------------------------------------------------------
@@ -300,16 +304,18 @@ def _workflow_from(folder: Path, document: dict[str, Any]
     schedules: list[Schedule] = []
     seen: set[str] = set()
     for index, raw in enumerate(document.get("schedules", [])):
+        # (a repeated id is said even when the schedule has other problems too)
+        given = raw.get("id") if isinstance(raw, Mapping) else None
+        if isinstance(given, str) and given in seen:
+            problems.append(Problem(str(path), f"schedule {given!r}: id: used twice "
+                                               "in this workflow"))
+        if isinstance(given, str):
+            seen.add(given)
         try:
             schedule = parse_schedule(raw, known_groups, index=index)
         except ManifestError as exc:
             problems.append(Problem(str(path), str(exc)))
             continue
-        if schedule.id in seen:
-            problems.append(Problem(str(path), f"schedule {schedule.id!r}: id: used twice "
-                                               "in this workflow"))
-            continue
-        seen.add(schedule.id)
         schedules.append(schedule)
     if problems:
         return None, problems

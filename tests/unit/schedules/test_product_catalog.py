@@ -81,3 +81,25 @@ def test_who_has_a_product() -> None:
     assert catalog.User("a", products=("p",)).has("p")
     assert not catalog.User("a", products=("q",)).has("p")
     assert catalog.User("a", role="admin", products=()).has("p")
+
+
+def test_a_repeated_schedule_id_is_said_with_the_files_other_problems(tmp_path: Path) -> None:
+    write(tmp_path, "helper", """profile:
+  runtime: {conversation: {mode: singleton}}
+  schedules:
+    - {id: a, cron_expression: "0 8 * * *", messages: [hi]}
+    - {id: a, cron_expression: "0 9 * * *", messages: []}
+""")
+    found = messages(tmp_path)
+    assert any("schedule 'a': id: used twice in this product" in p for p in found)
+    assert any("messages" in p and "used twice" not in p for p in found)
+    write(tmp_path, "helper", """profile:
+  id: 5
+  runtime: {conversation: {mode: singleton}}
+  schedules:
+    - {id: a, cron_expression: "0 8 * * *", messages: [hi]}
+    - {id: a, cron_expression: "0 9 * * *", messages: [hi]}
+""")
+    found = messages(tmp_path)
+    assert any("profile.id: 5 is not of type 'string'" in p for p in found)
+    assert any("schedule 'a': id: used twice in this product" in p for p in found)

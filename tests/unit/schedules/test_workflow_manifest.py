@@ -63,6 +63,10 @@ def test_a_duplicate_schedule_id_is_rejected(tmp_path: Path) -> None:
     write_workflow(tmp_path, "w", [schedule("a"), schedule("a")])
     [problem] = problems_of(tmp_path)
     assert "schedule 'a': id: used twice in this workflow" in problem
+    write_workflow(tmp_path, "w", [schedule("a"), schedule("a", jitter_s=-1)])
+    found = problems_of(tmp_path)  # every problem of the file at once
+    assert any("schedule 'a': id: used twice in this workflow" in p for p in found)
+    assert any("jitter_s" in p for p in found)
 
 
 def test_one_bad_schedule_keeps_the_whole_workflow_out_but_others_load(tmp_path: Path) -> None:
@@ -210,6 +214,17 @@ def test_a_broken_variables_file_is_the_one_problem_reported(tmp_path: Path) -> 
     (folder / "variables" / "variables.json").write_text("{nope")
     [problem] = problems_of(tmp_path)
     assert problem.startswith(str(folder / "variables" / "variables.json"))
+
+
+def test_a_group_defined_twice_is_said_with_the_files_other_problems(tmp_path: Path) -> None:
+    folder = write_workflow(tmp_path, "w", [schedule()])
+    (folder / "variables" / "variables.json").write_text(json.dumps({
+        "variables": [{"name": "topic"}],
+        "groups": [{"group_id": "g1", "display_name": "G", "values": {"topic": "x"}},
+                   {"group_id": "g1", "display_name": 5, "values": {"topic": "y"}}]}))
+    found = problems_of(tmp_path)
+    assert any("groups: group_id 'g1' is defined twice" in p for p in found)
+    assert any("display_name: 5 is not of type 'string'" in p for p in found)
 
 
 def test_edits_go_through_a_symlink_and_keep_the_file_mode(tmp_path: Path) -> None:

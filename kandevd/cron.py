@@ -155,6 +155,10 @@ def parse_timezone(name: str) -> ZoneInfo:
         raise CronError(f"timezone: unknown time zone {name!r}{hint}") from None
 
 
+#: The longest cron expression a schedule may hold (``cron_expression``'s ``maxLength``).
+MAX_EXPRESSION = 500
+
+
 def parse_cron(expr: str, timezone: str = "UTC") -> CronSchedule:
     """The schedule of the standard 5-field cron ``expr`` (or a macro such as ``@daily``)
     in ``timezone``.
@@ -162,6 +166,9 @@ def parse_cron(expr: str, timezone: str = "UTC") -> CronSchedule:
     Raises CronError naming the field (``timezone: ...`` or ``cron_expression: ...``)
     when the zone is unknown, the expression malformed, or it can never fire.
     """
+    if len(expr) > MAX_EXPRESSION:  # (as the files' and the methods' schemas say)
+        raise CronError(f"cron_expression: {len(expr)} characters; at most "
+                        f"{MAX_EXPRESSION} allowed")
     zone = parse_timezone(timezone)
     expr_fields = _expand_macro(expr)
     trigger = _parse_fields(expr, expr_fields)

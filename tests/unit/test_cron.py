@@ -592,3 +592,11 @@ def test_a_fire_inside_a_fall_back_fold_is_found_again_from_its_own_instant() ->
     fold = datetime(2000, 10, 29, 0, tzinfo=UTC)  # 02:00 CEST, the first 02:00 of the day
     assert fold in times
     assert hourly_sundays.get_next_fire_time(None, fold).astimezone(UTC) == fold
+
+
+def test_an_expression_longer_than_a_schedule_may_hold_is_refused_wherever_parsed() -> None:
+    """The CLI's dry run (``jobs next --cron``) refuses what the daemon's schemas refuse."""
+    long = "1," * 1500 + "2 * * * *"
+    with pytest.raises(CronError, match=r"^cron_expression: 3009 characters; at most 500"):
+        parse_cron(long)
+    assert parse_cron("0 9 * * *").expression == "0 9 * * *"

@@ -18,7 +18,14 @@ from kandevd.control.protocol import (
 )
 from kandevd.control.registry import Registry, object_schema, paging_properties
 from kandevd.control.services import Services
-from kandevd.cron import CronError, describe_times, next_fire_times, parse_cron, parse_timezone
+from kandevd.cron import (
+    MAX_EXPRESSION,
+    CronError,
+    describe_times,
+    next_fire_times,
+    parse_cron,
+    parse_timezone,
+)
 from kandevd.schedules import history as hist
 from kandevd.schedules.catchup.backfill import fire_times
 from kandevd.schedules.jobs import Job, JobNotFound
@@ -42,7 +49,7 @@ SCHEDULE_FIELDS: dict[str, Any] = {
     "id": {"type": "string", "minLength": 1, "maxLength": 200},
     "name": {"type": "string", "maxLength": 500},
     "description": TEXT,
-    "cron_expression": {"type": "string", "minLength": 1, "maxLength": 500},
+    "cron_expression": {"type": "string", "minLength": 1, "maxLength": MAX_EXPRESSION},
     "timezone": {"type": "string", "minLength": 1, "maxLength": 100},
     "enabled": {"type": "boolean"},
     "trigger_payload": {"type": "object"},

@@ -26,7 +26,7 @@ from kandevd.cli.format import (
     table,
     when,
 )
-from kandevd.cli.jobs_change import COMMANDS, job_ref
+from kandevd.cli.jobs_change import COMMANDS, job_ref, timing
 from kandevd.cli.jobs_logs import job_logs
 from kandevd.cron import CronError, describe_times, next_fire_times, parse_cron
 from kandevd.timeutil import parse_rfc3339, utc_now
@@ -92,8 +92,7 @@ def list_jobs(enabled: bool | None, entity_type: str | None, state: str | None,
         return
     now = utc_now()
     rows = [(job["id"], job.get("user_id") or NONE, job.get("state") or NONE,
-             job.get("cron_expression") or (f"every {job['cadence_hours']}h"
-                                            if job.get("cadence_hours") else NONE),
+             timing(job),
              job.get("timezone") or NONE,
              when(job.get("next_run_at"), job.get("timezone"), now=now),
              job.get("last_status") or NONE)

@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from kandevd.cli.common import client_options, echo_json, invoke, user_option
-from kandevd.cli.format import json_option, when
+from kandevd.cli.format import NONE, json_option, when
 from kandevd.timeutil import parse_rfc3339
 
 # -- schedule options ----------------------------------------------------------------------------
@@ -78,11 +78,17 @@ def schedule_fields(options: dict[str, Any]) -> dict[str, Any]:
 def show_changed(verb: str, job: dict[str, Any]) -> None:
     onoff = "enabled" if job.get("enabled") else "disabled"
     who = f" for {job['user_id']}" if job.get("user_id") else ""
-    click.echo(f"{verb} {job['id']}{who} ({onoff}, {job.get('cron_expression')} "
-               f"{job.get('timezone')})")
+    click.echo(f"{verb} {job['id']}{who} ({onoff}, {timing(job)} {job.get('timezone')})")
     click.echo(f"state {job.get('state')}: {job.get('state_reason')}")
     if job.get("next_run_at"):
         click.echo(f"next run {when(job.get('next_run_at'), job.get('timezone'))}")
+
+
+def timing(job: dict[str, Any]) -> str:
+    """When a job fires, as the lists show it: its cron, or a product's cadence."""
+    if job.get("cron_expression"):
+        return str(job["cron_expression"])
+    return f"every {job['cadence_hours']}h" if job.get("cadence_hours") else NONE
 
 
 def job_ref(job_id: str, user_id: str | None) -> dict[str, Any]:

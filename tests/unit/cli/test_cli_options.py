@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import click
 
 from kandevd.cli.common import error_line
+from kandevd.cli.jobs_change import timing
 from kandevd.cli.main import cli
 
 
@@ -61,3 +62,9 @@ def test_errors_name_the_options_the_user_typed() -> None:
     assert error_line({"message": "workflow 'digest' already has a schedule 'hourly'",
                        "data": {"kind": "conflict"}}, create) \
         == "workflow 'digest' already has a schedule 'hourly' (conflict)"  # a word, not WORKFLOW
+
+
+def test_a_job_is_shown_by_its_cron_or_its_cadence_never_as_none() -> None:
+    assert timing({"cron_expression": "0 8 * * *", "cadence_hours": None}) == "0 8 * * *"
+    assert timing({"cron_expression": None, "cadence_hours": 6}) == "every 6h"
+    assert timing({"cron_expression": None}) == "-"

@@ -281,7 +281,10 @@ def register(registry: Registry, services: Services) -> None:
     registry.add("scheduler.config.get", config_get)
     registry.add("scheduler.config.put", config_put, object_schema(
         {"globally_paused": {"type": "boolean"},
-         "paused_by": {"type": ["string", "null"], "maxLength": 200}}, ("globally_paused",)))
+         "paused_by": {"type": ["string", "null"], "maxLength": 200,
+                       "pattern": "^[^\\x00-\\x1f\\x7f]*$",
+                       "x-message": "holds a control character (a line break, a tab...)"}},
+        ("globally_paused",)))
     registry.add("scheduler.jobs.list", list_, object_schema({
         "entity_type": {"enum": ["workflow", "product"]}, "enabled": {"type": "boolean"},
         "state": {"enum": list(STATES)}, "user_id": USER, **paging_properties()}))

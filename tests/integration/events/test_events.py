@@ -163,6 +163,10 @@ def test_an_unreadable_pause_file_pauses_the_scheduler_and_a_resume_is_told(
     write_workflow(home / "workspace", "w", [schedule("s", messages=["hello"])])
     daemon = daemon_factory(fast_config(), home=home)
     stream = subscribed(daemon, "schedule.paused", "schedule.resumed")
+    with pytest.raises(RpcCallError) as refused:  # (a name shown on one line)
+        daemon.call("scheduler.config.put", {"globally_paused": True, "paused_by": "a\nb"})
+    assert refused.value.error["message"] == ("params.paused_by: 'a\\nb' holds a control "
+                                              "character (a line break, a tab...)")
     daemon.call("scheduler.config.put", {"globally_paused": True, "paused_by": "alice"})
     assert next(stream)["params"]["data"]["reason"] == "paused by alice"
     pause_file = home / "workspace" / "config" / "scheduler.json"

@@ -49,6 +49,8 @@ def test_a_valid_workflow_loads_normalized(tmp_path: Path) -> None:
                                          "'nope' (available: g1)"),
     (schedule(overlap_policy="queue_all"), "schedule 'daily': overlap_policy:"),
     (schedule(enabled="yes"), "schedule 'daily': enabled: 'yes' is not of type 'boolean'"),
+    (schedule(notify={"webhook": "http://"}), "schedule 'daily': notify.webhook: 'http://' is "
+                                              "not an http:// or https:// URL with a host"),
 ])
 def test_bad_schedules_are_rejected_naming_file_schedule_and_field(
         tmp_path: Path, bad: dict, expected: str) -> None:

@@ -3,7 +3,6 @@ trigger, stop, backfill (each over its ``scheduler.jobs.*`` method)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -11,6 +10,7 @@ import click
 
 from kandevd.cli.common import client_options, echo_json, invoke, user_option
 from kandevd.cli.format import NONE, json_option, when
+from kandevd.formats import jsonstrict
 from kandevd.timeutil import parse_rfc3339
 
 # -- schedule options ----------------------------------------------------------------------------
@@ -19,7 +19,7 @@ def json_object(text: str | None, hint: str) -> dict[str, Any] | None:
     if text is None:
         return None
     try:
-        value = json.loads(text)
+        value = jsonstrict.loads(text)
     except ValueError as exc:
         raise click.BadParameter(f"not valid JSON: {exc}", param_hint=hint) from None
     if not isinstance(value, dict):

@@ -7,7 +7,6 @@ locked, 78 bad config (serve; validate answers 1,, see docs/operations.md).
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from kandevd.cli.validate import validate
 from kandevd.cli.wait import wait
 from kandevd.cli.web import web
 from kandevd.config import ConfigError, load_config
+from kandevd.formats import jsonstrict
 from kandevd.paths import HomeLayout, resolve_home
 
 
@@ -93,7 +93,7 @@ def call(method: str, params_json: str, home: str | None, socket_path: str | Non
     if params_json == "-":
         params_json = click.get_text_stream("stdin").read()
     try:
-        params = json.loads(params_json)
+        params = jsonstrict.loads(params_json)
     except ValueError as exc:
         raise click.BadParameter(f"not valid JSON: {exc}", param_hint="PARAMS_JSON") from None
     if not isinstance(params, dict):

@@ -8,7 +8,6 @@ as ``--limit``). Tables and aligned fields by default, the raw result with
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,6 +15,7 @@ import click
 
 from kandevd.cli.common import client_options, echo_json, invoke
 from kandevd.cli.format import NONE, fields, json_option, shown, table
+from kandevd.formats import jsonstrict
 
 Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 Render = Callable[[Any], None]
@@ -143,7 +143,7 @@ def steps_param(params: dict[str, Any]) -> None:
         except (OSError, UnicodeDecodeError) as exc:
             raise click.BadParameter(f"cannot read {path}: {exc}", param_hint=hint) from None
     try:
-        value = json.loads(text)
+        value = jsonstrict.loads(text)
     except ValueError as exc:
         raise click.BadParameter(f"not valid JSON: {exc}", param_hint=hint) from None
     if isinstance(value, dict):  # a whole workflow: its fields, the options override
@@ -302,7 +302,7 @@ ROUTINE_FIELDS: list[Decorator] = [
 def payload_param(params: dict[str, Any]) -> None:
     if "payload" in params:
         try:
-            params["payload"] = json.loads(params["payload"])
+            params["payload"] = jsonstrict.loads(params["payload"])
         except ValueError as exc:
             raise click.BadParameter(f"not valid JSON: {exc}", param_hint="--payload") from None
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import click
+import pytest
+from click.testing import CliRunner
 
 from kandevd.cli.common import error_line
 from kandevd.cli.jobs_change import timing
@@ -68,3 +71,17 @@ def test_a_job_is_shown_by_its_cron_or_its_cadence_never_as_none() -> None:
     assert timing({"cron_expression": "0 8 * * *", "cadence_hours": None}) == "0 8 * * *"
     assert timing({"cron_expression": None, "cadence_hours": 6}) == "every 6h"
     assert timing({"cron_expression": None}) == "-"
+
+
+@pytest.mark.parametrize("args", [
+    ["call", "daemon.status", '{"a": 1e999}'],
+    ["jobs", "create", "w", "--id", "s", "--cron", "0 9 * * *", "--payload", '{"a": 1e999}'],
+    ["runs", "enqueue", "--workspace", "w", "--agent", "a", "--reason", "r",
+     "--payload", '{"a": NaN}'],
+])
+def test_json_the_daemon_would_refuse_is_a_usage_error_here(args: list[str],
+                                                           tmp_path: Path) -> None:
+    """1e999 and NaN are no JSON numbers: named at the option, before any daemon is asked."""
+    result = CliRunner().invoke(cli, [*args, "--home", str(tmp_path)])
+    assert result.exit_code == 2, result.output
+    assert "not valid JSON" in result.output

@@ -106,6 +106,9 @@ def test_a_full_root_refuses_starts_and_loses_no_record(
     started = daemon.call("scheduler.jobs.trigger", {"id": JOB})
     daemon.wait_until(lambda: entries(daemon) and entries(daemon)[0]["turns"],
                       what="the first turn recorded")
+    # Its agent has started (the turn's record is written once it is spawned): a stop
+    # that came first would start nothing, and leave no record to keep.
+    daemon.wait_until(lambda: turn_records(daemon), what="the turn's record")
     filler = fill(small_root)
     daemon.call("scheduler.jobs.stop", {"id": JOB})
     daemon.wait_for_line("history write failed")

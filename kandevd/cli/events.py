@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from kandevd import exits
-from kandevd.cli.common import client_options, connect
+from kandevd.cli.common import client_options, connect, error_line
 from kandevd.control.client import RpcCallError
 
 
@@ -53,7 +53,8 @@ def events(topics: tuple[str, ...], as_json: bool, home: str | None,
             try:
                 _answer, stream = client.subscribe(list(topics) or ["*"])
             except RpcCallError as exc:
-                click.echo(f"kandevd: {exc.error.get('message')}", err=True)
+                command = click.get_current_context().command
+                click.echo(f"kandevd: {error_line(exc.error, command)}", err=True)
                 sys.exit(exits.ERROR)
             for message in stream:
                 params = message.get("params") or {}

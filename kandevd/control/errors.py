@@ -68,7 +68,7 @@ DOMAIN_ERRORS: tuple[tuple[type[Exception], Translate], ...] = (
     (sessions.AlreadyRunning, lambda exc: AlreadyRunning(str(exc))),
     (sessions.NotRunning, lambda exc: NotRunning(str(exc))),
     (sessions.RunnerClosed, lambda exc: ShuttingDown(str(exc))),
-    (RangeTooLarge, lambda exc: InvalidParams(f"params: {exc}")),
+    (RangeTooLarge, lambda exc: InvalidParams(f"params.to: from params.from, {exc}")),
     (BackfillRunning, lambda exc: Conflict(str(exc))),
     (CronError, lambda exc: InvalidParams(str(exc))),
 )

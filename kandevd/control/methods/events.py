@@ -23,7 +23,7 @@ def register(registry: Registry, services: Services) -> None:
         patterns = list(dict.fromkeys(params["topics"]))
         bad = [why for why in (bad_pattern(p) for p in patterns) if why is not None]
         if bad:
-            raise InvalidParams(f"topics: {'; '.join(bad)}")
+            raise InvalidParams(f"params.topics: {'; '.join(bad)}")
         hub = services.events
         subscription = hub.subscribe(patterns)
         return Streaming({"subscription": subscription.id, "topics": patterns},

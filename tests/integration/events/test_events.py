@@ -18,7 +18,7 @@ import pytest
 
 from kandevd.control.client import Client, RpcCallError
 from tests.support.cluster import cluster_config
-from tests.support.daemon import DaemonProcess, enqueue, fast_config, wait_status
+from tests.support.daemon import DaemonProcess, enqueue, fast_config, run_cli, wait_status
 from tests.support.workflows import schedule, write_workflow
 
 pytestmark = pytest.mark.integration
@@ -79,6 +79,9 @@ def test_a_failing_run_says_retry_then_failed_and_a_bad_topic_is_refused(
         Client(daemon.socket).subscribe(["runs.*"])
     assert refused.value.error["data"]["kind"] == "invalid_params"
     assert "'runs.*' matches no topic" in refused.value.error["message"]
+    typed = run_cli(daemon.home, "events", "--topic", "runs.*")
+    assert typed.returncode == 1
+    assert typed.stderr.strip() == "kandevd: --topic: 'runs.*' matches no topic"
     stream = subscribed(daemon, "run.*", "office.run.*")
     run = enqueue(daemon, "a1", exit_code=3)
     seen = events_of(stream, run["id"], "run.failed")

@@ -139,6 +139,8 @@ def job_runs(job_id: str, user_id: str | None, limit: int, offset: int, as_json:
             for e in result["items"]]
     table(("ENTRY", "STARTED", "TRIGGER", "STATUS", "DURATION", "ERROR"), rows)
     click.echo(f"{len(result['items'])} of {result['total']} run(s)")
+    if result.get("history_problem"):
+        click.echo(f"history: {result['history_problem']}")
 
 
 @jobs.command("next")

@@ -150,8 +150,17 @@ def register(registry: Registry, services: Services) -> None:
 
     def runs(p: dict[str, Any]) -> dict[str, Any]:
         job = resolve(p["id"], p.get("user_id"))
-        return hist.page(job.source.history(job).entries(), schedule_id=job.spec.schedule.id,
-                         limit=p.get("limit", 50), offset=p.get("offset", 0))
+        history = job.source.history(job)
+        answer = hist.page(history.entries(), schedule_id=job.spec.schedule.id,
+                           limit=p.get("limit", 50), offset=p.get("offset", 0))
+        # A history that did not parse was moved aside and started afresh: say so, or the
+        # runs it held would read as never having been.
+        path = str(history.file.path)
+        moved = [problem["message"] for problem in jobs.problems()
+                 if problem.get("kind") == "state" and problem.get("path") == path]
+        if moved:
+            answer["history_problem"] = moved[-1]
+        return answer
 
     def next_(p: dict[str, Any]) -> dict[str, Any]:
         if ("id" in p) == ("schedule" in p):

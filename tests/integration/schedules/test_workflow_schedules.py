@@ -16,7 +16,7 @@ import pytest
 from kandevd.control.client import RpcCallError
 from kandevd.cron import next_fire_times, parse_cron
 from kandevd.timeutil import rfc3339, utc_now
-from tests.support.daemon import DaemonProcess
+from tests.support.daemon import DaemonProcess, run_cli
 from tests.support.workflows import (
     history,
     recorder_config,
@@ -166,6 +166,11 @@ def test_broken_files_are_reported_and_left_alone(setup) -> None:
     [corrupt] = [e for e in errors if e["path"].endswith("schedule-runs.json")]
     assert "moved aside to" in corrupt["message"]
     assert not corrupt["message"].startswith(corrupt["path"])  # (named once, by "path")
+    # Its job's runs say where they went, not just "0 runs".
+    answer = daemon.call("scheduler.jobs.runs", {"id": "workflow:good:a"})
+    assert answer["total"] == 0 and "moved aside to" in answer["history_problem"]
+    shown = run_cli(daemon.home, "jobs", "runs", "workflow:good:a")
+    assert "0 of 0 run(s)\nhistory: not valid JSON" in shown.stdout
     assert any("timezone: unknown time zone 'Mars/X'" in e["message"] for e in errors)
     assert (broken / "workflow.json").read_text() == '{"schedules": ['
     with pytest.raises(RpcCallError) as refused:

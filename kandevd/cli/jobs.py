@@ -10,6 +10,7 @@ that change a job are in jobs_change.py, ``jobs logs`` in jobs_logs.py.
 from __future__ import annotations
 
 import sys
+from datetime import datetime
 from typing import Any
 
 import click
@@ -164,6 +165,8 @@ def next_times(job_id: str | None, user_id: str | None, cron_expression: str | N
         raise click.UsageError("give either a JOB_ID or --cron EXPR (not both)")
     if timezone is not None and cron_expression is None:
         raise click.UsageError("--timezone goes with --cron (a job has its own zone)")
+    if after is not None:
+        _after_time(after)  # (a malformed time is a usage error, daemon or not)
     if cron_expression is not None:
         result = _dry_run(cron_expression, timezone or "UTC", count, after)
     else:
@@ -193,6 +196,14 @@ def next_times(job_id: str | None, user_id: str | None, cron_expression: str | N
     table(("UTC", f"LOCAL ({zone_name})", "FROM NOW"), rows)
 
 
+def _after_time(after: str) -> datetime:
+    try:
+        return parse_rfc3339(after)
+    except (ValueError, OverflowError):
+        raise click.BadParameter(f"{after!r} is not an RFC 3339 timestamp with an offset "
+                                 "(e.g. 2026-12-02T13:00:00Z)", param_hint="--after") from None
+
+
 def _dry_run(expression: str, zone_name: str, count: int, after: str | None
              ) -> dict[str, Any]:
     """What ``scheduler.jobs.next {schedule}`` answers, computed here without a daemon."""
@@ -201,14 +212,7 @@ def _dry_run(expression: str, zone_name: str, count: int, after: str | None
     except CronError as exc:
         click.echo(f"kandevd: {exc}", err=True)
         sys.exit(exits.ERROR)
-    start = utc_now()
-    if after is not None:
-        try:
-            start = parse_rfc3339(after)
-        except (ValueError, OverflowError):
-            raise click.BadParameter(f"{after!r} is not an RFC 3339 timestamp with an offset "
-                                     "(e.g. 2026-12-02T13:00:00Z)", param_hint="--after"
-                                     ) from None
+    start = _after_time(after) if after is not None else utc_now()
     times = next_fire_times(trigger, start, count)
     return {"times": describe_times(times, trigger.timezone), "timezone": zone_name,
             "cron_expression": expression}

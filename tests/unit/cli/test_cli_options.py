@@ -85,3 +85,11 @@ def test_json_the_daemon_would_refuse_is_a_usage_error_here(args: list[str],
     result = CliRunner().invoke(cli, [*args, "--home", str(tmp_path)])
     assert result.exit_code == 2, result.output
     assert "not valid JSON" in result.output
+
+
+def test_a_malformed_after_is_a_usage_error_for_a_job_as_for_a_dry_run(tmp_path: Path) -> None:
+    for args in (["jobs", "next", "workflow:w:s"], ["jobs", "next", "--cron", "0 9 * * *"]):
+        result = CliRunner().invoke(cli, [*args, "--after", "2026-12-07", "--home",
+                                          str(tmp_path)])
+        assert result.exit_code == 2, result.output  # before any daemon is asked
+        assert "is not an RFC 3339 timestamp" in result.output

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -145,6 +146,7 @@ class PauseState:
         self.file = JsonFile(root / PAUSE_FILE, on_corrupt=self._moved_aside)
         self._seen: tuple[Any, Pause] | None = None
         self._unreadable: CorruptFile | None = None
+        self._reading = threading.Lock()
 
     def _moved_aside(self, report: CorruptFile) -> None:
         self._unreadable = report
@@ -163,6 +165,10 @@ class PauseState:
         return Pause(**state)
 
     def _read(self) -> Pause:
+        with self._reading:  # (one reader at a time: it alone may meet a corrupt file)
+            return self._read_locked()
+
+    def _read_locked(self) -> Pause:
         self._unreadable = None
         stored = self.file.read({}, expect=dict)
         if self._unreadable is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -78,3 +79,22 @@ def test_a_pause_file_that_does_not_parse_leaves_the_scheduler_paused(tmp_path: 
     assert PauseState(tmp_path).get()["globally_paused"] is True
     assert [p.name for p in (tmp_path / "config").iterdir()
             if p.name.startswith("scheduler.json.corrupt-")]
+
+
+def test_readers_at_once_of_an_unreadable_pause_file_all_find_it_paused(tmp_path: Path) -> None:
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "scheduler.json").write_text("garbage")
+    pause = PauseState(tmp_path)
+    start = threading.Barrier(8)
+    seen: list[bool] = []
+
+    def read() -> None:
+        start.wait()
+        seen.append(pause.get()["globally_paused"])
+
+    readers = [threading.Thread(target=read) for _ in range(8)]
+    for reader in readers:
+        reader.start()
+    for reader in readers:
+        reader.join()
+    assert seen == [True] * 8

@@ -142,7 +142,9 @@ class ConsoleApp:
 
     def _csrf_problem(self, request: Request) -> str | None:
         origin = request.header("Origin")
-        if origin and origin != "null":
+        if origin == "null":  # (a sandboxed frame, a local file: never the console's pages)
+            return "cross-origin request refused"
+        if origin:
             host = origin.split("://", 1)[-1]
             if not self.console.guard.host_allowed(host) or host != request.header("Host"):
                 return "cross-origin request refused"

@@ -17,7 +17,10 @@ SECURITY_HEADERS = [
     ("Content-Security-Policy", CSP),
     ("X-Content-Type-Options", "nosniff"),
     ("X-Frame-Options", "DENY"),
-    ("Referrer-Policy", "no-referrer"),
+    # (same-origin, not no-referrer: under no-referrer a browser sends "Origin: null" with
+    # the console's own form posts, and the CSRF check could not tell them from a page
+    # of no origin, such as a sandboxed frame or a local file)
+    ("Referrer-Policy", "same-origin"),
     ("Cross-Origin-Opener-Policy", "same-origin"),
     ("Cross-Origin-Resource-Policy", "same-origin"),
 ]

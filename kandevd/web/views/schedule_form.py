@@ -131,7 +131,13 @@ def create(console: Console, request: Request) -> Response:
 def update(console: Console, request: Request, job: str) -> Response:
     found = console.call("scheduler.jobs.get", {"id": job})
     form = request.form_lists()
-    schedule = schedule_from(form, editing=True)
+    # Only what the form changes: a field it showed as it was (a default included, which
+    # the file may not hold) is left as the file has it.
+    schedule = {key: value for key, value in schedule_from(form, editing=True).items()
+                if not _same(value, found.get(key))}
+    if not schedule:
+        return set_flash(console, redirect(job_url(found)), "ok",
+                         f"No change to {found['id']}")
     try:
         changed = console.call("scheduler.jobs.update", {"id": job, "schedule": schedule})
     except RpcError as exc:
@@ -140,6 +146,15 @@ def update(console: Console, request: Request, job: str) -> Response:
         return _form(console, request, values, place_errors(exc.message), editing=found,
                      status=400)
     return set_flash(console, redirect(job_url(changed)), "ok", f"Saved {changed['id']}")
+
+
+def _same(value: Any, current: Any) -> bool:
+    """Does the form's ``value`` say what the job already has (``0`` and ``0.0`` alike)?"""
+    numbers = (int, float)
+    if isinstance(value, numbers) and isinstance(current, numbers) \
+            and not isinstance(value, bool) and not isinstance(current, bool):
+        return float(value) == float(current)
+    return bool(value == current)
 
 
 def _values(form: dict[str, list[str]], workflow: str) -> dict[str, Any]:

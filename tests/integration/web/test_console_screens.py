@@ -246,6 +246,20 @@ def test_fires_that_will_not_happen_backfill_form_and_delete_of_a_product_refuse
         open_page(driver, address, "/schedules/workflow:w:zero-jitter.1/edit")
         assert driver.find_element(By.NAME, "jitter_s").get_attribute("value") == "0"
         assert driver.find_element(By.NAME, "catchup_window_s").get_attribute("value") == "0"
+        # Saved as shown: nothing is written, not even the defaults the form shows.
+        manifest = daemon.home / "workspace" / "Workflow" / "w" / "workflow.json"
+        before = manifest.read_bytes()
+        leads_on(driver, button(driver, "Save"))
+        assert "No change to workflow:w:zero-jitter.1" in flash(driver)
+        assert manifest.read_bytes() == before
+        open_page(driver, address, "/schedules/workflow:w:zero-jitter.1/edit")
+        driver.find_element(By.NAME, "name").send_keys("Renamed")
+        leads_on(driver, button(driver, "Save"))
+        assert "Saved workflow:w:zero-jitter.1" in flash(driver)
+        [saved] = [e for e in json.loads(manifest.read_text())["schedules"]
+                   if e["id"] == "zero-jitter.1"]
+        assert saved["name"] == "Renamed"
+        assert "catchup_window_s" not in saved  # (shown as 0, never set: left unset)
 
 
 def test_runs_listed_with_duration_cost_the_dead_letter_retried_whole_and_budgets(

@@ -68,7 +68,8 @@ DOMAIN_ERRORS: tuple[tuple[type[Exception], Translate], ...] = (
     (sessions.AlreadyRunning, lambda exc: AlreadyRunning(str(exc))),
     (sessions.NotRunning, lambda exc: NotRunning(str(exc))),
     (sessions.RunnerClosed, lambda exc: ShuttingDown(str(exc))),
-    (RangeTooLarge, lambda exc: InvalidParams(f"params.to: from params.from, {exc}")),
+    (RangeTooLarge, lambda exc: InvalidParams(
+        f"params.to: the range from params.from {str(exc).removeprefix('the range ')}")),
     (BackfillRunning, lambda exc: Conflict(str(exc))),
     (CronError, lambda exc: InvalidParams(str(exc))),
 )

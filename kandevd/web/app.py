@@ -75,6 +75,16 @@ STATIC = {"console.css": "text/css; charset=utf-8",
           "favicon.svg": "image/svg+xml"}
 
 
+_PARAMETER = re.compile(r"\bparams\.([a-z_]+)")
+
+
+def in_words(message: str) -> str:
+    """A method's refusal for the console, which has fields, not params: ``params.to``
+    is shown as the field's label (“To”)."""
+    return _PARAMETER.sub(lambda m: f"“{m.group(1).replace('_', ' ').capitalize()}”",
+                          message)
+
+
 class ConsoleApp:
     """The WSGI callable; one per console."""
 
@@ -173,13 +183,14 @@ class ConsoleApp:
                                    message=f"No page at {request.path}.")
 
     def _rpc_error(self, request: Request, exc: RpcError) -> Response:
+        message = in_words(exc.message)
         if request.method == "POST":
             back = request.form.get("back") or request.path
-            return set_flash(self.console, redirect(safe_back(back)), "error", exc.message)
+            return set_flash(self.console, redirect(safe_back(back)), "error", message)
         status = 404 if exc.kind == "not_found" else 400
         return self.console.render("error.html", request, http_status=status,
                                    title="Not found" if status == 404 else "Error",
-                                   message=exc.message)
+                                   message=message)
 
     def _static_file(self, name: str) -> Response:
         content_type = STATIC.get(name)

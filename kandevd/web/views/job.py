@@ -17,7 +17,7 @@ from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from kandevd.control.protocol import InvalidParams, RpcError
-from kandevd.timeutil import rfc3339
+from kandevd.timeutil import parse_rfc3339, rfc3339, utc_now
 from kandevd.web.context import Console, parse_time, set_flash
 from kandevd.web.http import Request, Response, redirect
 from kandevd.web.logs import readable_log, turn_stdout_path, with_output
@@ -132,6 +132,14 @@ def moment(value: str, zone: str) -> str:
     return rfc3339(local.astimezone(UTC))
 
 
+def _in_the_future(moment_utc: str) -> bool:
+    """Does the range end after now? A dry run may look ahead; a backfill may not."""
+    try:
+        return parse_rfc3339(moment_utc) > utc_now()
+    except ValueError:
+        return False
+
+
 def backfill(console: Console, request: Request, job: str) -> Response:
     """A dry run first (the page lists the fire times); the real one on confirmation."""
     params = job_params(job, request)
@@ -144,7 +152,7 @@ def backfill(console: Console, request: Request, job: str) -> Response:
         context = _context(console, params, 0)
         context["preview"] = {"from": form.get("from", ""), "to": form.get("to", ""),
                               "zone": zone, "from_utc": body["from"], "to_utc": body["to"],
-                              "result": result}
+                              "result": result, "future": _in_the_future(body["to"])}
         return console.render("job.html", request, stopping=False, **context)
     count = len(result.get("fire_times") or result.get("times") or [])
     back = job_url({"id": job, "user_id": params.get("user_id")})

@@ -190,7 +190,23 @@ def test_fires_that_will_not_happen_backfill_form_and_delete_of_a_product_refuse
         preview = driver.find_element(By.ID, "backfill-preview").text
         assert "(dry run: nothing ran)" in preview
         assert len(driver.find_elements(By.CSS_SELECTOR, "#backfill-preview li")) in (2, 3)
+        assert driver.find_elements(  # a past range may run
+            By.XPATH, "//button[starts-with(normalize-space(), 'Run these')]")
         shot(driver, "schedule-job-blocked")
+        # A range that ends after now is a look ahead: nothing is offered to run.
+        for name, value in (("from", "2099-01-01T00:00"), ("to", "2099-01-03T00:00")):
+            field = driver.find_element(By.CSS_SELECTOR, f"form.backfill input[name={name}]")
+            driver.execute_script("arguments[0].value = arguments[1]", field, value)
+        leads_on(driver, button(driver, "Preview the fire times"))
+        preview = driver.find_element(By.ID, "backfill-preview").text
+        assert "The range ends after now" in preview and "Run these" not in preview
+        # A refusal names the form's fields, not the method's params.
+        for name, value in (("from", "2026-01-03T00:00"), ("to", "2026-01-01T00:00")):
+            field = driver.find_element(By.CSS_SELECTOR, f"form.backfill input[name={name}]")
+            driver.execute_script("arguments[0].value = arguments[1]", field, value)
+        leads_on(driver, button(driver, "Preview the fire times"))
+        said = driver.find_element(By.TAG_NAME, "main").text
+        assert "“To”: must not be earlier than “From”" in said and "params." not in said
 
         open_page(driver, address, "/schedules")
         row = driver.find_element(By.XPATH, "//table[@class='jobs']//tr[td//a[.='Digest']]")

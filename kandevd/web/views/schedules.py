@@ -50,13 +50,19 @@ def index(console: Console, request: Request) -> Response:
     kind = request.query.get("kind")
     if kind in ("workflow", "product"):
         params["entity_type"] = kind
+    ignored = " ".join(
+        f"There is no {what} {value!r}: jobs of every {what} are shown."
+        for what, value, known in (("state", state, STATES),
+                                   ("kind", kind, ("workflow", "product")))
+        if value and value not in known) or None
     offset = _int(request.query.get("offset"))
     everyone = all_jobs(console, params)  # the timeline picks the soonest of all
     config = console.call("scheduler.config.get")
     return console.render("schedules.html", request, title="Schedules", nav="schedules",
                           jobs=everyone[offset:offset + PAGE_JOBS], total=len(everyone),
                           offset=offset, limit=PAGE_JOBS, config=config, states=STATES,
-                          state=state, kind=kind, job_url=job_url, timeline=_timeline(everyone))
+                          state=state, kind=kind, job_url=job_url, timeline=_timeline(everyone),
+                          ignored=ignored)
 
 
 def all_jobs(console: Console, params: dict[str, Any]) -> list[dict[str, Any]]:

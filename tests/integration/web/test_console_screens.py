@@ -211,6 +211,9 @@ def test_fires_that_will_not_happen_backfill_form_and_delete_of_a_product_refuse
         open_page(driver, address, "/schedules")
         row = driver.find_element(By.XPATH, "//table[@class='jobs']//tr[td//a[.='Digest']]")
         assert "none (blocked)" in row.text
+        open_page(driver, address, "/schedules?state=bogus")  # a link typed by hand
+        assert "There is no state 'bogus': jobs of every state are shown." in flash(driver)
+        assert driver.find_elements(By.XPATH, "//table[@class='jobs']//a[.='Digest']")
 
         # A product schedule is its product.yaml's: no Delete, and the method refuses it.
         open_page(driver, address, "/schedules/product:helper:brief")

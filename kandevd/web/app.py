@@ -134,7 +134,7 @@ class ConsoleApp:
         guard = self.console.guard
         if not (guard.redeem(code) if code else guard.token_matches(token)):
             return self.console.fragment("sign_in.html", http_status=403, target=target,
-                                         wrong=True)
+                                         wrong="code" if code else "token")
         response = self.console.fragment("signed_in.html", target=target)
         response.set_cookie(guard.cookie_name, guard.cookie_value, secure=guard.secure)
         return response

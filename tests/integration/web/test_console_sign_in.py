@@ -52,6 +52,7 @@ def test_web_open_signs_in_and_the_token_stays_out_of_the_browser(
         code = re.search(r'name="code" value="([^"]+)"', page.read_text()).group(1)
         again = request(address, "POST", "/login", body=f"code={code}")
         assert again.status == 403 and "Set-Cookie" not in again.headers
+        assert "That sign-in page was used already, or it expired" in again.body
     assert address.token not in page.read_text()
     assert files_holding(profile, address.token) == []
 

@@ -108,9 +108,13 @@ def schedule_from(form: dict[str, list[str]], *, editing: bool) -> dict[str, Any
         raw = first.get(key, "").strip()
         if raw:
             try:
-                schedule[key] = kind(raw)
+                number = kind(raw)
             except ValueError:
                 schedule[key] = raw  # the method's validation names it
+                continue
+            # (a whole number typed is sent whole: a problem quotes it as typed, 0 not 0.0)
+            schedule[key] = int(number) if isinstance(number, float) and number.is_integer() \
+                and "." not in raw and "e" not in raw.lower() else number
     return schedule
 
 
@@ -179,6 +183,29 @@ _FIELDS_COUNT = re.compile(r"Wrong number of fields; got (?P<n>\d+), expected 5"
 _CRON_FIELD = re.compile(r"^(?P<name>[a-z-]+) field (?P<value>'[^']*'): (?P<detail>.*)$", re.S)
 
 
+#: A number's problem as JSON Schema says it, and as the form says it.
+_NUMBER_WORDS = (
+    (re.compile(r"^(?P<v>\S+) is less than or equal to the minimum of (?P<n>\S+)$"),
+     "{v} is too small: it must be more than {n}"),
+    (re.compile(r"^(?P<v>\S+) is less than the minimum of (?P<n>\S+)$"),
+     "{v} is too small: it must be at least {n}"),
+    (re.compile(r"^(?P<v>\S+) is greater than or equal to the maximum of (?P<n>\S+)$"),
+     "{v} is too large: it must be less than {n}"),
+    (re.compile(r"^(?P<v>\S+) is greater than the maximum of (?P<n>\S+)$"),
+     "{v} is too large: it must be at most {n}"),
+    (re.compile(r"^(?P<v>.+) is not of type 'integer'$"), "{v} is not a whole number"),
+    (re.compile(r"^(?P<v>.+) is not of type 'number'$"), "{v} is not a number"),
+)
+
+
+def _number_in_words(text: str) -> str:
+    for pattern, words in _NUMBER_WORDS:
+        found = pattern.match(text)
+        if found is not None:
+            return words.format(**found.groupdict())
+    return text
+
+
 def plain_problem(problem: str, field: str | None) -> str:
     """A method's problem as a sentence for a person: without the names of where it is
     (the workflow, the schedule, ``params.``), and without the field's name when it is
@@ -188,6 +215,7 @@ def plain_problem(problem: str, field: str | None) -> str:
         text = re.sub(rf"^{re.escape(field)}(?:\[\d+\])?: ", "", text, count=1)
     cron = _CRON.match(text)
     if cron is None:
+        text = _number_in_words(text)
         return text[:1].upper() + text[1:]
     why = cron["why"]
     counted = _FIELDS_COUNT.search(why)

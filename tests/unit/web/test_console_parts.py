@@ -59,7 +59,13 @@ def test_a_methods_problems_go_beside_their_fields() -> None:
     assert placed == {"timezone": ["Unknown time zone 'Mars'"],
                       "group_ids": ["Unknown group(s) 'nope' (available: g1)"]}
     assert place_errors("params.schedule.jitter_s: -1 is less than the minimum of 0") == {
-        "jitter_s": ["-1 is less than the minimum of 0"]}
+        "jitter_s": ["-1 is too small: it must be at least 0"]}
+    assert place_errors("params.schedule.timeout_s: 0 is less than or equal to the minimum "
+                        "of 0") == {"timeout_s": ["0 is too small: it must be more than 0"]}
+    assert place_errors("params.schedule.pause_after_failures: '1.5' is not of type "
+                        "'integer'") == {"pause_after_failures": ["'1.5' is not a whole number"]}
+    assert place_errors("params.schedule.jitter_s: 'abc' is not of type 'number'") == {
+        "jitter_s": ["'abc' is not a number"]}
     assert place_errors("workflow 'w' has no such thing") == {
         "_": ["Workflow 'w' has no such thing"]}
 

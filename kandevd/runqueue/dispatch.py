@@ -7,8 +7,9 @@ agent, oldest first), then each execution starts. Unused slots are given
 back, whatever raises. A claim whose execution cannot start goes back to the
 queue while the runtime is stopping, and is otherwise a failed attempt under
 the retry policy (a broken profile backs off instead of spinning). A cancel
-that lands between a claim and its start is remembered, and the execution is
-stopped as soon as it has started.
+that lands between a claim and its start is remembered: the agent is not
+started, or, when the cancel comes as it starts, it is stopped as soon as it
+has started.
 """
 
 from __future__ import annotations
@@ -176,6 +177,15 @@ class Dispatcher:
         self.live.begin(run_id, run.agent_id)
         try:
             self.faults.before_start(run_id)
+            if self.live.cancel_requested(run_id):
+                # runs.cancel came before the start: the run is cancelled, and an agent
+                # started now could finish before the stop reaches it. Start nothing.
+                self.live.end(run_id)
+                self.runtime.release(reservation)
+                log.info("run %s: cancelled before its agent started; nothing started",
+                         run_id)
+                self.outcomes.wake()  # (its slot is free for another run)
+                return False
             spec = self._spec(claim)
             if not spec.attempt:  # (a runner that frames logs notes it as it opens it)
                 append_note(spec.log_path, attempt_started(run.attempt, self.clock()))

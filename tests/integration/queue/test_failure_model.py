@@ -281,7 +281,7 @@ def test_a_run_waiting_for_its_back_off_is_retrying_not_waiting_in_the_queue(
 # -- 4. cancels stick --------------------------------------------------------------------------
 
 
-def test_a_cancel_between_claim_and_start_stops_the_execution(
+def test_a_cancel_between_claim_and_start_starts_nothing(
         daemon_factory: Factory, tmp_path: Path) -> None:
     touch = tmp_path / "executed"
     gate = tmp_path / "gate"
@@ -297,9 +297,17 @@ def test_a_cancel_between_claim_and_start_stops_the_execution(
     mark = daemon.mark()
     with open(gate, "w") as fifo:  # let the dispatch go on
         fifo.write("go\n")
-    daemon.wait_for_line(f"run {run['id']}: agent process stopped", after=mark)
+    daemon.wait_for_line(f"run {run['id']}: cancelled before its agent started; nothing "
+                         "started", after=mark)
     assert daemon.call("runs.get", {"id": run["id"]})["status"] == "cancelled"
     assert executions(touch) == []
+    assert daemon.call("daemon.status")["runtime"]["active"] == 0
+    # Its agent is free again: the next run goes through.
+    second = enqueue(daemon, touch=str(touch))
+    with open(gate, "w") as fifo:
+        fifo.write("go\n")
+    wait_status(daemon, second["id"], "finished")
+    assert executions(touch) == [second["id"]]
 
 
 # -- 5. keys mean what the contract says ------------------------------------------------------

@@ -75,12 +75,12 @@ STATIC = {"console.css": "text/css; charset=utf-8",
           "favicon.svg": "image/svg+xml"}
 
 
-_PARAMETER = re.compile(r"\bparams\.([a-z_]+)")
+_PARAMETER = re.compile(r"\bparams\.(?:[a-z_]+\.)*([a-z_]+)")
 
 
 def in_words(message: str) -> str:
     """A method's refusal for the console, which has fields, not params: ``params.to``
-    is shown as the field's label (“To”)."""
+    (or ``params.schedule.jitter_s``) is shown as the field's label (“To”, “Jitter s”)."""
     return _PARAMETER.sub(lambda m: f"“{m.group(1).replace('_', ' ').capitalize()}”",
                           message)
 

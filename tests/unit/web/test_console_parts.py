@@ -18,6 +18,7 @@ from kandevd.store.open import open_store
 from kandevd.store.runs import RunRepository
 from kandevd.store.runs.activity import read_activity
 from kandevd.timeutil import rfc3339
+from kandevd.web.app import in_words
 from kandevd.web.auth import Guard, split_host
 from kandevd.web.charts import Lane, Series, count_ticks, line_chart, spend_bar, timeline
 from kandevd.web.context import duration, time_element, times_in
@@ -360,3 +361,10 @@ def test_a_running_executions_stdout_is_found_by_plain_ids_only(tmp_path) -> Non
     for bad in ("../x", "e1/..", "", None, "a.b"):
         assert turn_stdout_path(Console(), bad, 0) is None
         assert run_stdout_path(Console(), bad) is None
+
+
+def test_a_refusal_the_console_shows_names_fields_not_params() -> None:
+    assert in_words("params.to: must not be earlier than params.from") == \
+        "“To”: must not be earlier than “From”"
+    assert in_words("params.schedule.jitter_s: too small") == "“Jitter s”: too small"
+    assert in_words("workflow 'w' has no schedule 'x'") == "workflow 'w' has no schedule 'x'"

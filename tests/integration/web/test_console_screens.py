@@ -167,6 +167,15 @@ def test_a_jobs_label_its_stop_followed_to_the_end_and_delete(site: Site) -> Non
     assert not driver.find_elements(By.XPATH, "//a[.='Held']")
 
 
+def preview_backfill(driver: Any, start: str, end: str) -> None:
+    """Fill the job page's backfill range (the browser's date and time inputs) and ask
+    for its dry run."""
+    for name, value in (("from", start), ("to", end)):
+        field = driver.find_element(By.CSS_SELECTOR, f"form.backfill input[name={name}]")
+        driver.execute_script("arguments[0].value = arguments[1]", field, value)
+    leads_on(driver, button(driver, "Preview the fire times"))
+
+
 def test_fires_that_will_not_happen_backfill_form_and_delete_of_a_product_refused(
         tmp_path: Path, daemon_factory: Callable[..., DaemonProcess]) -> None:
     daemon, address, _record = make_site(tmp_path, daemon_factory,
@@ -180,13 +189,12 @@ def test_fires_that_will_not_happen_backfill_form_and_delete_of_a_product_refuse
                                     "SCHEDULER_ENABLED=false")
         assert "not-firing" in driver.find_element(By.CSS_SELECTOR, "ol.fires"
                                                    ).get_attribute("class")
-        for name, value in (("from", "2026-01-01T00:00"), ("to", "2026-01-03T00:00")):
+        for name in ("from", "to"):
             field = driver.find_element(By.CSS_SELECTOR, f"form.backfill input[name={name}]")
             assert field.get_attribute("type") == "datetime-local"
-            driver.execute_script("arguments[0].value = arguments[1]", field, value)
         zone = driver.find_element(By.CSS_SELECTOR, "input[name=zone]").get_attribute("value")
         assert zone  # the browser's own zone
-        leads_on(driver, button(driver, "Preview the fire times"))
+        preview_backfill(driver, "2026-01-01T00:00", "2026-01-03T00:00")
         preview = driver.find_element(By.ID, "backfill-preview").text
         assert "(dry run: nothing ran)" in preview
         assert len(driver.find_elements(By.CSS_SELECTOR, "#backfill-preview li")) in (2, 3)
@@ -194,17 +202,11 @@ def test_fires_that_will_not_happen_backfill_form_and_delete_of_a_product_refuse
             By.XPATH, "//button[starts-with(normalize-space(), 'Run these')]")
         shot(driver, "schedule-job-blocked")
         # A range that ends after now is a look ahead: nothing is offered to run.
-        for name, value in (("from", "2099-01-01T00:00"), ("to", "2099-01-03T00:00")):
-            field = driver.find_element(By.CSS_SELECTOR, f"form.backfill input[name={name}]")
-            driver.execute_script("arguments[0].value = arguments[1]", field, value)
-        leads_on(driver, button(driver, "Preview the fire times"))
+        preview_backfill(driver, "2099-01-01T00:00", "2099-01-03T00:00")
         preview = driver.find_element(By.ID, "backfill-preview").text
         assert "The range ends after now" in preview and "Run these" not in preview
         # A refusal names the form's fields, not the method's params.
-        for name, value in (("from", "2026-01-03T00:00"), ("to", "2026-01-01T00:00")):
-            field = driver.find_element(By.CSS_SELECTOR, f"form.backfill input[name={name}]")
-            driver.execute_script("arguments[0].value = arguments[1]", field, value)
-        leads_on(driver, button(driver, "Preview the fire times"))
+        preview_backfill(driver, "2026-01-03T00:00", "2026-01-01T00:00")
         said = driver.find_element(By.TAG_NAME, "main").text
         assert "“To”: must not be earlier than “From”" in said and "params." not in said
 

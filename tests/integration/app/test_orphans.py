@@ -69,6 +69,8 @@ def test_restart_stops_the_agents_of_a_killed_daemon_before_requeueing(
     # Freeze the first execution mid-sleep: whatever the restart takes, it cannot
     # finish on its own, and only the restart can end it (SIGTERM needs a SIGCONT).
     os.killpg(old_agent, signal.SIGSTOP)
+    # (a stop signal takes effect when the agent next runs: on a busy machine, a moment)
+    daemon.wait_until(lambda: _state(old_agent) == "T", what="the agent stopped")
     pidfd = os.pidfd_open(old_agent)  # readable once that very process has exited
     try:
         assert daemon.kill_daemon_only() == -signal.SIGKILL

@@ -38,6 +38,7 @@ ROUTES: list[tuple[str, str, View]] = [
     ("GET", r"/", overview.page),
     ("GET", r"/fragments/overview", overview.fragment),
     ("GET", r"/events/overview", live.overview_events),
+    ("POST", r"/events/leave", live.leave),
     ("GET", r"/schedules", schedules.index),
     ("POST", r"/schedules/pause", schedules.pause),
     ("GET", r"/schedules/new", schedule_form.new),

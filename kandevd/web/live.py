@@ -8,10 +8,15 @@ the notice away). Each ends when the console stops. The overview stream waits
 for the daemon's events (a run queued, claimed, ended or cancelled), at most
 one refresh every :data:`REFRESH_MIN_S`; a log stream looks at its file
 (and the agent's stdout, which joins the log's end when the execution ends)
-twice a second and ends with the run. Both send a keep-alive comment every
-:data:`KEEPALIVE_S`, so a closed tab frees its thread then at the latest. A
-log event carries the files' offsets as its id: a reconnecting browser
-resumes from ``Last-Event-ID`` and shows nothing twice.
+twice a second and ends with the run. A page going away says so (``POST
+/events/leave`` with the ids its ``ready`` events carried, sent by the browser
+as the page is hidden), and its streams end at once: a stream's thread only
+learns that its reader is gone when it next writes, so quick navigation would
+otherwise find every slot held by pages already left. Both send a keep-alive
+comment every :data:`KEEPALIVE_S`, so a tab that could not say it left (a
+crashed browser, a lost network) frees its thread then at the latest. A log
+event carries the files' offsets as its id: a reconnecting browser resumes
+from ``Last-Event-ID`` and shows nothing twice.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import codecs
 import json
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -45,34 +51,80 @@ TERMINAL_RUNS = ("finished", "failed", "cancelled")
 #: What the overview is refreshed for (the topics of ``events.subscribe``).
 OVERVIEW_TOPICS = ("run.*", "schedule.*")
 
+#: Most stream ids one ``POST /events/leave`` names (a page holds one or two).
+MAX_LEAVING = 8
+
 _slots = threading.BoundedSemaphore(MAX_STREAMS)
 
 
-def _guarded(chunks: Callable[[], Iterator[bytes]]) -> Response:
+class Stream:
+    """One accepted live view: its id (sent in its ``ready`` event) and whether its page
+    has left (:func:`leave`); what waits for events is woken by ``on_leave``."""
+
+    def __init__(self) -> None:
+        self.id = secrets.token_urlsafe(16)
+        self.left = threading.Event()
+        self._on_leave: list[Callable[[], None]] = []
+
+    def on_leave(self, action: Callable[[], None]) -> None:
+        """Call ``action`` when the page leaves (at once if it has; it may run twice)."""
+        self._on_leave.append(action)
+        if self.left.is_set():
+            action()
+
+    def leave(self) -> None:
+        self.left.set()
+        for action in list(self._on_leave):
+            action()
+
+
+_open: dict[str, Stream] = {}
+_open_lock = threading.Lock()
+
+
+def _guarded(chunks: Callable[[Stream], Iterator[bytes]]) -> Response:
     if not _slots.acquire(blocking=False):
         # A 200 the browser's EventSource reconnects after (a 503 would end it for good).
         busy = _event("busy", {"open": MAX_STREAMS, "retry_s": BUSY_RETRY_S})
         return stream(iter([f"retry: {BUSY_RETRY_S * 1000}\n".encode() + busy]))
 
     def run() -> Iterator[bytes]:
+        accepted = Stream()
+        with _open_lock:
+            _open[accepted.id] = accepted
         try:
-            yield b"retry: 3000\n" + _event("ready", {})
-            yield from chunks()
+            yield b"retry: 3000\n" + _event("ready", {"id": accepted.id})
+            yield from chunks(accepted)
         finally:
+            with _open_lock:
+                _open.pop(accepted.id, None)
             _slots.release()
     return stream(run())
 
 
+def leave(console: Console, request: Request) -> Response:
+    """``POST /events/leave`` (``streams``: ids, comma-separated): a page going away ends
+    its live views now, so their slots are free for the next page (204 either way)."""
+    ids = request.form.get("streams", "").split(",")[:MAX_LEAVING]
+    with _open_lock:
+        leaving = [_open[i] for i in ids if i in _open]
+    for found in leaving:
+        found.leave()
+    return Response(b"", 204, content_type="text/plain; charset=utf-8")
+
+
 def overview_events(console: Console, request: Request) -> Response:
-    def chunks() -> Iterator[bytes]:
+    def chunks(accepted: Stream) -> Iterator[bytes]:
         events = console.subscribe(OVERVIEW_TOPICS)
+        accepted.on_leave(lambda: console.unsubscribe(events))  # (wakes the wait below)
         try:
             while not console.stopping.is_set() and not events.closed:
-                if not events.take(KEEPALIVE_S):
-                    yield b": keepalive\n\n"
-                    continue
+                changed = events.take(KEEPALIVE_S)
                 if console.stopping.is_set() or events.closed:
                     return
+                if not changed:
+                    yield b": keepalive\n\n"
+                    continue
                 yield b"event: refresh\ndata: {}\n\n"
                 console.stopping.wait(REFRESH_MIN_S)  # several changes, one refresh
         finally:
@@ -119,20 +171,23 @@ class Part:
         return data
 
 
-def follow(console: Console, parts: list[Part], finished: Callable[[], bool]
-           ) -> Iterator[bytes]:
+def follow(console: Console, parts: list[Part], finished: Callable[[], bool],
+           accepted: Stream | None = None) -> Iterator[bytes]:
     """``append`` events with what each part's file gains after its offset, then ``end``
     (also when a stdout file followed went: the page reloads with the whole log).
 
     The stdout part is read before the log, so text merged from it into the log is
     never sent twice. Text is decoded incrementally (a character split across two
     reads is sent whole, with the next one); an event's id is every part's offset
-    (``log.stdout``), from which a reconnecting browser resumes."""
+    (``log.stdout``), from which a reconnecting browser resumes. It ends quietly
+    once ``accepted``'s page has left."""
     checked = 0.0
     spoken = time.monotonic()
     done = False
     ordered = sorted(parts, key=lambda part: part.name == "log")  # (stdout first)
     while not console.stopping.is_set():
+        if accepted is not None and accepted.left.is_set():
+            return
         sent = False
         for part in ordered:
             data = part.read()
@@ -181,7 +236,7 @@ def run_log(console: Console, request: Request, run: str) -> Response:
             return True
     parts = [Part("log", lambda: path, log_at),
              Part("stdout", lambda: run_stdout_path(console, run), out_at)]
-    return _guarded(lambda: follow(console, parts, finished))
+    return _guarded(lambda accepted: follow(console, parts, finished, accepted))
 
 
 def turn_log(console: Console, request: Request, job: str, entry: str, index: str
@@ -212,7 +267,7 @@ def turn_log(console: Console, request: Request, job: str, entry: str, index: st
         return now is None or now.get("status") != "running"
     parts = [Part("log", lambda: path, log_at),
              Part("stdout", lambda: turn_stdout_path(console, entry, turn_at), out_at)]
-    return _guarded(lambda: follow(console, parts, finished))
+    return _guarded(lambda accepted: follow(console, parts, finished, accepted))
 
 
 def _offsets(request: Request) -> tuple[int, int]:

@@ -20,10 +20,14 @@ function confirmations(root) {
   }
 }
 
+// The page's live views: their streams, and the ids the console gave them.
+const liveSources = new Set();
+
 // A live view's event stream. The console serves a few at once: one refused gets
 // "busy" (its browser tries again by itself), one accepted starts with "ready".
 function liveSource(url, anchor) {
   const source = new EventSource(url);
+  liveSources.add(source);
   source.addEventListener("busy", (event) => {
     const data = JSON.parse(event.data);
     let notice = anchor.previousElementSibling;
@@ -38,7 +42,8 @@ function liveSource(url, anchor) {
       "updates by itself once one of them closes.";
     anchor.dataset.liveState = "busy";
   });
-  source.addEventListener("ready", () => {
+  source.addEventListener("ready", (event) => {
+    source.streamId = JSON.parse(event.data).id;
     const notice = anchor.previousElementSibling;
     if (notice && notice.classList.contains("live-notice")) notice.remove();
     anchor.dataset.liveState = "live";
@@ -80,6 +85,7 @@ function logStreams() {
     });
     source.addEventListener("end", () => {
       source.close();
+      liveSources.delete(source);
       pre.classList.remove("following");
       pre.classList.add("ended");
       // The run's page shows its outcome (or a session's next turn) once it is written.
@@ -224,4 +230,26 @@ document.addEventListener("DOMContentLoaded", () => {
   browserZone();
   clocks();
   document.documentElement.dataset.ready = "yes";
+});
+
+// A page going away ends its live views now: the console would only notice at a stream's
+// next keep-alive, and quick navigation would find every slot held by pages already left.
+// (A page kept by the browser to come back to is loaded afresh, with new streams.)
+window.addEventListener("pagehide", () => {
+  const ids = [];
+  for (const source of liveSources) {
+    source.close();
+    if (source.streamId) ids.push(source.streamId);
+  }
+  liveSources.clear();
+  if (!ids.length) return;
+  const csrf = document.querySelector('meta[name="csrf-token"]');
+  navigator.sendBeacon("/events/leave", new URLSearchParams({
+    streams: ids.join(","), csrf: csrf ? csrf.content : "",
+  }));
+});
+window.addEventListener("pageshow", (event) => {
+  if (event.persisted && document.querySelector("[data-events], pre[data-stream]")) {
+    window.location.reload();
+  }
 });

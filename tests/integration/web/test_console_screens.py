@@ -68,8 +68,7 @@ def make_site(tmp_path: Path, daemon_factory: Callable[..., DaemonProcess],
 def site(tmp_path: Path, daemon_factory: Callable[..., DaemonProcess]) -> Iterator[Site]:
     daemon, address, record = make_site(tmp_path, daemon_factory)
     with chromium() as driver:
-        # Signed in on a page without a live view (a closed one holds its stream's slot
-        # until its next keep-alive).
+        # Signed in on a page without a live view: every stream slot is free for the test.
         driver.get(f"{address.base}/schedules?token={address.token}")
         wait_for(driver, ready, what="the schedules")
         yield daemon, address, driver, record

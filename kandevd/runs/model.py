@@ -8,6 +8,7 @@ rooms as a :class:`Run`, and becomes the contract's RUN object only at the edge
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -63,7 +64,8 @@ class Run:
                    row["idempotency_key"], row["coalesced_count"], row["retry_count"],
                    row["scheduled_retry_at"], row["requested_at"], row["claimed_at"],
                    row["finished_at"], row["error_message"], row["cancel_reason"],
-                   row["output_summary"], row["cost_cents"], row["log_path"], row["attempt"])
+                   row["output_summary"], _finite(row["cost_cents"]), row["log_path"],
+                   row["attempt"])
 
     def to_dict(self) -> dict[str, Any]:
         """The contract's RUN object (with ``attempt``)."""
@@ -174,3 +176,9 @@ class BatchItemError(RunReferenceError):
 def gave_up(attempts: int, last: str | None) -> str:
     """The dead letter's ``error_message``."""
     return f"gave up after {attempts} attempts; last: {last or 'unknown'}"
+
+
+def _finite(cost: float | None) -> float | None:
+    """A stored cost as a number JSON can carry: an infinite one (the sum of costs
+    an earlier version let through) reads as unknown."""
+    return cost if cost is None or math.isfinite(cost) else None

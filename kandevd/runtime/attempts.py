@@ -38,6 +38,7 @@ from typing import Any
 from kandevd.fsutil import ensure_dir, write_json
 from kandevd.paths import ATTEMPTS_FOLDER
 from kandevd.runtime.execution import OUTCOMES, ExecutionResult
+from kandevd.runtime.output import reported_cost
 from kandevd.timeutil import parse_rfc3339, rfc3339
 
 log = logging.getLogger("kandevd.queue.journal")
@@ -172,7 +173,7 @@ def read_outcome(directory: Path, key: str) -> ExecutionResult | None:
         return ExecutionResult(
             key=key, outcome=document["outcome"], exit_code=document.get("exit_code"),
             summary=document.get("summary"),
-            cost_cents=float(cost) if isinstance(cost, int | float) else None,
+            cost_cents=reported_cost(cost),
             error=document.get("error"), started_at=parse_rfc3339(document["started_at"]),
             ended_at=parse_rfc3339(document["ended_at"]), log_path=Path(document["log_path"]),
             evaluation=evaluation if isinstance(evaluation := document.get("evaluation"), dict)

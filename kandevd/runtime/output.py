@@ -31,6 +31,9 @@ _COPY_CHUNK = 1024 * 1024
 
 #: The largest ``evaluation`` object kept (as JSON); a larger one is dropped with a note.
 MAX_EVALUATION_BYTES = 64 * 1024
+#: The largest cost an attempt may report (ten billion dollars): a larger one is not
+#: recorded, so the attempts' sum and the budgets' spend stay finite numbers.
+MAX_COST_CENTS = 1e12
 
 
 class AgentReport(NamedTuple):
@@ -44,9 +47,28 @@ class AgentReport(NamedTuple):
 NO_REPORT = AgentReport()
 
 
+def reported_cost(value: Any) -> float | None:
+    """An attempt's reported cost in cents, or None when it is not a number from 0 to
+    :data:`MAX_COST_CENTS` (a negative one would hide spend from budgets; a larger one
+    would make the attempts' sum infinite, which no JSON answer can carry)."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return None
+    try:
+        cost = float(value)
+    except OverflowError:  # (an integer too large for a float)
+        cost = math.inf
+    if not math.isfinite(cost) or cost < 0:
+        return None
+    if cost > MAX_COST_CENTS:
+        log.warning("an agent reported a cost of %.4g cents, over %.4g; not recorded",
+                    cost, MAX_COST_CENTS)
+        return None
+    return cost
+
+
 def parse_report(line: str | None) -> AgentReport:
     """The report in the agent's last output line; fields that are not well-typed are
-    left out (a negative or non-finite cost too: it would hide spend from budgets)."""
+    left out (a cost too, unless :func:`reported_cost` takes it)."""
     if not line:
         return AgentReport()
     try:
@@ -56,13 +78,8 @@ def parse_report(line: str | None) -> AgentReport:
     if not isinstance(obj, dict):
         return AgentReport()
     summary = obj.get("summary")
-    cost = obj.get("cost_cents")
-    cost_value: float | None = None
-    if isinstance(cost, int | float) and not isinstance(cost, bool):
-        cost_value = float(cost)
-        if not math.isfinite(cost_value) or cost_value < 0:
-            cost_value = None
-    return AgentReport(summary if isinstance(summary, str) else None, cost_value,
+    return AgentReport(summary if isinstance(summary, str) else None,
+                       reported_cost(obj.get("cost_cents")),
                        _evaluation(obj.get("evaluation")))
 
 

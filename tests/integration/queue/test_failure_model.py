@@ -401,6 +401,23 @@ def test_a_spent_hard_budget_refuses_the_claim(daemon_factory: Factory) -> None:
     assert daemon.call("runs.get", {"id": held["id"]})["status"] == "queued"
 
 
+def test_a_cost_too_large_to_add_up_is_not_recorded_and_the_run_reads_well(
+        daemon_factory: Factory, tmp_path: Path) -> None:
+    daemon = daemon_factory(fast_config(retry={"delays_s": [0], "jitter": 0}))
+    setup_agent(daemon)
+    # Two attempts each reporting 1.7e308: their sum would be infinite.
+    huge = enqueue(daemon, cost_cents=1.7e308, fail_once_marker=str(tmp_path / "m"))
+    fine = enqueue(daemon, cost_cents=1e12)  # (the largest cost taken)
+    for run in (huge, fine):
+        wait_status(daemon, run["id"], "finished")
+    got = daemon.call("runs.get", {"id": huge["id"]})
+    assert got["attempt"] == 2 and got["cost_cents"] is None
+    assert daemon.call("runs.get", {"id": fine["id"]})["cost_cents"] == 1e12
+    listed = daemon.call("runs.list", {"status": "finished"})["items"]
+    assert {r["id"] for r in listed} == {huge["id"], fine["id"]}
+    daemon.wait_for_line("over 1e+12; not recorded")
+
+
 def test_runs_logs_shows_each_attempt_between_separators(
         daemon_factory: Factory, tmp_path: Path) -> None:
     marker = tmp_path / "failed-once"

@@ -41,6 +41,7 @@ from kandevd.runtime import (
 )
 from kandevd.runtime import process as process_module
 from kandevd.runtime.output import (
+    MAX_COST_CENTS,
     MAX_EVALUATION_BYTES,
     AgentReport,
     parse_report,
@@ -534,6 +535,18 @@ def test_the_report_carries_an_optional_evaluation_object() -> None:
     assert parse_report('{"summary": "s", "evaluation": "good"}') == AgentReport("s")
     big = json.dumps({"evaluation": {"notes": "x" * (MAX_EVALUATION_BYTES + 1)}})
     assert parse_report(big).evaluation is None
+
+
+def test_a_cost_is_taken_from_zero_to_its_largest_only() -> None:
+    """A larger one would make the attempts' sum infinite (no JSON answer carries it)."""
+    for taken in (0, 12, 0.5, MAX_COST_CENTS):
+        assert parse_report(json.dumps({"cost_cents": taken})).cost_cents == taken
+    for refused in (-1, MAX_COST_CENTS * 1.01, 1.7e308, 10 ** 400, True, "3", None):
+        line = '{"cost_cents": %s}' % (refused if isinstance(refused, int) and
+                                       not isinstance(refused, bool) else
+                                       json.dumps(refused))
+        assert parse_report(line).cost_cents is None, refused
+    assert parse_report('{"cost_cents": Infinity}').cost_cents is None
 
 
 def test_spec_rejects_shell_strings_and_unknown_kinds(tmp_path: Path):

@@ -135,8 +135,10 @@ class RunQueue:
         run = self.repo.retry(run_id, now)
         # (The run cannot be claimed again before a live attempt's outcome is settled.)
         self.live.forget_cancel_unless_live(run_id)
-        if run.log_path and os.path.isfile(run.log_path):  # (its attempts start at 1 again)
-            append_note(Path(run.log_path), f"==== re-queued by runs.retry {rfc3339(now)}: "
+        # (A run an earlier version cancelled as it ran names no log: where it is written.)
+        log_file = run.log_path or self._log_if_any(run_id)
+        if log_file and os.path.isfile(log_file):  # (its attempts start at 1 again)
+            append_note(Path(log_file), f"==== re-queued by runs.retry {rfc3339(now)}: "
                         "its attempts count from 1 again ====")
         log.info("run %s re-queued by runs.retry", run_id)
         self.bus.publish("run.queued", {"run": run})
@@ -145,7 +147,8 @@ class RunQueue:
 
     def cancel(self, run_id: str, reason: str | None = None, *,
                only_queued: bool = False) -> Run:
-        run, previous = self.repo.cancel(run_id, reason, self.clock(), only_queued=only_queued)
+        run, previous = self.repo.cancel(run_id, reason, self.clock(), only_queued=only_queued,
+                                         log_path=self._log_if_any(run_id))
         if previous == "claimed":
             # Seen by a dispatch that has not started the execution yet (the claim may
             # even be committed but not handed to a dispatch): it stops it.
@@ -199,6 +202,11 @@ class RunQueue:
             self.outcomes.announce_rescued(done)
             self.wake()
         return done
+
+    def _log_if_any(self, run_id: str) -> str | None:
+        """Where run ``run_id``'s log is written, when it has one (an attempt started)."""
+        path = self.layout.run_logs / f"{run_id}.log"
+        return str(path) if path.is_file() else None
 
     def _close_attempt(self, run_id: str, why: str) -> None:
         """The attempt a rescue took back ends in the run's log too (a runner that went

@@ -34,9 +34,11 @@ class Admin(RunRepositoryBase):
         return Run.from_row(updated)
 
     def cancel(self, run_id: str, reason: str | None, now: datetime, *,
-               only_queued: bool = False) -> tuple[Run, str]:
+               only_queued: bool = False, log_path: str | None = None) -> tuple[Run, str]:
         """Cancel a queued or claimed run (only a queued one with ``only_queued``).
 
+        ``log_path``: the run's log, when it has one, named on the run unless it names
+        one already (an attempt cancelled while it ran writes no outcome that would).
         Returns (run, previous status); a run not in a cancellable status is RunConflict.
         """
         now_s = rfc3339(now)
@@ -53,7 +55,9 @@ class Admin(RunRepositoryBase):
                     raise RunConflict(f"run {run_id!r} is already {previous}; nothing to cancel")
                 updated = conn.execute(
                     "UPDATE runs SET status = 'cancelled', cancel_reason = ?, finished_at = ?,"
-                    " claim_token = NULL, updated_at = ? WHERE id = ? AND status = ? RETURNING *",
-                    (reason or "cancelled", now_s, now_s, run_id, previous)).fetchone()
+                    " claim_token = NULL, log_path = COALESCE(log_path, ?), updated_at = ?"
+                    " WHERE id = ? AND status = ? RETURNING *",
+                    (reason or "cancelled", now_s, log_path, now_s, run_id,
+                     previous)).fetchone()
                 if updated is not None:
                     return Run.from_row(updated), previous

@@ -170,19 +170,20 @@ def act(console: Console, request: Request, run: str, action: str) -> Response:
 
 
 def attempts_of(log_text: str) -> list[dict[str, Any]]:
-    """The attempts the log frames (``==== attempt N started/ended ... ====``)."""
-    attempts: dict[int, dict[str, Any]] = {}
-    order: list[int] = []
+    """The attempts the log frames (``==== attempt N started/ended ... ====``), in order:
+    a run retried by ``runs.retry`` counts its attempts from 1 again, so an end belongs
+    to the latest attempt of its number."""
+    attempts: list[dict[str, Any]] = []
     for match in _ATTEMPT.finditer(log_text):
         number = int(match["n"])
         if match["what"] == "started":
-            attempts[number] = {"number": number, "started_at": match["at"],
-                                "ended_at": None, "outcome": None}
-            if number not in order:
-                order.append(number)
-        elif number in attempts:
-            attempts[number].update(ended_at=match["at"], outcome=match["outcome"])
-    return [attempts[n] for n in order]
+            attempts.append({"number": number, "started_at": match["at"],
+                             "ended_at": None, "outcome": None})
+            continue
+        latest = next((a for a in reversed(attempts) if a["number"] == number), None)
+        if latest is not None and latest["ended_at"] is None:
+            latest.update(ended_at=match["at"], outcome=match["outcome"])
+    return attempts
 
 
 def explain_in_words(explanation: dict[str, Any], run: dict[str, Any] | None = None

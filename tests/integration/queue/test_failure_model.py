@@ -418,6 +418,26 @@ def test_a_cost_too_large_to_add_up_is_not_recorded_and_the_run_reads_well(
     daemon.wait_for_line("over 1e+12; not recorded")
 
 
+def test_a_run_cancelled_as_it_runs_names_its_log_and_a_retry_marks_it(
+        daemon_factory: Factory, tmp_path: Path) -> None:
+    daemon = daemon_factory(fast_config())
+    setup_agent(daemon)
+    run = enqueue(daemon, wait_for=str(tmp_path / "never"))
+    daemon.wait_until(lambda: daemon.call("runs.get", {"id": run["id"]})["status"]
+                      == "claimed" and (daemon.home / "logs" / "runs"
+                                        / f"{run['id']}.log").exists(), what="it running")
+    cancelled = daemon.call("runs.cancel", {"id": run["id"]})
+    log_path = daemon.home / "logs" / "runs" / f"{run['id']}.log"
+    assert cancelled["log_path"] == str(log_path)
+    assert daemon.call("runs.get", {"id": run["id"]})["log_path"] == str(log_path)
+    daemon.call("runs.retry", {"id": run["id"]})
+    frames = [line for line in run_cli(daemon.home, "runs", "logs", run["id"]).stdout
+              .splitlines() if line.startswith("[kandevd] ====")]
+    assert frames[1].startswith("[kandevd] ==== attempt 1 ended")
+    assert "re-queued by runs.retry" in frames[2]
+    daemon.call("runs.cancel", {"id": run["id"]})
+
+
 def test_runs_logs_shows_each_attempt_between_separators(
         daemon_factory: Factory, tmp_path: Path) -> None:
     marker = tmp_path / "failed-once"

@@ -138,6 +138,14 @@ def test_attempts_are_read_from_the_logs_frames() -> None:
          "outcome": "failed (exit code 1)"},
         {"number": 2, "started_at": "2026-12-05T07:33:22Z", "ended_at": None,
          "outcome": None}]
+    # Cancelled as it ran, then retried: its attempts count from 1 again, both are shown.
+    retried = ("[kandevd] ==== attempt 1 started 2026-12-05T07:31:22Z ====\n"
+               "[kandevd] ==== attempt 1 ended 2026-12-05T07:31:28Z: stopped (cancelled) ====\n"
+               "[kandevd] ==== re-queued by runs.retry 2026-12-05T07:32:00Z: its attempts "
+               "count from 1 again ====\n"
+               "[kandevd] ==== attempt 1 started 2026-12-05T07:32:01Z ====\n")
+    assert [(a["number"], a["started_at"], a["outcome"]) for a in attempts_of(retried)] == [
+        (1, "2026-12-05T07:31:22Z", "stopped (cancelled)"), (1, "2026-12-05T07:32:01Z", None)]
 
 
 def test_times_and_durations() -> None:

@@ -21,7 +21,8 @@ SUMMARIES: dict[str, str] = {
     "agents.create": "Create an agent in a workspace.",
     "agents.get": "One agent by id.",
     "agents.list": "Agents, optionally of one workspace or status.",
-    "agents.update": "Change an agent's fields.",
+    "agents.update": "Change an agent's fields. A new `cooldown_s` applies to a cooldown "
+                     "in force too, counted from the agent's last run's end (0 ends it).",
     "office.budgets.create": "Create a budget.",
     "office.budgets.list": "Budgets of a workspace.",
     "office.projects.create": "Create a project in a workspace.",

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Collection
+from datetime import datetime
 
 from kandevd.model.errors import InvalidReference
+from kandevd.timeutil import after, parse_rfc3339, rfc3339
 
 AGENT_STATUSES = ("active", "paused")
 
@@ -23,3 +25,17 @@ def profile_ref(profile: str, configured: Collection[str], *, remote: bool = Fal
         raise InvalidReference(f"profile: agent profile {profile!r} is not configured "
                                f"(configured: {known})")
     return profile
+
+
+def cooldown_in_force(cooldown_until: str | None, last_finished_at: str | None,
+                      cooldown_s: float, now: datetime) -> str | None:
+    """The end of a cooldown in force (``cooldown_until`` after ``now``) once the agent's
+    ``cooldown_s`` changed: counted from its last run's end with the new length, so a
+    shorter one ends sooner (None: it has ended) and a longer one lasts longer. A
+    cooldown not in force stays as it is: a new length applies from the next run's end."""
+    if cooldown_until is None or last_finished_at is None:
+        return cooldown_until
+    if parse_rfc3339(cooldown_until) <= now:
+        return cooldown_until
+    end = after(parse_rfc3339(last_finished_at), cooldown_s)
+    return rfc3339(end) if cooldown_s > 0 and end > now else None

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from kandevd.bus import EventBus
 from kandevd.config import Config, UnknownProfile
 from kandevd.model.actions import ActionError, run_queue_run, target_agent_id, validate_action
-from kandevd.model.agents import check_status, profile_ref
+from kandevd.model.agents import check_status, cooldown_in_force, profile_ref
 from kandevd.model.answers import Launched, TaskMove
 from kandevd.model.errors import ConflictError, InvalidReference, LaunchRefused, NotFoundError
 from kandevd.paths import HomeLayout
@@ -207,7 +207,12 @@ class WorkspaceService:
             if "profile" in params or ("runs_on" in fields and not remote):
                 fields["profile"] = profile_ref(params.get("profile", before["profile"]),
                                                 self.config.agents, remote=remote)
-            fields["updated_at"] = self._now()
+            now = self.clock()
+            if "cooldown_s" in fields:  # (a cooldown in force follows the new length)
+                fields["cooldown_until"] = cooldown_in_force(
+                    before["cooldown_until"], before["last_finished_at"],
+                    fields["cooldown_s"], now)
+            fields["updated_at"] = rfc3339(now)
             sql.update_agent(conn, agent_id, fields)
             after = self._need(sql.get_agent(conn, agent_id), "agent", agent_id)
         changes = changed_fields(before, after)

@@ -113,6 +113,26 @@ def test_a_cooldown_beyond_any_date_is_refused_at_the_api(daemon_factory: Factor
     assert "cooldown_s" in str(caught.value)
 
 
+def test_a_shorter_cooldown_ends_the_one_in_force_sooner(daemon_factory: Factory) -> None:
+    """A cooldown mistyped as ten years is not a lock-out: setting it right applies."""
+    daemon = daemon_factory(fast_config())
+    daemon.call("workspaces.create", {"id": "ws", "name": "ws"})
+    daemon.call("agents.create", {"id": "a1", "workspace_id": "ws", "name": "a1",
+                                  "cooldown_s": 315360000 / 2})
+    wait_status(daemon, enqueue(daemon)["id"], "finished")
+    cooling = daemon.call("agents.get", {"id": "a1"})["cooldown_until"]
+    assert cooling is not None and cooling > "2031"
+    held = enqueue(daemon)
+    assert "cooldown_until" in daemon.wait_until(
+        lambda: daemon.call("runs.explain", {"id": held["id"]})["blockers"],
+        what="the cooldown blocker")
+    longer = daemon.call("agents.update", {"id": "a1", "cooldown_s": 315360000})
+    assert longer["cooldown_until"] > cooling  # (counted from the same end, longer)
+    updated = daemon.call("agents.update", {"id": "a1", "cooldown_s": 0})
+    assert updated["cooldown_until"] is None
+    wait_status(daemon, held["id"], "finished")
+
+
 # -- 2. agents survive a daemon restart -----------------------------------------------------
 
 

@@ -362,3 +362,4 @@ def test_launch_refusals(env: Env) -> None:
     env.model.update_agent({"id": "a1", "status": "paused"})
     with pytest.raises(LaunchRefused, match="paused"):
         env.model.launch_task("t1")
+

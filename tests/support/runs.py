@@ -31,6 +31,19 @@ def seed(store: Store, workspace: str, *agents: str, cooldown_s: float = 0.0,
                          (agent, workspace, agent, cooldown_s, status, now, now))
 
 
+def add_task(store: Store, workspace: str, task: str) -> None:
+    """A task of ``workspace`` (in a workflow of its own), unless there is one: a run may
+    name only a task that exists."""
+    now = rfc3339(T0)
+    with store.transaction() as conn:
+        conn.execute("INSERT INTO workflows (id, workspace_id, name, style, created_at)"
+                     " VALUES (?, ?, 'tasks', 'office', ?) ON CONFLICT DO NOTHING",
+                     (f"wf-{workspace}", workspace, now))
+        conn.execute("INSERT INTO tasks (id, workspace_id, workflow_id, title, created_at,"
+                     " updated_at) VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
+                     (task, workspace, f"wf-{workspace}", task, now, now))
+
+
 def set_agent(store: Store, agent: str, **fields: Any) -> None:
     sets = ", ".join(f"{name} = ?" for name in fields)
     store.execute(f"UPDATE agents SET {sets} WHERE id = ?", [*fields.values(), agent])
@@ -51,4 +64,6 @@ def enqueue(repo: RunRepository, agent: str = "a1", *, at: datetime = T0,
     """Enqueue without coalescing unless asked: most tests want one row per call."""
     kwargs.setdefault("coalesce", False)
     ws = workspace or ("ws2" if agent.startswith("b") else "ws1")
+    if kwargs.get("task_id") is not None:
+        add_task(repo.store, ws, kwargs["task_id"])
     return repo.enqueue(workspace_id=ws, agent_id=agent, reason=reason, now=at, **kwargs).run

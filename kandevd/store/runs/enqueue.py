@@ -45,7 +45,7 @@ class Enqueue(RunRepositoryBase):
         deduplicates and a repeated agent and reason coalesce, as they would
         one request after the other. One commit (one fsync) for the batch.
         """
-        refs: dict[tuple[str, str], str | None] = {}
+        refs: dict[tuple[str, str, str | None], str | None] = {}
         stamps = (rfc3339(now), rfc3339(after(now, -COALESCE_WINDOW_S)))
         results: list[EnqueueResult] = []
         with self.store.transaction() as conn:
@@ -62,7 +62,7 @@ class Enqueue(RunRepositoryBase):
                  reason: str, now: datetime, task_id: str | None = None,
                  payload: dict[str, Any] | None = None, idempotency_key: str | None = None,
                  coalesce: bool = True,
-                 refs: dict[tuple[str, str], str | None] | None = None,
+                 refs: dict[tuple[str, str, str | None], str | None] | None = None,
                  stamps: tuple[str, str] | None = None) -> EnqueueResult:
         """One enqueue inside the caller's transaction.
 
@@ -73,11 +73,11 @@ class Enqueue(RunRepositoryBase):
         key = idempotency_key or None
         now_s = stamps[0] if stamps else rfc3339(now)
         # "" = not checked yet (None = checked, fine; a text = why it cannot be stored).
-        problem = refs.get((workspace_id, agent_id), "") if refs is not None else ""
+        problem = refs.get((workspace_id, agent_id, task_id), "") if refs is not None else ""
         if problem == "":
-            problem = self._reference_problem(conn, workspace_id, agent_id)
+            problem = self._reference_problem(conn, workspace_id, agent_id, task_id)
             if refs is not None:
-                refs[(workspace_id, agent_id)] = problem
+                refs[(workspace_id, agent_id, task_id)] = problem
         if problem is not None:
             raise RunReferenceError(problem)
         if key is not None:
@@ -116,12 +116,14 @@ class Enqueue(RunRepositoryBase):
 
     @staticmethod
     def _reference_problem(conn: sqlite3.Connection, workspace_id: str,
-                           agent_id: str) -> str | None:
-        """Why ``workspace_id``/``agent_id`` cannot take a run, or None when they can."""
+                           agent_id: str, task_id: str | None = None) -> str | None:
+        """Why ``workspace_id``/``agent_id`` (and ``task_id``, when given) cannot take a
+        run, or None when they can."""
         refs = conn.execute(
             "SELECT EXISTS (SELECT 1 FROM workspaces WHERE id = :ws) AS workspace,"
-            " (SELECT workspace_id FROM agents WHERE id = :agent) AS agent_workspace",
-            {"ws": workspace_id, "agent": agent_id}).fetchone()
+            " (SELECT workspace_id FROM agents WHERE id = :agent) AS agent_workspace,"
+            " (SELECT workspace_id FROM tasks WHERE id = :task) AS task_workspace",
+            {"ws": workspace_id, "agent": agent_id, "task": task_id}).fetchone()
         if not refs["workspace"]:
             return f"workspace_id: workspace {workspace_id!r} does not exist"
         if refs["agent_workspace"] is None:
@@ -129,6 +131,11 @@ class Enqueue(RunRepositoryBase):
         if refs["agent_workspace"] != workspace_id:
             return (f"agent_id: agent {agent_id!r} belongs to workspace "
                     f"{refs['agent_workspace']!r}, not {workspace_id!r}")
+        if task_id is not None and refs["task_workspace"] is None:
+            return f"task_id: task {task_id!r} does not exist"
+        if task_id is not None and refs["task_workspace"] != workspace_id:
+            return (f"task_id: task {task_id!r} belongs to workspace "
+                    f"{refs['task_workspace']!r}, not {workspace_id!r}")
         return None
 
     @staticmethod

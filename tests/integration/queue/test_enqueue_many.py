@@ -31,6 +31,10 @@ def daemon(daemon_factory: Any) -> DaemonProcess:
 
 
 def test_a_batch_is_stored_in_order_with_keys_and_coalescing(daemon: DaemonProcess) -> None:
+    daemon.call("workflows.create", {"id": "wf", "workspace_id": "ws1", "name": "w",
+                                     "style": "office", "steps": [{"id": "s", "name": "s"}]})
+    daemon.call("tasks.create", {"id": "t1", "workspace_id": "ws1", "workflow_id": "wf",
+                                 "title": "t"})
     answer = daemon.call("runs.enqueue_many", {"runs": [
         item("a1", "r1", idempotency_key="k1"),
         item("a1", "r1", idempotency_key="k1"),

@@ -19,6 +19,7 @@ import pytest
 from kandevd.config import RetryConfig
 from kandevd.runs.model import (
     IDEMPOTENCY_WINDOW_S,
+    BatchItemError,
     RunConflict,
     RunNotFound,
     RunReferenceError,
@@ -28,7 +29,7 @@ from kandevd.store.open import open_store
 from kandevd.store.runs import RunRepository
 from kandevd.store.sqlite import Store
 from kandevd.timeutil import after, parse_rfc3339, rfc3339
-from tests.support.runs import POLICY, T0, count_runs, enqueue, row, seed, set_agent
+from tests.support.runs import POLICY, T0, add_task, count_runs, enqueue, row, seed, set_agent
 from tests.support.stores import sqlite_only
 
 
@@ -68,6 +69,7 @@ def test_the_run_enqueue_returns_is_the_stored_row(repo: RunRepository) -> None:
     """enqueue builds its answer without reading the row back: it must equal the row."""
     keyed = enqueue(repo, "a2", idempotency_key="k-1", payload={"b": [1, 2], "a": None})
     assert repo.get(keyed.id) == keyed
+    add_task(repo.store, "ws2", "t9")
     many = repo.enqueue_many([{"workspace_id": "ws2", "agent_id": "b1", "reason": "x",
                                "task_id": "t9", "idempotency_key": "k-2"}], now=T0)
     assert repo.get(many[0].run.id) == many[0].run
@@ -112,15 +114,23 @@ def test_enqueue_many_is_all_or_nothing_and_names_the_failing_index(
     assert repo.enqueue_many([good], now=T0)[0].inserted
 
 
-@pytest.mark.parametrize(("workspace", "agent", "field"), [
-    ("nope", "a1", "workspace_id"),
-    ("ws1", "ghost", "agent_id"),
-    ("ws2", "a1", "agent_id"),  # the agent lives in another workspace
+@pytest.mark.parametrize(("workspace", "agent", "task", "field"), [
+    ("nope", "a1", None, "workspace_id"),
+    ("ws1", "ghost", None, "agent_id"),
+    ("ws2", "a1", None, "agent_id"),  # the agent lives in another workspace
+    ("ws1", "a1", "no-such-task", "task_id"),
+    ("ws1", "a1", "t-ws2", "task_id"),  # the task lives in another workspace
 ])
 def test_enqueue_validates_its_references(repo: RunRepository, store: Store, workspace: str,
-                                          agent: str, field: str) -> None:
+                                          agent: str, task: str | None, field: str) -> None:
+    add_task(store, "ws2", "t-ws2")
     with pytest.raises(RunReferenceError, match=field):
-        repo.enqueue(workspace_id=workspace, agent_id=agent, reason="manual", now=T0)
+        repo.enqueue(workspace_id=workspace, agent_id=agent, reason="manual", now=T0,
+                     task_id=task)
+    with pytest.raises(BatchItemError, match=f"runs.1.{field}"):
+        repo.enqueue_many([{"workspace_id": "ws1", "agent_id": "a1", "reason": "ok"},
+                           {"workspace_id": workspace, "agent_id": agent, "reason": "manual",
+                            "task_id": task}], now=T0)
     assert count_runs(store) == 0
 
 
@@ -196,6 +206,7 @@ def test_coalescing_does_not_apply(repo: RunRepository, store: Store, case: str)
 def test_task_assigned_coalesces_only_for_the_same_task(repo: RunRepository,
                                                         store: Store) -> None:
     def assigned(task: str, at: float) -> Any:
+        add_task(store, "ws1", task)
         return repo.enqueue(workspace_id="ws1", agent_id="a1", reason="task_assigned",
                             task_id=task, now=after(T0, at))
 

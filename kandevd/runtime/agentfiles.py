@@ -4,6 +4,7 @@ summary is its last line), and the program ``execvp`` would run."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import time
@@ -13,6 +14,8 @@ from kandevd.agents.profiles import executable_problem
 from kandevd.runtime import attempts
 from kandevd.runtime.execution import ExecutionSpec
 from kandevd.runtime.output import NO_REPORT, AgentReport, LogSink, parse_report
+
+log = logging.getLogger("kandevd.runtime.agentfiles")
 
 #: Only this much of the stdout file's end is read for the summary line.
 _TAIL = 1024 * 1024
@@ -82,10 +85,19 @@ def merge_stdout(fd_out: int, sink: LogSink) -> AgentReport:
     if not size:
         return NO_REPORT
     start = max(size - _TAIL, 0)
-    tail = os.pread(fd_out, size - start, start)
-    lines = [line.strip() for line in tail.split(b"\n")]
-    last = next((line for line in reversed(lines) if line), b"")
-    report = parse_report(last.decode("utf-8", errors="replace") if last else None)
+    # (one byte more when clipped: does the window begin at a line's start?)
+    tail = os.pread(fd_out, size - start + (start > 0), start - (start > 0))
+    whole_first = start == 0 or tail[:1] == b"\n"
+    lines = [line.strip() for line in tail[start > 0:].split(b"\n")]
+    index = next((i for i in range(len(lines) - 1, -1, -1) if lines[i]), None)
+    too_long = index == 0 and not whole_first  # (the last line began before the window)
+    if too_long:
+        log.warning("%s: the agent's last line of stdout is over %d bytes; no summary or "
+                    "cost read from it", sink.path, _TAIL)
+        report = NO_REPORT
+    else:
+        last = lines[index] if index is not None else b""
+        report = parse_report(last.decode("utf-8", errors="replace") if last else None)
     offset = 0
     while offset < size:
         chunk = os.pread(fd_out, min(_COPY, size - offset), offset)
@@ -93,6 +105,11 @@ def merge_stdout(fd_out: int, sink: LogSink) -> AgentReport:
             break
         sink.write(chunk)
         offset += len(chunk)
+    if too_long:  # (after the stdout, which the note is about, on a line of its own)
+        if not tail.endswith(b"\n"):
+            sink.write(b"\n")
+        sink.note(f"the last line of stdout is over {_TAIL} bytes: no summary or cost "
+                  "was read from it")
     return report
 
 

@@ -1,0 +1,51 @@
+"""The agent's stdout merged into its log, and its report read from the last line."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from kandevd.runtime.agentfiles import _TAIL, merge_stdout
+from kandevd.runtime.output import NO_REPORT, AgentReport, LogSink
+
+REPORT = {"summary": "done", "cost_cents": 3}
+
+
+def merged(tmp_path: Path, stdout: bytes) -> tuple[AgentReport, bytes]:
+    out = tmp_path / "stdout"
+    out.write_bytes(stdout)
+    sink = LogSink.open(tmp_path / "run.log")
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        report = merge_stdout(fd, sink)
+    finally:
+        os.close(fd)
+        sink.close()
+    return report, (tmp_path / "run.log").read_bytes()
+
+
+def test_the_report_is_the_last_line_and_the_whole_stdout_joins_the_log(
+        tmp_path: Path) -> None:
+    stdout = b"working\n" + json.dumps(REPORT).encode() + b"\n\n"
+    report, log = merged(tmp_path, stdout)
+    assert report == AgentReport("done", 3.0)
+    assert log == stdout
+
+
+def test_a_last_line_that_fills_the_window_exactly_is_read(tmp_path: Path) -> None:
+    line = json.dumps({**REPORT, "pad": "x" * (_TAIL - 60)}).encode()
+    line = json.dumps({**REPORT, "pad": "x" * (_TAIL - 60 - (len(line) - _TAIL))}).encode()
+    assert len(line) == _TAIL
+    report, _log = merged(tmp_path, b"before\n" + line)
+    assert report == AgentReport("done", 3.0)
+
+
+def test_a_last_line_over_the_window_is_said_not_read(tmp_path: Path) -> None:
+    """Its end alone would parse as nothing (or as something it is not): not read, and
+    the log says so after the stdout."""
+    line = json.dumps({**REPORT, "pad": "x" * _TAIL}).encode()
+    report, log = merged(tmp_path, b"before\n" + line)
+    assert report == NO_REPORT
+    assert log.startswith(b"before\n" + line + b"\n")
+    assert log.endswith(b"no summary or cost was read from it\n")

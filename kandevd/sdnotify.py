@@ -118,7 +118,7 @@ def queue_status(queue: Any) -> str | None:
     try:
         runtime = queue.runtime
         queued = queue.counts().get("queued", 0)
-        return (f"running {runtime.active}/{runtime.max_concurrent} agent(s), "
+        return (f"running {runtime.running}/{runtime.max_concurrent} agent(s), "
                 f"{queued} run(s) queued")
     except Exception:  # a status line is never worth an error
         return None

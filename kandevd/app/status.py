@@ -92,7 +92,7 @@ class StatusReporter:
             "home": str(self.layout.root),
             "boot_id": self.boot_id,
             "loops": loops,
-            "runtime": {"active": self.runtime.active,
+            "runtime": {"active": self.runtime.running,
                         "max_concurrent": self.config.runtime.max_concurrent},
             "store": {"statements": store.statements,
                       "status": "degraded" if degraded else "ok"},

@@ -144,6 +144,13 @@ class AgentRuntime(Stopping, Threadless, Workers):
             return self._held + len(self._live)
 
     @property
+    def running(self) -> int:
+        """Executions started and not yet settled: what ``daemon.status`` reports as
+        ``active`` (a slot merely reserved by a pass still looking for work is not)."""
+        with self._cond:
+            return len(self._live)
+
+    @property
     def all_running(self) -> bool:
         """Every slot runs an execution (no reservation is held, so no claim is under way)."""
         with self._cond:

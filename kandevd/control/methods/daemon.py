@@ -22,8 +22,12 @@ def register(registry: Registry, services: Services) -> None:
 
     registry.add("daemon.status", status, object_schema({}), allowed_while_stopping=True,
                  reads=True,
-                 summary="The daemon's state, loops, store, run counts and scheduler.",
-                 result="{version, pid, state, started_at, home, boot_id, loops, runtime, "
+                 summary="The daemon's state, loops, store, run counts and scheduler. "
+                         "`runtime.active` counts the agent executions started and not yet "
+                         "recorded (a slot a queue pass holds while it looks for work is "
+                         "not one).",
+                 result="{version, pid, state, started_at, home, boot_id, loops, runtime: "
+                        "{active, max_concurrent, keeper?}, "
                         "store: {statements, status, reason?, db: {size_bytes, oldest_run_at, "
                         "retention_days}}, runs, scheduler, ...}")
     registry.add("daemon.shutdown", shutdown, object_schema({}),

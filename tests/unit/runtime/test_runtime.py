@@ -569,6 +569,7 @@ def test_bound_reservations_and_slot_listener(tmp_path: Path, make_runtime):
     assert first is not None and second is not None
     assert runtime.try_reserve() is None
     assert runtime.active == 2 and runtime.max_concurrent == 2
+    assert runtime.running == 0  # (what daemon.status reports: nothing has started)
     with pytest.raises(RuntimeFull, match="all 2 slots"):
         runtime.launch(spec_for(tmp_path, "too-many"), done)
 
@@ -596,7 +597,7 @@ def test_duplicate_live_key_is_refused_and_slot_returned(tmp_path: Path, make_ru
     runtime.launch(spec_for(tmp_path, "dup"), done)
     with pytest.raises(ValueError, match="already live"):
         runtime.launch(spec_for(tmp_path, "dup"), done)
-    assert runtime.active == 1
+    assert runtime.active == 1 and runtime.running == 1
     assert runtime.live_keys() == frozenset({"dup"})
     gate.set()
     assert done.wait("dup").succeeded

@@ -23,23 +23,31 @@ function confirmations(root) {
 // The page's live views: their streams, and the ids the console gave them.
 const liveSources = new Set();
 
+// The notice above a live view that is not live (busy, reconnecting, refused).
+function liveNotice(anchor, text) {
+  let notice = anchor.previousElementSibling;
+  if (!notice || !notice.classList.contains("live-notice")) {
+    notice = document.createElement("p");
+    notice.className = "live-notice";
+    notice.setAttribute("role", "status");
+    anchor.before(notice);
+  }
+  notice.textContent = text;
+  return notice;
+}
+
 // A live view's event stream. The console serves a few at once: one refused gets
-// "busy" (its browser tries again by itself), one accepted starts with "ready".
+// "busy" (its browser tries again by itself), one accepted starts with "ready". A
+// stream that breaks is tried again by the browser ("reconnecting"); one the console
+// refuses (signed out, or it has another token now) is given up, and the page says so.
 function liveSource(url, anchor) {
   const source = new EventSource(url);
   liveSources.add(source);
   source.addEventListener("busy", (event) => {
     const data = JSON.parse(event.data);
-    let notice = anchor.previousElementSibling;
-    if (!notice || !notice.classList.contains("live-notice")) {
-      notice = document.createElement("p");
-      notice.className = "live-notice";
-      notice.setAttribute("role", "status");
-      anchor.before(notice);
-    }
-    notice.textContent = `Busy, retrying: the console already follows ${data.open} live ` +
+    liveNotice(anchor, `Busy, retrying: the console already follows ${data.open} live ` +
       `views (other tabs or pages); this one tries again every ${data.retry_s} s and ` +
-      "updates by itself once one of them closes.";
+      "updates by itself once one of them closes.");
     anchor.dataset.liveState = "busy";
   });
   source.addEventListener("ready", (event) => {
@@ -47,6 +55,23 @@ function liveSource(url, anchor) {
     const notice = anchor.previousElementSibling;
     if (notice && notice.classList.contains("live-notice")) notice.remove();
     anchor.dataset.liveState = "live";
+  });
+  source.addEventListener("error", () => {
+    if (!liveSources.has(source)) return;  // (closed by the page itself)
+    if (source.readyState === EventSource.CLOSED) {
+      liveSources.delete(source);
+      const notice = liveNotice(anchor, "Not live any more: the console refused this " +
+        "page's updates (signed out, or it has another token now). ");
+      const again = document.createElement("a");
+      again.href = window.location.href;
+      again.textContent = "Load the page again";
+      notice.append(again, " to sign in.");
+      anchor.dataset.liveState = "closed";
+    } else if (anchor.dataset.liveState === "live") {
+      liveNotice(anchor, "Reconnecting: the console cannot be reached just now; this " +
+        "view updates again by itself once it can.");
+      anchor.dataset.liveState = "reconnecting";
+    }
   });
   return source;
 }

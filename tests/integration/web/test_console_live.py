@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 import pytest
 from selenium.webdriver.common.by import By
 
-from tests.support.browser import chromium, needs_chromium, open_page, ready, wait_for
+from tests.support.browser import chromium, needs_chromium, open_page, ready, shot, wait_for
 from tests.support.console import ConsoleAddress, console_config, console_of, request, sign_in
 from tests.support.daemon import DaemonProcess
 
@@ -156,3 +156,40 @@ def test_a_browser_ends_its_live_views_as_it_navigates_away(
         open_page(driver, address, "/schedules")  # no live view: every slot free again
         wait_for(driver, lambda _d: free_slots(address, cookie, 4), timeout=ENDED_WITHIN_S,
                  what="every slot free after the pages left")
+
+
+@needs_chromium
+def test_a_live_view_says_when_it_reconnects_and_when_it_is_refused(
+        console: tuple[DaemonProcess, ConsoleAddress]) -> None:
+    _daemon, address = console
+    cookie = sign_in(address)
+    csrf = csrf_of(address, cookie)
+    with chromium() as driver:
+        driver.get(f"{address.base}/runs?token={address.token}")
+        wait_for(driver, ready, what="the runs")
+        box = driver.find_element(By.ID, "runs-live")
+        wait_for(driver, lambda _d: box.get_attribute("data-live-state") == "live",
+                 what="the list live")
+
+        def end_the_pages_stream() -> None:
+            ids = driver.execute_script("return [...liveSources].map(s => s.streamId)")
+            assert request(address, "POST", "/events/leave", cookie=cookie,
+                           body=f"streams={','.join(ids)}&csrf={csrf}").status == 204
+
+        # The stream breaks: the page says it reconnects, and goes live again by itself.
+        end_the_pages_stream()
+        wait_for(driver, lambda _d: box.get_attribute("data-live-state") in
+                 ("reconnecting", "live"), what="the stream broken")
+        wait_for(driver, lambda _d: box.get_attribute("data-live-state") == "live"
+                 and not _d.find_elements(By.CSS_SELECTOR, ".live-notice"), timeout=30,
+                 what="live again, the notice gone")
+
+        # Signed out meanwhile: the console refuses the stream, and the page says so.
+        driver.delete_all_cookies()
+        end_the_pages_stream()
+        notice = wait_for(driver, lambda d: box.get_attribute("data-live-state") == "closed"
+                          and d.find_element(By.CSS_SELECTOR, ".live-notice"), timeout=30,
+                          what="the refusal said")
+        assert notice.text.startswith("Not live any more")
+        assert notice.find_element(By.TAG_NAME, "a").text == "Load the page again"
+        shot(driver, "runs-not-live")

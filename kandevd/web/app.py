@@ -21,7 +21,7 @@ import re
 from collections.abc import Callable, Iterable
 from importlib import resources
 from typing import Any
-from urllib.parse import quote, urlencode
+from urllib.parse import quote, urlencode, urlsplit
 
 from kandevd.control.protocol import RpcError
 from kandevd.net.httpintake import KEEP_ALIVE
@@ -119,7 +119,7 @@ class ConsoleApp:
             return self._sign_in(token, target)
         if not guard.cookie_matches(request.cookie_values(guard.cookie_name)):
             return self.console.fragment("sign_in.html", http_status=401,
-                                         target=safe_back(request.url()))
+                                         target=self._after_sign_in(request))
         request.environ[KEEP_ALIVE] = True
         if request.method == "POST":
             problem = self._csrf_problem(request)
@@ -130,6 +130,18 @@ class ConsoleApp:
         if request.method == "HEAD" and request.path.startswith("/events/"):
             return Response(b"", content_type="text/event-stream")  # (no stream opened)
         return self._route(request)
+
+    def _after_sign_in(self, request: Request) -> str:
+        """Where a browser signing in goes next: the page asked for; for a form sent while
+        signed out, the page it was sent from (its action's address takes only a POST,
+        which signing in does not repeat), when the browser says which page of this
+        console that was; else the overview."""
+        if request.method != "POST":
+            return safe_back(request.url())
+        referer = urlsplit(request.header("Referer") or "")
+        if referer.netloc and referer.netloc == request.header("Host"):
+            return safe_back(referer.path + (f"?{referer.query}" if referer.query else ""))
+        return "/"
 
     def _sign_in(self, token: str, target: str, *, code: str | None = None) -> Response:
         guard = self.console.guard
@@ -178,8 +190,11 @@ class ConsoleApp:
                 return view(self.console, request, **match.groupdict())
             except RpcError as exc:
                 return self._rpc_error(request, exc)
-        if allowed:
-            return text("method not allowed", 405)
+        if allowed:  # (a form's address opened as a page: say so, in the console's dress)
+            return self.console.render(
+                "error.html", request, http_status=405, title="Not a page",
+                message=f"{request.path} takes a form's submission, not a visit: "
+                        "go back to the page the form is on and send it from there.")
         return self.console.render("error.html", request, http_status=404, title="Not found",
                                    message=f"No page at {request.path}.")
 

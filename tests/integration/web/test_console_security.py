@@ -109,6 +109,26 @@ def test_a_post_needs_the_pages_csrf_token(
     assert daemon.call("scheduler.config.get")["globally_paused"] is True
 
 
+def test_a_form_sent_signed_out_signs_in_back_to_its_page(
+        console: tuple[DaemonProcess, ConsoleAddress]) -> None:
+    """Signing in does not repeat the POST: it goes back to the page the form was on
+    (never to another site's), and the action's address opened as a page says what it
+    is in the console's dress."""
+    daemon, address = console
+    job_page = f"{address.base}/schedules/workflow:w:s?user=x"
+    for referer, back in ((job_page, "/schedules/workflow:w:s?user=x"),
+                          ("http://evil.example/schedules", "/"), (None, "/")):
+        answer = request(address, "POST", "/schedules/workflow:w:s/disable", body="csrf=x",
+                         headers={"Referer": referer} if referer else {})
+        assert answer.status == 401
+        assert f'name="next" value="{back}"' in answer.body, referer
+    assert daemon.call("scheduler.jobs.get", {"id": "workflow:w:s"})["enabled"] is True
+    cookie = sign_in(address)
+    opened = request(address, "GET", "/schedules/workflow:w:s/disable", cookie=cookie)
+    assert opened.status == 405
+    assert "takes a form&#39;s submission" in opened.body and 'href="/schedules"' in opened.body
+
+
 def test_names_labels_outputs_and_logs_are_shown_as_text(
         console: tuple[DaemonProcess, ConsoleAddress]) -> None:
     daemon, address = console

@@ -131,6 +131,21 @@ def test_a_live_view_refused_says_busy_and_goes_live_once_a_stream_ends(site: Si
             daemon.call("runs.cancel", {"id": run})
 
 
+def test_a_long_unbroken_pause_note_wraps_instead_of_widening_the_page(site: Site) -> None:
+    daemon, address, driver, _record = site
+    open_page(driver, address, "/schedules")
+    driver.find_element(By.NAME, "note").send_keys("maintenance" * 18)  # 198, no space
+    click_and_confirm(driver, button(driver, "Pause the scheduler"))
+    assert "paused" in flash(driver)
+    assert daemon.call("scheduler.config.get")["globally_paused"] is True
+    for width in (1280, 390):
+        driver.set_window_size(width, 900)
+        wide = driver.execute_script("return document.documentElement.scrollWidth"
+                                     " - document.documentElement.clientWidth")
+        assert wide <= 0, f"{wide} px too wide at {width}"
+    shot(driver, "schedules-long-note")
+
+
 def test_a_jobs_label_its_stop_followed_to_the_end_and_delete(site: Site) -> None:
     daemon, address, driver, record = site
     open_page(driver, address, "/schedules")

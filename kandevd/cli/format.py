@@ -20,9 +20,24 @@ from kandevd.timeutil import parse_rfc3339, utc_now
 
 NONE = "-"
 
+#: Characters that would move the cursor or reorder what follows on a terminal: the
+#: controls, and the bidirectional marks and overrides (a name could spoof a row).
+_UNSAFE = {code for code in range(0x20)} | {0x7F} | set(range(0x80, 0xA0)) | {
+    0x200E, 0x200F, *range(0x202A, 0x202F), *range(0x2066, 0x206A)}
+_ESCAPED = {code: (f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
+            for code in _UNSAFE}
+
+
+def printable(text: str) -> str:
+    """``text`` with what a terminal would act on shown as an escape (``\\r`` as
+    ``\\x0d``): a table's cells and a field's value are data, never control."""
+    return text.translate(_ESCAPED) if any(ord(c) in _UNSAFE for c in text) else text
+
+
 def table(headers: Sequence[str], rows: Iterable[Sequence[str]]) -> None:
-    """Columns padded to their widest cell; the last column is never padded."""
-    cells = [list(r) for r in rows]
+    """Columns padded to their widest cell; the last column is never padded. Cells are
+    :func:`printable`."""
+    cells = [[printable(v) for v in r] for r in rows]
     widths = [max([len(h)] + [len(row[i]) for row in cells]) for i, h in enumerate(headers)]
     for row in [list(headers), *cells]:
         click.echo("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
@@ -33,7 +48,7 @@ def fields(pairs: Iterable[tuple[str, Any]]) -> None:
     items = list(pairs)
     width = max((len(k) for k, _ in items), default=0)
     for key, value in items:
-        click.echo(f"{key:<{width}}  {shown(value)}".rstrip())
+        click.echo(f"{key:<{width}}  {printable(shown(value))}".rstrip())
 
 
 def shown(value: Any) -> str:

@@ -60,3 +60,18 @@ def read_pid(path: Path) -> int | None:
     except OSError:
         return None
     return int(text) if text.isdigit() else None
+
+
+
+def holder(path: Path) -> int | None:
+    """The pid of the kandevd that holds the lock at ``path`` now, None when none does
+    as far as can be seen: the pid it wrote, still a kandevd process. (Looked at without
+    trying the lock: a try could make a daemon starting that instant fail to take it.)"""
+    pid = read_pid(path)
+    if not pid:
+        return None
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    return pid if b"kandevd" in command else None

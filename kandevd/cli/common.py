@@ -13,6 +13,7 @@ from typing import Any
 import click
 
 from kandevd import exits
+from kandevd.app.homelock import holder
 from kandevd.control.client import Client, DaemonUnavailable, RpcCallError
 from kandevd.control.client import call as rpc_call
 from kandevd.paths import HomeLayout, resolve_home
@@ -43,19 +44,29 @@ def _socket(home: str | None, socket_path: str | None) -> Path:
     return Path(socket_path) if socket_path else HomeLayout(resolve_home(home)).socket
 
 
+def _unavailable(home: str | None, socket_path: str | None, exc: DaemonUnavailable) -> None:
+    """No daemon answers (exit 69); when one still holds the home (it is stopping: its
+    socket goes first, its lock last), say that rather than that none runs."""
+    pid = None if socket_path else holder(HomeLayout(resolve_home(home)).lock)
+    if pid is None:
+        click.echo(f"kandevd: {exc}", err=True)
+    else:
+        click.echo(f"kandevd: kandevd (pid {pid}) holds this home but takes no requests: "
+                   "it is stopping (or still starting); try again in a moment", err=True)
+    sys.exit(exits.UNAVAILABLE)
+
+
 @contextmanager
 def connect(home: str | None, socket_path: str | None) -> Iterator[Client]:
     """One connection for many calls; no daemon listening exits 69 as ``invoke`` does."""
     try:
         client = Client(_socket(home, socket_path))
     except DaemonUnavailable as exc:
-        click.echo(f"kandevd: {exc}", err=True)
-        sys.exit(exits.UNAVAILABLE)
+        _unavailable(home, socket_path, exc)
     try:
         yield client
     except DaemonUnavailable as exc:
-        click.echo(f"kandevd: {exc}", err=True)
-        sys.exit(exits.UNAVAILABLE)
+        _unavailable(home, socket_path, exc)
     finally:
         client.close()
 
@@ -66,8 +77,7 @@ def invoke(home: str | None, socket_path: str | None, method: str,
     try:
         return rpc_call(_socket(home, socket_path), method, params or {})
     except DaemonUnavailable as exc:
-        click.echo(f"kandevd: {exc}", err=True)
-        sys.exit(exits.UNAVAILABLE)
+        _unavailable(home, socket_path, exc)
     except RpcCallError as exc:
         ctx = click.get_current_context(silent=True)
         if ctx is None or ctx.params.get("as_json") or ctx.command.name == "call":

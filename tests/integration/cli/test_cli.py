@@ -111,6 +111,28 @@ def test_call_exits_69_when_no_daemon_listens(tmp_path: Path) -> None:
         assert run_cli(home, *args).returncode == exits.UNAVAILABLE
 
 
+def test_a_daemon_that_holds_the_home_but_no_socket_is_said_to_be_stopping(
+        tmp_path: Path) -> None:
+    """A stopping daemon removes its socket first and gives its lock up last: meanwhile
+    the CLI says so instead of that no daemon runs (exit 69 either way)."""
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    # A process that is a kandevd as far as the lock file and /proc tell.
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()",
+                               "kandevd", "serve"], stdin=subprocess.PIPE)
+    try:
+        (home / "kandevd.lock").write_text(f"{holder.pid}\n")
+        for args in (("status",), ("runs", "list")):
+            result = run_cli(home, *args)
+            assert result.returncode == exits.UNAVAILABLE
+            assert f"kandevd (pid {holder.pid}) holds this home but takes no requests: " \
+                "it is stopping" in result.stderr, result.stderr
+    finally:
+        holder.communicate(b"", timeout=30)
+    gone = run_cli(home, "status")  # its pid left behind (a kill -9): no daemon
+    assert gone.returncode == exits.UNAVAILABLE and "no kandevd is listening" in gone.stderr
+
+
 def test_validate_exits_0_for_a_good_config_and_1_for_a_bad_one(tmp_path: Path) -> None:
     home = tmp_path / "home"
     home.mkdir()

@@ -62,6 +62,11 @@ def test_a_schedule_made_with_presets_saved_run_followed_paused(site) -> None:
     driver.find_element(By.ID, "f-name").send_keys("Nightly digest")
     button(driver, "Presets…").click()
     dialog = driver.find_element(By.ID, "presets")
+    every = Select(dialog.find_element(By.NAME, "every"))  # (*/N starts again each hour)
+    assert [o.text for o in every.options] == ["1", "2", "3", "4", "5", "6", "10", "12",
+                                               "15", "20", "30"]
+    every.select_by_visible_text("20")
+    assert "*/20 * * * *" in dialog.find_element(By.CSS_SELECTOR, "[data-preset-result]").text
     dialog.find_element(By.CSS_SELECTOR, "input[value=daily]").click()
     daily = dialog.find_element(By.NAME, "daily")
     driver.execute_script("arguments[0].value = '02:30'; arguments[0].dispatchEvent("

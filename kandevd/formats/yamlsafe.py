@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import stat
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +29,19 @@ MAX_YAML_VALUES = 100_000
 
 class YamlError(ValueError):
     pass
+
+
+class _Loader(yaml.SafeLoader):
+    """The safe loader, reading ``1e3`` and ``1.5e3`` as the numbers YAML 1.2 (and JSON)
+    says they are: YAML 1.1's floats need a dot and a signed exponent (``1.5e+3``), so
+    ``stop_grace_s: 1e3`` was a string the schema then refused as "not of type
+    'number'"."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+.0123456789"))
 
 
 def read_text(path: Path, what: str = "") -> str:
@@ -59,7 +73,7 @@ def read_text(path: Path, what: str = "") -> str:
 
 def loads(text: str) -> Any:
     """Safe-load one YAML document from ``text`` with the alias guard."""
-    loader = yaml.SafeLoader(text)
+    loader = _Loader(text)
     try:
         node = loader.get_single_node()
         if node is None:

@@ -110,6 +110,18 @@ def test_every_key_is_optional_and_a_partial_file_keeps_the_other_defaults() -> 
         config.profile("unknown-profile")  # never silently another agent
 
 
+def test_yaml_numbers_with_an_exponent_are_numbers_as_in_json(tmp_path: Path) -> None:
+    """YAML 1.1 reads 1e3 and 1.5e3 as strings (it wants 1.5e+3): a config's 1e3 is a
+    number, as the user wrote it; quoted, or not a number at all, it stays text."""
+    loaded = yamlsafe.loads("a: 1e3\nb: -2E-2\nc: 1.5e3\nd: .5e1\ne: '1e3'\nf: 1e\n"
+                            "g: e3\nh: 12\ni: 1.5e+3\n")
+    assert loaded == {"a": 1000.0, "b": -0.02, "c": 1500.0, "d": 5.0, "e": "1e3",
+                      "f": "1e", "g": "e3", "h": 12, "i": 1500.0}
+    path = tmp_path / "kandevd.yaml"
+    path.write_text("runtime:\n  stop_grace_s: 1e3\n")
+    assert load_config(path, environ={}).runtime.stop_grace_s == 1000.0
+
+
 def test_yaml_keys_that_are_not_strings_are_rejected_with_their_path() -> None:
     with pytest.raises(ConfigError, match=r"agents: key True must be a string"):
         build_config({"agents": {True: {"timeout_s": 1}}}, environ={})

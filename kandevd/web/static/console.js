@@ -58,8 +58,9 @@ function liveSource(url, anchor) {
   });
   source.addEventListener("error", () => {
     if (!liveSources.has(source)) return;  // (closed by the page itself)
+    // (It stays among the page's sources: a page going away may see this first, as its
+    // stream is cut, and must still say it leaves.)
     if (source.readyState === EventSource.CLOSED) {
-      liveSources.delete(source);
       const notice = liveNotice(anchor, "Not live any more: the console refused this " +
         "page's updates (signed out, or it has another token now). ");
       const again = document.createElement("a");

@@ -19,11 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from kandevd.config import Config
+from kandevd.fsutil import append_note
 from kandevd.paths import HomeLayout
 from kandevd.runqueue.live import LiveRuns, Waker
 from kandevd.runqueue.outcomes import OutcomeRecorder, note_ended
 from kandevd.runs.model import Claim
 from kandevd.runtime import INTERRUPTED, AgentRuntime, ExecutionResult, ExecutionSpec, attempts
+from kandevd.runtime.output import attempt_ended, open_attempt
 from kandevd.runtime.records import (
     ExecutionRecord,
     locate,
@@ -57,6 +59,8 @@ class Restorer:
     def recover_stale(self, now: datetime) -> dict[str, str]:
         recovered = self.repo.recover_stale(now, self.config.queue.stale_claim_s,
                                             self.live.run_ids())
+        for run_id in recovered:
+            self._end_attempt_in_log(run_id, "its claim went stale: no execution was alive")
         self._log_rescued(recovered, "stale claim")
         self.repo.prune_keys(now)
         return recovered
@@ -182,6 +186,8 @@ class Restorer:
         pruned = attempts.prune(self.live.attempts_folder, self.repo.claimed_tokens())
         if pruned:
             log.info("removed %d attempt folder(s) of earlier attempts", pruned)
+        for run_id in recovered:
+            self._end_attempt_in_log(run_id)
         if recovered:
             requeued = sum(1 for status in recovered.values() if status == "queued")
             self.outcomes.announce_rescued(k for k, v in recovered.items() if v == "queued")
@@ -190,6 +196,15 @@ class Restorer:
         self._log_rescued({k: v for k, v in recovered.items() if v == "failed"},
                           "claimed by a previous daemon instance")
         return recovered
+
+    def _end_attempt_in_log(self, run_id: str, why: str = "the daemon stopped during the "
+                            "execution; a restart took the run back") -> None:
+        """A rescued attempt whose execution wrote no end (the daemon was killed) ends in
+        the run's log too: ``==== attempt N ended <now>: interrupted (why) ====``."""
+        path = self.layout.run_logs / f"{run_id}.log"
+        attempt = open_attempt(path)
+        if attempt is not None:
+            append_note(path, attempt_ended(attempt, self.clock(), "interrupted", why))
 
     def _gracefully_interrupted(self) -> set[str]:
         """Claims of earlier instances whose outcome file says a graceful stop interrupted them.

@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -217,6 +218,27 @@ def attempt_ended(attempt: int, at: datetime, outcome: str, error: str | None) -
     """The note that closes it: when, and how it ended."""
     ending = outcome + (f" ({error})" if error else "")
     return f"==== attempt {attempt} ended {rfc3339(at)}: {ending} ===="
+
+
+_FRAME = re.compile(rb"^\[kandevd\] ==== attempt (\d+) (started|ended) ", re.MULTILINE)
+#: How much of a log's end is looked at for its last attempt frame.
+_FRAME_TAIL = 256 * 1024
+
+
+def open_attempt(path: Path) -> int | None:
+    """The attempt a run's log started last and did not end (its execution ended unseen:
+    the daemon was killed), None when its last frame is an end, or there is none."""
+    try:
+        with open(path, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            handle.seek(max(size - _FRAME_TAIL, 0))
+            tail = handle.read()
+    except OSError:
+        return None
+    frames = _FRAME.findall(tail)
+    if not frames or frames[-1][1] != b"started":
+        return None
+    return int(frames[-1][0])
 
 
 class LogSink:

@@ -42,7 +42,8 @@ def _page(console: Console, request: Request) -> dict[str, Any]:
     query = {**filters, **({"offset": request.query["offset"]}
                            if request.query.get("offset") else {})}
     return {"page": page, "limit": PAGE, "fragment": "/fragments/runs" + (
-        "?" + urlencode(query) if query else "")}
+        "?" + urlencode(query) if query else ""),
+        "first_page": "/runs" + ("?" + urlencode(filters) if filters else "")}
 
 
 def index(console: Console, request: Request) -> Response:

@@ -10,6 +10,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 from urllib.parse import quote, urlencode
 
+from kandevd.control.registry import MAX_OFFSET
 from kandevd.cron import parse_cron
 from kandevd.web.charts import Lane, timeline
 from kandevd.web.context import Console, parse_time, set_flash
@@ -120,7 +121,9 @@ def pause(console: Console, request: Request) -> Response:
 
 
 def _int(value: str | None) -> int:
+    """A page's offset from its query: 0 when it is not a whole number, at most the
+    largest offset the daemon takes."""
     try:
-        return max(0, int(value or 0))
+        return min(max(0, int(value or 0)), MAX_OFFSET)
     except ValueError:
         return 0

@@ -143,15 +143,16 @@ def test_an_alias_bomb_is_refused_in_milliseconds(tmp_path: Path) -> None:
 def test_a_good_config_still_validates_with_exit_0(tmp_path: Path) -> None:
     config = tmp_path / "good.yaml"
     config.write_text("queue:\n  safety_interval_s: 0.5\nagents:\n  default:\n"
-                      "    timeout_s: 1e3\n")  # YAML 1.1 reads 1e3 as a string: wrong type
+                      "    timeout_s: '1e3'\n")  # quoted: text, the wrong type
     bad = run("validate", "--home", str(tmp_path / "home"), "--config", str(config))
     assert bad.returncode == exits.ERROR
     assert "agents.default.timeout_s: '1e3' is not of type 'number'" in bad.stderr
-    config.write_text("queue:\n  safety_interval_s: 0.5\nagents:\n  default:\n"
-                      "    timeout_s: 1.0e+3\n")
-    good = run("validate", "--home", str(tmp_path / "home"), "--config", str(config))
-    assert good.returncode == 0, good.stderr
-    assert f"config ok: {config}" in good.stdout
+    for number in ("1e3", "1.0e+3", "1.5e3"):  # (YAML 1.1 reads the first and last as text)
+        config.write_text("queue:\n  safety_interval_s: 0.5\nagents:\n  default:\n"
+                          f"    timeout_s: {number}\n")
+        good = run("validate", "--home", str(tmp_path / "home"), "--config", str(config))
+        assert good.returncode == 0, (number, good.stderr)
+        assert f"config ok: {config}" in good.stdout
 
 
 def test_a_postgresql_store_that_cannot_be_reached_exits_74_without_its_password(

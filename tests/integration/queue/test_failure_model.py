@@ -219,6 +219,15 @@ def test_without_adoption_a_restart_stops_the_agent_and_runs_it_again(
     second.wait_for_line("left by a previous instance")
     wait_status(second, run["id"], "finished", timeout=60)
     assert executions(touch) == [run["id"]]  # the stopped first execution never touched
+    # Each attempt is framed in the log, the one the kill cut short too.
+    frames = [line.removeprefix("[kandevd] ==== ") for line in
+              run_cli(home, "runs", "logs", run["id"]).stdout.splitlines()
+              if line.startswith("[kandevd] ====")]
+    assert [f.split()[:3] for f in frames] == [
+        ["attempt", "1", "started"], ["attempt", "1", "ended"],
+        ["attempt", "2", "started"], ["attempt", "2", "ended"]], frames
+    assert ": interrupted (the daemon stopped during the execution" in frames[1]
+    assert frames[3].endswith(": succeeded ====")
 
 
 # -- 3. bounded attempts, the dead letter, runs.retry ---------------------------------------
@@ -450,11 +459,15 @@ def test_a_run_cancelled_as_it_runs_names_its_log_and_a_retry_marks_it(
     log_path = daemon.home / "logs" / "runs" / f"{run['id']}.log"
     assert cancelled["log_path"] == str(log_path)
     assert daemon.call("runs.get", {"id": run["id"]})["log_path"] == str(log_path)
+
+    def frames() -> list[str]:
+        return [line for line in log_path.read_text().splitlines()
+                if line.startswith("[kandevd] ====")]
+    # (The cancel stops the agent; its attempt's end is written once it has ended.)
+    daemon.wait_until(lambda: len(frames()) == 2, what="the cancelled attempt's end")
+    assert frames()[1].startswith("[kandevd] ==== attempt 1 ended")
     daemon.call("runs.retry", {"id": run["id"]})
-    frames = [line for line in run_cli(daemon.home, "runs", "logs", run["id"]).stdout
-              .splitlines() if line.startswith("[kandevd] ====")]
-    assert frames[1].startswith("[kandevd] ==== attempt 1 ended")
-    assert "re-queued by runs.retry" in frames[2]
+    assert "re-queued by runs.retry" in frames()[2]
     daemon.call("runs.cancel", {"id": run["id"]})
 
 

@@ -129,6 +129,24 @@ def test_a_form_sent_signed_out_signs_in_back_to_its_page(
     assert "takes a form&#39;s submission" in opened.body and 'href="/schedules"' in opened.body
 
 
+def test_a_runs_page_past_the_end_says_so_and_any_offset_is_a_page(
+        console: tuple[DaemonProcess, ConsoleAddress]) -> None:
+    daemon, address = console
+    daemon.call("workspaces.create", {"id": "ws", "name": "ws"})
+    daemon.call("agents.create", {"id": "a", "workspace_id": "ws", "name": "a",
+                                  "status": "paused"})
+    daemon.call("runs.enqueue", {"workspace_id": "ws", "agent_id": "a", "reason": "r"})
+    cookie = sign_in(address)
+    past = request(address, "GET", "/runs?agent_id=a&offset=100", cookie=cookie)
+    assert past.status == 200
+    assert "Nothing on this page: the list holds 1 run(s)." in past.body
+    assert 'href="/runs?agent_id=a">The first page' in past.body
+    none = request(address, "GET", "/runs?agent_id=nobody", cookie=cookie)
+    assert "No run matches." in none.body
+    for offset in ("-5", "abc", str(10 ** 20)):
+        assert request(address, "GET", f"/runs?offset={offset}", cookie=cookie).status == 200
+
+
 def test_names_labels_outputs_and_logs_are_shown_as_text(
         console: tuple[DaemonProcess, ConsoleAddress]) -> None:
     daemon, address = console

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from kandevd.runtime.agentfiles import _TAIL, merge_stdout
-from kandevd.runtime.output import NO_REPORT, AgentReport, LogSink
+from kandevd.runtime.output import NO_REPORT, AgentReport, LogSink, open_attempt
 
 REPORT = {"summary": "done", "cost_cents": 3}
 
@@ -49,3 +49,18 @@ def test_a_last_line_over_the_window_is_said_not_read(tmp_path: Path) -> None:
     assert report == NO_REPORT
     assert log.startswith(b"before\n" + line + b"\n")
     assert log.endswith(b"no summary or cost was read from it\n")
+
+
+def test_the_attempt_a_log_left_open_is_found(tmp_path: Path) -> None:
+    log = tmp_path / "run.log"
+    assert open_attempt(log) is None  # (no log)
+    log.write_text("[kandevd] ==== attempt 1 started 2026-01-01T00:00:00Z ====\nout\n")
+    assert open_attempt(log) == 1
+    with log.open("a") as handle:
+        handle.write("[kandevd] ==== attempt 1 ended 2026-01-01T00:00:01Z: failed ====\n"
+                     "[kandevd] ==== attempt 2 started 2026-01-01T00:00:02Z ====\n"
+                     "an agent's line: [kandevd] ==== attempt 9 started (not a frame)\n")
+    assert open_attempt(log) == 2
+    with log.open("a") as handle:
+        handle.write("[kandevd] ==== attempt 2 ended 2026-01-01T00:00:03Z: succeeded ====\n")
+    assert open_attempt(log) is None

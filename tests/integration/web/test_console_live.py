@@ -10,6 +10,7 @@ import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
@@ -145,15 +146,22 @@ def free_slots(address: ConsoleAddress, cookie: str, csrf: str, count: int) -> b
         return len(accepted) == count
 
 
+@contextmanager
+def signed_in_browser(address: ConsoleAddress, path: str) -> Iterator[tuple[Any, str, str]]:
+    """Chromium signed in on ``path``; and the cookie and CSRF token of a plain client."""
+    cookie = sign_in(address)
+    csrf = csrf_of(address, cookie)
+    with chromium() as driver:
+        driver.get(f"{address.base}{path}?token={address.token}")
+        wait_for(driver, ready, what=f"{path} ready")
+        yield driver, cookie, csrf
+
+
 @needs_chromium
 def test_a_browser_ends_its_live_views_as_it_navigates_away(
         console: tuple[DaemonProcess, ConsoleAddress]) -> None:
     _daemon, address = console
-    cookie = sign_in(address)
-    csrf = csrf_of(address, cookie)
-    with chromium() as driver:
-        driver.get(f"{address.base}/schedules?token={address.token}")
-        wait_for(driver, ready, what="the schedules")
+    with signed_in_browser(address, "/schedules") as (driver, cookie, csrf):
         # Quick navigation: more pages with a live view than the console has slots. (Each
         # may take a while to go live on a busy machine: what tells is the end.)
         for path in ["/", "/runs", "/", "/runs", "/", "/runs"]:
@@ -173,11 +181,7 @@ def test_a_browser_ends_its_live_views_as_it_navigates_away(
 def test_a_live_view_says_when_it_reconnects_and_when_it_is_refused(
         console: tuple[DaemonProcess, ConsoleAddress]) -> None:
     _daemon, address = console
-    cookie = sign_in(address)
-    csrf = csrf_of(address, cookie)
-    with chromium() as driver:
-        driver.get(f"{address.base}/runs?token={address.token}")
-        wait_for(driver, ready, what="the runs")
+    with signed_in_browser(address, "/runs") as (driver, cookie, csrf):
         box = driver.find_element(By.ID, "runs-live")
         wait_for(driver, lambda _d: box.get_attribute("data-live-state") == "live",
                  what="the list live")

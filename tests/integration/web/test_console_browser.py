@@ -163,6 +163,29 @@ def test_a_schedules_errors_are_shown_beside_their_field(site) -> None:
     assert [s["id"] for s in manifest["schedules"]] == ["s"]  # nothing written
 
 
+def test_an_options_error_sits_under_its_own_field(site) -> None:
+    _daemon, address, driver, _record = site
+    driver.get(address.url)
+    open_page(driver, address, "/schedules/new")
+    driver.find_element(By.ID, "f-id").send_keys("options")
+    for name, value in (("pause_after_failures", "0"), ("catchup_window_s", "abc")):
+        field = driver.find_element(By.NAME, name)
+        field.clear()
+        field.send_keys(value)
+    leads_on(driver, button(driver, "Create"))
+    for name, said in (("pause_after_failures", "0 is too small"),
+                       ("catchup_window_s", "not a number")):
+        field = driver.find_element(By.NAME, name)
+        problem = field.find_element(By.XPATH, "ancestor::div[@class='option']"
+                                               "//p[@class='field-error']")
+        assert said in problem.text, problem.text
+        # Under its field: starting within the field's option, below the field.
+        box = field.find_element(By.XPATH, "ancestor::div[@class='option']").rect
+        assert box["x"] <= problem.rect["x"] < box["x"] + box["width"]
+        assert problem.rect["y"] >= field.rect["y"] + field.rect["height"] - 1
+    shot(driver, "schedule-option-errors")
+
+
 def test_runs_appear_cancel_retry_dead_letter_and_agents(site) -> None:
     daemon, address, driver, _record = site
     daemon.call("workspaces.create", {"id": "ws", "name": "Team"})

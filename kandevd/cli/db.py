@@ -61,6 +61,9 @@ def backup_command(target: Path, home: str | None) -> None:
         click.echo(f"kandevd: {exc}", err=True)
         sys.exit(exits.IOERR)
     except OSError as exc:
+        if str(exc.filename) == str(target) and exc.strerror:  # (the copy cannot be made)
+            click.echo(f"kandevd: backup {target}: {exc.strerror}", err=True)
+            sys.exit(exits.CANTCREAT)
         click.echo(f"kandevd: backup {target}: {exc}", err=True)
         sys.exit(exits.IOERR)
     click.echo(f"backed up {path} to {target} ({pages} pages)")

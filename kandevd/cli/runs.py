@@ -355,6 +355,10 @@ def logs(run_id: str, follow: bool, home: str | None, socket_path: str | None) -
             sys.exit(exits.ERROR)
     path = Path(run["log_path"]) if run.get("log_path") else \
         HomeLayout(resolve_home(home)).run_logs / f"{run_id}.log"
+    if not follow and not path.exists():  # (an empty answer would look like an empty log)
+        click.echo(f"kandevd: run {run_id} has no log: no attempt of it has started "
+                   f"(it is {run['status']})", err=True)
+        return
     offset = 0
     while True:
         offset = print_file_from(path, offset)

@@ -16,6 +16,7 @@ keeps writing.
 
 from __future__ import annotations
 
+import errno
 import os
 import sqlite3
 from pathlib import Path
@@ -126,8 +127,9 @@ def backup(source: Path, target: Path) -> int:
     source, target = Path(source), Path(target)
     if not source.is_file():
         raise DatabaseUnusable(f"database {source}: no such file")
-    if target.exists():
-        raise DatabaseUnusable(f"backup {target}: already exists; choose a new file name")
+    if target.exists():  # (the output cannot be made: the CLI exits 73, not 74)
+        raise FileExistsError(errno.EEXIST, "already exists; choose a new file name",
+                              str(target))
     src = sqlite3.connect(f"file:{source}?mode=ro", uri=True, timeout=10)
     fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     os.close(fd)

@@ -471,6 +471,17 @@ def test_a_run_cancelled_as_it_runs_names_its_log_and_a_retry_marks_it(
     daemon.call("runs.cancel", {"id": run["id"]})
 
 
+def test_runs_logs_of_a_run_that_never_started_says_so(daemon_factory: Factory) -> None:
+    daemon = daemon_factory(fast_config())
+    setup_agent(daemon)
+    daemon.call("agents.update", {"id": "a1", "status": "paused"})
+    run = enqueue(daemon)
+    shown = run_cli(daemon.home, "runs", "logs", run["id"])
+    assert shown.returncode == 0 and shown.stdout == ""
+    assert f"run {run['id']} has no log: no attempt of it has started (it is queued)" \
+        in shown.stderr
+
+
 def test_runs_logs_shows_each_attempt_between_separators(
         daemon_factory: Factory, tmp_path: Path) -> None:
     marker = tmp_path / "failed-once"

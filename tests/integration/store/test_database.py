@@ -172,8 +172,10 @@ def test_db_check_and_a_backup_taken_while_runs_are_written(
     with sqlite3.connect(copy) as conn:
         assert conn.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
         assert conn.execute("SELECT COUNT(*) FROM runs").fetchone()[0] > 50
-    again = run_cli(daemon.home, "db", "backup", str(copy))
-    assert again.returncode == 74 and "already exists" in again.stderr
+    again = run_cli(daemon.home, "db", "backup", str(copy))  # (nothing is overwritten)
+    assert again.returncode == 73 and "already exists" in again.stderr, again.stderr
+    nowhere = run_cli(daemon.home, "db", "backup", str(tmp_path / "no-such-dir" / "b.db"))
+    assert nowhere.returncode == 73 and "No such file or directory" in nowhere.stderr
 
     checked = run_cli(daemon.home, "db", "check")
     assert checked.returncode == 0, checked.stderr

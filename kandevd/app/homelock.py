@@ -62,7 +62,6 @@ def read_pid(path: Path) -> int | None:
     return int(text) if text.isdigit() else None
 
 
-
 def holder(path: Path) -> int | None:
     """The pid of the kandevd that holds the lock at ``path`` now, None when none does
     as far as can be seen: the pid it wrote, still a kandevd process. (Looked at without

@@ -60,7 +60,7 @@ class Restorer:
         recovered = self.repo.recover_stale(now, self.config.queue.stale_claim_s,
                                             self.live.run_ids())
         for run_id in recovered:
-            self._end_attempt_in_log(run_id, "its claim went stale: no execution was alive")
+            self.end_attempt_in_log(run_id, "its claim went stale: no execution was alive")
         self._log_rescued(recovered, "stale claim")
         self.repo.prune_keys(now)
         return recovered
@@ -187,7 +187,7 @@ class Restorer:
         if pruned:
             log.info("removed %d attempt folder(s) of earlier attempts", pruned)
         for run_id in recovered:
-            self._end_attempt_in_log(run_id)
+            self.end_attempt_in_log(run_id)
         if recovered:
             requeued = sum(1 for status in recovered.values() if status == "queued")
             self.outcomes.announce_rescued(k for k, v in recovered.items() if v == "queued")
@@ -197,14 +197,17 @@ class Restorer:
                           "claimed by a previous daemon instance")
         return recovered
 
-    def _end_attempt_in_log(self, run_id: str, why: str = "the daemon stopped during the "
-                            "execution; a restart took the run back") -> None:
-        """A rescued attempt whose execution wrote no end (the daemon was killed) ends in
-        the run's log too: ``==== attempt N ended <now>: interrupted (why) ====``."""
+    def end_attempt_in_log(self, run_id: str, why: str = "the daemon stopped during the "
+                           "execution; a restart took the run back",
+                           outcome: str = "interrupted") -> None:
+        """A rescued attempt whose execution wrote no end (the daemon was killed, a runner
+        went silent) ends in the run's log too: ``==== attempt N ended <now>: outcome
+        (why) ====``; once (an attempt the log ends already is left as it is), and only
+        where the log is (another daemon's gateway may hold a runner's)."""
         path = self.layout.run_logs / f"{run_id}.log"
         attempt = open_attempt(path)
         if attempt is not None:
-            append_note(path, attempt_ended(attempt, self.clock(), "interrupted", why))
+            append_note(path, attempt_ended(attempt, self.clock(), outcome, why))
 
     def _gracefully_interrupted(self) -> set[str]:
         """Claims of earlier instances whose outcome file says a graceful stop interrupted them.

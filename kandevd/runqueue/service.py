@@ -30,7 +30,6 @@ from kandevd.runs.labels import covers
 from kandevd.runs.model import Claim, EnqueueRequest, EnqueueResult, Explanation, Run, RunPage
 from kandevd.runs.retry import retry_decider
 from kandevd.runtime import AgentRuntime, ExecutionResult
-from kandevd.runtime.output import attempt_ended
 from kandevd.store.runners import Runners
 from kandevd.store.runs import RunRepository
 from kandevd.timeutil import rfc3339, utc_now
@@ -210,16 +209,8 @@ class RunQueue:
 
     def _close_attempt(self, run_id: str, why: str) -> None:
         """The attempt a rescue took back ends in the run's log too (a runner that went
-        silent never sends its end): ``==== attempt N ended <time>: error (why) ====``.
-        Only where the log is (another daemon's gateway may hold it)."""
-        path = self.layout.run_logs / f"{run_id}.log"
-        try:
-            if not path.is_file():
-                return
-            run = self.repo.get(run_id)
-        except Exception:  # (gone meanwhile, or the database refused: no line)
-            return
-        append_note(path, attempt_ended(run.attempt, self.clock(), "error", why))
+        silent never sends its end): ``==== attempt N ended <time>: error (why) ====``."""
+        self.restorer.end_attempt_in_log(run_id, why, outcome="error")
 
     def explain(self, run_id: str) -> Explanation:
         now = self.clock()

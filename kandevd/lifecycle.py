@@ -41,9 +41,10 @@ import enum
 import logging
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from kandevd.timeutil import utc_now
@@ -203,6 +204,12 @@ class Loop(abc.ABC):
 
     #: wait after a tick that raised, so a persistent fault does not spin
     error_backoff_s: float = 1.0
+    #: None, or: look at the clock this often during a wait, and end the wait once the
+    #: clock reaches its end. The wait itself runs on the monotonic clock, which stands
+    #: still while a laptop sleeps (and may while a virtual machine is paused); a loop
+    #: whose ticks are due at wall-clock times sets this so it is late by one such
+    #: slice at most after the machine wakes, not by the rest of its wait.
+    clock_check_s: float | None = None
 
     def __init__(
         self,
@@ -322,7 +329,7 @@ class Loop(abc.ABC):
                 self.ticks += 1
                 if self._stopping.is_set():
                     break
-                self._wakeup.wait(delay)
+                self._sleep(delay)
         finally:
             try:
                 self.on_stopping()
@@ -335,6 +342,21 @@ class Loop(abc.ABC):
                     if (self._parent is not None and self._parent.is_set()
                             and self._thread is threading.current_thread()):
                         self._state = LoopState.STOPPED
+
+    def _sleep(self, delay: float) -> None:
+        """Wait ``delay`` seconds or until woken; with :attr:`clock_check_s`, also until
+        the loop's clock has moved ``delay`` on (whichever comes first)."""
+        if self.clock_check_s is None:
+            self._wakeup.wait(delay)
+            return
+        end = time.monotonic() + delay
+        clock_end = self._clock() + timedelta(seconds=delay)
+        while True:
+            left = end - time.monotonic()
+            if left <= 0 or self._wakeup.wait(min(left, self.clock_check_s)):
+                return
+            if self._clock() >= clock_end:
+                return
 
     def on_stopping(self) -> None:  # noqa: B027 - an optional hook, empty by design
         """Hook run in the loop thread after its last tick, before the fan-out is joined:

@@ -54,6 +54,9 @@ FIRED = {Decision.RUN: "started", Decision.BUFFER: "buffered", Decision.REPLACE:
 
 
 class CronLoop(Loop):
+    #: Fires are due at wall-clock times: after a laptop's sleep, at most this late.
+    clock_check_s = 5.0
+
     def __init__(self, registry: JobRegistry, *, runner: SessionRunner, firing: Firing,
                  stop_grace_s: float, parent: StopSignal | None = None,
                  clock: Callable[[], datetime] = utc_now,

@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
@@ -383,6 +383,52 @@ def test_an_infinite_delay_still_wakes_and_stops() -> None:
     loop.wait_ticks(2)
     loop.stop()
     assert loop.state is LoopState.STOPPED
+
+
+def test_a_clock_that_jumps_ahead_ends_the_wait_of_a_loop_that_checks_it() -> None:
+    """A laptop that slept: its monotonic clock stood still while the wall clock
+    moved on. A loop with ``clock_check_s`` ticks once a check sees the clock past
+    its wait's end; one without it (as before) would wait out the hour."""
+    jumped = threading.Event()
+
+    def clock() -> datetime:
+        moment = datetime(2026, 12, 7, 12, 0)
+        return moment + timedelta(hours=2) if jumped.is_set() else moment
+
+    class Checking(Counting):
+        clock_check_s = 0.02
+
+    loop = Checking(delays=[IDLE_S], clock=clock)
+    loop.start()
+    try:
+        loop.wait_ticks(1)
+        jumped.set()
+        with loop.ticked:  # (TIMEOUT: 10 s, against the hour the wait would have been)
+            woke = loop.ticked.wait_for(lambda: len(loop.calls) >= 2, TIMEOUT)
+    finally:
+        loop.wake()
+        loop.stop()
+    assert woke, "the wait went on after the clock had passed its end"
+    assert loop.calls[1] - loop.calls[0] == timedelta(hours=2)
+
+
+def test_a_loop_that_checks_the_clock_still_waits_while_it_stands_still() -> None:
+    """A clock that does not move (a test's, or no sleep at all): the checks alone end
+    no wait; a wake still does."""
+    moment = datetime(2026, 12, 7, 12, 0)
+
+    class Checking(Counting):
+        clock_check_s = 0.01
+
+    loop = Checking(delays=[IDLE_S], clock=lambda: moment)
+    loop.start()
+    loop.wait_ticks(1)
+    with loop.ticked:
+        assert not loop.ticked.wait_for(lambda: len(loop.calls) >= 2, 0.2)
+    loop.wake()
+    loop.wait_ticks(2)
+    loop.stop()
+    assert loop.ticks == 2
 
 
 def test_stop_from_the_tick_raises_instead_of_deadlocking() -> None:

@@ -213,18 +213,20 @@ function browserZone() {
 }
 
 function elapsed(seconds) {
+  // (as the server writes durations: kandevd/web/context.py, duration)
   if (seconds < 60) return `${seconds.toFixed(0)}s`;
   const minutes = Math.floor(seconds / 60);
   if (minutes < 60) return `${minutes}m ${String(Math.floor(seconds % 60)).padStart(2, "0")}s`;
-  return `${Math.floor(minutes / 60)}h ${String(minutes % 60).padStart(2, "0")}m`;
+  const hours = Math.floor(minutes / 60);
+  if (hours < 48) return `${hours}h ${String(minutes % 60).padStart(2, "0")}m`;
+  return `${Math.floor(hours / 24)}d ${hours % 24}h`;
 }
 
 function clocks() {
-  // "running for": counted on in the browser from the moment the page names.
-  const ticking = document.querySelectorAll("[data-since]");
-  if (!ticking.length) return;
+  // "running for", "waiting": counted on in the browser from the moment the page names
+  // (looked up at each tick: a live view may have replaced or added them).
   const tick = () => {
-    for (const el of ticking) {
+    for (const el of document.querySelectorAll("[data-since]")) {
       const since = new Date(el.dataset.since);
       if (!isNaN(since)) el.textContent = elapsed(Math.max(0, (Date.now() - since) / 1000));
     }

@@ -219,6 +219,10 @@ def test_runs_appear_cancel_retry_dead_letter_and_agents(site) -> None:
     leads_on(driver, driver.find_element(By.CSS_SELECTOR, f"a[href='/runs/{run}']"))
     assert "waiting: its agent is paused" in driver.find_element(By.CSS_SELECTOR,
                                                                  ".subtitle").text
+    waiting = driver.find_element(By.CSS_SELECTOR, "dd .elapsed[data-since]")
+    first = waiting.text
+    wait_for(driver, lambda d: waiting.text != first and waiting.text.endswith("s"),
+             what="the waiting time counted on in the browser")
     shot(driver, "run-queued")
     click_and_confirm(driver, button(driver, "Cancel"))
     assert f"Cancelled run {run}" in flash(driver)

@@ -175,6 +175,8 @@ class SchedulerConfig:
     root: str | None
     history_retention_days: float
     disabled_via_env: bool = False
+    #: ``SCHEDULER_ENABLED`` as set when it is neither on nor off (it turns cron off).
+    unknown_env_switch: str | None = None
     configured_enabled: bool = True  # scheduler.enabled as the file says (env aside)
     #: ``{command, webhook, on}``: every schedule's notifications unless it has its own.
     notify: Mapping[str, Any] = field(default_factory=dict)
@@ -294,9 +296,20 @@ def validate_document(document: Any) -> None:
         raise ConfigError(format_validation_error(best))
 
 
-def _env_scheduler_disabled(environ: Mapping[str, str]) -> bool:
+SWITCH_OFF = ("0", "false", "no", "off")
+SWITCH_ON = ("1", "true", "yes", "on")
+
+
+def _env_scheduler_switch(environ: Mapping[str, str]) -> tuple[bool, str | None]:
+    """(``SCHEDULER_ENABLED`` turns cron off, the value when it is neither on nor off).
+
+    A value that is neither (``flase``) turns it off too: it was set to say something,
+    and a fire made by mistake cannot be taken back. Empty is as unset."""
     value = environ.get("SCHEDULER_ENABLED")
-    return value is not None and value.strip().lower() in {"0", "false", "no", "off"}
+    word = (value or "").strip().lower()
+    if not word or word in SWITCH_ON:
+        return False, None
+    return True, None if word in SWITCH_OFF else value
 
 
 def build_config(
@@ -320,7 +333,7 @@ def build_config(
             timeout_s=float(spec["timeout_s"]),
             env=MappingProxyType(dict(spec["env"])),
         )
-    disabled_via_env = _env_scheduler_disabled(environ)
+    disabled_via_env, unknown_switch = _env_scheduler_switch(environ)
     sched = merged["scheduler"]
     config = Config(
         queue=QueueConfig(**merged["queue"]),
@@ -349,6 +362,7 @@ def build_config(
             root=sched["root"],
             history_retention_days=sched["history_retention_days"],
             disabled_via_env=disabled_via_env,
+            unknown_env_switch=unknown_switch,
             configured_enabled=bool(sched["enabled"]),
             notify=MappingProxyType(dict(sched["notify"])),
         ),

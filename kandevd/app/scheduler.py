@@ -75,8 +75,11 @@ def build_scheduler(config: Config, layout: HomeLayout, runtime: AgentRuntime, *
     # deadline is new.
     wakeup = threading.Event()
     stranded = StrandedTurns()
-    registry = build_registry(scheduler_root(config, layout.root),
-                              Switches.from_config(config.scheduler),
+    switches = Switches.from_config(config.scheduler)
+    if switches.unknown_env_switch is not None:
+        logging.getLogger("kandevd.scheduler").warning(
+            "cron execution is off: %s; set it to one of them", switches.disabled_reason)
+    registry = build_registry(scheduler_root(config, layout.root), switches,
                               config.scheduler.history_retention_days,
                               PendingWrites(wake=wakeup.set), stranded)
     registry.load_at_start(utc_now())

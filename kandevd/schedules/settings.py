@@ -16,6 +16,7 @@ Three layers, all of which stop cron fires only (a manual ``trigger`` always run
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -25,7 +26,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, TypedDict
 
-from kandevd.config import Config, SchedulerConfig
+from kandevd.config import SWITCH_OFF, SWITCH_ON, Config, SchedulerConfig
 from kandevd.formats.jsonfile import CorruptFile, CorruptReporter, JsonFile, stat_key
 from kandevd.paths import HomeLayout
 from kandevd.timeutil import rfc3339, utc_now
@@ -80,6 +81,8 @@ class Switches:
 
     configured_enabled: bool = True
     disabled_via_env: bool = False
+    #: ``SCHEDULER_ENABLED`` when it is neither on nor off (and so turned cron off).
+    unknown_env_switch: str | None = None
     allowed_workflows: tuple[str, ...] = ()
     blocked_workflows: tuple[str, ...] = ()
     allowed_users: tuple[str, ...] = ()
@@ -91,6 +94,7 @@ class Switches:
         environ = os.environ if environ is None else environ
         return cls(configured_enabled=config.configured_enabled,
                    disabled_via_env=config.disabled_via_env,
+                   unknown_env_switch=config.unknown_env_switch,
                    **{field: parse_list(environ.get(var)) for field, var in ENV_LISTS.items()})
 
     @property
@@ -99,6 +103,9 @@ class Switches:
 
     @property
     def disabled_reason(self) -> str | None:
+        if self.unknown_env_switch is not None:
+            return (f"SCHEDULER_ENABLED={self.unknown_env_switch!r} in the environment, "
+                    f"neither on ({', '.join(SWITCH_ON)}) nor off ({', '.join(SWITCH_OFF)})")
         if self.disabled_via_env:
             return "SCHEDULER_ENABLED=false in the environment"
         if not self.configured_enabled:
@@ -147,6 +154,9 @@ class PauseState:
         self._seen: tuple[Any, Pause] | None = None
         self._unreadable: CorruptFile | None = None
         self._reading = threading.Lock()
+        #: Paused or not as last read or written here (None: not yet): a change made
+        #: by editing the file is said in the log as the methods' changes are.
+        self._known: bool | None = None
 
     def _moved_aside(self, report: CorruptFile) -> None:
         self._unreadable = report
@@ -166,7 +176,15 @@ class PauseState:
 
     def _read(self) -> Pause:
         with self._reading:  # (one reader at a time: it alone may meet a corrupt file)
-            return self._read_locked()
+            state = self._read_locked()
+            paused = state["globally_paused"]
+            if self._known is not None and paused != self._known:
+                log.warning("scheduler %s by a change to %s: %s",
+                            "paused" if paused else "resumed", self.file.path,
+                            "no schedule fires until it is resumed" if paused
+                            else "schedules fire again")
+            self._known = paused
+            return state
 
     def _read_locked(self) -> Pause:
         self._unreadable = None
@@ -182,7 +200,20 @@ class PauseState:
         # Only well-typed values are believed: a hand-edited file cannot make a
         # response carry an object where a timestamp belongs.
         state.update({k: stored[k] for k in PERSISTED[1:] if isinstance(stored.get(k), str)})
-        state["globally_paused"] = stored.get("globally_paused") is True
+        flag = stored.get("globally_paused", False)
+        if isinstance(flag, bool):
+            state["globally_paused"] = flag
+            return state
+        # Neither true nor false (a hand edit: "true", 1, null): whether it is meant to
+        # be paused is unknown, so it is paused, as for a file that does not parse. The
+        # file is left as it is (the operator's to fix); resuming rewrites it.
+        shown = json.dumps(flag)[:40]
+        log.error("scheduler paused: %s holds \"globally_paused\": %s, neither true nor "
+                  "false; no schedule fires until it is fixed or `kandevd scheduler resume`",
+                  self.file.path, shown)
+        state["globally_paused"] = True
+        state["paused_by"] = (f"kandevd: {PAUSE_FILE} holds \"globally_paused\": {shown}, "
+                              "neither true nor false")
         return state
 
     def put(self, paused: bool, paused_by: str | None, now: datetime) -> Pause:
@@ -195,6 +226,7 @@ class PauseState:
             return state
         written = self.file.update(change, {}, expect=dict)
         self._seen = None
+        self._known = paused  # (its caller says so in the log)
         return written
 
 

@@ -17,6 +17,7 @@ from kandevd.config import (
     load_config,
 )
 from kandevd.formats import yamlsafe
+from kandevd.schedules.settings import Switches
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -67,7 +68,8 @@ def as_document(config: Config) -> dict[str, Any]:
         "web": section(config.web), "gateway": section(config.gateway),
         "store": section(config.store), "cluster": section(config.cluster),
         "office": section(config.office),
-        "scheduler": section(config.scheduler, drop=("disabled_via_env", "configured_enabled")),
+        "scheduler": section(config.scheduler, drop=("disabled_via_env", "unknown_env_switch",
+                                                       "configured_enabled")),
         "agents": {name: {"command": None if p.command is None else list(p.command),
                           "timeout_s": p.timeout_s, "env": dict(p.env)}
                    for name, p in config.agents.items()},
@@ -241,10 +243,26 @@ def test_scheduler_enabled_false_turns_automatic_execution_off(value: str) -> No
 
 
 @pytest.mark.parametrize("environ", [{}, {"SCHEDULER_ENABLED": "true"},
-                                     {"SCHEDULER_ENABLED": "1"}])
+                                     {"SCHEDULER_ENABLED": "1"}, {"SCHEDULER_ENABLED": " Yes"},
+                                     {"SCHEDULER_ENABLED": "on"}, {"SCHEDULER_ENABLED": ""}])
 def test_scheduler_stays_on_unless_the_env_says_false(environ: dict[str, str]) -> None:
     config = build_config(None, environ=environ)
     assert config.scheduler.enabled is True and config.scheduler.disabled_via_env is False
+    assert config.scheduler.unknown_env_switch is None
+
+
+@pytest.mark.parametrize("value", ["flase", "disabled", "2", "enable"])
+def test_a_scheduler_switch_that_is_neither_on_nor_off_turns_cron_off(value: str) -> None:
+    """A typo in the kill switch: it was set to say something, and a fire made by mistake
+    cannot be taken back, so cron is off, and the reason names the value."""
+    config = build_config(None, environ={"SCHEDULER_ENABLED": value})
+    assert config.scheduler.enabled is False and config.scheduler.disabled_via_env is True
+    assert config.scheduler.unknown_env_switch == value
+    switches = Switches.from_config(config.scheduler)
+    assert not switches.execution_enabled
+    assert switches.disabled_reason == (
+        f"SCHEDULER_ENABLED={value!r} in the environment, neither on (1, true, yes, on) "
+        "nor off (0, false, no, off)")
 
 
 def test_the_env_wins_over_the_file_but_never_turns_a_disabled_scheduler_on() -> None:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from datetime import UTC, datetime
 from pathlib import Path
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -98,3 +100,38 @@ def test_readers_at_once_of_an_unreadable_pause_file_all_find_it_paused(tmp_path
     for reader in readers:
         reader.join()
     assert seen == [True] * 8
+
+
+@pytest.mark.parametrize("flag", ['"true"', "1", "0", "null", "[]", '"no"'])
+def test_a_pause_flag_that_is_neither_true_nor_false_leaves_the_scheduler_paused(
+        tmp_path: Path, flag: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A hand edit that is not a boolean: whether it is meant to be paused is unknown, so
+    it is paused (a fire made by mistake cannot be taken back), and the file is kept."""
+    (tmp_path / "config").mkdir()
+    path = tmp_path / "config" / "scheduler.json"
+    text = f'{{"globally_paused": {flag}, "paused_by": "ann"}}'
+    path.write_text(text)
+    with caplog.at_level(logging.ERROR, logger="kandevd.scheduler"):
+        state = PauseState(tmp_path).get()
+    assert state["globally_paused"] is True
+    assert state["paused_by"] == (f'kandevd: config/scheduler.json holds "globally_paused": '
+                                  f"{json.dumps(json.loads(flag))}, neither true nor false")
+    assert "neither true nor false" in caplog.text
+    assert path.read_text() == text
+    assert not [p.name for p in path.parent.iterdir() if ".corrupt-" in p.name]
+
+
+def test_a_pause_or_resume_made_by_editing_the_file_is_said_in_the_log(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    pause = PauseState(tmp_path)
+    pause.put(False, None, datetime(2026, 12, 3, 10, tzinfo=UTC))
+    path = tmp_path / "config" / "scheduler.json"
+    with caplog.at_level(logging.WARNING, logger="kandevd.scheduler"):
+        path.write_text('{"globally_paused": true, "paused_by": "by hand"}')
+        assert pause.get()["globally_paused"] is True
+        assert pause.get()["globally_paused"] is True  # (said once, not at each read)
+        path.write_text('{"globally_paused": false}')
+        assert pause.get()["globally_paused"] is False
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [f"scheduler paused by a change to {path}: no schedule fires until it is "
+                    "resumed", f"scheduler resumed by a change to {path}: schedules fire again"]

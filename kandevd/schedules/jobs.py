@@ -45,7 +45,9 @@ class JobFacts:
     skips, a problem with its file (``job.state``). Its derived ``state`` of the contract
     (scheduled, paused, ...) is :class:`~kandevd.schedules.rules.states.JobStatus`."""
 
-    #: A user's override of a product schedule's ``enabled`` (None: the definition's).
+    #: A user's override of a product schedule's ``enabled`` (None: the definition's);
+    #: of a workflow schedule, a ``pause_after_failures`` that its workflow.json could
+    #: not be made to say (held in memory until ``jobs enable`` or ``disable``).
     enabled: bool | None = None
     last_status: str | None = None
     last_run_at: str | None = None

@@ -352,10 +352,16 @@ class SessionRunner:
             return None
         try:
             job = job.source.set_enabled(job, False, utc_now())
-        except Exception as exc:  # a manifest that cannot be written: say so, go on
-            log.error("%s: could not pause after %d consecutive failures: %s", job.key,
-                      job.state.consecutive_failures, exc)
-            return None
+        except Exception as exc:
+            # A manifest that cannot be written (cut short by hand, a full disk): the job
+            # is held off here all the same (fail closed: it would fail unattended),
+            # until `jobs enable` (or a restart) says otherwise.
+            job.state.enabled = False
+            job.state.next_fire = job.state.delayed_until = job.state.catchup = None
+            log.error("%s: paused after %d consecutive failures, but its file could not "
+                      "say so (%s): held off in this daemon only; `kandevd jobs enable` "
+                      "resumes it, `kandevd jobs disable` writes the pause once the file "
+                      "is fixed", job.key, job.state.consecutive_failures, exc)
         reason = paused_after_failures(job) or f"paused after {limit} consecutive failures"
         log.warning("%s: %s", job.key, reason)
         return reason

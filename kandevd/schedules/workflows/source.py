@@ -174,6 +174,8 @@ class WorkflowSource:
         if timing(schedule) != timing(previous.spec.schedule) \
                 or job.state.next_fire is None:
             job.state.next_fire = next_fire(schedule, now)
+        if job.state.enabled is False:  # (held off: a pause its file could not say)
+            job.state.next_fire = None
         return job
 
     def _count_missed(self, job: Job, entries: list[HistoryEntry], now: datetime,
@@ -339,6 +341,10 @@ class WorkflowSource:
     def set_enabled(self, job: Job, enabled: bool, now: datetime) -> Job:
         changed = self.change(job, {"enabled": enabled}, now)
         assert changed is not None
+        if changed.state.enabled is not None:  # (a pause held in memory: the file rules)
+            changed.state.enabled = None
+            if changed.state.next_fire is None:
+                changed.state.next_fire = next_fire(changed.spec.schedule, now)
         return changed
 
     def change(self, job: Job, fields: dict[str, Any] | None, now: datetime) -> Job | None:

@@ -28,6 +28,7 @@ from kandevd.schedules.firing import Decision, Firing, decide_fire
 from kandevd.schedules.history import SHUTDOWN_ERROR
 from kandevd.schedules.loop import CronLoop
 from kandevd.schedules.rules.options import jitter_delay
+from kandevd.schedules.rules.states import paused_after_failures
 from kandevd.schedules.sessions.runner import SessionRunner
 from kandevd.schedules.settings import Switches
 from kandevd.timeutil import parse_rfc3339, rfc3339
@@ -547,3 +548,41 @@ def test_a_new_leader_fires_what_no_leader_fired_and_a_pause_still_wins(build, h
     assert sorted(datetime.fromisoformat(e["intended_at"]) for e in entries
                   if e.get("intended_at")) == [
         datetime(2026, 12, 3, 10, minute, tzinfo=UTC) for minute in range(1, 5)]
+
+
+def test_a_pause_after_failures_its_manifest_cannot_say_still_holds_the_job_off(
+        build, home, caplog: pytest.LogCaptureFixture) -> None:
+    """workflow.json cut short by hand while a failing session ran: the pause cannot be
+    written, so the job is held off in memory (it would fail unattended), told as a
+    pause, and `jobs enable` once the file is fixed lets it fire again."""
+    write_workflow(home.workspace, "w", [schedule("s", "* * * * *", messages=["FAIL"],
+                                                  pause_after_failures=1)])
+    manifest = folder_of(home) / "workflow.json"
+    whole = manifest.read_text()
+    gate = threading.Event()
+    loop, agent = build(Agent(gate=gate))
+    loop.tick(T0 + timedelta(minutes=1))
+    manifest.write_text(whole[:40])
+    with caplog.at_level(logging.ERROR, logger="kandevd.scheduler"):
+        gate.set()
+        loop.fanout.join()
+    assert "but its file could not say so" in caplog.text
+    assert ("schedule.paused", "paused") in [(t, d.get("status")) for t, d in agent.told]
+    assert manifest.read_text() == whole[:40]  # (the operator's to fix: left as it is)
+    job = loop.registry.resolve("s")
+    assert not job.enabled
+    loop.tick(T0 + timedelta(minutes=2))
+    loop.fanout.join()
+    assert len(agent.seen) == 1 and job.state.next_fire is None
+    assert "paused after 1 consecutive failure" in (paused_after_failures(job) or "")
+    # Fixed and reloaded: still held (the file says enabled, the pause was never written).
+    manifest.write_text(whole)
+    loop.registry.rescan(T0 + timedelta(minutes=2, seconds=10))
+    job = loop.registry.resolve("s")
+    assert not job.enabled and job.state.next_fire is None
+    loop.tick(T0 + timedelta(minutes=3))
+    job = job.source.set_enabled(job, True, T0 + timedelta(minutes=3, seconds=10))
+    assert job.enabled and job.state.enabled is None
+    loop.tick(T0 + timedelta(minutes=4))
+    loop.fanout.join()
+    assert len(agent.seen) == 2

@@ -160,7 +160,9 @@ class WorkflowSource:
         spec = WorkflowSpec(workflow, schedule)
         job = Job(spec.key, spec, self)
         previous = old.get(spec.key)
-        if previous is None:
+        if previous is None:  # (new in an edit: seeded from its history, as at start)
+            entries = hist.latest_by_schedule(self.history_of(workflow).entries())
+            job.state = seed_state(entries.get(schedule.id, []))
             job.state.next_fire = next_fire(schedule, now)
             return job
         # The state object itself carries over (not a copy), so a session that ends

@@ -586,3 +586,20 @@ def test_a_pause_after_failures_its_manifest_cannot_say_still_holds_the_job_off(
     loop.tick(T0 + timedelta(minutes=4))
     loop.fanout.join()
     assert len(agent.seen) == 2
+
+
+def test_a_schedule_created_again_is_seeded_from_its_history(build, home) -> None:
+    """jobs delete then jobs create of the same id: its runs so far count again, as when
+    the schedule is added by hand and reloaded (or at a restart)."""
+    write_workflow(home.workspace, "w", [schedule("s", "0 3 * * *", messages=["FAIL"])])
+    loop, _agent = build()
+    run_manual(loop)
+    job = loop.registry.resolve("s")
+    assert (job.state.run_count, job.state.consecutive_failures) == (1, 1)
+    definition = {k: v for k, v in json.loads(
+        (folder_of(home) / "workflow.json").read_text())["schedules"][0].items()}
+    assert job.source.change(job, None, T0) is None
+    created = job.source.create("w", definition, T0)
+    assert (created.state.run_count, created.state.consecutive_failures,
+            created.state.last_status) == (1, 1, "error")
+    assert created.state.next_fire is not None

@@ -25,6 +25,20 @@ ADVISED_MODE = 0o700
 log = logging.getLogger("kandevd.home")
 
 
+def inside(raw: object, folder: Path) -> Path | None:
+    """``raw`` (a path a file names) with its links resolved, when that is inside
+    ``folder`` (also resolved); None otherwise. For logs a history entry names: whoever
+    can write the entry must not make a reader print any file it can read."""
+    if not isinstance(raw, str) or not raw:
+        return None
+    try:
+        path = Path(os.path.realpath(raw))
+        root = Path(os.path.realpath(folder))
+    except (OSError, ValueError):
+        return None
+    return path if root in path.parents else None
+
+
 class HomeError(OSError):
     """The home cannot be created or written (exit 73); the message says why, in one line."""
 

@@ -24,7 +24,8 @@ import click
 
 from kandevd import exits
 from kandevd.cli.common import client_options, invoke, user_option
-from kandevd.cli.format import duration, print_file_from
+from kandevd.cli.format import duration, print_file_from, printable
+from kandevd.paths import HomeLayout, inside, resolve_home
 
 #: How often ``--follow`` looks for more (the history entry and the logs are files).
 FOLLOW_POLL_S = 0.5
@@ -61,7 +62,7 @@ def job_logs(job_id: str, entry_id: str | None, user_id: str | None, follow: boo
     entry_id = entry.get("id")
     click.echo(f"[kandevd] run {entry.get('id')} of {name}: {entry.get('trigger_source')}, "
                f"session {entry.get('session_id')}, started {entry.get('started_at')}")
-    printer = _TurnPrinter()
+    printer = _TurnPrinter(HomeLayout(resolve_home(home)).logs)
     while True:
         printer.show(entry)
         if not follow or entry.get("status") in TERMINAL:
@@ -82,9 +83,11 @@ def _pick(items: list[dict[str, Any]], wanted: str | None) -> dict[str, Any] | N
 class _TurnPrinter:
     """Prints each turn's separator, then its log from where it stopped last time."""
 
-    def __init__(self) -> None:
+    def __init__(self, logs: Path) -> None:
+        self.logs = logs  # (the home's logs folder: the only place logs are read from)
         self.offsets: dict[int, int] = {}
         self.closed: set[int] = set()
+        self.refused: set[int] = set()
 
     def show(self, entry: dict[str, Any]) -> None:
         turns = [t for t in entry.get("turns") or [] if isinstance(t, dict)]
@@ -98,9 +101,15 @@ class _TurnPrinter:
                 if turn.get("message"):
                     click.echo(f"[kandevd] message: {turn['message']}")
                 self.offsets[number] = 0
-            path = turn.get("log_path")
-            if path:
-                self.offsets[number] = print_file_from(Path(path), self.offsets[number])
+            raw = turn.get("log_path")
+            path = inside(raw, self.logs)
+            if path is not None:
+                self.offsets[number] = print_file_from(path, self.offsets[number])
+            elif raw and number not in self.refused:
+                self.refused.add(number)
+                click.echo(f"kandevd: the log of turn {number} is not shown: its path "
+                           f"({printable(str(raw))}) is outside {self.logs}, the "
+                           "only place logs are read from", err=True)
             if turn.get("status") in TERMINAL:
                 took = f" ({duration(turn.get('duration_ms'))})" \
                     if turn.get("duration_ms") is not None else ""

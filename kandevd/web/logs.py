@@ -23,7 +23,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from kandevd.paths import HomeLayout
+from kandevd.paths import HomeLayout, inside
 
 #: The end of a log shown on a page (the live view streams the rest).
 TAIL_BYTES = 64 * 1024
@@ -34,16 +34,7 @@ def log_root(console: Any) -> Path:
 
 
 def safe_log_path(console: Any, raw: Any) -> Path | None:
-    if not isinstance(raw, str) or not raw:
-        return None
-    try:
-        path = Path(os.path.realpath(raw))
-        root = Path(os.path.realpath(log_root(console)))
-    except (OSError, ValueError):
-        return None
-    if root not in path.parents:
-        return None
-    return path
+    return inside(raw, log_root(console))
 
 
 def run_log_path(console: Any, run: dict[str, Any]) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import ssl
 import stat
 import threading
 from collections.abc import Callable
@@ -52,6 +53,19 @@ def read_token(path: Path) -> str:
     return token
 
 
+def gateway_client(server: str, token: str, ca_file: str | None) -> GatewayClient:
+    """The client of ``server``; a ``--ca-file`` that cannot be read or holds no
+    certificate is said as such (not as a problem with the runner's home)."""
+    try:
+        return GatewayClient(server, token, ca_file=ca_file)
+    except ssl.SSLError as exc:
+        raise RunnerSetupError(f"--ca-file {ca_file}: holds no usable PEM certificate: "
+                               f"{exc}", exits.DATAERR) from None
+    except OSError as exc:
+        raise RunnerSetupError(f"--ca-file {ca_file}: cannot be read: {exc}",
+                               exits.NOINPUT) from None
+
+
 #: The runner home's id, made at its first start: the server lets one home at a time serve a
 #: runner's name (two processes with one token would take each other's runs).
 HOME_ID_FILE = "runner.id"
@@ -78,7 +92,7 @@ def run_runner(server: str, token_file: Path, home: Path, config_path: Path | No
     """Serve ``server``'s gateway until SIGINT/SIGTERM; the exit code."""
     try:
         token = read_token(token_file)
-        client = GatewayClient(server, token, ca_file=ca_file)
+        client = gateway_client(server, token, ca_file)
         ensure_dir(home)
         config = load_config(config_path, home=home)
     except RunnerSetupError as exc:

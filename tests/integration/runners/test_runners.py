@@ -562,3 +562,12 @@ def test_over_https_a_runner_trusts_only_the_ca_it_is_given(
     run = remote_run(daemon, "over https")
     ended = daemon.wait_until(done(daemon, run["id"]), what="the run over https")
     assert (ended["status"], ended["output_summary"]) == ("finished", "remote ok")
+    # A --ca-file that cannot be used is said as such (not as a problem with the home).
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate\n")
+    for name, ca_file, code in (("missing", tmp_path / "none.pem", 66),
+                                ("garbage", garbage, 65)):
+        bad = runners(server, token, name, {}, start=False, args=("--ca-file", str(ca_file)))
+        bad.start(wait_ready=False)
+        assert bad.wait(60) == code, bad.log_text
+        assert len(bad.lines) == 1 and f"--ca-file {ca_file}" in bad.lines[0], bad.log_text

@@ -267,8 +267,8 @@ class Daemon:
                                         ("start the agents' grace", parts.runtime.begin_grace),
                                         ("signal loops", self.stop_signal.set),
                                         ("stop web console", self._stop_web)]
-        if parts.gateway is not None:  # (runners keep their agents and report later)
-            steps.append(("stop the gateway", parts.gateway.stop))
+        if parts.gateway is not None:  # (nothing more to runners; still heard, below)
+            steps.append(("hold the gateway's work", parts.gateway.hold))
         if parts.turns is not None:  # (their sessions end; the cron loop can stop)
             board = parts.turns
             steps.append(("end the turns on runners", lambda: board.close(
@@ -282,6 +282,10 @@ class Daemon:
             # exit and the next start adopts it or records its outcome.
             ("stop agent runtime", lambda: parts.runtime.stop(
                 keep_agents=self.config.runtime.keep_agents_on_stop)),
+            # After the runtime: runners go on hearing the server while its agents end
+            # (up to runtime.stop_grace_s), so they do not take it for gone and stop
+            # theirs; they keep them across the restart and report to the next daemon.
+            ("stop the gateway", parts.gateway.stop if parts.gateway else lambda: None),
             # Its agents ended, the keeper ends too, unless they were left running.
             ("detach from the keeper", lambda: parts.keeper.close(
                 quit_keeper=not self.config.runtime.keep_agents_on_stop)),

@@ -93,6 +93,9 @@ class RemoteRuns:
         #: (often enough that another daemon's watch sees the runner alive)
         self._seen_every = min(SEEN_WRITE_S, dead_after_s / 4)
         self.stopping = False
+        #: The daemon is stopping: nothing more is handed out, but runners are still
+        #: heard (heartbeats, logs, outcomes) until the gateway stops.
+        self.holding = False
         for topic in ("run.queued", "run.finished", "run.cancelled", "agent.updated",
                       "agent.created", "turn.waiting"):
             bus.subscribe(topic, self._changed)
@@ -217,10 +220,12 @@ class RemoteRuns:
         self.seen(runner)
         deadline = self.monotonic() + wait_s
         while True:
-            handed = self.turns.take(runner.name, runner.labels, slots)
-            claims = self._claim(runner, slots - len(handed)) if len(handed) < slots else []
-            if handed or claims:
-                return handed + [self._hand_over(runner, claim) for claim in claims]
+            if not self.holding:
+                handed = self.turns.take(runner.name, runner.labels, slots)
+                claims = self._claim(runner, slots - len(handed)) \
+                    if len(handed) < slots else []
+                if handed or claims:
+                    return handed + [self._hand_over(runner, claim) for claim in claims]
             with self._work:
                 left = deadline - self.monotonic()
                 if left <= 0 or self.stopping:
@@ -300,6 +305,12 @@ class RemoteRuns:
             log.warning("runner %s silent for %.0fs: %d run(s) it held rescued", name,
                         now - last, len(done))
         return rescued
+
+    def hold(self) -> None:
+        """Hand out nothing more (the daemon is stopping); polls wait as when there is
+        no work, so runners neither poll in a loop nor take the server for gone."""
+        with self._work:
+            self.holding = True
 
     def stop(self) -> None:
         """Pollers answer now (the gateway is stopping)."""

@@ -74,6 +74,11 @@ class Gateway:
                         "" if self.tls else " over plain HTTP (gateway.insecure_remote)")
         log.info("gateway for runners at %s", self.url)
 
+    def hold(self) -> None:
+        """The daemon stops: no more work is handed out, runners are still heard (so
+        they keep their agents while its own end; see ``Daemon._shutdown_steps``)."""
+        self.remote.hold()
+
     def stop(self) -> None:
         """Stop serving: waiting polls answer at once, then the threads are joined."""
         with self._lock:

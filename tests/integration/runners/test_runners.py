@@ -5,6 +5,7 @@ and configs of their own."""
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -571,3 +572,40 @@ def test_over_https_a_runner_trusts_only_the_ca_it_is_given(
         bad.start(wait_ready=False)
         assert bad.wait(60) == code, bad.log_text
         assert len(bad.lines) == 1 and f"--ca-file {ca_file}" in bad.lines[0], bad.log_text
+
+
+def test_a_graceful_restart_while_local_agents_end_keeps_the_runners_agents(
+        daemon_factory: Callable[..., DaemonProcess], runners: Callable[..., DaemonProcess],
+        tmp_path: Path) -> None:
+    """The daemon's stop waits runtime.stop_grace_s for its own agents; meanwhile its
+    gateway still hears the runners (it hands out nothing more), so a grace longer than
+    half of gateway.dead_after_s does not make them take the server for gone and stop
+    their agents: the remote run goes on across the restart, one attempt, recorded by
+    the next daemon."""
+    started, local_started, release = (tmp_path / "started", tmp_path / "local-started",
+                                       tmp_path / "release")
+    holder = [sys.executable, "-c", "import sys, time; sys.stdin.read(); "
+              f"open({str(local_started)!r}, 'w'); time.sleep(300)"]
+    config = gateway_config(dead_after_s=12, runtime={"stop_grace_s": 9},
+                            agents={"hold": {"command": holder, "timeout_s": 300}})
+    config["gateway"]["listen"] = f"127.0.0.1:{free_port()}"  # (the same after the restart)
+    daemon = daemon_factory(config)
+    agent = [sys.executable, "-c",
+             f"import json, os, sys, time; sys.stdin.read(); open({str(started)!r}, 'w')\n"
+             f"while not os.path.exists({str(release)!r}): time.sleep(0.05)\n"
+             "print(json.dumps({'summary': 'one attempt', 'cost_cents': 1}))"]
+    runners(gateway_url(daemon), add_runner(daemon, tmp_path / "tokens", "box", "gpu"),
+            "box", {"gpu": {"command": agent, "timeout_s": 300}})
+    run = remote_run(daemon, "across the restart")
+    daemon.call("agents.create", {"id": "h", "workspace_id": "w", "name": "h",
+                                  "profile": "hold"})
+    daemon.call("runs.enqueue", {"workspace_id": "w", "agent_id": "h", "reason": "hold"})
+    daemon.wait_until(started.exists, what="the agent on the runner")
+    daemon.wait_until(local_started.exists, what="the local agent")
+
+    assert daemon.stop(signal.SIGTERM, timeout=60) == 0  # (9 s of grace: > 12 / 2)
+    daemon.start()
+    release.touch()
+    ended = daemon.wait_until(done(daemon, run["id"]), what="the remote run's outcome")
+    assert (ended["status"], ended["attempt"], ended["retry_count"],
+            ended["output_summary"]) == ("finished", 1, 0, "one attempt"), ended

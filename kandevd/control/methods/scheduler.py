@@ -248,7 +248,18 @@ def register(registry: Registry, services: Services) -> None:
                 "job": job_dict(job)}
 
     def stop(p: dict[str, Any]) -> dict[str, Any]:
-        job = resolve(p["id"], p.get("user_id"))
+        try:
+            job = resolve(p["id"], p.get("user_id"))
+        except JobNotFound as missing:
+            # A session whose schedule was removed meanwhile ends under the definition it
+            # started with: its full id still stops it.
+            key = f"{p['id']}@{p['user_id']}" if p.get("user_id") else p["id"]
+            try:
+                plan = runner.stop(key)
+            except run.NotRunning:
+                raise missing from None
+            return {"id": p["id"], "session_id": plan.session_id, "run_id": plan.entry_id,
+                    "stopping": True, "backfill": False}
         backfill = loop.backfills.stop(job.key)
         try:
             plan = runner.stop(job.key)

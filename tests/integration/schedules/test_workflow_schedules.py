@@ -338,3 +338,23 @@ def test_bad_requests_get_precise_errors_and_an_unreadable_root_is_reported(setu
     daemon.wait_for_line("scheduler reloaded", after=mark)
     assert "Traceback" not in daemon.log_text
     assert daemon.stop() == 0
+
+
+def test_a_session_whose_schedule_was_removed_is_still_stopped_by_its_id(setup) -> None:
+    """A schedule removed while its session runs: the session ends under the definition it
+    started with, and `jobs stop` with the job's full id still reaches it."""
+    daemon, _ = setup({"w": [schedule("s", messages=["SLEEP", "never"]), schedule("t")]})
+    daemon.call("scheduler.jobs.trigger", {"id": "s"})
+    daemon.wait_until(lambda: started_turns(daemon, "s"), what="the first turn")
+    write_workflow(daemon.home / "workspace", "w", [schedule("t")], groups=("g1", "g2"))
+    daemon.call("scheduler.reload")
+    with pytest.raises(RpcCallError) as gone:
+        daemon.call("scheduler.jobs.get", {"id": "workflow:w:s"})
+    assert gone.value.kind == "not_found"
+    answer = daemon.call("scheduler.jobs.stop", {"id": "workflow:w:s"})
+    assert answer["stopping"] is True and answer["session_id"]
+    folder = daemon.home / "workspace" / "Workflow" / "w"
+    [entry] = daemon.wait_until(
+        lambda: [e for e in history(folder) if e["status"] != "running"] or None,
+        what="the session stopped")
+    assert entry["status"] == "stopped" and entry["schedule_id"] == "s"

@@ -417,24 +417,6 @@ def check_config_finite(config: Config) -> None:
             stack.extend((f"{where}.{index}", item) for index, item in enumerate(value))
 
 
-def config_changes(running: Config, fresh: Config) -> list[str]:
-    """The settings that differ between two configs, ``log.level`` and the file aside.
-
-    Named by section (``queue``, ``runtime``, ...) and, for agent profiles, by
-    ``agents.<name>``: what SIGHUP reports as needing a restart.
-    """
-    changed: list[str] = []
-    for item in dataclasses.fields(Config):
-        if item.name in ("log_level", "source", "agents"):
-            continue
-        if getattr(running, item.name) != getattr(fresh, item.name):
-            changed.append(item.name)
-    for name in sorted(set(running.agents) | set(fresh.agents)):
-        if running.agents.get(name) != fresh.agents.get(name):
-            changed.append(f"agents.{name}")
-    return changed
-
-
 def load_config(
     path: Path | None, *, home: Path | None = None, environ: Mapping[str, str] | None = None
 ) -> Config:

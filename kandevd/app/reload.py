@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 
 from kandevd.app.logsetup import current_level, set_level
-from kandevd.config import Config, ConfigError, config_changes, load_config
+from kandevd.config import Config, ConfigError, load_config
 from kandevd.schedules.loop import CronLoop
 from kandevd.sdnotify import SystemdNotifier
 from kandevd.store.backend import backend_problem
@@ -55,3 +55,21 @@ def _reload_config(config: Config, *, config_path: Path | None, home: Path,
     if changed:
         log.warning("SIGHUP: changes to %s need a restart", ", ".join(changed))
     return dataclasses.replace(config, log_level=fresh.log_level)
+
+
+def config_changes(running: Config, fresh: Config) -> list[str]:
+    """The settings that differ between two configs, ``log.level`` and the file aside.
+
+    Named by section (``queue``, ``runtime``, ...) and, for agent profiles, by
+    ``agents.<name>``: what SIGHUP reports as needing a restart.
+    """
+    changed: list[str] = []
+    for item in dataclasses.fields(Config):
+        if item.name in ("log_level", "source", "agents"):
+            continue
+        if getattr(running, item.name) != getattr(fresh, item.name):
+            changed.append(item.name)
+    for name in sorted(set(running.agents) | set(fresh.agents)):
+        if running.agents.get(name) != fresh.agents.get(name):
+            changed.append(f"agents.{name}")
+    return changed

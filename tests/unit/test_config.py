@@ -367,7 +367,7 @@ def test_log_level_is_read_upper_cased_and_unknown_levels_are_refused() -> None:
 
 
 def test_config_changes_names_sections_and_profiles_but_not_the_log_level() -> None:
-    from kandevd.config import config_changes
+    from kandevd.app.reload import config_changes
 
     running = build_config({"log": {"level": "INFO"}}, environ={})
     fresh = build_config({"log": {"level": "DEBUG"}, "queue": {"max_attempts": 2},

@@ -344,9 +344,8 @@ class WorkflowSource:
         changed = self.change(job, {"enabled": enabled}, now)
         assert changed is not None
         if changed.state.enabled is not None:  # (a pause held in memory: the file rules)
-            changed.state.enabled = None
-            if changed.state.next_fire is None:
-                changed.state.next_fire = next_fire(changed.spec.schedule, now)
+            changed.state.enabled, changed.state.next_fire = None, (
+                changed.state.next_fire or next_fire(changed.spec.schedule, now))
         return changed
 
     def change(self, job: Job, fields: dict[str, Any] | None, now: datetime) -> Job | None:

@@ -46,7 +46,7 @@ DOMAIN_ERRORS: tuple[tuple[type[Exception], Translate], ...] = (
     (RunNotFound, lambda exc: NotFound(str(exc))),
     (RunConflict, lambda exc: Conflict(str(exc))),
     (BatchItemError, _batch_item),
-    (RunReferenceError, lambda exc: InvalidParams(str(exc))),
+    (RunReferenceError, lambda exc: InvalidParams(f"params.{exc}")),  # (its field first)
     # The runners on other machines.
     (RunnerNotFound, lambda exc: NotFound(str(exc))),
     (RunnerExists, lambda exc: Conflict(str(exc))),

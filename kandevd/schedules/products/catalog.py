@@ -27,10 +27,13 @@ from kandevd.formats.yamlsafe import load_file as load_yaml
 from kandevd.schedules.products import schedule as product_schedule
 from kandevd.schedules.products.schedule import ProductSchedule
 from kandevd.schedules.workflows.manifest import ManifestError, Problem, check_workflow_name
+from kandevd.suggest import closest
 
 PRODUCTS_DIR = "products"
 PRODUCT_FILE = "product.yaml"
 USERS_FILE = "users.yaml"
+#: The fields of a user directory entry kandevd reads.
+USER_KEYS = ("id", "enabled", "role", "products")
 LOCAL_USER = "local"
 
 
@@ -226,6 +229,10 @@ def _user(raw: Any, where: str) -> tuple[User | None, list[str]]:
         problems.append(f"{where}.role: {role!r} is not one of admin, member")
     if not isinstance(raw.get("enabled", True), bool):
         problems.append(f"{where}.enabled: must be true or false")
+    for key in raw:  # (other keys are the directory's own, but not a known one mistyped)
+        near = closest(str(key), USER_KEYS) if key not in USER_KEYS else None
+        if near is not None:
+            problems.append(f"{where}.{key}: unknown field; did you mean {near}?")
     if problems:
         return None, problems
     return User(raw["id"], raw.get("enabled", True), role,

@@ -9,7 +9,7 @@ import pytest
 from kandevd.control.errors import DOMAIN_ERRORS, domain_error
 from kandevd.control.protocol import Conflict, InvalidParams, NotFound, RpcError
 from kandevd.control.registry import Registry
-from kandevd.runs.model import BatchItemError, RunNotFound
+from kandevd.runs.model import BatchItemError, RunNotFound, RunReferenceError
 from kandevd.schedules.workflows.manifest import ManifestError, ManifestUnusable
 
 
@@ -20,6 +20,12 @@ def test_a_subclass_is_translated_by_its_own_row_not_its_parents() -> None:
     item = domain_error(BatchItemError(3, "runs[3].agent_id: agent 'x' does not exist"))
     assert isinstance(item, InvalidParams)
     assert item.extra == {"index": 3}
+
+
+def test_a_run_naming_nothing_is_refused_naming_its_parameter() -> None:
+    refused = domain_error(RunReferenceError("task_id: task 't9' does not exist"))
+    assert isinstance(refused, InvalidParams)
+    assert refused.message == "params.task_id: task 't9' does not exist"
 
 
 def test_no_row_is_hidden_behind_an_earlier_parent() -> None:

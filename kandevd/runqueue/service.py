@@ -225,7 +225,10 @@ class RunQueue:
         return explained
 
     def _runner_online(self, labels: list[str], now: datetime) -> bool:
-        """Is a runner carrying every one of ``labels`` online (seen lately)?"""
+        """Is a runner carrying every one of ``labels`` online (seen lately)? None is
+        while no gateway can hear them: none here, and no other daemon's (not shared)."""
+        if not self.config.gateway.listen and not self.repo.store.shared:
+            return False
         recent = self.config.gateway.dead_after_s
         return any(covers(row.labels, labels) and row.online(now, recent)
                    for row in Runners(self.repo.store).all())

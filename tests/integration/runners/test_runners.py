@@ -609,3 +609,23 @@ def test_a_graceful_restart_while_local_agents_end_keeps_the_runners_agents(
     ended = daemon.wait_until(done(daemon, run["id"]), what="the remote run's outcome")
     assert (ended["status"], ended["attempt"], ended["retry_count"],
             ended["output_summary"]) == ("finished", 1, 0, "one attempt"), ended
+
+
+def test_with_the_gateway_off_no_runner_is_taken_for_online(
+        daemon_factory: Callable[..., DaemonProcess], runners: Callable[..., DaemonProcess],
+        tmp_path: Path) -> None:
+    """A runner seen a moment ago by a daemon that now runs without a gateway (and alone
+    on its store) cannot reach it: `runs.explain` says no_runner at once, not after
+    dead_after_s."""
+    config = gateway_config(dead_after_s=300)
+    daemon = daemon_factory(config)
+    token = add_runner(daemon, tmp_path / "tokens", "box", "gpu")
+    runner = runners(gateway_url(daemon), token, "box", {})
+    assert daemon.stop() == 0
+    runner.stop()
+    del config["gateway"]
+    (daemon.home / "kandevd.yaml").write_text(yaml.safe_dump(config))
+    daemon.start()
+    run = remote_run(daemon, "nobody can take it")
+    explained = daemon.call("runs.explain", {"id": run["id"]})
+    assert explained["eligible"] is False and "no_runner" in explained["blockers"], explained

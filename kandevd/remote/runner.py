@@ -328,6 +328,15 @@ class RunnerProcess:
         self.files.forget(job.execution["id"])
         if job.result is not None:
             self.runtime.settle([job.result])  # (the keeper may forget its exit)
+            # Its log is the server's now (sent before the end), its input came from it: the
+            # copies here go, or a busy runner's home grows without end. (Its working
+            # folder stays: what the agent left there is the machine's owner's.)
+            for path in (job.log_path, job.log_path.with_name(job.log_path.stem
+                                                             + ".input.json")):
+                try:
+                    path.unlink(missing_ok=True)
+                except OSError as exc:
+                    log.warning("cannot remove %s (%s)", path, exc)
 
     def _pending(self) -> bool:
         with self._lock:

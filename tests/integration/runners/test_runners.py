@@ -103,6 +103,11 @@ def test_a_labelled_agent_runs_on_the_runner_and_the_others_stay_here(
     assert "attempt 1 ended" in log and ": succeeded" in log
     logs = run_cli(daemon.home, "runs", "logs", there["id"])
     assert f"ran on {runner.home}" in logs.stdout
+    # The server has its log and input now: the runner's copies go (its home stays small).
+    runner_logs = runner.home / "logs" / "runs"
+    daemon.wait_until(lambda: not [p for p in runner_logs.iterdir()
+                                   if p.name.endswith((".log", ".input.json"))],
+                      what="the runner's copies of the log and input removed")
 
     local = daemon.wait_until(done(daemon, here["id"]), what="the local run")
     assert local["status"] == "finished"

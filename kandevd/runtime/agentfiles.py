@@ -105,9 +105,11 @@ def merge_stdout(fd_out: int, sink: LogSink) -> AgentReport:
             break
         sink.write(chunk)
         offset += len(chunk)
-    if too_long:  # (after the stdout, which the note is about, on a line of its own)
-        if not tail.endswith(b"\n"):
-            sink.write(b"\n")
+    # What follows (a note, the attempt's end) starts a line of its own, found by
+    # `grep '^\[kandevd\]'` also after a last line of stdout with no newline.
+    if not tail.endswith(b"\n"):
+        sink.write(b"\n")
+    if too_long:  # (after the stdout, which the note is about)
         sink.note(f"the last line of stdout is over {_TAIL} bytes: no summary or cost "
                   "was read from it")
     return report

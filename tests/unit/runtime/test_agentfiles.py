@@ -33,6 +33,15 @@ def test_the_report_is_the_last_line_and_the_whole_stdout_joins_the_log(
     assert log == stdout
 
 
+def test_a_stdout_with_no_last_newline_ends_its_line_in_the_log(tmp_path: Path) -> None:
+    """The attempt's end written after it starts a line of its own (``grep '^\\[kandevd'``
+    finds it); the report is read as before."""
+    stdout = b"working\n" + json.dumps(REPORT).encode()
+    report, log = merged(tmp_path, stdout)
+    assert report == AgentReport("done", 3.0)
+    assert log == stdout + b"\n"
+
+
 def test_a_last_line_that_fills_the_window_exactly_is_read(tmp_path: Path) -> None:
     line = json.dumps({**REPORT, "pad": "x" * (_TAIL - 60)}).encode()
     line = json.dumps({**REPORT, "pad": "x" * (_TAIL - 60 - (len(line) - _TAIL))}).encode()

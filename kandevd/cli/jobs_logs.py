@@ -62,7 +62,9 @@ def job_logs(job_id: str, entry_id: str | None, user_id: str | None, follow: boo
     entry_id = entry.get("id")
     click.echo(f"[kandevd] run {entry.get('id')} of {name}: {entry.get('trigger_source')}, "
                f"session {entry.get('session_id')}, started {entry.get('started_at')}")
-    printer = _TurnPrinter(HomeLayout(resolve_home(home)).logs)
+    # (the daemon's home: the one given here may be another, when only --socket is)
+    served = invoke(home, socket_path, "daemon.status").get("home")
+    printer = _TurnPrinter(HomeLayout(Path(served) if served else resolve_home(home)).logs)
     while True:
         printer.show(entry)
         if not follow or entry.get("status") in TERMINAL:

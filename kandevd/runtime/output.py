@@ -181,11 +181,15 @@ def _append_stdout(stdout_path: Path, log_path: Path, size: int, report: AgentRe
                                0o600)
             with os.fdopen(fd_state, "w", encoding="utf-8") as handle:
                 json.dump(document, handle)
+        last = b"\n"
         with open(stdout_path, "rb") as source:
             while chunk := source.read(_COPY_CHUNK):
+                last = chunk[-1:]
                 view = memoryview(chunk)
                 while view:
                     view = view[os.write(fd, view):]
+        if last != b"\n":  # (the attempt's end that follows starts a line of its own)
+            os.write(fd, b"\n")
     finally:
         os.close(fd)
 

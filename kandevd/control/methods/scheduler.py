@@ -253,10 +253,16 @@ def register(registry: Registry, services: Services) -> None:
         except JobNotFound as missing:
             # A session whose schedule was removed meanwhile ends under the definition it
             # started with: its full id still stops it.
-            key = f"{p['id']}@{p['user_id']}" if p.get("user_id") else p["id"]
-            try:
-                plan = runner.stop(key)
-            except run.NotRunning:
+            # (a product job without users.yaml is its one user's, "local", unnamed)
+            keys = [f"{p['id']}@{p['user_id']}"] if p.get("user_id") else \
+                [p["id"], f"{p['id']}@local"]
+            for key in keys:
+                try:
+                    plan = runner.stop(key)
+                    break
+                except run.NotRunning:
+                    continue
+            else:
                 raise missing from None
             return {"id": p["id"], "session_id": plan.session_id, "run_id": plan.entry_id,
                     "stopping": True, "backfill": False}

@@ -12,6 +12,7 @@ local user, ``local``, who has every product.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 from dataclasses import dataclass
 from functools import cache
@@ -27,7 +28,6 @@ from kandevd.formats.yamlsafe import load_file as load_yaml
 from kandevd.schedules.products import schedule as product_schedule
 from kandevd.schedules.products.schedule import ProductSchedule
 from kandevd.schedules.workflows.manifest import ManifestError, Problem, check_workflow_name
-from kandevd.suggest import closest
 
 PRODUCTS_DIR = "products"
 PRODUCT_FILE = "product.yaml"
@@ -210,6 +210,19 @@ def _read_users(root: Path) -> tuple[list[User] | None, list[Problem]]:
     return users, []
 
 
+def _mistyped(key: str) -> str | None:
+    """``enabled`` or ``products`` when ``key`` is one of them mistyped (``enabeld``,
+    ``enable``, ``prodcts``): a typo there would leave a user on, or give every product.
+    Other fields (``uid``, ``projects``, ``enabled_at``) are the directory's own."""
+    if key in USER_KEYS:
+        return None
+    for known in ("enabled", "products"):
+        if not key.startswith(known) and \
+                difflib.SequenceMatcher(None, key.lower(), known).ratio() >= 0.85:
+            return known
+    return None
+
+
 def _user(raw: Any, where: str) -> tuple[User | None, list[str]]:
     """One directory entry and every problem it has. A member without ``products`` is
     unrestricted (every product), as an admin is; ``products: []`` means none."""
@@ -229,8 +242,8 @@ def _user(raw: Any, where: str) -> tuple[User | None, list[str]]:
         problems.append(f"{where}.role: {role!r} is not one of admin, member")
     if not isinstance(raw.get("enabled", True), bool):
         problems.append(f"{where}.enabled: must be true or false")
-    for key in raw:  # (other keys are the directory's own, but not a known one mistyped)
-        near = closest(str(key), USER_KEYS) if key not in USER_KEYS else None
+    for key in raw:  # (other keys are the directory's own, but not these two mistyped)
+        near = _mistyped(str(key))
         if near is not None:
             problems.append(f"{where}.{key}: unknown field; did you mean {near}?")
     if problems:

@@ -71,6 +71,9 @@ def timing(run: dict[str, Any], now: datetime) -> dict[str, Any]:
         if claimed and run.get("status") == "claimed" else None
     run["waiting_s"] = (now - asked).total_seconds() \
         if asked and run.get("status") == "queued" else None
+    retry = parse_time(run.get("scheduled_retry_at"))
+    # (a back-off still ahead of a queued run: the field keeps older ones as they were)
+    run["retry_ahead"] = bool(retry and retry > now and run.get("status") == "queued")
     return run
 
 

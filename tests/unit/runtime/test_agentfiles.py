@@ -73,3 +73,20 @@ def test_the_attempt_a_log_left_open_is_found(tmp_path: Path) -> None:
     with log.open("a") as handle:
         handle.write("[kandevd] ==== attempt 2 ended 2026-01-01T00:00:03Z: succeeded ====\n")
     assert open_attempt(log) is None
+
+
+def test_a_collected_stdout_with_no_last_newline_ends_its_line_once(tmp_path: Path) -> None:
+    """The other merge (an execution adopted or recovered after a restart) ends the line
+    too, and a merge run again after a crash does not add it twice."""
+    from kandevd.runtime.output import collect_stdout
+
+    stdout, log, state = tmp_path / "stdout", tmp_path / "run.log", tmp_path / "summary.json"
+    body = b"working\n" + json.dumps(REPORT).encode()
+    stdout.write_bytes(body)
+    log.write_bytes(b"[kandevd] ==== attempt 1 started ====\n")
+    assert collect_stdout(stdout, log, state, keep_as=tmp_path / "kept") == \
+        AgentReport("done", 3.0)
+    assert log.read_bytes().endswith(body + b"\n")
+    stdout.write_bytes(body)  # (as if the crash came before the stdout file was spent)
+    collect_stdout(stdout, log, state, keep_as=tmp_path / "kept")
+    assert log.read_bytes().count(body) == 1

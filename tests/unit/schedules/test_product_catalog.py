@@ -72,7 +72,7 @@ def test_no_directory_means_one_local_user_with_every_product(tmp_path: Path) ->
     ("- {id: a, role: boss}\n", "[0].role:"),
     ("- {id: a, enabeld: false}\n", "[0].enabeld: unknown field; did you mean enabled?"),
     ("- {id: a, prodcts: [p]}\n", "[0].prodcts: unknown field; did you mean products?"),
-    ("- {id: a, rol: admin}\n", "[0].rol: unknown field; did you mean role?"),
+    ("- {id: a, enable: false}\n", "[0].enable: unknown field; did you mean enabled?"),
 ])
 def test_bad_user_directories_are_problems(tmp_path: Path, text: str, fragment: str) -> None:
     (tmp_path / "users.yaml").write_text(text)
@@ -83,7 +83,9 @@ def test_bad_user_directories_are_problems(tmp_path: Path, text: str, fragment: 
 def test_a_users_other_fields_are_the_directorys_own(tmp_path: Path) -> None:
     """Fields kandevd does not read (a name, an email) are kept out of its way; only a
     known field mistyped is a problem (a typo of enabled must not leave a user on)."""
-    (tmp_path / "users.yaml").write_text("- {id: ann, name: Ann, email: a@x.org}\n")
+    (tmp_path / "users.yaml").write_text(
+        "- {id: ann, name: Ann, email: a@x.org, uid: ann, _id: 7, projects: [x],"
+        " enabled_at: 2026-01-01, product_ids: [p]}\n")
     users, problems = catalog.read_users(tmp_path)
     assert problems == [] and users is not None and [u.id for u in users] == ["ann"]
 

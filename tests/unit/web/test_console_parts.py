@@ -7,7 +7,7 @@ activity read from the runs table."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from hypothesis import given
@@ -22,7 +22,7 @@ from kandevd.web.app import in_words
 from kandevd.web.auth import Guard, split_host
 from kandevd.web.charts import Lane, Series, count_ticks, line_chart, spend_bar, timeline
 from kandevd.web.context import duration, time_element, times_in
-from kandevd.web.views.runs import attempts_of, explain_in_words
+from kandevd.web.views.runs import attempts_of, explain_in_words, timing
 from kandevd.web.views.schedule_form import place_errors, schedule_from
 from tests.support.runs import T0, enqueue, seed
 
@@ -101,6 +101,16 @@ def test_the_form_becomes_the_schedule_it_describes() -> None:
         "group_ids": ["g1", "g2"], "messages": ["one", "two"], "enabled": True,
         "timeout_s": 90.0, "jitter_s": "x"}
     assert "id" not in schedule_from(form, editing=True)
+
+
+def test_the_next_retry_is_shown_only_while_it_is_ahead_of_a_queued_run() -> None:
+    now = datetime(2026, 12, 7, 12, 0, tzinfo=UTC)
+    ahead, past = "2026-12-07T12:05:00.000000Z", "2026-12-07T11:55:00.000000Z"
+    def shown(status: str, at: str) -> bool:
+        return timing({"status": status, "scheduled_retry_at": at}, now)["retry_ahead"]
+    assert shown("queued", ahead)
+    assert not shown("queued", past)  # (an earlier back-off a rescue left as it was)
+    assert not shown("claimed", ahead) and not shown("cancelled", ahead)
 
 
 def test_explain_in_words() -> None:

@@ -67,6 +67,9 @@ class Remote:
 
 #: A runner that has not named an execution this long after taking it lost it.
 LOST_AFTER_S = 15.0
+#: A runner that gave a run back as it stops is handed nothing for this long (or until
+#: its next hello): its poll in flight would otherwise take that run again at once.
+LEAVING_S = 60.0
 
 
 class RemoteRuns:
@@ -96,6 +99,8 @@ class RemoteRuns:
         #: The daemon is stopping: nothing more is handed out, but runners are still
         #: heard (heartbeats, logs, outcomes) until the gateway stops.
         self.holding = False
+        #: runner -> when (monotonic) it gave a run back because it stops.
+        self._leaving: dict[str, float] = {}
         for topic in ("run.queued", "run.finished", "run.cancelled", "agent.updated",
                       "agent.created", "turn.waiting"):
             bus.subscribe(topic, self._changed)
@@ -155,6 +160,8 @@ class RemoteRuns:
         and its claims it no longer holds are rescued at once (it lost them: a crash);
         returns the ids it named that are not its any more (it should stop them)."""
         self.seen(runner)
+        with self._work:
+            self._leaving.pop(runner.name, None)  # (it serves again)
         named = {(item["run_id"], item["id"]) for item in held}
         lost = [claim for claim in self.runners.claims_of(runner.name) if claim not in named]
         if lost:
@@ -220,6 +227,8 @@ class RemoteRuns:
         self.seen(runner)
         deadline = self.monotonic() + wait_s
         while True:
+            if self._is_leaving(runner.name):
+                return []  # (it stops: nothing more; it polls no more either)
             if not self.holding:
                 handed = self.turns.take(runner.name, runner.labels, slots)
                 claims = self._claim(runner, slots - len(handed)) \
@@ -267,6 +276,9 @@ class RemoteRuns:
         # The end line first, as for a local run (once: a resent outcome adds none).
         note_ended(remote.claim, result, once=True)
         if result.outcome == INTERRUPTED:  # the runner stopped gracefully: uncounted
+            with self._work:  # (its poll in flight answers now, empty)
+                self._leaving[runner.name] = self.monotonic()
+                self._work.notify_all()
             self.queue.release_remote(remote.claim, "interrupted: runner "
                                       f"{runner.name} stopped during the execution")
         elif not self.queue.record_remote(remote.claim, result):
@@ -305,6 +317,14 @@ class RemoteRuns:
             log.warning("runner %s silent for %.0fs: %d run(s) it held rescued", name,
                         now - last, len(done))
         return rescued
+
+    def _is_leaving(self, name: str) -> bool:
+        with self._work:
+            since = self._leaving.get(name)
+            if since is not None and self.monotonic() - since >= LEAVING_S:
+                del self._leaving[name]
+                since = None
+            return since is not None
 
     def hold(self) -> None:
         """Hand out nothing more (the daemon is stopping); polls wait as when there is

@@ -263,3 +263,24 @@ def test_an_outcome_the_database_refuses_is_sent_again_by_the_runner_not_kept_he
     assert (run.status, run.output_summary) == ("finished", "done")
     log = (env.layout.run_logs / f"{run_id}.log").read_text()
     assert log.count("attempt 1 ended") == 1
+
+
+def test_a_runner_that_gives_a_run_back_as_it_stops_is_handed_nothing_more(
+        env: OfficeEnv) -> None:
+    """Its poll in flight would take the run it gave back at once (an attempt started and
+    ended unstarted in the log): it gets nothing until its next hello, and another runner
+    takes the run."""
+    remote, box, run_id, handed = handed_run(env)
+    assert remote.end(box, handed["id"], run_id, {"outcome": "interrupted",
+                                                  "error": "runner shutting down"})
+    assert env.queue.get(run_id).status == "queued"
+    assert remote.poll(box, 0) == []
+    assert env.queue.get(run_id).status == "queued"
+    other = runner(env, "other", "gpu")
+    [taken] = remote.poll(other, 0)
+    assert taken["run_id"] == run_id
+    assert remote.end(other, taken["id"], run_id, {"outcome": "succeeded", "exit_code": 0})
+    again = enqueue(env, "gpu1")
+    assert remote.poll(box, 0) == []  # (still stopping)
+    remote.hello(box, [])  # (restarted: it serves again)
+    assert [h["run_id"] for h in remote.poll(box, 0)] == [again]

@@ -352,7 +352,15 @@ def scan(root: Path) -> tuple[list[Workflow], list[Problem]]:
     except OSError as exc:
         return [], [Problem(str(workflow_root(root)),
                             f"cannot read: {exc.strerror or exc}")]
+    seen: dict[str, Path] = {}  # real folder -> the name it was loaded under
     for folder in folders:
+        real = str(folder.resolve())
+        if real in seen:  # a second name (a link) for one folder: its sessions would share it
+            problems.append(Problem(str(folder), f"the same folder as {seen[real]} (a link "
+                                    "to it): not loaded twice, so that no two sessions "
+                                    "ever work in one run folder"))
+            continue
+        seen[real] = folder
         workflow, found = load_workflow(folder)
         problems.extend(found)
         if workflow is not None:

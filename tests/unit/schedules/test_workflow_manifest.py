@@ -241,6 +241,21 @@ def test_edits_go_through_a_symlink_and_keep_the_file_mode(tmp_path: Path) -> No
     assert real.stat().st_mode & 0o777 == 0o644
 
 
+def test_a_second_name_for_a_workflow_folder_is_not_loaded_twice(tmp_path: Path) -> None:
+    """A link to a workflow's folder beside it would be a second workflow sharing its
+    history and run folders (two sessions in one folder): a problem instead. A link to a
+    folder elsewhere is a workflow as any other."""
+    write_workflow(tmp_path, "wfl", [schedule("s")])
+    (tmp_path / "Workflow" / "wfl2").symlink_to(tmp_path / "Workflow" / "wfl")
+    elsewhere = write_workflow(tmp_path / "other", "far", [schedule("t")])
+    (tmp_path / "Workflow" / "linked").symlink_to(elsewhere)
+    workflows, problems = manifest.scan(tmp_path)
+    assert sorted(w.name for w in workflows) == ["linked", "wfl"]
+    [problem] = [str(p) for p in problems]
+    assert "wfl2" in problem and "the same folder as" in problem
+    assert "not loaded twice" in problem
+
+
 def test_special_files_and_an_unreadable_root_are_problems_not_hangs(tmp_path: Path) -> None:
     folder = write_workflow(tmp_path, "fifo", [])
     (folder / "workflow.json").unlink()

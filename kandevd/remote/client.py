@@ -125,7 +125,12 @@ class GatewayClient:
                                                    "Content-Type": content_type},
                                           **({"timeout": timeout} if timeout else {}))
         except urllib3.exceptions.HTTPError as exc:
-            raise Unreachable(f"{self.base}: {exc}") from None
+            hint = ""
+            if self.base.startswith("http://") and \
+                    isinstance(exc, urllib3.exceptions.ProtocolError):
+                # (a TLS gateway drops a request sent in the clear without a word)
+                hint = "; a gateway with tls_cert set is reached at an https:// URL"
+            raise Unreachable(f"{self.base}: {exc}{hint}") from None
         if response.status == 204:
             return {}
         try:

@@ -568,6 +568,11 @@ def test_over_https_a_runner_trusts_only_the_ca_it_is_given(
     run = remote_run(daemon, "over https")
     ended = daemon.wait_until(done(daemon, run["id"]), what="the run over https")
     assert (ended["status"], ended["output_summary"]) == ("finished", "remote ok")
+    # The gateway's URL given with http://: the runner says the server may speak TLS.
+    clear = runners(server.replace("https://", "http://"), token, "clear", {}, start=False)
+    clear.start(wait_ready=False)
+    said = clear.wait_for_line("the server cannot be reached")
+    assert "is reached at an https:// URL" in said, said
     # A --ca-file that cannot be used is said as such (not as a problem with the home).
     garbage = tmp_path / "garbage.pem"
     garbage.write_text("not a certificate\n")

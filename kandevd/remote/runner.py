@@ -45,6 +45,7 @@ from kandevd.remote.client import (
 from kandevd.remote.held import HeldFiles, Kept
 from kandevd.runtime import AgentRuntime, ExecutionResult, Reservation
 from kandevd.runtime.attempts import attempt_dir
+from kandevd.runtime.execution import input_path_of
 from kandevd.runtime.specs import agent_execution
 from kandevd.timeutil import rfc3339, utc_now
 
@@ -331,8 +332,7 @@ class RunnerProcess:
             # Its log is the server's now (sent before the end), its input came from it: the
             # copies here go, or a busy runner's home grows without end. (Its working
             # folder stays: what the agent left there is the machine's owner's.)
-            for path in (job.log_path, job.log_path.with_name(job.log_path.stem
-                                                             + ".input.json")):
+            for path in (job.log_path, input_path_of(job.log_path)):
                 try:
                     path.unlink(missing_ok=True)
                 except OSError as exc:

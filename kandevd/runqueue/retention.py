@@ -27,6 +27,7 @@ from pathlib import Path
 
 from kandevd.paths import HomeLayout, check_safe_name
 from kandevd.runtime import attempts
+from kandevd.runtime.execution import input_path_of
 from kandevd.store.runs.retention import ExpiredRuns, oldest_run_at
 from kandevd.timeutil import after
 
@@ -106,14 +107,14 @@ class RunPruner:
             folders: list[Path] = []
             if log_path:
                 path = Path(log_path)
-                files += [path, path.with_name(path.stem + ".input.json")]
+                files += [path, input_path_of(path)]
             try:
                 check_safe_name(run_id, "run id")
             except ValueError:
                 pass  # not a name that can be a file of its own: only its log_path
             else:
-                files += [self.layout.run_logs / f"{run_id}.log",
-                          self.layout.run_logs / f"{run_id}.input.json"]
+                logged = self.layout.run_logs / f"{run_id}.log"
+                files += [logged, input_path_of(logged)]
                 folders.append(self.layout.runs / run_id)
                 folders += attempts.of_run(self.layout.attempts, run_id)
             for path in dict.fromkeys(files):

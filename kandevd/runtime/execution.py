@@ -106,7 +106,7 @@ class ExecutionSpec:
     def input_path(self) -> Path:
         """``<log stem>.input.json`` beside the log (a turn's ``NN-<kind>.input.json``): the
         stdin object on disk, named by ``$KANDEVD_INPUT``."""
-        return self.log_path.with_name(self.log_path.stem + ".input.json")
+        return input_path_of(self.log_path)
 
 
 @dataclass(frozen=True)
@@ -351,6 +351,11 @@ class Runner(Protocol):
               record: ExecutionRecord) -> ExecutionResult:
         """Wait for an execution an earlier daemon instance started (see ``record``)."""
         ...
+
+
+def input_path_of(log_path: Path) -> Path:
+    """Where the input of the execution logged at ``log_path`` is kept (beside its log)."""
+    return log_path.with_name(log_path.stem + ".input.json")
 
 
 def termination_error(outcome: str, reason: str, spec: ExecutionSpec) -> str:

@@ -29,6 +29,7 @@ from kandevd.cron import (
 from kandevd.schedules import history as hist
 from kandevd.schedules.catchup.backfill import fire_times
 from kandevd.schedules.jobs import Job, JobNotFound
+from kandevd.schedules.products.catalog import LOCAL_USER
 from kandevd.schedules.products.source import ProductSource
 from kandevd.schedules.rules.options import option_properties
 from kandevd.schedules.rules.states import STATES
@@ -253,9 +254,9 @@ def register(registry: Registry, services: Services) -> None:
         except JobNotFound as missing:
             # A session whose schedule was removed meanwhile ends under the definition it
             # started with: its full id still stops it.
-            # (a product job without users.yaml is its one user's, "local", unnamed)
+            # (a product job without users.yaml is its one user's, unnamed)
             keys = [f"{p['id']}@{p['user_id']}"] if p.get("user_id") else \
-                [p["id"], f"{p['id']}@local"]
+                [p["id"], f"{p['id']}@{LOCAL_USER}"]
             for key in keys:
                 try:
                     plan = runner.stop(key)

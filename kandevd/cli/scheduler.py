@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -155,12 +156,16 @@ def scheduler_reload(as_json: bool, home: str | None, socket_path: str | None) -
 
 # -- kandevd validate (the workflow half) -----------------------------------------------
 
-def check_workflows(root: Path) -> bool:
+def check_workflows(root: Path, profiles: Collection[str] | None = None) -> bool:
     """Check every workflow folder, product.yaml and users.yaml under ``root``, and the
     files kandevd keeps there; True when all of them are usable.
 
-    Each problem goes to stderr as one ``path: message`` line, nothing else
-    does; the summary goes to stdout. Nothing is written or moved.
+    With ``profiles`` (the config's agent profiles), a workflow or product whose
+    ``agent_profile`` is not among them is a problem for each of its schedules that
+    runs here (one with ``runs_on`` runs on a runner, whose own config names its
+    profiles): every turn of such a schedule would end in an error. Each problem
+    goes to stderr as one ``path: message`` line, nothing else does; the summary
+    goes to stdout. Nothing is written or moved.
     """
     from kandevd.schedules.products import catalog
     from kandevd.schedules.workflows import manifest
@@ -175,6 +180,8 @@ def check_workflows(root: Path) -> bool:
     product_folders = catalog.product_folder_count(root)
     user_problems = catalog.read_users(root)[1]
     problems += product_problems + user_problems
+    unknown = [] if profiles is None else _unknown_profiles(workflows, products, profiles)
+    problems += unknown
     for problem in problems:
         click.echo(one_line(str(problem)), err=True)
     if problems:
@@ -186,6 +193,8 @@ def check_workflows(root: Path) -> bool:
                          "not loaded")
         if user_problems:
             parts.append(f"{catalog.USERS_FILE} not usable (no product job runs)")
+        if unknown:
+            parts.append(f"{len(unknown)} file(s) name an agent profile the config lacks")
         states = sum(1 for p in problems if p.kind == "state")
         if states:
             parts.append(f"{states} state file(s) the daemon would move aside")
@@ -196,3 +205,26 @@ def check_workflows(root: Path) -> bool:
     click.echo(f"{len(workflows)} workflow(s), {schedules} schedule(s), {len(products)} "
                f"product(s), {product_schedules} product schedule(s) ok in {root}")
     return True
+
+
+def _unknown_profiles(workflows: Iterable[Any], products: Iterable[Any],
+                      profiles: Collection[str]) -> list[Any]:
+    """A problem for each workflow or product whose ``agent_profile`` is not configured,
+    naming the schedules that would run it here."""
+    from kandevd.schedules.workflows.manifest import Problem
+
+    found = []
+    for kind, file, owners in (("workflow", "workflow.json", workflows),
+                               ("product", "product.yaml", products)):
+        for owner in owners:
+            if owner.agent_profile in profiles:
+                continue
+            local = [s.id for s in owner.schedules if not s.options.runs_on]
+            if not local:
+                continue
+            found.append(Problem(
+                str(owner.folder / file),
+                f"agent_profile {owner.agent_profile!r} is not configured (configured: "
+                f"{', '.join(sorted(profiles))}); every turn of {', '.join(local)} would "
+                "end in an error", kind))
+    return found

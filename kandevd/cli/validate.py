@@ -51,9 +51,19 @@ def validate(home: str | None, config_path: str | None) -> None:
         click.echo("workflows not checked: the config is invalid", err=True)
         sys.exit(exits.ERROR)
     click.echo(f"config ok: {config.source or 'built-in defaults'}")
+    workflow_root = scheduler_root(config, root)
+    for folder, what in ((root, "the home"), (workflow_root, "the workflow root")):
+        if not folder.is_dir():  # (a typo in --home would otherwise pass as an empty home)
+            click.echo(f"note: {what} {folder} does not exist ({NOT_THERE[what]})", err=True)
+            break
     profiles_ok = check_profiles(config, root)
-    if not check_workflows(scheduler_root(config, root)) or not profiles_ok:
+    if not check_workflows(workflow_root, set(config.agents)) or not profiles_ok:
         sys.exit(exits.ERROR)
+
+
+#: What a folder that is not there means (a note, not a problem: serve starts all the same).
+NOT_THERE = {"the home": "serve creates it, with no workflow, product or run in it",
+             "the workflow root": "no workflow or product is loaded from it"}
 
 
 def check_profiles(config: Any, root: Path) -> bool:

@@ -331,3 +331,36 @@ def test_validate_flags_a_profile_whose_command_does_not_exist(tmp_path: Path) -
     assert "profile typo: cannot start agent: executable not found: no-such-agent-x" \
         in result.stderr
     assert "profile default: the built-in echo agent" in result.stdout
+
+
+def test_validate_flags_a_schedule_whose_agent_profile_is_not_configured(
+        tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    assert run_cli(home, "init", "--example", "demo").returncode == 0
+    manifest = home / "workspace" / "Workflow" / "daily-digest" / "workflow.json"
+    document = json.loads(manifest.read_text())
+    document["agent_profile"] = "gpu"
+    document["schedules"][0]["runs_on"] = ["gpu"]  # (a runner's config names its profiles)
+    manifest.write_text(json.dumps(document))
+    product = home / "workspace" / "products" / "assistant" / "product.yaml"
+    product.write_text(product.read_text().replace("agent_profile: default",
+                                                   "agent_profile: claude"))
+    result = run_cli(home, "validate")
+    assert result.returncode == 1
+    assert (f"{manifest}: agent_profile 'gpu' is not configured (configured: default); "
+            "every turn of weekday-morning would end in an error") in result.stderr
+    assert f"{product}: agent_profile 'claude' is not configured" in result.stderr
+    assert "2 file(s) name an agent profile the config lacks" in result.stdout
+
+    document["schedules"][1]["runs_on"] = ["gpu"]  # every schedule runs on a runner: fine
+    manifest.write_text(json.dumps(document))
+    product.write_text(product.read_text().replace("claude", "default"))
+    assert run_cli(home, "validate").returncode == 0
+
+
+def test_validate_notes_a_home_that_does_not_exist(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-home"
+    result = run_cli(missing, "validate")
+    assert result.returncode == 0  # (serve starts on it, creating it)
+    assert f"note: the home {missing} does not exist (serve creates it" in result.stderr
+    assert not missing.exists()  # validate writes nothing

@@ -24,7 +24,6 @@ docs/keeper.md.
 from __future__ import annotations
 
 import ctypes
-import errno
 import fcntl
 import logging
 import os
@@ -47,6 +46,7 @@ from kandevd.keeper.agents import (
     spawn,
 )
 from kandevd.keeper.journal import COMPACT_AFTER, Entry, Journal, read
+from kandevd.keeper.strays import CHECK_AFTER_S, end_strays
 from kandevd.net import unixaddr
 
 log = logging.getLogger("kandevd.keeper")
@@ -88,6 +88,8 @@ class Keeper:
         #: (the server gives their runs to others once the runner is silent).
         self.stop_alone_after: float | None = None
         self.alone_since: float | None = None
+        #: When to look for what ended agents left running (:mod:`kandevd.keeper.strays`).
+        self.strays_due: float | None = None
         self.sel = selectors.DefaultSelector()
         self._prepare_signals()
         self.journal = Journal(self.folder / protocol.JOURNAL)
@@ -170,7 +172,11 @@ class Keeper:
                         agent.terminate("interrupted", "its runner was gone", grace, now)
                 for agent in list(self.agents.values()):
                     agent.on_timer(now)
+                if self.strays_due is not None and now >= self.strays_due:
+                    self._end_strays()
         finally:
+            if self.strays_due is not None:  # (once the keeper is gone, nobody could)
+                self._end_strays()
             self._close()
         log.info("keeper %d ended", os.getpid())
 
@@ -187,6 +193,8 @@ class Keeper:
         wait = IDLE_EXIT_S if self.conn is None and not self.agents else _MAX_WAIT_S
         if self.alone_since is not None and self.stop_alone_after is not None:
             timers.append(self.alone_since + self.stop_alone_after)
+        if self.strays_due is not None:
+            timers.append(self.strays_due)
         if timers:
             wait = min(wait, min(timers) - time.monotonic())
         return min(max(wait, 0.0), _MAX_WAIT_S)
@@ -391,6 +399,8 @@ class Keeper:
                 continue
             if agent is not None:
                 self._ended(agent, code_from_status(status))
+            else:  # (an agent's descendant: what it started may be the keeper's now)
+                self.strays_due = self.strays_due or time.monotonic() + CHECK_AFTER_S
 
     def _foreign_ended(self, agent: Agent, *, signals_known: bool = True) -> None:
         if running(agent.pid, agent.entry.start):
@@ -412,9 +422,18 @@ class Keeper:
                 pass
         entry.exit = agent.exit_line(code)
         agent.close()
+        self.strays_due = self.strays_due or time.monotonic() + CHECK_AFTER_S
         self.ended[entry.id] = entry
         self.journal.append({"t": "exit", "id": entry.id, **entry.exit})
         self._send({"ev": "exit", "id": entry.id, "pid": entry.pid, **entry.exit})
+
+    def _end_strays(self) -> None:
+        self.strays_due = None
+        try:
+            end_strays({a.pid for a in self.agents.values() if a.child},
+                       {str(a.entry.meta.get("session_id")) for a in self.agents.values()})
+        except Exception:  # (never the keeper's end: its agents depend on it)
+            log.exception("keeper: looking for processes ended agents left failed")
 
     def _close(self) -> None:
         try:
@@ -426,20 +445,3 @@ class Keeper:
         self.listener.close()
         self.journal.close()
         os.close(self._lock_fd)
-
-
-def main(home: str) -> int:
-    """``python -m kandevd.keeper HOME``: serve until there is no more to keep."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)-7s "
-                        "%(name)s[%(process)d]: %(message)s")
-    os.chdir("/")
-    try:
-        keeper = Keeper(Path(home))
-    except AlreadyRunning:
-        log.info("a keeper already serves %s", home)
-        return 0
-    except OSError as exc:
-        log.error("keeper cannot start in %s: %s", home, exc)
-        return 1 if exc.errno != errno.EACCES else 77
-    keeper.serve()
-    return 0

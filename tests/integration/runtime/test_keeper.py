@@ -296,3 +296,55 @@ def test_an_execution_an_earlier_version_started_under_its_shim_is_adopted(
         assert "echo: run" in log_path.read_text()  # its stdout, merged into the log
     finally:
         proc.wait(30)  # (the shim is this test's child: reaped here)
+
+
+#: An agent that leaves two processes in sessions of their own (``setsid -f``), each
+#: writing its pid to ``<dir>/<run>.<kind>``: one keeps the run's environment, the other
+#: drops ``KANDEVD_SESSION_ID``. It ends once ``<dir>/<run>.go`` exists.
+STRAY_AGENT = r"""
+d="$1"; r="$KANDEVD_RUN_ID"
+leave='echo $$ > "$0.tmp" && mv "$0.tmp" "$0"; exec sleep 300'
+setsid -f sh -c "$leave" "$d/$r.stray"
+env -u KANDEVD_SESSION_ID setsid -f sh -c "$leave" "$d/$r.bare"
+until [ -e "$d/$r.stray" ] && [ -e "$d/$r.bare" ] && [ -e "$d/$r.go" ]; do sleep 0.02; done
+"""
+
+
+def test_what_an_ended_agent_left_in_a_session_of_its_own_is_ended(
+        daemon_factory: Factory, tmp_path: Path) -> None:
+    command = ["sh", "-c", STRAY_AGENT, "agent", str(tmp_path)]
+    daemon = daemon_factory(fast_config(agents={"default": {"command": command}}))
+    setup(daemon, ["a1", "a2"])
+    first, second = enqueue(daemon, "a1"), enqueue(daemon, "a2")
+
+    def pid(run: dict[str, Any], kind: str) -> int | None:
+        path = tmp_path / f"{run['id']}.{kind}"
+        return int(path.read_text()) if path.exists() else None
+
+    left = {(run["id"], kind): daemon.wait_until(lambda r=run, k=kind: pid(r, k),
+                                                   what=f"the {kind} process")
+            for run in (first, second) for kind in ("stray", "bare")}
+    try:
+        keeper = keeper_of(daemon)["pid"]
+        assert parent_of(left[first["id"], "stray"]) == keeper  # (a child subreaper's)
+        (tmp_path / f"{second['id']}.go").touch()
+        wait_status(daemon, second["id"], "finished", timeout=WAIT_S)
+        daemon.wait_until(lambda: not _running(left[second["id"], "stray"]),
+                          what="what the second run's agent left, ended")
+        assert _running(left[first["id"], "stray"])  # its agent runs on: left alone
+        assert _running(left[second["id"], "bare"])  # whose, nobody can tell: left alone
+
+        (tmp_path / f"{first['id']}.go").touch()
+        wait_status(daemon, first["id"], "finished", timeout=WAIT_S)
+        daemon.wait_until(lambda: not _running(left[first["id"], "stray"]),
+                          what="what the first run's agent left, ended")
+        assert _running(left[first["id"], "bare"])
+        logged = (daemon.home / "logs" / "keeper.log").read_text()
+        assert f"process {left[first['id'], 'stray']} (sleep), left running by an agent " \
+            "of session ses_" in logged
+    finally:
+        for process in left.values():
+            try:
+                os.kill(process, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

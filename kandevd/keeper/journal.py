@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kandevd.keeper.protocol import COMPACT
+
 log = logging.getLogger("kandevd.keeper")
 
 #: Acknowledged executions after which the running keeper rewrites the journal.
@@ -98,7 +100,7 @@ class Journal:
 
     def append(self, line: dict[str, Any]) -> None:
         """One line, one write (an error is logged: the daemon still hears the event)."""
-        data = json.dumps(line, separators=(",", ":")).encode("utf-8") + b"\n"
+        data = COMPACT.encode(line).encode("utf-8") + b"\n"
         try:
             _write_all(self._fd, data)
         except OSError as exc:
@@ -117,7 +119,7 @@ class Journal:
             lines.append(entry.spawn_line())
             if (ended := entry.exit_line()) is not None:
                 lines.append(ended)
-        data = b"".join(json.dumps(line, separators=(",", ":")).encode() + b"\n"
+        data = b"".join(COMPACT.encode(line).encode() + b"\n"
                         for line in lines)
         try:
             fd = os.open(spare, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)

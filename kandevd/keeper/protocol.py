@@ -57,8 +57,13 @@ def socket_path(home: Path) -> Path:
     return folder(home) / SOCKET
 
 
+#: One encoder for every message and journal line (``json.dumps`` with options builds
+#: an encoder per call).
+COMPACT = json.JSONEncoder(separators=(",", ":"))
+
+
 def encode(message: dict[str, Any]) -> bytes:
-    data = json.dumps(message, separators=(",", ":")).encode("utf-8")
+    data = COMPACT.encode(message).encode("utf-8")
     if len(data) > MAX_MESSAGE:
         raise ProtocolError(f"message of {len(data)} bytes is over {MAX_MESSAGE}")
     return data

@@ -13,7 +13,7 @@ import dataclasses
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
@@ -60,7 +60,11 @@ DEFAULT_PROFILE: dict[str, Any] = DEFAULTS["agents"]["default"]
 
 
 class ConfigError(Exception):
-    """A configuration file that cannot be used; the message names the key path."""
+    """A config that cannot be used, naming the key path; ``more``: its other problems."""
+
+    def __init__(self, message: str, more: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.more = tuple(more)
 
 
 class UnknownProfile(LookupError):
@@ -293,7 +297,8 @@ def validate_document(document: Any) -> None:
     errors = sorted(_validator().iter_errors(document), key=lambda e: list(e.absolute_path))
     if errors:
         best = jsonschema.exceptions.best_match(errors) or errors[0]
-        raise ConfigError(format_validation_error(best))
+        raise ConfigError(format_validation_error(best),
+                          [format_validation_error(e) for e in errors if e is not best])
 
 
 SWITCH_OFF = ("0", "false", "no", "off")
@@ -439,6 +444,6 @@ def load_config(
     try:
         return build_config(document, environ=environ, source=str(path))
     except ConfigError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
+        raise ConfigError(f"{path}: {exc}", [f"{path}: {m}" for m in exc.more]) from None
     except RecursionError:
         raise ConfigError(f"{path}: nested too deeply") from None

@@ -22,12 +22,14 @@ from kandevd.paths import resolve_home
 def validate(home: str | None, config_path: str | None) -> None:
     """Check the config and every workflow; exit 0 when all are valid, 1 otherwise.
 
-    Checks the config file, then every Workflow/<name>/workflow.json (with its
-    variables/variables.json) under the scheduler root. Each problem is printed
-    on stderr as one `path: problem` line; stdout gets `config ok: ...` and a
-    summary (`N workflow(s), M schedule(s) ok in ROOT`, or the problem count).
-    Workflows are not checked while the config itself is invalid (their root
-    comes from it). Nothing is written.
+    Checks the config file (every problem of it), each agent profile's command,
+    then every Workflow/<name>/workflow.json (with its variables), product.yaml
+    and users.yaml under the scheduler root, and that the agent profile each
+    names is configured. Each problem is printed on stderr as one `path:
+    problem` line; stdout gets `config ok: ...` and a summary (`N workflow(s),
+    M schedule(s) ok in ROOT`, or the problem count). Workflows are not checked
+    while the config itself is invalid (their root comes from it). Nothing is
+    written.
     """
     from kandevd.schedules.settings import scheduler_root
 
@@ -35,7 +37,8 @@ def validate(home: str | None, config_path: str | None) -> None:
     try:
         config = load_config(Path(config_path) if config_path else None, home=root)
     except ConfigError as exc:
-        click.echo(f"invalid: {exc}", err=True)
+        for problem in (str(exc), *exc.more):  # (serve names the first: one line)
+            click.echo(f"invalid: {problem}", err=True)
         click.echo("workflows not checked: the config is invalid", err=True)
         sys.exit(exits.ERROR)
     from kandevd.app.webconsole import ConsoleTlsError, load_tls

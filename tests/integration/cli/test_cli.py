@@ -364,3 +364,22 @@ def test_validate_notes_a_home_that_does_not_exist(tmp_path: Path) -> None:
     assert result.returncode == 0  # (serve starts on it, creating it)
     assert f"note: the home {missing} does not exist (serve creates it" in result.stderr
     assert not missing.exists()  # validate writes nothing
+
+
+def test_validate_lists_every_problem_of_the_config_and_serve_names_the_first(
+        tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    (home / "kandevd.yaml").write_text("queue:\n  safety_interval_s: -1\n"
+                                       "runtime:\n  max_concurrent: many\nretri: {}\n")
+    checked = run_cli(home, "validate")
+    assert checked.returncode == 1
+    where = home / "kandevd.yaml"
+    assert checked.stderr.splitlines()[:3] == [
+        f"invalid: {where}: retri: unknown key; did you mean retry?",
+        f"invalid: {where}: queue.safety_interval_s: -1 is less than the minimum of 0",
+        f"invalid: {where}: runtime.max_concurrent: 'many' is not of type 'integer'"]
+    served = run_cli(home, "serve")
+    assert served.returncode == 78
+    assert served.stderr.strip() == f"kandevd: bad config: {where}: retri: unknown key; " \
+        "did you mean retry?"

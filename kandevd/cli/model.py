@@ -110,6 +110,22 @@ model_command(agents, "list", "agents.list", "List agents, optionally of one wor
                       ("PROFILE", "profile"), ("COOLDOWN", "cooldown_s"),
                       ("STATUS", "status")], "agent"))
 model_command(agents, "get", "agents.get", "Show one agent.", argument="id")
+
+
+def runs_on_param(params: dict[str, Any]) -> None:
+    """``--runs-on L`` (repeated): the labels a runner must carry; ``--here``: none."""
+    labels, here = params.pop("runs_on", ()), params.pop("here", False)
+    if labels and here:
+        raise click.UsageError("--runs-on and --here exclude each other")
+    if labels:
+        params["runs_on"] = list(labels)
+    elif here:
+        params["runs_on"] = None  # (runs on the daemon's own machine again)
+
+
+RUNS_ON = opt("--runs-on", dest="runs_on", multiple=True, metavar="LABEL",
+              help="Run its runs only on a runner carrying this label (repeat for more; "
+                   "docs/runners.md).")
 model_command(agents, "create", "agents.create", "Create an agent in a workspace.", [
     opt("--workspace", dest="workspace_id", required=True, help="Workspace of the agent."),
     opt("--name", dest="name", required=True, help="Display name."),
@@ -117,7 +133,8 @@ model_command(agents, "create", "agents.create", "Create an agent in a workspace
     opt("--profile", dest="profile", help="Runtime profile (default 'default')."),
     opt("--cooldown", dest="cooldown_s", type=float, help="Seconds between runs."),
     opt("--status", dest="status", type=ACTIVE, help="Initial status (default active)."),
-])
+    RUNS_ON,
+], prepare=runs_on_param)
 model_command(agents, "update", "agents.update",
               "Change an agent; only the options given are sent.", [
                   opt("--profile", dest="profile", help="Runtime profile."),
@@ -125,7 +142,11 @@ model_command(agents, "update", "agents.update",
                       help="Seconds between runs."),
                   opt("--status", dest="status", type=ACTIVE,
                       help="active, or paused (queued runs wait)."),
-              ], argument="id")
+                  RUNS_ON,
+                  click.option("--here", "here", is_flag=True, default=False,
+                               help="Run its runs on the daemon's machine again "
+                                    "(no runs_on)."),
+              ], argument="id", prepare=runs_on_param)
 
 
 # -- workflows --------------------------------------------------------------------------

@@ -60,6 +60,17 @@ def test_model_commands_round_trip(daemon_factory: Factory, tmp_path: Path) -> N
     table = cli_ok(home, "agents", "list", "--workspace", "ws1")
     assert "a1" in table and table.splitlines()[-1] == "1 of 1 agent(s)"
     assert cli_json(home, "agents", "list")["total"] == 1
+    # routed to runners on other machines, and back (docs/runners.md)
+    routed = cli_json(home, "agents", "create", "--workspace", "ws1", "--name", "G",
+                      "--id", "g1", "--runs-on", "gpu", "--runs-on", "big")
+    assert routed["runs_on"] == ["gpu", "big"]
+    assert cli_json(home, "agents", "update", "a1", "--runs-on", "gpu")["runs_on"] == ["gpu"]
+    assert cli_json(home, "agents", "update", "g1", "--here")["runs_on"] is None
+    assert cli_json(home, "agents", "update", "g1", "--cooldown", "1")["runs_on"] is None
+    both = run_cli(home, "agents", "update", "g1", "--here", "--runs-on", "gpu")
+    assert both.returncode == 2 and "--runs-on and --here exclude each other" in both.stderr
+    bad = run_cli(home, "agents", "update", "g1", "--runs-on", "no spaces")
+    assert bad.returncode == 1 and "--runs-on.0: 'no spaces' is not a label" in bad.stderr
 
     # a workflow with a queue_run step, from a file; a task moved into it queues a run
     steps_file = tmp_path / "flow.json"

@@ -100,7 +100,10 @@ def entry_time(entry: Any) -> datetime | None:
 
 
 def prune(entries: list[Any], now: datetime, retention_days: float) -> list[Any]:
-    """Drop terminal entries older than ``retention_days``; keep running and undated ones."""
+    """Drop terminal entries older than ``retention_days`` (0: keep every one, as
+    ``queue.retention_days`` does); keep running and undated ones."""
+    if not retention_days:
+        return list(entries)
     cutoff = now - timedelta(days=retention_days)
     cutoff_text = rfc3339(cutoff)
     kept = []

@@ -110,6 +110,10 @@ def test_every_key_is_optional_and_a_partial_file_keeps_the_other_defaults() -> 
     assert config.profile("fast").name == "fast"
     with pytest.raises(UnknownProfile, match="'unknown-profile' is not configured"):
         config.profile("unknown-profile")  # never silently another agent
+    # 0 days: keep everything, for the schedules' history as for the runs
+    kept = build_config({"scheduler": {"history_retention_days": 0},
+                         "queue": {"retention_days": 0}}, environ={})
+    assert (kept.scheduler.history_retention_days, kept.queue.retention_days) == (0, 0)
 
 
 def test_yaml_numbers_with_an_exponent_are_numbers_as_in_json(tmp_path: Path) -> None:

@@ -44,6 +44,12 @@ def test_prune_drops_exactly_the_old_terminal_entries_and_keeps_order(
     assert kept == expected
 
 
+@given(entries_strategy)
+def test_a_retention_of_0_days_keeps_every_entry(specs: list[dict[str, Any]]) -> None:
+    entries = materialize(specs)
+    assert hist.prune(entries, NOW, 0) == entries
+
+
 @given(entries_strategy, st.integers(1, 10), st.integers(0, 50))
 def test_pages_cover_one_schedule_in_order(specs: list[dict[str, Any]], limit: int,
                                            offset: int) -> None:

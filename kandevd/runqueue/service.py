@@ -106,7 +106,8 @@ class RunQueue:
 
             def announce() -> None:
                 self.bus.publish("run.queued", {"run": run})
-                self.signal_if_a_slot_is_free()
+                if result.claimable:  # (a paused agent's run: its resume wakes the loop)
+                    self.signal_if_a_slot_is_free()
 
             self.repo.store.after_commit(announce)
         return result
@@ -119,11 +120,13 @@ class RunQueue:
         """
         results = self.repo.enqueue_many(items, now=self.clock())
         inserted = [result.run for result in results if result.inserted]
+        claimable = any(result.inserted and result.claimable for result in results)
         if inserted:
             def announce() -> None:
                 for run in inserted:
                     self.bus.publish("run.queued", {"run": run})
-                self.signal_if_a_slot_is_free()
+                if claimable:
+                    self.signal_if_a_slot_is_free()
 
             self.repo.store.after_commit(announce)
         return results

@@ -113,6 +113,9 @@ class EnqueueResult:
     run: Run
     deduplicated: bool = False
     coalesced: bool = False
+    #: False when the run's agent was paused as it was queued: no pass could claim it,
+    #: so the queue loop is not woken for it (the agent's resume wakes it).
+    claimable: bool = True
 
     @property
     def inserted(self) -> bool:

@@ -45,7 +45,7 @@ class Enqueue(RunRepositoryBase):
         deduplicates and a repeated agent and reason coalesce, as they would
         one request after the other. One commit (one fsync) for the batch.
         """
-        refs: dict[tuple[str, str, str | None], str | None] = {}
+        refs: dict[tuple[str, str, str | None], tuple[str | None, bool]] = {}
         stamps = (rfc3339(now), rfc3339(after(now, -COALESCE_WINDOW_S)))
         results: list[EnqueueResult] = []
         with self.store.transaction() as conn:
@@ -62,7 +62,8 @@ class Enqueue(RunRepositoryBase):
                  reason: str, now: datetime, task_id: str | None = None,
                  payload: dict[str, Any] | None = None, idempotency_key: str | None = None,
                  coalesce: bool = True,
-                 refs: dict[tuple[str, str, str | None], str | None] | None = None,
+                 refs: dict[tuple[str, str, str | None], tuple[str | None, bool]]
+                 | None = None,
                  stamps: tuple[str, str] | None = None) -> EnqueueResult:
         """One enqueue inside the caller's transaction.
 
@@ -72,12 +73,12 @@ class Enqueue(RunRepositoryBase):
         payload_json = json.dumps(payload or {}, separators=(",", ":"), sort_keys=True)
         key = idempotency_key or None
         now_s = stamps[0] if stamps else rfc3339(now)
-        # "" = not checked yet (None = checked, fine; a text = why it cannot be stored).
-        problem = refs.get((workspace_id, agent_id, task_id), "") if refs is not None else ""
-        if problem == "":
-            problem = self._reference_problem(conn, workspace_id, agent_id, task_id)
+        checked = refs.get((workspace_id, agent_id, task_id)) if refs is not None else None
+        if checked is None:
+            checked = self._references(conn, workspace_id, agent_id, task_id)
             if refs is not None:
-                refs[(workspace_id, agent_id, task_id)] = problem
+                refs[(workspace_id, agent_id, task_id)] = checked
+        problem, paused = checked
         if problem is not None:
             raise RunReferenceError(problem)
         if key is not None:
@@ -112,18 +113,27 @@ class Enqueue(RunRepositoryBase):
             status="queued", idempotency_key=key, coalesced_count=0, retry_count=0,
             scheduled_retry_at=None, requested_at=now_s, claimed_at=None, finished_at=None,
             error_message=None, cancel_reason=None, output_summary=None, cost_cents=None,
-            log_path=None, attempt=0))
+            log_path=None, attempt=0), claimable=not paused)
 
-    @staticmethod
-    def _reference_problem(conn: sqlite3.Connection, workspace_id: str,
-                           agent_id: str, task_id: str | None = None) -> str | None:
-        """Why ``workspace_id``/``agent_id`` (and ``task_id``, when given) cannot take a
-        run, or None when they can."""
+    @classmethod
+    def _references(cls, conn: sqlite3.Connection, workspace_id: str, agent_id: str,
+                    task_id: str | None = None) -> tuple[str | None, bool]:
+        """(Why the run's references cannot take it, None when they can; whether its
+        agent is paused), from one statement."""
         refs = conn.execute(
             "SELECT EXISTS (SELECT 1 FROM workspaces WHERE id = :ws) AS workspace,"
             " (SELECT workspace_id FROM agents WHERE id = :agent) AS agent_workspace,"
+            " (SELECT status FROM agents WHERE id = :agent) AS agent_status,"
             " (SELECT workspace_id FROM tasks WHERE id = :task) AS task_workspace",
             {"ws": workspace_id, "agent": agent_id, "task": task_id}).fetchone()
+        return cls._reference_problem(refs, workspace_id, agent_id, task_id), \
+            refs["agent_status"] == "paused"
+
+    @staticmethod
+    def _reference_problem(refs: Any, workspace_id: str, agent_id: str,
+                           task_id: str | None) -> str | None:
+        """Why ``workspace_id``/``agent_id`` (and ``task_id``, when given) cannot take a
+        run, or None when they can."""
         if not refs["workspace"]:
             return f"workspace_id: workspace {workspace_id!r} does not exist"
         if refs["agent_workspace"] is None:

@@ -153,6 +153,34 @@ def test_at_most_one_claimed_run_per_agent_while_slots_are_free(daemon_factory: 
 # -- the safety pass ---------------------------------------------------------------------
 
 
+def test_a_paused_agents_run_wakes_no_queue_pass_and_its_resume_claims_at_once(
+        daemon_factory: Factory) -> None:
+    """No pass could claim a paused agent's run: queuing it does not wake the queue
+    loop (under a backlog each enqueue paid for a pass that found nothing). The
+    resume wakes it, so the run is claimed at once, not at the safety pass."""
+    daemon = daemon_factory(fast_config(queue={"safety_interval_s": 120}))
+    add_agents(daemon, {"ws": ["a1", "a2"]})
+    daemon.call("agents.update", {"id": "a1", "status": "paused"})
+
+    def ticks() -> int:
+        return daemon.call("daemon.status")["stats"]["queue"]["ticks"]
+
+    daemon.wait_until(lambda: ticks() == ticks(), what="the queue loop idle")
+    before = ticks()
+    held = [enqueue(daemon, "ws", "a1") for _ in range(10)]
+    daemon.call("runs.enqueue_many", {"runs": [
+        {"workspace_id": "ws", "agent_id": "a1", "reason": "manual", "coalesce": False}]})
+    assert ticks() == before  # (the wake-up would come right after each commit)
+    assert daemon.call("runs.explain", {"id": held[0]["id"]})["blockers"] == ["agent_paused"]
+
+    ready = enqueue(daemon, "ws", "a2")  # an active agent's run still wakes it at once
+    daemon.wait_until(lambda: daemon.call("runs.get", {"id": ready["id"]})["claimed_at"],
+                      timeout=10, what="the active agent's run claimed")
+    daemon.call("agents.update", {"id": "a1", "status": "active"})
+    daemon.wait_until(lambda: daemon.call("runs.get", {"id": held[0]["id"]})["claimed_at"],
+                      timeout=10, what="the resumed agent's first run claimed")
+
+
 def test_a_run_inserted_by_another_process_is_claimed_within_one_safety_interval(
         daemon_factory: Factory) -> None:
     safety = 1.0

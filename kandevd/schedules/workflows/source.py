@@ -223,13 +223,13 @@ class WorkflowSource:
         job.state.missed_while_down = missed
         window = schedule.options.catchup_window_s
         caught = passed(max(since, now - timedelta(seconds=window))) if window else []
+        more = "+" if missed >= MISSED_CAP else ""  # (counted up to the cap)
         if caught:
             job.state.catchup = caught
-            log.info("%s: %d fire(s) missed while the daemon was down since %s; %d within "
-                     "catchup_window_s run once now", job.id, missed, rfc3339(since),
+            log.info("%s: %d%s fire(s) missed while the daemon was down since %s; %d within "
+                     "catchup_window_s run once now", job.id, missed, more, rfc3339(since),
                      len(caught))
         elif missed:
-            more = "+" if missed >= MISSED_CAP else ""
             log.info("%s: %d%s fire(s) missed while the daemon was down since %s; not "
                      "replayed, next fire %s", job.id, missed, more, rfc3339(since),
                      rfc3339(job.state.next_fire) if job.state.next_fire else "none")

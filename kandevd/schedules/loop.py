@@ -79,6 +79,7 @@ class CronLoop(Loop):
         self.backfills = Backfills(self.runner, self.fanout.spawn, registry.by_key)
         self._stop_grace_s = stop_grace_s
         self._reload = threading.Event()
+        self._takeover = threading.Event()
         #: A takeover of the leader's lease: occurrences since then may lack their fire.
         self._late_since: datetime | None = None
         self.late_fires = 0
@@ -91,10 +92,14 @@ class CronLoop(Loop):
 
     def request_late_fires(self, since: datetime | None) -> None:
         """This daemon became the leader (several daemons); ``since`` the previous one's
-        last renewal when it took over an expired lease: fire what no leader fired."""
-        if since is None:
-            return
-        self._late_since = since
+        last renewal when it took over an expired lease: fire what no leader fired.
+
+        Before anything fires, the files are read again and each job's counts again
+        from the shared history: what the previous leader wrote (a job it paused after
+        failures, ``consecutive_failures``, ``last_status``) was never told here."""
+        self._takeover.set()
+        if since is not None:
+            self._late_since = since
         self.wake()
 
     def request_reload(self) -> None:
@@ -103,9 +108,15 @@ class CronLoop(Loop):
         self.wake()
 
     def tick(self, now: datetime) -> float:
-        if self._reload.is_set():
+        takeover = self._takeover.is_set()
+        if self._reload.is_set() or takeover:
             self._reload.clear()
+            self._takeover.clear()
             self.registry.rescan(now)
+        if takeover:
+            for job in self.registry.jobs():
+                if not self.runner.is_running(job.key):  # (its own session tells it)
+                    job.source.reseed(job, None)
         deadline = self.runner.expire(now)
         if self._first_tick is not None:
             once, self._first_tick = self._first_tick, None

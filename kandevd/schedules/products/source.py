@@ -352,7 +352,23 @@ class ProductSource:
 
     def reseed(self, job: Job, without: str | None) -> None:
         """Nothing to forget: a product job's bookkeeping (the user's state file) never
-        took in a run its daemon did not see end."""
+        took in a run its daemon did not see end. None (a takeover of the leader's
+        lease): the job's state as the previous leader stored it (its pause, its
+        counts, its next fire)."""
+        if without is not None:
+            return
+        spec = job.spec
+        stored = UserState(self.root, spec.user_id, on_corrupt=self._on_corrupt).read()
+        entry = stored["schedules"].get(spec.state_key)
+        if not isinstance(entry, dict):  # (never stored: what is known here stands)
+            return
+        fresh = state_from_file(entry)
+        with self._lock:
+            for name in ("enabled", "last_status", "last_error", "last_session_id",
+                         "last_run_at", "run_count", "consecutive_failures", "resume"):
+                setattr(job.state, name, getattr(fresh, name))
+            if fresh.next_fire is not None:
+                job.state.next_fire = fresh.next_fire
 
     def skipped(self, job: Job, now: datetime) -> None:
         """A due occurrence that did not run is not kept for later; the following one is

@@ -603,3 +603,50 @@ def test_a_schedule_created_again_is_seeded_from_its_history(build, home) -> Non
     assert (created.state.run_count, created.state.consecutive_failures,
             created.state.last_status) == (1, 1, "error")
     assert created.state.next_fire is not None
+
+
+def test_a_new_leader_reads_what_the_previous_one_wrote_before_it_fires(build, home) -> None:
+    """Two daemons on one root: the leader's failures and the pause it wrote into
+    workflow.json were never told to the other, which would go on counting from its
+    own start and fire the paused job once it leads."""
+    write_workflow(home.workspace, "w", [schedule("s", "* * * * *", messages=["FAIL"],
+                                                  pause_after_failures=2)])
+    first, _ = build()
+    second, _ = build()  # (both loaded at T0)
+    first.tick(T0 + timedelta(seconds=30))  # 10:01: fails (1)
+    first.fanout.join()
+    second.request_late_fires(None)  # the first stepped down; the second leads
+    second.tick(T0 + timedelta(seconds=90))  # 10:02: fails (2): paused
+    second.fanout.join()
+    assert [e["status"] for e in history(folder_of(home))] == ["error", "error"]
+    job = second.registry.resolve("workflow:w:s")
+    assert job.state.consecutive_failures == 2
+    assert json.loads((folder_of(home) / "workflow.json").read_text())[
+        "schedules"][0]["enabled"] is False
+
+    first.request_late_fires(None)  # the first leads again: the job is paused
+    first.tick(T0 + timedelta(seconds=150))  # 10:03
+    first.fanout.join()
+    assert len(history(folder_of(home))) == 2
+    again = first.registry.resolve("workflow:w:s")
+    assert (again.state.consecutive_failures, again.state.last_status) == (2, "error")
+
+
+def test_a_new_leader_takes_a_product_jobs_state_as_the_previous_one_stored_it(
+        build, home) -> None:
+    write_product(home.workspace, [{"id": "every2h", "cadence_hours": 2,
+                                    "messages": ["FAIL"], "pause_after_failures": 1}])
+    first, _ = build()
+    second, _ = build()
+    first.tick(T0)  # the first slot, written down
+    first.tick(T0 + timedelta(hours=2, seconds=1))  # fails: paused (the user's state)
+    first.fanout.join()
+    [paused] = first.registry.jobs(source="products")
+    assert (paused.state.enabled, paused.state.consecutive_failures) == (False, 1)
+    second.request_late_fires(None)
+    second.tick(T0 + timedelta(hours=4, seconds=2))
+    second.fanout.join()
+    [job] = second.registry.jobs(source="products")
+    assert (job.state.enabled, job.state.consecutive_failures, job.state.run_count,
+            job.state.last_status) == (False, 1, 1, "error")
+    assert second.fires == 0  # (a paused job: nothing was due)

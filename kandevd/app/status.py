@@ -107,7 +107,10 @@ class StatusReporter:
             result["store"]["writer_wait_s"] = round(getattr(store, "writer_wait_s", 0.0), 3)
         if degraded:
             result["store"]["reason"] = degraded
-        stored = self._stored()
+        away = store.out_of_reach()
+        if away is not None:  # (a read would wait for the network's timeouts)
+            result["store"].update(status="unavailable", reason=away)
+        stored = self._stored() if away is None else {}
         if "db" in stored:
             result["store"]["db"] = stored["db"]
         if "runs" in stored:
@@ -121,7 +124,7 @@ class StatusReporter:
             result["events"] = {"subscribers": self.events.count(),
                                 "published": self.events.published}
         if self.cluster is not None and not store.closed:
-            result["cluster"] = self.cluster.status()
+            result["cluster"] = self.cluster.status(read=away is None)
         for name, loop in self.loops.items():
             extra = getattr(loop, "stats", None)
             if callable(extra):

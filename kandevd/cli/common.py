@@ -14,7 +14,7 @@ import click
 
 from kandevd import exits
 from kandevd.app.homelock import holder
-from kandevd.control.client import Client, DaemonUnavailable, RpcCallError
+from kandevd.control.client import Client, DaemonUnavailable, NoAnswer, RpcCallError
 from kandevd.control.client import call as rpc_call
 from kandevd.paths import HomeLayout, resolve_home
 
@@ -48,7 +48,9 @@ def _unavailable(home: str | None, socket_path: str | None, exc: DaemonUnavailab
     """No daemon answers (exit 69); when one still holds the home (it is stopping: its
     socket goes first, its lock last), say that rather than that none runs."""
     pid = None if socket_path else holder(HomeLayout(resolve_home(home)).lock)
-    if pid is None:
+    if isinstance(exc, NoAnswer):  # (busy, or waiting for its database: not stopping)
+        click.echo(f"kandevd: {exc}; its log says why (a database out of reach?)", err=True)
+    elif pid is None:
         click.echo(f"kandevd: {exc}", err=True)
     else:
         click.echo(f"kandevd: kandevd (pid {pid}) holds this home but takes no requests: "

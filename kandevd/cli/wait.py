@@ -9,7 +9,7 @@ import click
 
 from kandevd import exits
 from kandevd.cli.common import client_options
-from kandevd.control.client import DaemonUnavailable, call
+from kandevd.control.client import DaemonUnavailable, RpcCallError, call
 from kandevd.paths import HomeLayout, resolve_home
 
 POLL_S = 0.05
@@ -29,7 +29,11 @@ def wait(timeout_s: float, home: str | None, socket_path: str | None) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            status = call(path, "daemon.status", {})
+            status = call(path, "daemon.status", {},
+                          timeout=max(deadline - time.monotonic(), 1.0))
+        except RpcCallError as exc:  # it answered (an error is an answer too)
+            click.echo(f"kandevd answers on {path} ({exc})")
+            return
         except DaemonUnavailable as exc:
             if time.monotonic() >= deadline:
                 click.echo(f"kandevd: no daemon answered on {path} within {timeout_s:g}s "

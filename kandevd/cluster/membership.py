@@ -137,6 +137,8 @@ class Cluster:
         self._settled = False
         self._beating_since: float | None = None  # monotonic start of unbroken heartbeats
         self._last_beat = 0.0
+        self._members_seen: list[dict[str, Any]] = []  # (as last read)
+        store.reach_check = self.out_of_touch
         #: Other daemons alive at the last heartbeat (assumed until the first one).
         self.peers_alive = True
         self._saturated_at = -SATURATED_EVERY_S  # monotonic time of the last such NOTIFY
@@ -206,13 +208,24 @@ class Cluster:
                  "alive": m.alive, "self": m.boot_id == self.boot_id}
                 for m in self.tables.members(self.config.dead_after_s)]
 
-    def status(self) -> dict[str, Any]:
-        """``daemon.status``'s ``cluster`` member."""
-        try:
-            daemons = self.members()
-        except sqlite3.Error as exc:
-            log.debug("cluster: members cannot be read: %s", exc)
-            daemons = []
+    def out_of_touch(self) -> str | None:
+        """Why the database is out of reach now (``BaseStore.out_of_reach``): fenced, or
+        no heartbeat completed for two of their intervals. None: it answered lately."""
+        if self.fence.fenced:
+            return "fenced: this daemon is cut off from the database"
+        silent = time.monotonic() - self._last_beat
+        if self._last_beat and silent > 2 * self.config.heartbeat_s + 1.0:
+            return f"no heartbeat completed for {silent:.0f}s"
+        return None
+
+    def status(self, *, read: bool = True) -> dict[str, Any]:
+        """``daemon.status``'s ``cluster`` member (not ``read``: the daemons last read)."""
+        daemons = self._members_seen
+        if read:
+            try:
+                daemons = self._members_seen = self.members()
+            except Exception as exc:  # (status answers whatever the database does)
+                log.debug("cluster: members cannot be read: %s", exc)
         return {"daemons": daemons, "leader": self.is_leader(), "fenced": self.fence.fenced,
                 "on_partition": self.config.on_partition,
                 "fence_after_s": self.fence.timing.after_s if self.fence.enabled else None,

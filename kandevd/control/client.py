@@ -17,6 +17,14 @@ class DaemonUnavailable(Exception):
         super().__init__(f"no kandevd is listening on {path}: {reason}")
 
 
+class NoAnswer(DaemonUnavailable):
+    """Connected and sent, but no answer came within the client's timeout."""
+
+    def __init__(self, path: Path, timeout: float | None) -> None:
+        Exception.__init__(self, f"kandevd on {path} took the request but gave no answer "
+                                 f"within {timeout:g}s")
+
+
 class RpcCallError(Exception):
     """The daemon answered with a JSON-RPC error object."""
 
@@ -63,6 +71,8 @@ class Client:
             raw = self._reader.readline()
         except (BrokenPipeError, ConnectionResetError):
             return None
+        except TimeoutError:
+            raise NoAnswer(self.path, self.timeout) from None
         except OSError as exc:
             raise DaemonUnavailable(self.path, exc.strerror or str(exc)) from None
         return raw or None

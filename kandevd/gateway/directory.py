@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
+import sqlite3
 from collections.abc import Sequence
 from datetime import datetime
 from typing import TypedDict
@@ -47,6 +48,8 @@ class RunnerDirectory:
     def __init__(self, runners: Runners, *, dead_after_s: float) -> None:
         self.runners = runners
         self.dead_after_s = dead_after_s
+        #: The runners online as last read (the database out of reach: what was known).
+        self._online_seen: tuple[frozenset[str], ...] = ()
 
     def add(self, name: str, labels: Sequence[str], now: datetime) -> Added:
         """Register ``name``; its token, which nothing keeps (ValueError: a bad name or
@@ -69,10 +72,20 @@ class RunnerDirectory:
         log.info("runner %s removed: its token is refused from now on", name)
 
     def online_labels(self) -> tuple[frozenset[str], ...]:
-        """The label sets of the runners online (seen by any daemon within dead_after_s)."""
+        """The label sets of the runners online (seen by any daemon within dead_after_s);
+        as last read while the database is out of reach or refuses (a job's state says
+        what it can, not an error)."""
+        if self.runners.store.out_of_reach() is not None:
+            return self._online_seen
         now = utc_now()
-        return tuple(frozenset(row.labels) for row in self.runners.all()
-                     if row.online(now, self.dead_after_s))
+        try:
+            rows = self.runners.all()
+        except sqlite3.Error as exc:
+            log.debug("the runners cannot be read: %s", exc)
+            return self._online_seen
+        self._online_seen = tuple(frozenset(row.labels) for row in rows
+                                  if row.online(now, self.dead_after_s))
+        return self._online_seen
 
     def items(self, now: datetime) -> list[RunnerItem]:
         running = self.runners.running()

@@ -111,6 +111,9 @@ class BaseStore(abc.ABC):
         self._readers: set[_Reader] = set()  # every open read connection
         self._idle_readers: list[_Reader] = []
         self._memory = False
+        #: Several daemons: the cluster's word on whether the database is in reach
+        #: (:meth:`out_of_reach`).
+        self.reach_check: Callable[[], str | None] | None = None
         self._after_commit: list[Callable[[], None]] = []
         self.degraded: str | None = None  # why the database is damaged (see _note_failure)
         self._trace_file = None
@@ -161,6 +164,14 @@ class BaseStore(abc.ABC):
     @abc.abstractmethod
     def size_bytes(self) -> int:
         """How much room the database takes, in bytes."""
+
+    def out_of_reach(self) -> str | None:
+        """Why the database is taken for out of reach now (several daemons: the cluster's
+        heartbeats stopped completing), or None. What only reports (``daemon.status``,
+        metrics, a job's state) answers from what it knew instead of waiting for the
+        network's timeouts."""
+        check = self.reach_check
+        return check() if check is not None else None
 
     def change_marker(self) -> object | None:
         """A value that changes whenever anything committed, or None when nothing cheap

@@ -258,3 +258,35 @@ def test_the_config_refuses_timings_that_cannot_be_safe(
     assert "fence_after_s" not in run_cli(home, "validate").stderr
     (home / "kandevd.yaml").write_text(yaml.safe_dump({"cluster": cluster}))  # SQLite
     assert run_cli(home, "validate").returncode == 0  # (the timings do not matter there)
+
+
+def test_status_wait_and_metrics_answer_while_the_database_cannot_be_reached(
+        tmp_path: Path, database: tuple[str, str],
+        daemon_factory: Callable[..., DaemonProcess]) -> None:
+    """What an operator looks at during an outage must answer, and soon."""
+    url, socket_path = database
+    proxy = PartitionProxy(socket_path)
+    try:
+        daemon = daemon_factory(config(proxy.url(url), tmp_path / "probe.jsonl"),
+                                home=tmp_path / "home")
+        assert daemon.call("daemon.status")["runs"]["queued"] == 0
+        proxy.cut()
+        daemon.wait_for_line("fenced: no heartbeat completed", timeout=15)
+        started = time.monotonic()
+        status = daemon.call("daemon.status")
+        assert time.monotonic() - started < 5
+        assert status["cluster"]["fenced"] is True and "runs" not in status
+        assert status["store"]["status"] == "unavailable"
+        shown = run_cli(daemon.home, "status")
+        assert shown.returncode == 0, shown.stderr
+        waited = run_cli(daemon.home, "wait", "--timeout", "5")
+        assert waited.returncode == 0 and waited.stderr == "", waited.stderr
+        metrics = run_cli(daemon.home, "metrics")
+        assert metrics.returncode == 0 and "kandevd_cluster_fenced 1.0" in metrics.stdout
+        proxy.heal()
+        daemon.wait_until(lambda: "runs" in daemon.call("daemon.status"), timeout=30,
+                          what="the counts back once the database answers")
+        daemon.stop()
+    finally:
+        proxy.heal()
+        proxy.close()

@@ -23,7 +23,7 @@ import jsonschema
 import pytest
 
 from kandevd.control import protocol
-from kandevd.control.client import Client, DaemonUnavailable, RpcCallError
+from kandevd.control.client import Client, DaemonUnavailable, NoAnswer, RpcCallError
 from kandevd.control.protocol import (
     AlreadyRunning,
     Conflict,
@@ -551,3 +551,26 @@ def test_the_client_reconnects_once_when_its_idle_connection_was_closed(
         assert calls == [1, 1]
     finally:
         srv.close()
+
+
+def test_a_daemon_that_takes_a_request_and_never_answers_is_told_apart(
+        tmp_path: Path) -> None:
+    """Not 'no daemon listens' nor 'it is stopping': it took the request (busy, or
+    waiting for its database)."""
+    path = tmp_path / "s.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen()
+    done = threading.Event()
+    accepted: list[socket.socket] = []
+    threading.Thread(target=lambda: (accepted.append(listener.accept()[0]), done.wait(10)),
+                     daemon=True).start()
+    try:
+        with pytest.raises(NoAnswer, match=r"took the request but gave no answer within 0\.2s"):
+            Client(path, timeout=0.2).call("daemon.status")
+    finally:
+        done.set()
+        for conn in accepted:
+            conn.close()
+        listener.close()
+    assert issubclass(NoAnswer, DaemonUnavailable)  # (exit 69, as before)

@@ -10,7 +10,9 @@ worker, and one large body would be read into memory after its 401. So here:
 - :class:`GuardedConnection` gathers each request with non-blocking reads (the
   worker returns the connection to cheroot's selector between them, so a slow
   client holds no thread) until its headers and its ``Content-Length`` body
-  are all here, then hands the bytes to cheroot's parser. Headers over
+  are all here, then hands the bytes to cheroot's parser. A request whose
+  length cannot be told for sure (two lengths, ``+100``) is answered 400 here:
+  cheroot would pick a length and wait for the body in a worker. Headers over
   :data:`MAX_HEADER`, a body over :data:`MAX_BODY` (answered 413 by cheroot,
   unread) and a request not whole within :data:`REQUEST_DEADLINE_S` end the
   connection; at most :data:`MAX_GATHERING` connections may be gathering at
@@ -39,6 +41,8 @@ from typing import Any
 from cheroot import makefile, wsgi
 from cheroot import server as cheroot_server
 from cheroot.ssl.builtin import BuiltinSSLAdapter
+
+log = logging.getLogger("kandevd.net.http")
 
 #: The largest request body read (a form, a runner's report or log chunk).
 MAX_BODY = 256 * 1024
@@ -131,10 +135,17 @@ class _ReplayReader(makefile.StreamReader):
         return buffered + self.raw.take()
 
 
+class BadFraming(ValueError):
+    """A request whose length cannot be told for sure: refused here, whoever sent it."""
+
+
 def request_size(data: bytes) -> int | None:
     """How many bytes the request at the start of ``data`` has, once its headers are here
-    (None before). A request cheroot must refuse (a body too large, no usable length)
-    counts as whole at its headers: cheroot answers it without reading on."""
+    (None before). A request cheroot refuses at its headers (a body too large, chunked,
+    headers that do not parse) counts as whole there: cheroot answers it without
+    reading on. BadFraming for two ``Content-Length`` or ``Host`` headers, or a length
+    that is not plain digits: cheroot would take one of them and read a body that
+    never comes in a worker thread (RFC 9112 asks for a 400)."""
     end = data.find(b"\r\n\r\n")
     if end < 0:
         return None
@@ -144,12 +155,17 @@ def request_size(data: bytes) -> int | None:
         fields = http.client.parse_headers(io.BytesIO(data[line_end + 2:head]))
     except (http.client.HTTPException, ValueError):
         return head
-    if fields.get("Transfer-Encoding") is not None:
-        return head
+    if len(fields.get_all("Host") or []) > 1:
+        raise BadFraming("more than one Host header")
     lengths = fields.get_all("Content-Length") or []
-    if len(lengths) != 1 or not lengths[0].strip().isdigit():
+    if len(lengths) > 1:
+        raise BadFraming("more than one Content-Length header")
+    if fields.get("Transfer-Encoding") is not None or not lengths:
         return head
-    length = int(lengths[0])
+    text = lengths[0].strip()
+    if not (text.isascii() and text.isdigit()):
+        raise BadFraming("a Content-Length that is not a number of bytes")
+    length = int(text)
     return head if length > MAX_BODY else head + length
 
 
@@ -163,6 +179,7 @@ class GuardedConnection(cheroot_server.HTTPConnection):
         super().__init__(server_, sock, makefile_)
         self._buffer = bytearray()
         self._started: float | None = time.monotonic()  # (the first request: from accept)
+        self._refused: str | None = None  # (why the request is answered 400 here)
 
     def communicate(self) -> bool:
         """One step: gather without blocking, and answer once the request is whole.
@@ -172,6 +189,9 @@ class GuardedConnection(cheroot_server.HTTPConnection):
             return True
         self.server.gathering.done(self)
         if state == "gone":
+            return False
+        if self._refused is not None:
+            self._refuse(self._refused)
             return False
         data, self._buffer = bytes(self._buffer), bytearray()
         self._started = None
@@ -214,9 +234,24 @@ class GuardedConnection(cheroot_server.HTTPConnection):
         self.server.gathering.begin(self, self._started)
         return "more"
 
+    def _refuse(self, why: str) -> None:
+        """Answer 400 and close (the answer is small: the socket's buffer takes it)."""
+        body = f"Bad Request: {why}\n".encode()
+        try:
+            self.socket.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain\r\n"
+                                b"Content-Length: %d\r\nConnection: close\r\n\r\n%s"
+                                % (len(body), body))
+        except OSError:
+            pass
+        log.debug("HTTP request refused: %s", why)  # (anyone may send these: no flood)
+
     def _wants_more(self) -> bool:
         """Is the request short of its headers (up to the limit) or of its body?"""
-        size = request_size(self._buffer)
+        try:
+            size = request_size(self._buffer)
+        except BadFraming as exc:
+            self._refused = str(exc)
+            return False
         if size is None:
             return len(self._buffer) <= MAX_HEADER
         return len(self._buffer) < size

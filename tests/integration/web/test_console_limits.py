@@ -123,6 +123,45 @@ def test_slow_clients_hold_no_worker(console: tuple[DaemonProcess, ConsoleAddres
         time.sleep(0.5)  # (spread over the tricklers' bytes)
 
 
+AMBIGUOUS = [b"Content-Length: 1\r\nContent-Length: 100000\r\n",
+             b"Content-Length: +100\r\n"]
+
+
+def test_a_request_of_ambiguous_length_is_refused_at_once_and_holds_no_worker(
+        console: tuple[DaemonProcess, ConsoleAddress]) -> None:
+    """cheroot took the last of two lengths (or "+100") and waited for a body in a worker
+    thread: 14 anonymous clients sending a byte now and then held all 12 workers."""
+    _daemon, address = console
+    host = b"Host: 127.0.0.1:%d\r\n" % address.port
+    holders = []
+    try:
+        for index in range(14):
+            sock = connect(address)
+            holders.append(sock)
+            sock.sendall(b"POST /login HTTP/1.1\r\n" + host + AMBIGUOUS[index % 2]
+                         + b"Content-Type: application/x-www-form-urlencoded\r\n\r\nt")
+        for sock in holders:
+            sock.settimeout(5.0)
+            answer = sock.recv(4096)
+            assert answer.startswith(b"HTTP/1.1 400 Bad Request"), answer
+            assert b"Content-Length" in answer
+            try:
+                sock.send(b"t")  # (closed after the answer: nothing more is read)
+            except OSError:
+                pass
+        cookie = sign_in(address)
+        started = time.monotonic()
+        assert request(address, "GET", "/agents", cookie=cookie).status == 200
+        assert time.monotonic() - started < 3.0
+        with connect(address) as sock:  # two Host headers: which was meant?
+            sock.sendall(b"GET /agents HTTP/1.1\r\nHost: evil.example\r\n" + host + b"\r\n")
+            sock.settimeout(5.0)
+            assert sock.recv(4096).startswith(b"HTTP/1.1 400 Bad Request")
+    finally:
+        for sock in holders:
+            sock.close()
+
+
 def test_a_request_not_whole_in_time_is_cut_off(
         console: tuple[DaemonProcess, ConsoleAddress]) -> None:
     _daemon, address = console

@@ -117,19 +117,28 @@ def delete(console: Console, request: Request, job: str) -> Response:
 _LOCAL = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}(?::\d{2}(?:\.\d+)?)?")
 
 
-def moment(value: str, zone: str) -> str:
+def moment(value: str, zone: str, field: str) -> str:
     """A date and time from the form's picker (``YYYY-MM-DDTHH:MM``, in ``zone``: the
-    browser's, UTC without script) as RFC 3339 UTC; anything else as typed (the
-    method's validation names it)."""
+    browser's, UTC without script) as RFC 3339 UTC; an RFC 3339 time as typed (the
+    method checks it). InvalidParams naming ``field`` for anything else, a date that
+    does not exist (February 30th, 25:00) included."""
     value = value.strip()
     if not _LOCAL.fullmatch(value):
+        try:
+            parse_rfc3339(value)
+        except ValueError:
+            raise InvalidParams(f"{field}: {value!r} is not a date and time "
+                                "(2026-12-01T09:00)") from None
         return value
     try:
         where = ZoneInfo(zone or "UTC")
     except (ZoneInfoNotFoundError, ValueError):
         raise InvalidParams(f"unknown time zone {zone!r} for the backfill's range") from None
-    local = datetime.fromisoformat(value).replace(tzinfo=where)
-    return rfc3339(local.astimezone(UTC))
+    try:
+        return rfc3339(datetime.fromisoformat(value).replace(tzinfo=where).astimezone(UTC))
+    except (ValueError, OverflowError) as exc:
+        raise InvalidParams(f"{field}: {value!r} is not a date and time that exists "
+                            f"({exc})") from None
 
 
 def _in_the_future(moment_utc: str) -> bool:
@@ -145,8 +154,8 @@ def backfill(console: Console, request: Request, job: str) -> Response:
     params = job_params(job, request)
     form = request.form
     zone = form.get("zone", "").strip() or "UTC"
-    body = {**params, "from": moment(form.get("from", ""), zone),
-            "to": moment(form.get("to", ""), zone), "dry_run": form.get("confirm") != "yes"}
+    body = {**params, "from": moment(form.get("from", ""), zone, "from"),
+            "to": moment(form.get("to", ""), zone, "to"), "dry_run": form.get("confirm") != "yes"}
     result = console.call("scheduler.jobs.backfill", body)
     if body["dry_run"]:
         context = _context(console, params, 0)

@@ -188,3 +188,25 @@ def test_the_static_files_are_the_consoles_own(
     assert script.status == 200 and "EventSource" in script.body
     assert "text/javascript" in script.headers["Content-Type"]
     assert json.dumps("http") not in script.body  # no other origin named in it
+
+
+def test_a_backfill_range_the_picker_cannot_give_is_named_not_a_500(
+        console: tuple[DaemonProcess, ConsoleAddress]) -> None:
+    """A form posted by hand (the page's date picker gives no such value): one that
+    does not exist was a ValueError and a 500 with a traceback in the log."""
+    daemon, address = console
+    cookie = sign_in(address)
+    page = request(address, "GET", "/schedules/workflow:w:s", cookie=cookie).body
+    csrf = re.search(r'name="csrf-token" content="([0-9a-f]+)"', page).group(1)
+    for start, end in (("2026-01-01T00:00", "2026-02-30T00:00"),
+                       ("2026-12-01T25:00", "2026-12-02T00:00")):
+        answer = request(address, "POST", "/schedules/workflow:w:s/backfill", cookie=cookie,
+                         body=f"from={start}&to={end}&zone=UTC&csrf={csrf}",
+                         headers={"Origin": address.base})
+        assert answer.status == 303, answer.status  # back to the page, which says why
+        flash = answer.headers["Set-Cookie"].split(";")[0]
+        shown = request(address, "GET", answer.headers["Location"],
+                        cookie=f"{cookie}; {flash}").body
+        wrong = end if start.startswith("2026-01") else start
+        assert "is not a date and time that exists" in shown and wrong in shown
+    assert "Traceback" not in daemon.log_text

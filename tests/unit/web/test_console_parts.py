@@ -234,13 +234,19 @@ def test_a_backfills_picked_times_are_read_in_the_browsers_zone() -> None:
     from kandevd.control.protocol import InvalidParams
     from kandevd.web.views.job import moment
 
-    assert moment("2026-12-01T09:00", "Europe/Paris") == "2026-12-01T08:00:00.000000Z"
-    assert moment("2026-07-01T09:00:30", "Europe/Paris") == "2026-07-01T07:00:30.000000Z"
-    assert moment("2026-12-01T09:00", "") == "2026-12-01T09:00:00.000000Z"
-    assert moment(" 2026-12-01T09:00:00Z ", "Europe/Paris") == "2026-12-01T09:00:00Z"
-    assert moment("yesterday", "UTC") == "yesterday"  # the method names the problem
+    assert moment("2026-12-01T09:00", "Europe/Paris", "from") == "2026-12-01T08:00:00.000000Z"
+    assert moment("2026-07-01T09:00:30", "Europe/Paris", "to") == "2026-07-01T07:00:30.000000Z"
+    assert moment("2026-12-01T09:00", "", "from") == "2026-12-01T09:00:00.000000Z"
+    assert moment(" 2026-12-01T09:00:00Z ", "Europe/Paris", "to") == "2026-12-01T09:00:00Z"
     with pytest.raises(InvalidParams, match="unknown time zone 'Mars/Olympus'"):
-        moment("2026-12-01T09:00", "Mars/Olympus")
+        moment("2026-12-01T09:00", "Mars/Olympus", "from")
+    # what the picker cannot give, named by its field (it was a 500: a ValueError)
+    for value, field in (("2026-02-30T00:00", "to"), ("2026-12-01T25:00", "from"),
+                         ("2026-13-45T99:99", "to"), ("yesterday", "from")):
+        with pytest.raises(InvalidParams, match=f"^{field}: '{value}' is not a date and time"):
+            moment(value, "UTC", field)
+    with pytest.raises(InvalidParams, match=r"^to: '9999-12-31T23:59' is not a date and time"):
+        moment("9999-12-31T23:59", "Pacific/Pago_Pago", "to")  # (past year 9999 in UTC)
 
 
 @pytest.fixture

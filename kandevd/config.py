@@ -43,7 +43,7 @@ DEFAULTS: dict[str, Any] = {
     },
     "runtime": {"max_concurrent": 4, "stop_grace_s": 20, "adopt_on_restart": True,
                 "keep_agents_on_stop": False},
-    "control": {"idle_timeout_s": 60, "event_buffer": 1000},
+    "control": {"idle_timeout_s": 60, "event_buffer": 10000},
     "metrics": {"listen": None},
     "web": {"listen": None, "allowed_hosts": [], "tls_cert": None, "tls_key": None,
             "insecure_remote": False},
@@ -163,7 +163,7 @@ class RuntimeConfig:
 class ControlConfig:
     idle_timeout_s: float = 60.0
     #: Events a subscription holds for a client that reads slowly (events.subscribe).
-    event_buffer: int = 1000
+    event_buffer: int = 10000
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ EXTENSIONS: dict[str, Any] = {"log": {"level": None},
                               "gateway": {**CONTRACT_DEFAULTS["gateway"],
                                           "insecure_remote": False},
                               "control": {**CONTRACT_DEFAULTS["control"],
-                                          "event_buffer": 1000}}
+                                          "event_buffer": 10000}}
 ALL_DEFAULTS: dict[str, Any] = {**CONTRACT_DEFAULTS, **EXTENSIONS}
 
 

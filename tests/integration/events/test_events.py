@@ -130,6 +130,34 @@ def test_a_subscriber_that_never_reads_slows_nothing_and_is_told_what_it_lost(
     assert daemon.call("daemon.status")["state"] == "running"
 
 
+def test_the_default_buffer_holds_bursts_of_enqueue_many_for_a_subscriber(
+        daemon_factory: Factory) -> None:
+    """Three batches of 1,000 runs and their cancels, 6,000 events, all published
+    before the subscriber reads one (a burst comes faster than any client reads): the
+    default buffer (10,000) holds them. With 1,000, even a client reading as fast as
+    it could was told of losses."""
+    daemon = daemon_factory(fast_config())
+    [agent] = setup_agents(daemon)
+    daemon.call("agents.update", {"id": agent, "status": "paused"})
+    stream = subscribed(daemon, "run.*")
+    queued = []
+    for _ in range(3):
+        items = [{"workspace_id": "ws", "agent_id": agent, "reason": "manual",
+                  "coalesce": False} for _ in range(1000)]
+        queued += [r["run"]["id"] for r in daemon.call("runs.enqueue_many", {"runs": items})[
+            "results"]]
+    for run_id in queued:
+        daemon.call("runs.cancel", {"id": run_id})
+    topics: dict[str, int] = {}
+    for message in stream:
+        assert message["method"] == "event", message  # (no events.lost)
+        topic = message["params"]["topic"]
+        topics[topic] = topics.get(topic, 0) + 1
+        if topics.get("run.cancelled") == 3000:
+            break
+    assert topics == {"run.queued": 3000, "run.cancelled": 3000}
+
+
 def test_kandevd_events_streams_a_session_and_ends_when_the_daemon_stops(
         daemon_factory: Factory, tmp_path: Path) -> None:
     home = tmp_path / "home"

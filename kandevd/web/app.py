@@ -102,7 +102,12 @@ class ConsoleApp:
         except Exception:
             log.exception("console: %s %s failed", request.method, request.path)
             response = text("internal error (logged by the daemon)", 500)
-        return response.wsgi(start_response)
+        body = response.wsgi(start_response)
+        if request.method == "HEAD":  # the headers only (a body would be read as the
+            if hasattr(body, "close"):  # next answer on a kept connection)
+                body.close()
+            return []
+        return body
 
     def handle(self, request: Request) -> Response:
         guard = self.console.guard

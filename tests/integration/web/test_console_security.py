@@ -4,8 +4,10 @@ static files served."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
+import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -210,3 +212,28 @@ def test_a_backfill_range_the_picker_cannot_give_is_named_not_a_500(
         wrong = end if start.startswith("2026-01") else start
         assert "is not a date and time that exists" in shown and wrong in shown
     assert "Traceback" not in daemon.log_text
+
+
+def test_head_answers_headers_only_and_the_kept_connection_stays_in_step(
+        console: tuple[DaemonProcess, ConsoleAddress]) -> None:
+    _daemon, address = console
+    cookie = sign_in(address)
+    conn = http.client.HTTPConnection("127.0.0.1", address.port, timeout=30)
+    try:
+        for path in ("/runs", "/static/console.css"):
+            conn.request("HEAD", path, headers={"Host": address.host, "Cookie": cookie})
+            head = conn.getresponse()
+            assert head.status == 200 and int(head.headers["Content-Length"]) > 0
+            assert head.read() == b""
+            conn.request("GET", path, headers={"Host": address.host, "Cookie": cookie})
+            page = conn.getresponse()  # (a body sent after the HEAD would be read here)
+            assert page.status == 200
+            assert len(page.read()) == int(page.headers["Content-Length"])
+    finally:
+        conn.close()
+    with socket.create_connection(("127.0.0.1", address.port), timeout=30) as sock:
+        sock.sendall(b"HEAD / HTTP/1.1\r\nHost: " + address.host.encode() + b"\r\n\r\n")
+        answer = b""
+        while chunk := sock.recv(65536):  # (closed after an anonymous answer)
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 401") and answer.endswith(b"\r\n\r\n")

@@ -124,7 +124,7 @@ def status(home: str | None, socket_path: str | None, as_json: bool) -> None:
     if store.get("status") == "degraded":
         click.echo(f"store    DEGRADED: {store.get('reason')}")
     if result.get("scheduler") is not None:
-        scheduler_lines(result["scheduler"])
+        scheduler_lines(result["scheduler"], result.get("cluster"))
     cluster = result.get("cluster")
     if cluster is not None:
         members = cluster.get("daemons") or []

@@ -56,14 +56,17 @@ def print_problems(errors: list[dict[str, Any]]) -> None:
         click.echo(f"  {one_line(error.get('path', ''))}: {one_line(error.get('message', ''))}")
 
 
-def scheduler_lines(state: dict[str, Any]) -> None:
-    """The scheduler lines of ``kandevd status``: pause, jobs by state, sessions, problems."""
+def scheduler_lines(state: dict[str, Any], cluster: dict[str, Any] | None = None) -> None:
+    """The scheduler lines of ``kandevd status``: pause, jobs by state, sessions, problems
+    (``cluster``: daemon.status's; only the leader fires)."""
     if state.get("globally_paused"):
         by = f" by {state['paused_by']}" if state.get("paused_by") else ""
         since = f" since {state['paused_at']}" if state.get("paused_at") else ""
         cron = f"PAUSED{by}{since}"
     elif not state.get("execution_enabled", True):
         cron = f"cron execution disabled ({state.get('disabled_reason') or 'no reason given'})"
+    elif cluster is not None and not cluster.get("leader"):
+        cron = "on (the leader fires; this daemon is not the leader)"
     else:
         cron = "firing"
     click.echo(f"scheduler {cron}")

@@ -26,3 +26,16 @@ def test_printable_text_holds_no_control_and_plain_text_is_unchanged(text: str) 
                    for c in shown)
     if text.isprintable():  # (controls and the bidirectional marks are not)
         assert shown == text
+
+
+def test_the_scheduler_line_says_who_fires_on_several_daemons(capsys) -> None:
+    from kandevd.cli.scheduler import scheduler_lines
+
+    state = {"globally_paused": False, "execution_enabled": True, "states": {}}
+    scheduler_lines(state)
+    scheduler_lines(state, {"leader": True})
+    scheduler_lines(state, {"leader": False})
+    lines = [line for line in capsys.readouterr().out.splitlines()
+             if line.startswith("scheduler")]
+    assert lines == ["scheduler firing", "scheduler firing",
+                     "scheduler on (the leader fires; this daemon is not the leader)"]

@@ -337,7 +337,9 @@ class OutcomeRecorder:
         if self.observer is not None:
             self.observer.observe_execution(result)
         if result.outcome == INTERRUPTED:
-            log.info("run %s interrupted by shutdown; stays claimed for the next start", run_id)
+            # (by the stop: the next start takes it back; by a fence: its heal does)
+            log.info("run %s %s; it stays claimed until it is taken back", run_id,
+                     result.error or "interrupted")
         elif result.outcome == DETACHED:
             log.info("run %s: agent left running for the next start to adopt", run_id)
         elif result.outcome == STOPPED:

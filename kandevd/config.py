@@ -2,7 +2,7 @@
 
 Every key is optional (:data:`DEFAULTS` fills in); the JSON Schema in
 ``kandevd/schemas/config.json`` reports a mistake with the key path that holds
-it (``queue.safety_interval_s: -1 is less than the minimum of 0``). The
+it (``queue.safety_interval_s: -1 is less than the minimum of 0.1``). The
 :class:`Config` is immutable and handed to components explicitly.
 """
 

@@ -149,7 +149,7 @@ def test_config_is_immutable_and_building_never_touches_the_defaults() -> None:
 
 def test_a_value_below_the_minimum_names_its_key_path() -> None:
     assert error_for({"queue": {"safety_interval_s": -1}}) == \
-        "queue.safety_interval_s: -1 is less than the minimum of 0"
+        "queue.safety_interval_s: -1 is less than the minimum of 0.1"
 
 
 @pytest.mark.parametrize(("document", "path"), [

@@ -146,7 +146,7 @@ def test_validate_exits_0_for_a_good_config_and_1_for_a_bad_one(tmp_path: Path) 
     (home / "kandevd.yaml").write_text("queue:\n  safety_interval_s: -1\n")
     bad = run_cli(home, "validate")
     assert bad.returncode == 1
-    assert "queue.safety_interval_s: -1 is less than the minimum of 0" in bad.stderr
+    assert "queue.safety_interval_s: -1 is less than the minimum of 0.1" in bad.stderr
 
     other = tmp_path / "other.yaml"
     other.write_text("retry:\n  unknown_knob: true\n")
@@ -377,7 +377,7 @@ def test_validate_lists_every_problem_of_the_config_and_serve_names_the_first(
     where = home / "kandevd.yaml"
     assert checked.stderr.splitlines()[:3] == [
         f"invalid: {where}: retri: unknown key; did you mean retry?",
-        f"invalid: {where}: queue.safety_interval_s: -1 is less than the minimum of 0",
+        f"invalid: {where}: queue.safety_interval_s: -1 is less than the minimum of 0.1",
         f"invalid: {where}: runtime.max_concurrent: 'many' is not of type 'integer'"]
     served = run_cli(home, "serve")
     assert served.returncode == 78

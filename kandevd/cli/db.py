@@ -24,11 +24,30 @@ def db() -> None:
     """Check, back up or migrate the database (<home>/kandevd.db)."""
 
 
+def _sqlite_path(home: str | None, command: str) -> Path:
+    """The home's SQLite file; a home whose config names a PostgreSQL ``store.url`` (and
+    has no such file) is told so, exit 1, instead of 'no such file'."""
+    root = resolve_home(home)
+    path = HomeLayout(root).db
+    if not path.exists():
+        try:
+            from kandevd.config import load_config
+            url = load_config(None, home=root).store.url
+        except Exception:  # (a config that does not load: the file's absence says enough)
+            url = None
+        if url is not None:
+            click.echo(f"kandevd: this home's store is PostgreSQL ({redact_url(url)}): "
+                       f"`kandevd db {command}` works on a SQLite home's file; use "
+                       "PostgreSQL's own tools (pg_dump, amcheck)", err=True)
+            sys.exit(exits.ERROR)
+    return path
+
+
 @db.command("check")
 @home_option
 def check(home: str | None) -> None:
     """Run SQLite's quick_check and integrity_check (read-only); exit 1 on problems."""
-    path = HomeLayout(resolve_home(home)).db
+    path = _sqlite_path(home, "check")
     try:
         results = check_file(path)
     except DatabaseUnusable as exc:
@@ -54,7 +73,7 @@ def check(home: str | None) -> None:
 @home_option
 def backup_command(target: Path, home: str | None) -> None:
     """Copy the database to TARGET (a new file), consistent while the daemon writes."""
-    path = HomeLayout(resolve_home(home)).db
+    path = _sqlite_path(home, "backup")
     try:
         pages = backup(path, target)
     except DatabaseUnusable as exc:

@@ -217,3 +217,17 @@ def test_a_full_disk_at_start_exits_with_the_path(tmp_path: Path) -> None:
         assert str(home) in result.stderr
     finally:
         subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def test_db_check_and_backup_on_a_postgresql_home_say_so(tmp_path: Path) -> None:
+    """Not 'database <home>/kandevd.db: no such file' (exit 74), as if it were lost."""
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    (home / "kandevd.yaml").write_text(
+        "store:\n  url: postgresql://kandevd:secret@127.0.0.1:1/kandevd\n")
+    for command in (["check"], ["backup", str(tmp_path / "copy.db")]):
+        result = run_cli(home, "db", *command)
+        assert result.returncode == 1, result.stderr
+        assert "this home's store is PostgreSQL (postgresql://kandevd:***@127.0.0.1:1/" \
+            "kandevd)" in result.stderr and "secret" not in result.stderr
+        assert f"`kandevd db {command[0]}` works on a SQLite home's file" in result.stderr

@@ -176,6 +176,10 @@ class FanOut:
     def _call(self, label: str, handler: Callable[[], Any], future: Future[Any]) -> None:
         try:
             future.set_result(handler())
+        except sqlite3.OperationalError as exc:  # the database's state (an outage, a full
+            # disk, a busy lock), not a bug: one line, no traceback at every tick
+            self._log.warning("%s: handler %s failed: %s", self._name, label, exc)
+            future.set_exception(exc)
         except BaseException as exc:  # isolate: one handler never kills the others
             self._log.exception("%s: handler %s failed", self._name, label)
             future.set_exception(exc)

@@ -56,6 +56,9 @@ class QueueLoop(Loop):
         self.safety_interval_s = float(safety_interval_s)
         self.max_claims_per_tick = int(max_claims_per_tick)
         self._next_stale_check: datetime | None = None
+        #: Passes failed in a row for the environment, and the last one's words.
+        self._failed_passes = 0
+        self._last_failure: str | None = None
 
     def start(self) -> None:
         """Start the loop thread; while it runs, outcomes are written by its drains."""
@@ -87,10 +90,16 @@ class QueueLoop(Loop):
             if not is_environmental(exc):
                 raise  # a bug: the Loop logs it with its traceback
             # A full disk or a busy database is the environment, not a bug: one line,
-            # and the next pass soon (outcomes already known are kept meanwhile).
-            log.warning("queue pass failed (%s); trying again in %.1fs", exc,
-                        self.error_backoff_s)
+            # and the next pass soon (outcomes already known are kept meanwhile). The
+            # same failure again (an outage: a pass a second) is not said again.
+            self._failed_passes += 1
+            said = log.warning if str(exc) != self._last_failure else log.debug
+            self._last_failure = str(exc)
+            said("queue pass failed (%s); trying again in %.1fs", exc, self.error_backoff_s)
             return self.error_backoff_s
+        if self._failed_passes:
+            log.info("queue passes succeed again, after %d that failed", self._failed_passes)
+            self._failed_passes, self._last_failure = 0, None
         if started >= self.max_claims_per_tick or recovered:
             return 0.0  # there may be more eligible work right now
         wait = self.safety_interval_s

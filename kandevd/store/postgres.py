@@ -320,13 +320,20 @@ class PgStore(BaseStore):
         self.path = redact_url(url)
         self._init_common()
         self.writer_wait_s = 0.0
+        self._reconnecting = False  # (the writer's connection broke and is not back yet)
         self._conn = connect(url, self._trace)
 
     def _writer(self) -> Connection:
         """The writer; a connection that broke is replaced (outside a transaction)."""
         if not self.writing and not self._conn.alive():
-            log.warning("the connection to %s broke; reconnecting", self.path)
+            # (said once per outage: each failed reconnection would say it again)
+            said = log.debug if self._reconnecting else log.warning
+            said("the connection to %s broke; reconnecting", self.path)
+            self._reconnecting = True
             broken, self._conn = self._conn, connect(self.url, self._trace)
+            if self._reconnecting:
+                log.info("reconnected to %s", self.path)
+                self._reconnecting = False
             try:
                 broken.close()
             except psycopg.Error:

@@ -862,3 +862,26 @@ def test_an_enqueue_wakes_the_loop_unless_every_slot_runs_and_a_freed_slot_does(
     rig.enqueue("b1")
     assert len(rig.signals) == before + 1
     rig.runtime.release(reservation)
+
+
+def test_an_outage_is_said_once_not_at_every_pass_and_its_end_too(
+        rig: Rig, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pass a second during a database outage logged a warning a second."""
+    from kandevd.store.base import StoreUnavailable
+
+    failing = [StoreUnavailable("PostgreSQL unavailable: connection refused")] * 3
+
+    def drain(now: datetime, limit: int) -> int:
+        if failing:
+            raise failing.pop()
+        return 0
+    monkeypatch.setattr(rig.queue, "drain", drain)
+    caplog.set_level(logging.DEBUG, logger="kandevd.queue.loop")
+    waits = [rig.loop.tick(T0) for _ in range(4)]
+    assert waits[:3] == [rig.loop.error_backoff_s] * 3 and waits[3] > 0
+    said = [(r.levelno, r.getMessage()) for r in caplog.records
+            if r.name == "kandevd.queue.loop"]
+    assert [level for level, _ in said] == [logging.WARNING, logging.DEBUG, logging.DEBUG,
+                                            logging.INFO]
+    assert said[0][1].startswith("queue pass failed (PostgreSQL unavailable")
+    assert said[3][1] == "queue passes succeed again, after 3 that failed"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 from collections.abc import Callable, Iterator
@@ -148,3 +149,27 @@ def config_option(help_text: str) -> Callable[[Callable[..., Any]], Callable[...
     config file (serve 78), with the path and the reason."""
     return click.option("--config", "config_path", type=click.Path(readable=False), metavar="FILE",
                         default=None, help=help_text)
+
+
+class FiniteFloat(click.ParamType):
+    """A number option: ``nan`` and ``inf`` (which Python's float reads) are refused
+    here, naming the option, not sent on to be refused as a parse error."""
+
+    name = "number"
+
+    def __init__(self, minimum: float | None = None) -> None:
+        self.minimum = minimum
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> float:
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number", param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        if self.minimum is not None and number < self.minimum:
+            self.fail(f"{value!r} is less than {self.minimum:g}", param, ctx)
+        return number
+
+
+FINITE = FiniteFloat()

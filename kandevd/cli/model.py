@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-from kandevd.cli.common import client_options, echo_json, invoke
+from kandevd.cli.common import FINITE, client_options, echo_json, invoke
 from kandevd.cli.format import NONE, fields, json_option, shown, table
 from kandevd.formats import jsonstrict
 
@@ -26,6 +26,8 @@ STYLE = click.Choice(["kanban", "office", "custom"])
 
 def opt(*decls: str, dest: str, help: str, **kwargs: Any) -> Decorator:
     """An option whose destination is the method param it fills (default: not sent)."""
+    if kwargs.get("type") is float:  # (nan and inf refused, naming the option)
+        kwargs["type"] = FINITE
     return click.option(*decls, dest, default=None, help=help, **kwargs)
 
 

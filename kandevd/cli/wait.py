@@ -8,7 +8,7 @@ import time
 import click
 
 from kandevd import exits
-from kandevd.cli.common import client_options
+from kandevd.cli.common import FiniteFloat, client_options
 from kandevd.control.client import DaemonUnavailable, RpcCallError, call
 from kandevd.paths import HomeLayout, resolve_home
 
@@ -16,7 +16,7 @@ POLL_S = 0.05
 
 
 @click.command("wait")
-@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0), default=30.0,
+@click.option("--timeout", "timeout_s", type=FiniteFloat(minimum=0), default=30.0,
               show_default=True, help="Give up after this many seconds (exit 69).")
 @client_options
 def wait(timeout_s: float, home: str | None, socket_path: str | None) -> None:

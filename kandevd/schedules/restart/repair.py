@@ -9,7 +9,8 @@ start) takes the turns whose agents still run, before the daemon stops the agent
 it does not keep; then, on the cron loop's first tick (the keeper has told those
 others' exits by then), :meth:`TurnRestart.settle` records every other turn's real
 end. With several daemons on one store, the
-entries may be another daemon's: only this home's records are swept.
+entries may be another daemon's: only the runs whose turns left a record in this
+home are settled (the others' next write puts them right).
 """
 
 from __future__ import annotations
@@ -50,9 +51,8 @@ class TurnRestart:
         """Record the real end of every turn not adopted (after the orphan agents were
         stopped, so their exits are written); how many turns had files left."""
         runner = self._runner
-        if self._shared:  # several daemons: its records are this home's, its entries maybe not
-            return self._stranded.settle_records(runner.turns_folder, runner.is_live_turn,
-                                                 runner.settle_turns)
+        if self._shared:  # several daemons: the runs marked may be others'; its records
+            self._stranded.keep_this_homes(runner.turns_folder)  # are this home's runs
         return self._stranded.settle(
             runner.turns_folder, live=runner.is_live_turn,
             ended=lambda item, entry: runner.settled(str(item.job_key), entry, item.history),

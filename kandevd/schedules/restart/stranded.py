@@ -25,6 +25,7 @@ from __future__ import annotations
 import glob
 import json
 import logging
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -129,12 +130,18 @@ class StrandedTurns:
                      "outcome and output are on their runs", settled)
         return settled
 
-    def settle_records(self, turns_folder: Path, live: Callable[[str], bool],
-                       release: Release | None = None) -> int:
-        """Several daemons: only this home's records (the entries may be another's)."""
+    def keep_this_homes(self, turns_folder: Path) -> None:
+        """Several daemons: of the runs marked at start, keep those whose turns left a
+        record in this home (``turns_folder``): this home's earlier instance ran them,
+        so their end is this home's to record. The others may be another daemon's runs,
+        which that daemon's next write puts right."""
+        try:
+            names = [n for n in os.listdir(turns_folder) if n.startswith("turn-")]
+        except OSError:
+            names = []
         with self._lock:
-            self._entries = []
-        return sweep_records(turns_folder, live, release)
+            self._entries = [item for item in self._entries
+                             if any(n.startswith(f"turn-{item.entry_id}-") for n in names)]
 
 
 #: ``release(names)``: the keeper may forget the exits of these turns (their outcome is

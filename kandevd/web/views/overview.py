@@ -15,7 +15,7 @@ from kandevd.web.http import Request, Response
 #: The charts are per minute: reading them again within this many seconds shows the same.
 CHART_TTL_S = 20.0
 _cache_lock = threading.Lock()
-_cache: dict[int, tuple[float, Activity]] = {}
+_cache: dict[int, tuple[float, Any, Activity]] = {}
 
 
 def page(console: Console, request: Request) -> Response:
@@ -41,7 +41,7 @@ def gather(console: Console) -> dict[str, Any]:
     for run in waiting:
         asked = parse_time(run.get("requested_at"))
         run["waiting_s"] = (now - asked).total_seconds() if asked else None
-    activity = _activity(console, now)
+    activity = _activity(console, now, (status.get("runs") or {}).get("failed"))
     oldest = parse_time((status.get("runs") or {}).get("oldest_queued_at"))
     queued_now = (status.get("runs") or {}).get("queued")
     charts = [
@@ -61,15 +61,19 @@ def gather(console: Console) -> dict[str, Any]:
             "charts": charts, "uptime_s": _uptime(status, now)}
 
 
-def _activity(console: Console, now: datetime) -> Activity:
+def _activity(console: Console, now: datetime, dead_letter: Any) -> Activity:
+    """The last day per minute, read again after :data:`CHART_TTL_S`, or at once when
+    the dead letter changed (the card shows both: a run just failed for good must not
+    stand beside a 24 h failure count without it)."""
     key = id(console)
     with _cache_lock:
         cached = _cache.get(key)
-        if cached is not None and time.monotonic() - cached[0] < CHART_TTL_S:
-            return cached[1]
+        if cached is not None and time.monotonic() - cached[0] < CHART_TTL_S \
+                and cached[1] == dead_letter:
+            return cached[2]
     activity = console.reads(lambda store: read_activity(store, now))
     with _cache_lock:
-        _cache[key] = (time.monotonic(), activity)
+        _cache[key] = (time.monotonic(), dead_letter, activity)
     return activity
 
 

@@ -238,6 +238,8 @@ def place_errors(message: str) -> dict[str, list[str]]:
         text = problem.split(": ", 1)[-1] if problem.startswith("workflow '") else problem
         match = _FIELD_AT.search(text)
         field = match.group("field") if match else "_"
+        if " already has a schedule " in problem:  # (the id is taken: said by the id)
+            field = "id"
         if field == "params":
             field = "_"
         if field not in FIELDS:

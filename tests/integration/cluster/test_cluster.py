@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import select
 import sys
 import time
 from collections import Counter, defaultdict
@@ -24,7 +26,13 @@ import pytest
 from kandevd.timeutil import rfc3339, utc_now
 from tests.support.cluster import cluster_config, probe_log, wait_for
 from tests.support.daemon import DaemonProcess, run_cli
-from tests.support.workflows import RECORDER, history, schedule, write_workflow
+from tests.support.workflows import (
+    RECORDER,
+    history,
+    recorder_config,
+    schedule,
+    write_workflow,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -316,3 +324,31 @@ def test_office_work_happens_once_across_daemons(
     assert follower.count_lines("recovered unstarted Office task") == 0
     for daemon in daemons:
         assert daemon.stop() == 0
+
+
+def test_a_turn_that_ended_while_its_daemon_was_down_is_recorded_at_its_restart(
+        daemon_factory: Callable[..., DaemonProcess], tmp_path: Path, pg_url: str) -> None:
+    """On PostgreSQL too: its record is in the home's own turns folder, so the run is
+    this home's, and its real end is recorded (it stayed 'interrupted', a failure)."""
+    home = tmp_path / "home"
+    record = tmp_path / "record.jsonl"
+    write_workflow(home / "workspace", "w", [schedule("s", messages=["HOLD", "next"])])
+    config = {**recorder_config(record), "store": {"url": pg_url}}
+    daemon = daemon_factory(config, home=home)
+    daemon.call("scheduler.jobs.trigger", {"id": "workflow:w:s"})
+    daemon.wait_until(Path(str(record) + ".held").exists, what="the turn's agent holding")
+    [agent] = daemon.agent_pids()
+    daemon.kill_daemon_only()
+    pidfd = os.pidfd_open(agent)
+    try:
+        Path(str(record) + ".release").touch()  # it ends while no daemon runs
+        assert select.select([pidfd], [], [], 30)[0] == [pidfd]
+    finally:
+        os.close(pidfd)
+    daemon.start()
+    daemon.wait_for_line("left running by the previous daemon ended success")
+    entry = daemon.call("scheduler.jobs.runs", {"id": "workflow:w:s"})["items"][0]
+    assert (entry["status"], entry["error"]) == ("success", None), entry
+    job = daemon.call("scheduler.jobs.get", {"id": "workflow:w:s"})
+    assert (job["last_status"], job["consecutive_failures"]) == ("success", 0)
+    assert not list((home / "turns").iterdir())

@@ -93,3 +93,27 @@ def test_a_malformed_after_is_a_usage_error_for_a_job_as_for_a_dry_run(tmp_path:
                                           str(tmp_path)])
         assert result.exit_code == 2, result.output  # before any daemon is asked
         assert "is not an RFC 3339 timestamp" in result.output
+
+
+@pytest.mark.parametrize("args", [
+    ["office", "budgets", "create", "--workspace", "w", "--limit-cents", "nan"],
+    ["agents", "update", "a1", "--cooldown", "inf"],
+    ["wait", "--timeout", "nan"],
+    ["wait", "--timeout", "-1"],
+])
+def test_a_number_option_refuses_nan_and_infinity_naming_itself(args: list[str]) -> None:
+    """Sent on, NaN was the daemon's 'parse error', which named no option."""
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2
+    option = args[-2]
+    assert f"Invalid value for '{option}'" in result.output
+    assert "finite number" in result.output or "less than 0" in result.output
+
+
+def test_every_float_option_is_a_finite_number() -> None:
+    from kandevd.cli.common import FiniteFloat
+
+    loose = [(path, param.name) for path, command in leaves(cli) for param in command.params
+             if isinstance(param.type, click.types.FloatParamType | click.FloatRange)
+             and not isinstance(param.type, FiniteFloat)]
+    assert loose == []

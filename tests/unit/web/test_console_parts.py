@@ -17,7 +17,7 @@ from kandevd.net.listen import is_loopback
 from kandevd.store.open import open_store
 from kandevd.store.runs import RunRepository
 from kandevd.store.runs.activity import read_activity
-from kandevd.timeutil import rfc3339
+from kandevd.timeutil import rfc3339, utc_now
 from kandevd.web.app import in_words
 from kandevd.web.auth import Guard, split_host
 from kandevd.web.charts import Lane, Series, count_ticks, line_chart, spend_bar, timeline
@@ -69,6 +69,8 @@ def test_a_methods_problems_go_beside_their_fields() -> None:
         "jitter_s": ["'abc' is not a number"]}
     assert place_errors("workflow 'w' has no such thing") == {
         "_": ["Workflow 'w' has no such thing"]}
+    assert list(place_errors("workflow 'daily-digest' already has a schedule 'x1'")) == [
+        "id"]  # beside the id, not at the top of the page
 
 
 @pytest.mark.parametrize(("message", "said"), [
@@ -392,3 +394,24 @@ def test_a_refusal_the_console_shows_names_fields_not_params() -> None:
         "“To”: must not be earlier than “From”"
     assert in_words("params.schedule.jitter_s: too small") == "“Jitter s”: too small"
     assert in_words("workflow 'w' has no schedule 'x'") == "workflow 'w' has no schedule 'x'"
+
+
+def test_the_overviews_day_is_read_again_once_the_dead_letter_changed(
+        repo: RunRepository) -> None:
+    """The queue card shows the dead letter (live) beside the 24 h failures (read with
+    the charts, every 20 s): a run that just failed for good was missing from the
+    second for up to 20 s."""
+    from types import SimpleNamespace
+
+    from kandevd.web.views import overview
+
+    store = repo.store
+    console = SimpleNamespace(reads=lambda read: read(store))
+    now = utc_now()
+    broke = enqueue(repo, "a1", at=now - timedelta(minutes=5))
+    first = overview._activity(console, now, 0)
+    store.execute("UPDATE runs SET status = 'failed', finished_at = ? WHERE id = ?",
+                  (rfc3339(now - timedelta(minutes=1)), broke.id))
+    assert overview._activity(console, now, 0) is first  # (the charts' 20 s)
+    again = overview._activity(console, now, 1)  # the dead letter moved: read at once
+    assert (first.failed_total, again.failed_total) == (0, 1)

@@ -28,7 +28,6 @@ worker, and one large body would be read into memory after its 401. So here:
 
 from __future__ import annotations
 
-import http.client
 import io
 import logging
 import socket
@@ -141,32 +140,42 @@ class BadFraming(ValueError):
 
 def request_size(data: bytes) -> int | None:
     """How many bytes the request at the start of ``data`` has, once its headers are here
-    (None before). A request cheroot refuses at its headers (a body too large, chunked,
-    headers that do not parse) counts as whole there: cheroot answers it without
-    reading on. BadFraming for two ``Content-Length`` or ``Host`` headers, or a length
-    that is not plain digits: cheroot would take one of them and read a body that
-    never comes in a worker thread (RFC 9112 asks for a 400)."""
+    (None before). A request cheroot refuses at its headers (a body too large) counts as
+    whole there: cheroot answers it without reading on; so does a chunked one (the
+    applications refuse it, 411, without reading its body). BadFraming when the headers
+    are not plainly ``name: value`` lines, or hold two ``Content-Length`` or ``Host``
+    headers, or a length that is not plain digits: cheroot would read them its own way
+    (the last length, a name with spaces around it) and wait for a body that never comes
+    in a worker thread (RFC 9112 asks for a 400)."""
     end = data.find(b"\r\n\r\n")
     if end < 0:
         return None
     head = end + 4
-    line_end = data.find(b"\r\n")
-    try:
-        fields = http.client.parse_headers(io.BytesIO(data[line_end + 2:head]))
-    except (http.client.HTTPException, ValueError):
-        return head
-    if len(fields.get_all("Host") or []) > 1:
+    fields = _fields(bytes(data[data.find(b"\r\n") + 2:end]))  # (a bytearray's slices
+    # cannot be keys)
+    if len(fields.get(b"host", ())) > 1:
         raise BadFraming("more than one Host header")
-    lengths = fields.get_all("Content-Length") or []
+    lengths = fields.get(b"content-length", [])
     if len(lengths) > 1:
         raise BadFraming("more than one Content-Length header")
-    if fields.get("Transfer-Encoding") is not None or not lengths:
+    if b"transfer-encoding" in fields or not lengths:
         return head
-    text = lengths[0].strip()
-    if not (text.isascii() and text.isdigit()):
+    if not (lengths[0].isascii() and lengths[0].isdigit()):
         raise BadFraming("a Content-Length that is not a number of bytes")
-    length = int(text)
+    length = int(lengths[0])
     return head if length > MAX_BODY else head + length
+
+
+def _fields(block: bytes) -> dict[bytes, list[bytes]]:
+    """The header lines as cheroot reads them (the name stripped and in any case, the
+    value stripped), by lower-case name; BadFraming for a line that is not one."""
+    fields: dict[bytes, list[bytes]] = {}
+    for line in block.split(b"\r\n") if block else ():
+        name, colon, value = line.partition(b":")
+        if not colon or line[:1] in (b" ", b"\t") or not name.strip():
+            raise BadFraming("a header line that is not 'name: value'")
+        fields.setdefault(name.strip().lower(), []).append(value.strip())
+    return fields
 
 
 class GuardedConnection(cheroot_server.HTTPConnection):

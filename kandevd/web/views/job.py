@@ -120,14 +120,14 @@ _LOCAL = re.compile(r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}(?::\d{2}(?:\.\d+)?)?")
 def moment(value: str, zone: str, field: str) -> str:
     """A date and time from the form's picker (``YYYY-MM-DDTHH:MM``, in ``zone``: the
     browser's, UTC without script) as RFC 3339 UTC; an RFC 3339 time as typed (the
-    method checks it). InvalidParams naming ``field`` for anything else, a date that
-    does not exist (February 30th, 25:00) included."""
+    method checks it). InvalidParams naming ``field`` (``params.to``: shown as the
+    field's label) for anything else, a date that does not exist (February 30th) too."""
     value = value.strip()
     if not _LOCAL.fullmatch(value):
         try:
             parse_rfc3339(value)
         except ValueError:
-            raise InvalidParams(f"{field}: {value!r} is not a date and time "
+            raise InvalidParams(f"params.{field}: {value!r} is not a date and time "
                                 "(2026-12-01T09:00)") from None
         return value
     try:
@@ -137,8 +137,8 @@ def moment(value: str, zone: str, field: str) -> str:
     try:
         return rfc3339(datetime.fromisoformat(value).replace(tzinfo=where).astimezone(UTC))
     except (ValueError, OverflowError) as exc:
-        raise InvalidParams(f"{field}: {value!r} is not a date and time that exists "
-                            f"({exc})") from None
+        raise InvalidParams(f"params.{field}: {value!r} is not a date and time that "
+                            f"exists ({exc})") from None
 
 
 def _in_the_future(moment_utc: str) -> bool:

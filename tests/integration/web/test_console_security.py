@@ -209,8 +209,9 @@ def test_a_backfill_range_the_picker_cannot_give_is_named_not_a_500(
         flash = answer.headers["Set-Cookie"].split(";")[0]
         shown = request(address, "GET", answer.headers["Location"],
                         cookie=f"{cookie}; {flash}").body
-        wrong = end if start.startswith("2026-01") else start
-        assert "is not a date and time that exists" in shown and wrong in shown
+        label, wrong = ("“To”", end) if start.startswith("2026-01") else ("“From”", start)
+        assert f"{label}: &#39;{wrong}&#39; is not a date and time that exists" in shown, \
+            shown
     assert "Traceback" not in daemon.log_text
 
 

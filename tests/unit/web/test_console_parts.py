@@ -245,9 +245,11 @@ def test_a_backfills_picked_times_are_read_in_the_browsers_zone() -> None:
     # what the picker cannot give, named by its field (it was a 500: a ValueError)
     for value, field in (("2026-02-30T00:00", "to"), ("2026-12-01T25:00", "from"),
                          ("2026-13-45T99:99", "to"), ("yesterday", "from")):
-        with pytest.raises(InvalidParams, match=f"^{field}: '{value}' is not a date and time"):
+        with pytest.raises(InvalidParams,
+                           match=rf"^params\.{field}: '{value}' is not a date and time"):
             moment(value, "UTC", field)
-    with pytest.raises(InvalidParams, match=r"^to: '9999-12-31T23:59' is not a date and time"):
+    with pytest.raises(InvalidParams,
+                       match=r"^params\.to: '9999-12-31T23:59' is not a date and time"):
         moment("9999-12-31T23:59", "Pacific/Pago_Pago", "to")  # (past year 9999 in UTC)
 
 

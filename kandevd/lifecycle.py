@@ -127,6 +127,9 @@ class FanOut:
     def __init__(self, name: str, logger: logging.Logger) -> None:
         self._name = name
         self._log = logger
+        #: Failures that are the environment's, not a bug (a database outage): said in
+        #: one line, without a traceback.
+        self.quiet: Callable[[BaseException], bool] | None = None
         self._lock = threading.Lock()
         self._threads: set[threading.Thread] = set()
 
@@ -176,12 +179,11 @@ class FanOut:
     def _call(self, label: str, handler: Callable[[], Any], future: Future[Any]) -> None:
         try:
             future.set_result(handler())
-        except sqlite3.OperationalError as exc:  # the database's state (an outage, a full
-            # disk, a busy lock), not a bug: one line, no traceback at every tick
-            self._log.warning("%s: handler %s failed: %s", self._name, label, exc)
-            future.set_exception(exc)
         except BaseException as exc:  # isolate: one handler never kills the others
-            self._log.exception("%s: handler %s failed", self._name, label)
+            if self.quiet is not None and self.quiet(exc):  # (no traceback at every tick)
+                self._log.warning("%s: handler %s failed: %s", self._name, label, exc)
+            else:
+                self._log.exception("%s: handler %s failed", self._name, label)
             future.set_exception(exc)
         finally:
             with self._lock:

@@ -46,7 +46,7 @@ from kandevd.keeper.agents import (
     spawn,
 )
 from kandevd.keeper.journal import COMPACT_AFTER, Entry, Journal, read
-from kandevd.keeper.strays import CHECK_AFTER_S, end_strays
+from kandevd.keeper.strays import Leftovers
 from kandevd.net import unixaddr
 
 log = logging.getLogger("kandevd.keeper")
@@ -88,8 +88,8 @@ class Keeper:
         #: (the server gives their runs to others once the runner is silent).
         self.stop_alone_after: float | None = None
         self.alone_since: float | None = None
-        #: When to look for what ended agents left running (:mod:`kandevd.keeper.strays`).
-        self.strays_due: float | None = None
+        #: What ended agents left running (:mod:`kandevd.keeper.strays`).
+        self.leftovers = Leftovers()
         self.sel = selectors.DefaultSelector()
         self._prepare_signals()
         self.journal = Journal(self.folder / protocol.JOURNAL)
@@ -172,10 +172,10 @@ class Keeper:
                         agent.terminate("interrupted", "its runner was gone", grace, now)
                 for agent in list(self.agents.values()):
                     agent.on_timer(now)
-                if self.strays_due is not None and now >= self.strays_due:
+                if self.leftovers.due is not None and now >= self.leftovers.due:
                     self._end_strays()
         finally:
-            if self.strays_due is not None:  # (once the keeper is gone, nobody could)
+            if self.leftovers.due is not None:  # (once the keeper is gone, nobody could)
                 self._end_strays()
             self._close()
         log.info("keeper %d ended", os.getpid())
@@ -193,8 +193,8 @@ class Keeper:
         wait = IDLE_EXIT_S if self.conn is None and not self.agents else _MAX_WAIT_S
         if self.alone_since is not None and self.stop_alone_after is not None:
             timers.append(self.alone_since + self.stop_alone_after)
-        if self.strays_due is not None:
-            timers.append(self.strays_due)
+        if self.leftovers.due is not None:
+            timers.append(self.leftovers.due)
         if timers:
             wait = min(wait, min(timers) - time.monotonic())
         return min(max(wait, 0.0), _MAX_WAIT_S)
@@ -400,7 +400,7 @@ class Keeper:
             if agent is not None:
                 self._ended(agent, code_from_status(status))
             else:  # (an agent's descendant: what it started may be the keeper's now)
-                self.strays_due = self.strays_due or time.monotonic() + CHECK_AFTER_S
+                self.leftovers.look_soon(time.monotonic())
 
     def _foreign_ended(self, agent: Agent, *, signals_known: bool = True) -> None:
         if running(agent.pid, agent.entry.start):
@@ -422,16 +422,15 @@ class Keeper:
                 pass
         entry.exit = agent.exit_line(code)
         agent.close()
-        self.strays_due = self.strays_due or time.monotonic() + CHECK_AFTER_S
+        if agent.child:  # (only its own agents' leftovers become the keeper's children)
+            self.leftovers.agent_ended(entry.meta, time.monotonic())
         self.ended[entry.id] = entry
         self.journal.append({"t": "exit", "id": entry.id, **entry.exit})
         self._send({"ev": "exit", "id": entry.id, "pid": entry.pid, **entry.exit})
 
     def _end_strays(self) -> None:
-        self.strays_due = None
         try:
-            end_strays({a.pid for a in self.agents.values() if a.child},
-                       {str(a.entry.meta.get("session_id")) for a in self.agents.values()})
+            self.leftovers.look({a.pid for a in self.agents.values() if a.child})
         except Exception:  # (never the keeper's end: its agents depend on it)
             log.exception("keeper: looking for processes ended agents left failed")
 

@@ -29,7 +29,7 @@ from kandevd.office.budgets import BudgetGuard
 from kandevd.office.recovery import UnstartedTaskRecovery
 from kandevd.office.routines import RoutineScheduler
 from kandevd.runqueue.service import RunQueue
-from kandevd.store.base import BaseStore
+from kandevd.store.base import BaseStore, is_environmental
 
 #: How soon a daemon that is not the leader looks again whether it has become it.
 FOLLOWER_RECHECK_S = 2.0
@@ -53,6 +53,7 @@ class OfficeLoop(Loop):
                  *, handlers: list[Handler] | None = None,
                  leader: Callable[[], bool] | None = None, **kwargs: Any) -> None:
         super().__init__("office", **kwargs)
+        self.fanout.quiet = is_environmental  # (a database outage: a line a tick, no trace)
         #: Several daemons (PostgreSQL): only the leader runs Office maintenance; the
         #: others look again every few seconds, to take over quickly when it dies.
         self.leader = leader

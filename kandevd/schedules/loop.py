@@ -115,8 +115,13 @@ class CronLoop(Loop):
             self.registry.rescan(now)
         if takeover:
             for job in self.registry.jobs():
-                if not self.runner.is_running(job.key):  # (its own session tells it)
+                if self.runner.is_running(job.key):  # (its own session tells it)
+                    continue
+                try:
                     job.source.reseed(job, None)
+                except Exception as exc:  # (a locked or unreadable file: what is known stands)
+                    log.warning("%s: its state could not be read again as this daemon took "
+                                "over (%s); it goes on as it was known here", job.key, exc)
         deadline = self.runner.expire(now)
         if self._first_tick is not None:
             once, self._first_tick = self._first_tick, None

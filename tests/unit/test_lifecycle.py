@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -524,3 +525,24 @@ def test_fanout_join_waits_for_handlers_started_by_another_thread() -> None:
     joiner.join(TIMEOUT)
     runner.join(TIMEOUT)
     assert not joiner.is_alive() and not runner.is_alive()
+
+
+def test_a_fan_outs_quiet_failures_are_one_line_and_the_others_keep_their_traceback(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """An Office handler failing for a database outage said a traceback at every tick;
+    a real bug (an SQL mistake is an OperationalError too) must keep it."""
+    fanout = FanOut("office", logging.getLogger("kandevd.test.fanout"))
+    fanout.quiet = lambda exc: "outage" in str(exc)
+
+    def outage() -> None:
+        raise sqlite3.OperationalError("outage: the server cannot be reached")
+
+    def bug() -> None:
+        raise sqlite3.OperationalError("no such column: nope")
+
+    with caplog.at_level(logging.WARNING, logger="kandevd.test.fanout"):
+        results = fanout.run([("quiet", outage), ("loud", bug)])
+    assert all(isinstance(result, sqlite3.OperationalError) for result in results.values())
+    said = {r.getMessage(): r.exc_info is not None for r in caplog.records}
+    assert said == {"office: handler quiet failed: outage: the server cannot be reached": False,
+                    "office: handler loud failed": True}

@@ -298,15 +298,19 @@ def test_an_execution_an_earlier_version_started_under_its_shim_is_adopted(
         proc.wait(30)  # (the shim is this test's child: reaped here)
 
 
-#: An agent that leaves two processes in sessions of their own (``setsid -f``), each
-#: writing its pid to ``<dir>/<run>.<kind>``: one keeps the run's environment, the other
-#: drops ``KANDEVD_SESSION_ID``. It ends once ``<dir>/<run>.go`` exists.
+#: An agent that leaves three processes in sessions of their own (``setsid -f``), each
+#: writing its pid to ``<dir>/<run>.<kind>``: one keeps the run's environment, one
+#: drops ``KANDEVD_SESSION_ID``, one names another execution (as the agents of a kandevd
+#: the agent itself ran would). It ends once ``<dir>/<run>.go`` exists.
 STRAY_AGENT = r"""
 d="$1"; r="$KANDEVD_RUN_ID"
 leave='echo $$ > "$0.tmp" && mv "$0.tmp" "$0"; exec sleep 300'
 setsid -f sh -c "$leave" "$d/$r.stray"
 env -u KANDEVD_SESSION_ID setsid -f sh -c "$leave" "$d/$r.bare"
-until [ -e "$d/$r.stray" ] && [ -e "$d/$r.bare" ] && [ -e "$d/$r.go" ]; do sleep 0.02; done
+env KANDEVD_SESSION_ID=ses_inner KANDEVD_INPUT="$d/inner.json" setsid -f sh -c "$leave" \
+    "$d/$r.foreign"
+until [ -e "$d/$r.stray" ] && [ -e "$d/$r.bare" ] && [ -e "$d/$r.foreign" ] \
+    && [ -e "$d/$r.go" ]; do sleep 0.02; done
 """
 
 
@@ -323,7 +327,7 @@ def test_what_an_ended_agent_left_in_a_session_of_its_own_is_ended(
 
     left = {(run["id"], kind): daemon.wait_until(lambda r=run, k=kind: pid(r, k),
                                                    what=f"the {kind} process")
-            for run in (first, second) for kind in ("stray", "bare")}
+            for run in (first, second) for kind in ("stray", "bare", "foreign")}
     try:
         keeper = keeper_of(daemon)["pid"]
         assert parent_of(left[first["id"], "stray"]) == keeper  # (a child subreaper's)
@@ -333,6 +337,7 @@ def test_what_an_ended_agent_left_in_a_session_of_its_own_is_ended(
                           what="what the second run's agent left, ended")
         assert _running(left[first["id"], "stray"])  # its agent runs on: left alone
         assert _running(left[second["id"], "bare"])  # whose, nobody can tell: left alone
+        assert _running(left[second["id"], "foreign"])  # another execution's: left alone
 
         (tmp_path / f"{first['id']}.go").touch()
         wait_status(daemon, first["id"], "finished", timeout=WAIT_S)

@@ -170,7 +170,9 @@ def test_a_paused_agents_run_wakes_no_queue_pass_and_its_resume_claims_at_once(
     held = [enqueue(daemon, "ws", "a1") for _ in range(10)]
     daemon.call("runs.enqueue_many", {"runs": [
         {"workspace_id": "ws", "agent_id": "a1", "reason": "manual", "coalesce": False}]})
-    assert ticks() == before  # (the wake-up would come right after each commit)
+    # (each would wake a pass right after its commit: 12; one pass the setup woke may
+    # still land in between on a busy machine)
+    assert ticks() - before <= 1
     assert daemon.call("runs.explain", {"id": held[0]["id"]})["blockers"] == ["agent_paused"]
 
     ready = enqueue(daemon, "ws", "a2")  # an active agent's run still wakes it at once

@@ -331,9 +331,8 @@ class PgStore(BaseStore):
             said("the connection to %s broke; reconnecting", self.path)
             self._reconnecting = True
             broken, self._conn = self._conn, connect(self.url, self._trace)
-            if self._reconnecting:
-                log.info("reconnected to %s", self.path)
-                self._reconnecting = False
+            log.info("reconnected to %s", self.path)  # (connect raised otherwise)
+            self._reconnecting = False
             try:
                 broken.close()
             except psycopg.Error:

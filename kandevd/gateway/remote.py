@@ -155,6 +155,12 @@ class RemoteRuns:
         if write:
             self.runners.seen(runner.name, self.clock())
 
+    def _heard_from(self, name: str) -> float:
+        """Seconds since this daemon last heard from runner ``name``."""
+        now = self.monotonic()
+        with self._lock:
+            return now - self._seen.get(name, now)
+
     def hello(self, runner: RunnerRow, held: list[Held]) -> list[str]:
         """A runner (re)started holding ``held``: those still claimed for it are its again,
         and its claims it no longer holds are rescued at once (it lost them: a crash);
@@ -177,7 +183,12 @@ class RemoteRuns:
 
     def bye(self, runner: RunnerRow) -> None:
         """``runner`` stopped gracefully: offline at once, unless it still holds work
-        (then its silence ends that work, after ``dead_after_s``, as after a crash)."""
+        (then its silence ends that work, after ``dead_after_s``, as after a crash).
+        The poll it may still have waiting here answers at once, empty, as do its next
+        ones until its next hello: it stops."""
+        with self._work:
+            self._leaving[runner.name] = self.monotonic()
+            self._work.notify_all()
         if self.runners.claims_of(runner.name) or self.turns.held(runner.name):
             log.info("runner %s stopped holding work: offline once silent for %gs",
                      runner.name, self.dead_after_s)
@@ -229,6 +240,10 @@ class RemoteRuns:
         while True:
             if self._is_leaving(runner.name):
                 return []  # (it stops: nothing more; it polls no more either)
+            if self._heard_from(runner.name) >= self.dead_after_s:
+                # Silent since it asked (no heartbeat): taken for gone, its runs rescued;
+                # nothing is handed into what may be a dead connection.
+                return []
             if not self.holding:
                 handed = self.turns.take(runner.name, runner.labels, slots)
                 claims = self._claim(runner, slots - len(handed)) \
@@ -240,9 +255,9 @@ class RemoteRuns:
                 if left <= 0 or self.stopping:
                     return []
                 # (a change wakes it; the look again after at most a second also catches
-                # a due retry or an ended cooldown)
+                # a due retry or an ended cooldown). Waiting is no sign of life: the
+                # runner may be gone since it asked (its heartbeats say it is alive).
                 self._work.wait(min(left, 1.0))
-            self.seen(runner)
 
     def append_log(self, runner: RunnerRow, execution_id: str, run_id: str, offset: int,
                    data: bytes) -> int:

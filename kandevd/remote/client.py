@@ -55,6 +55,15 @@ class GatewayClient:
         parts = urlsplit(server)
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise ValueError(f"--server {server!r}: an http:// or https:// URL is needed")
+        try:
+            port = parts.port  # (a port out of range or not a number raises)
+        except ValueError as exc:
+            raise ValueError(f"--server {server!r}: {exc}") from None
+        if not parts.hostname or port == 0:
+            raise ValueError(f"--server {server!r}: a host (and a port from 1 to 65535) "
+                             "is needed")
+        if ca_file is not None and parts.scheme != "https":
+            raise ValueError(f"--ca-file is for an https:// server, not {server!r}")
         self.base = f"{parts.scheme}://{parts.netloc}"
         self._headers = {"Authorization": f"Bearer {token}",
                          "User-Agent": f"kandevd-runner/{__version__}"}
@@ -128,8 +137,9 @@ class GatewayClient:
             hint = ""
             if self.base.startswith("http://") and \
                     isinstance(exc, urllib3.exceptions.ProtocolError):
-                # (a TLS gateway drops a request sent in the clear without a word)
-                hint = "; a gateway with tls_cert set is reached at an https:// URL"
+                # (a TLS gateway drops a request sent in the clear without a word, as
+                # does a network that fails: said as a question)
+                hint = "; if the gateway has tls_cert set, use an https:// URL"
             raise Unreachable(f"{self.base}: {exc}{hint}") from None
         if response.status == 204:
             return {}

@@ -43,9 +43,12 @@ def read_token(path: Path) -> str:
     try:
         info = path.stat()
         token = path.read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError) as exc:
+    except OSError as exc:
         raise RunnerSetupError(f"--token-file {path}: cannot be read: {exc}",
                                exits.NOINPUT) from None
+    except UnicodeDecodeError:
+        raise RunnerSetupError(f"--token-file {path}: is not a token (not UTF-8 text)",
+                               exits.DATAERR) from None
     if not token:
         raise RunnerSetupError(f"--token-file {path}: is empty", exits.DATAERR)
     if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
@@ -133,12 +136,15 @@ def run_runner(server: str, token_file: Path, home: Path, config_path: Path | No
 
     def runtime_for(dead_after_s: float, on_slot_free: Callable[[], None]) -> AgentRuntime:
         """The runtime, once the server said its ``dead_after_s``: the keeper stops the
-        agents by itself when this process is gone for half of it (KeeperUnavailable)."""
+        agents by itself when this process is gone for half of it (KeeperUnavailable).
+        An agent stopped gets SIGKILL at most a quarter of it after SIGTERM (5 s at
+        most): one the fence stops is gone before the server takes the runner for
+        silent."""
         keeper = KeeperClient(layout.root, stop_alone_after=dead_after_s / 2)
         keepers.append(keeper)
         keeper.connect()
         return AgentRuntime(config.runtime.max_concurrent, config.runtime.stop_grace_s,
-                            runner=KeeperRunner(keeper, kill_grace_s=5.0),
+                            runner=KeeperRunner(keeper, kill_grace_s=min(5.0, dead_after_s / 4)),
                             on_slot_free=on_slot_free, shutdown_reason="runner shutting down")
 
     def sweep(keep: frozenset[int]) -> None:

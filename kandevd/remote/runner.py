@@ -8,18 +8,18 @@ its outcome (kept until the server has it: an outage only delays it); the
 heartbeat says what runs here and stops what the server cancelled or no longer
 counts as this runner's. Out of touch with the server for more than half of its
 ``dead_after_s``, the runner stops its agents itself: the server ends them as a
-silent runner's after ``dead_after_s``, and no run may execute twice at once.
+silent runner's after ``dead_after_s``, and no run may execute twice at once. A
+fourth thread watches for that, on its own: a request in flight (a heartbeat may
+wait 10 s for its answer) must not hold the watch back.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TypeVar
@@ -30,9 +30,7 @@ from kandevd.gateway.protocol import (
     HEARTBEAT_S,
     MAX_LOG_CHUNK,
     MAX_POLL_SLOTS,
-    Ending,
     Execution,
-    Held,
 )
 from kandevd.paths import HomeLayout
 from kandevd.remote.client import (
@@ -43,11 +41,12 @@ from kandevd.remote.client import (
     Unreachable,
 )
 from kandevd.remote.held import HeldFiles, Kept
+from kandevd.remote.jobs import SAFE_ID, Job, ending_of
 from kandevd.runtime import AgentRuntime, ExecutionResult, Reservation
 from kandevd.runtime.attempts import attempt_dir
 from kandevd.runtime.execution import input_path_of
 from kandevd.runtime.specs import agent_execution
-from kandevd.timeutil import rfc3339, utc_now
+from kandevd.timeutil import utc_now
 
 log = logging.getLogger("kandevd.runner")
 
@@ -61,24 +60,6 @@ MAX_BACKOFF_S = 30.0
 FINAL_REPORT_S = 10.0
 
 T = TypeVar("T")
-#: What an execution's and a run's ids may be (they become file names on the runner).
-_SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*(\.[A-Za-z0-9_-]+)*")
-
-
-@dataclass
-class Job:
-    """An execution this runner holds."""
-
-    execution: Execution
-    log_path: Path
-    sent: int = 0
-    result: ExecutionResult | None = None
-    #: The server refused its output: it is no longer this runner's.
-    refused: bool = False
-
-    @property
-    def held(self) -> Held:
-        return {"id": self.execution["id"], "run_id": self.execution["run_id"]}
 
 
 class RunnerProcess:
@@ -140,7 +121,8 @@ class RunnerProcess:
                  self.runtime.max_concurrent)
         threads = [threading.Thread(target=self._polls, name="kandevd-runner-poll"),
                    threading.Thread(target=self._reports, name="kandevd-runner-report"),
-                   threading.Thread(target=self._heartbeats, name="kandevd-runner-beat")]
+                   threading.Thread(target=self._heartbeats, name="kandevd-runner-beat"),
+                   threading.Thread(target=self._watch, name="kandevd-runner-fence")]
         for thread in threads:
             thread.start()
         self.stop.wait()
@@ -149,6 +131,8 @@ class RunnerProcess:
         # interrupted and the server re-queues its run; what a last poll hands over is
         # given back unstarted (the stop is set).
         self.runtime.stop()
+        if not self._pending() and not self.refused.is_set():
+            self._goodbye()  # (the server answers the poll it holds at once)
         threads[0].join()
         self._report.set()
         deadline = time.monotonic() + FINAL_REPORT_S
@@ -159,11 +143,17 @@ class RunnerProcess:
             thread.join()
         self.runtime.stop()
         if not self.refused.is_set() and not self._pending():
-            try:  # (every outcome is the server's: it may show this runner offline now)
-                self.client.bye()
-            except (Unreachable, TokenRefused, Rejected):
-                pass  # (silent, it is offline after dead_after_s, as after a crash)
+            self._goodbye()
         return self._refused_code() if self.refused.is_set() else 0
+
+    def _goodbye(self) -> None:
+        """Every outcome is the server's: it may show this runner offline now, and it
+        answers the poll it holds for it at once (said again after a last poll that
+        handed something over)."""
+        try:
+            self.client.bye()
+        except (Unreachable, TokenRefused, Rejected):
+            pass  # (silent, it is offline after dead_after_s, as after a crash)
 
     def _refused_code(self) -> int:
         """75 when another runner home serves this runner's name (try again once it is
@@ -231,7 +221,7 @@ class RunnerProcess:
 
     def _start(self, reservation: Reservation, execution: Execution) -> None:
         run_id, key = execution["run_id"], execution["id"]
-        if not (_SAFE_ID.fullmatch(str(key)) and _SAFE_ID.fullmatch(str(run_id))):
+        if not (SAFE_ID.fullmatch(str(key)) and SAFE_ID.fullmatch(str(run_id))):
             self.runtime.release(reservation)  # (they become file names here)
             log.error("an execution with unusable ids was refused: %r / %r", key, run_id)
             return
@@ -314,7 +304,7 @@ class RunnerProcess:
             return None
         try:
             recorded = self._call(lambda: self.client.end(
-                job.execution["id"], job.execution["run_id"], _ending(ended)))
+                job.execution["id"], job.execution["run_id"], ending_of(ended)))
         except Rejected:
             recorded = False
         if not recorded:
@@ -346,8 +336,7 @@ class RunnerProcess:
     def _heartbeats(self) -> None:
         # (on after a stop, while the last outcomes are reported: the runner is alive)
         next_beat = time.monotonic() + self.heartbeat_s
-        while not self._closed.wait(1.0):
-            self._fence()  # (every second, whatever a request is doing meanwhile)
+        while not self._closed.wait(min(1.0, self.heartbeat_s)):
             if self.refused.is_set():
                 return
             if time.monotonic() < next_beat:
@@ -367,15 +356,29 @@ class RunnerProcess:
                                if execution_id in (answer.get("cancel") or [])
                                else "no longer this runner's (the server ended it)")
 
-    def _fence(self) -> None:
-        """Out of touch for over half of ``dead_after_s``: stop every agent here."""
-        if time.monotonic() - self._last_ok <= self.dead_after_s / 2:
+    def _watch(self) -> None:
+        """The fence, looked at every tenth of ``dead_after_s`` (at most every second)
+        whatever a request is doing meanwhile."""
+        while not self._closed.wait(min(1.0, self.dead_after_s / 10)):
+            self._fence(time.monotonic())
+
+    def _fence(self, now: float) -> None:
+        """Out of touch for over half of ``dead_after_s``: stop every agent here.
+
+        Counted from the sending of the last request that got an answer: the server
+        heard it no earlier, so it counts the silence from no earlier either."""
+        silent = now - self._last_ok
+        if silent <= self.dead_after_s / 2:
             return
         with self._lock:
-            live = [job for job in self._jobs.values() if job.result is None]
+            live = [job for job in self._jobs.values()
+                    if job.result is None and not job.fenced]
+            for job in live:
+                job.fenced = True
         for job in live:
-            self._stop_one(job.execution["id"], "the server was out of reach for "
-                           f"{self.dead_after_s / 2:g}s")
+            self._stop_one(job.execution["id"],
+                           f"the server was out of reach for {silent:.0f}s (more than "
+                           f"half of dead_after_s, {self.dead_after_s:g}s)")
 
     def _stop_one(self, execution_id: str, reason: str) -> None:
         with self._lock:
@@ -387,6 +390,7 @@ class RunnerProcess:
     # -- the server -----------------------------------------------------------------
     def _call(self, request: Callable[[], T]) -> T:
         """One request; an outage is logged once (when it starts and when it ends)."""
+        sent = time.monotonic()
         try:
             answer = request()
         except TokenRefused as exc:
@@ -404,7 +408,8 @@ class RunnerProcess:
                 self._down_since = time.monotonic()
                 log.warning("the server cannot be reached (%s); trying again", exc)
             raise
-        self._last_ok = time.monotonic()
+        with self._lock:  # (several threads ask; the latest sending counts)
+            self._last_ok = max(self._last_ok, sent)
         if self._down_since is not None:
             log.info("the server is reachable again (after %.0fs)",
                      time.monotonic() - self._down_since)
@@ -425,10 +430,3 @@ class RunnerProcess:
     def _backoff(self) -> float:
         down = time.monotonic() - (self._down_since or time.monotonic())
         return min(MAX_BACKOFF_S, max(1.0, down / 4))
-
-
-def _ending(result: ExecutionResult) -> Ending:
-    return {"outcome": result.outcome, "exit_code": result.exit_code,
-            "summary": result.summary, "cost_cents": result.cost_cents,
-            "evaluation": result.evaluation, "error": result.error,
-            "started_at": rfc3339(result.started_at), "ended_at": rfc3339(result.ended_at)}

@@ -254,7 +254,7 @@ def test_a_runner_killed_mid_run_has_its_run_ended_and_the_next_runner_takes_it(
     assert ": error (runner one was silent" in closed
     runners(server, add_runner(daemon, tmp_path / "tokens", "two", "gpu"), "two", profiles)
     ended = daemon.wait_until(done(daemon, run["id"]), what="the second attempt")
-    assert (ended["status"], ended["attempt"]) == ("finished", 2)
+    assert (ended["status"], ended["attempt"]) == ("finished", 2), daemon.log_text[-6000:]
     assert "second attempt" in Path(ended["log_path"]).read_text()
 
 
@@ -572,7 +572,7 @@ def test_over_https_a_runner_trusts_only_the_ca_it_is_given(
     clear = runners(server.replace("https://", "http://"), token, "clear", {}, start=False)
     clear.start(wait_ready=False)
     said = clear.wait_for_line("the server cannot be reached")
-    assert "is reached at an https:// URL" in said, said
+    assert "if the gateway has tls_cert set, use an https:// URL" in said, said
     # A --ca-file that cannot be used is said as such (not as a problem with the home).
     garbage = tmp_path / "garbage.pem"
     garbage.write_text("not a certificate\n")

@@ -4,6 +4,7 @@ claims for a runner, the log's offsets, outcomes recorded once, silent runners."
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -160,6 +161,29 @@ def test_a_silent_runner_has_its_claims_rescued_and_its_late_report_changes_noth
     assert env.queue.get(run_id).status == "queued"
     cancel, unknown = remote.heartbeat(box, [{"id": handed["id"], "run_id": run_id}])
     assert (cancel, unknown) == ([], [handed["id"]])  # stop it: it is not yours
+
+
+def test_a_poll_held_for_a_runner_gone_silent_hands_it_nothing(env: OfficeEnv) -> None:
+    """A poll the server holds is no sign of life: once the runner is silent for
+    dead_after_s its runs are rescued, and the poll it left waiting does not take them
+    again (they would go into a dead connection and be rescued once more, each time an
+    attempt counted)."""
+    ticks = Ticks()
+    remote = remote_runs(env, ticks, dead_after_s=30)
+    box = runner(env, "box", "gpu")
+    run_id = enqueue(env, "gpu1")
+    [handed] = remote.poll(box, 0)
+    answers: list[list[Execution]] = []
+    held = threading.Thread(target=lambda: answers.append(remote.poll(box, 1000)))
+    held.start()  # (its machine dies now: no heartbeat, no end)
+    ticks.now += 31
+    env.clock.advance(seconds=31)
+    assert remote.watch() == 1
+    held.join(timeout=30)
+    assert answers == [[]]
+    run = env.queue.get(run_id)
+    assert (run.status, run.attempt) == ("queued", 1), run
+    assert handed["run_id"] == run_id
 
 
 def test_a_runner_another_daemon_hears_from_is_not_silent(env: OfficeEnv) -> None:

@@ -66,9 +66,9 @@ def serve(home: str | None, config_path: str | None, log_format: str,
     except ConfigError as exc:
         click.echo(f"kandevd: bad config: {exc}", err=True)
         sys.exit(exits.CONFIG)
-    from kandevd.store.backend import backend_problem
+    from kandevd.app.preflight import startup_problem
 
-    problem = backend_problem(config)
+    problem = startup_problem(config)
     if problem is not None:
         click.echo(f"kandevd: bad config: {config.source or 'config'}: {problem}", err=True)
         sys.exit(exits.CONFIG)
@@ -91,7 +91,12 @@ def call(method: str, params_json: str, home: str | None, socket_path: str | Non
     error answer prints the JSON-RPC error object on stderr (exit 1).
     """
     if params_json == "-":
-        params_json = click.get_text_stream("stdin").read()
+        raw = click.get_binary_stream("stdin").read()
+        try:
+            params_json = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise click.BadParameter(f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at "
+                                     f"offset {exc.start})", param_hint="PARAMS_JSON") from None
     try:
         params = jsonstrict.loads(params_json)
     except ValueError as exc:

@@ -41,14 +41,9 @@ def validate(home: str | None, config_path: str | None) -> None:
             click.echo(f"invalid: {problem}", err=True)
         click.echo("workflows not checked: the config is invalid", err=True)
         sys.exit(exits.ERROR)
-    from kandevd.app.webconsole import ConsoleTlsError, load_tls
-    from kandevd.store.backend import backend_problem
+    from kandevd.app.preflight import startup_problem
 
-    problem = backend_problem(config)
-    try:
-        load_tls(config)
-    except ConsoleTlsError as exc:
-        problem = str(exc)
+    problem = startup_problem(config)
     if problem is not None:
         click.echo(f"invalid: {config.source or 'config'}: {problem}", err=True)
         click.echo("workflows not checked: the config is invalid", err=True)

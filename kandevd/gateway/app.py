@@ -169,12 +169,21 @@ def _body(environ: dict[str, Any], limit: int = MAX_BODY) -> bytes:
 def _json(environ: dict[str, Any]) -> dict[str, Any]:
     raw = _body(environ)
     try:
-        value = json.loads(raw.decode("utf-8")) if raw else {}
-    except (UnicodeDecodeError, ValueError):
-        raise Refused(400, "the body is not JSON") from None
+        value = json.loads(raw.decode("utf-8"), parse_constant=_no_constant) if raw else {}
+    except (UnicodeDecodeError, ValueError) as exc:
+        why = f" ({exc})" if isinstance(exc, NotJSON) else ""
+        raise Refused(400, f"the body is not JSON{why}") from None
     if not isinstance(value, dict):
         raise Refused(400, "the body must be a JSON object")
     return value
+
+
+class NotJSON(ValueError):
+    """A constant Python's parser takes but JSON has not (a number that is no number)."""
+
+
+def _no_constant(name: str) -> Any:
+    raise NotJSON(f"{name} is not a JSON number")
 
 
 def _held(body: dict[str, Any]) -> list[Held]:

@@ -56,6 +56,9 @@ BAD_CONFIGS: list[tuple[str, bytes, str]] = [
      "agents.default.command: 'echo hi' is not of type 'array', 'null'"),
     ("not-yaml", b"queue: [unclosed\n", "not valid YAML: line 2, column 1: "),
     ("not-a-mapping", b"- 1\n- 2\n", "<root>: [1, 2] is not of type 'object'"),
+    # (a runner must be able to stop its agents in half of it, and heartbeat a quarter)
+    ("gateway-dead-after-tiny", b"gateway:\n  dead_after_s: 0.001\n",
+     "gateway.dead_after_s: 0.001 is less than the minimum of 2"),
 ]
 
 
@@ -203,3 +206,16 @@ def test_a_directory_where_the_homes_config_belongs_is_refused_not_ignored(
     home = tmp_path / "home"
     (home / "kandevd.yaml").mkdir(parents=True)
     assert_both_refuse(home, None, "cannot read config: is a directory, not a file")
+
+
+@pytest.mark.parametrize("section", ["web", "gateway"])
+def test_a_certificate_that_cannot_be_used_is_refused_alike_before_the_home(
+        tmp_path: Path, section: str) -> None:
+    """The console's and the gateway's TLS files are read before the home is made: one
+    line from both commands, naming the section's keys."""
+    config = tmp_path / "tls.yaml"
+    config.write_text(f"{section}:\n  listen: 127.0.0.1:0\n"
+                      f"  tls_cert: {tmp_path / 'missing.crt'}\n"
+                      f"  tls_key: {tmp_path / 'missing.key'}\n")
+    assert_both_refuse(tmp_path / "home", config,
+                       f"{section}.tls_cert {str(tmp_path / 'missing.crt')!r}")

@@ -97,6 +97,17 @@ def test_call_exit_codes_0_and_1(daemon_factory: Callable[..., DaemonProcess]) -
     not_json = run_cli(daemon.home, "call", "daemon.status", "{oops")
     assert not_json.returncode == 2 and "not valid JSON" in not_json.stderr  # a usage error
 
+    from_stdin = subprocess.run([sys.executable, "-m", "kandevd", "call", "runs.list", "-",
+                                 "--home", str(daemon.home)], input=b'{"limit": 1}',
+                                capture_output=True, timeout=60)
+    assert from_stdin.returncode == 0 and "items" in json.loads(from_stdin.stdout)
+    not_utf8 = subprocess.run([sys.executable, "-m", "kandevd", "call", "runs.list", "-",
+                               "--home", str(daemon.home)], input=b"\xff\xfe",
+                              capture_output=True, timeout=60)
+    said = not_utf8.stderr.decode()
+    assert not_utf8.returncode == 2 and "Traceback" not in said, said
+    assert "not UTF-8 text (byte 0xff at offset 0)" in said, said
+
 
 def test_call_exits_69_when_no_daemon_listens(tmp_path: Path) -> None:
     home = tmp_path / "nobody-home"

@@ -17,7 +17,7 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime, time, timedelta
 from functools import cache
 from importlib import resources
 from typing import Any
@@ -231,12 +231,41 @@ def next_occurrence(schedule: ProductSchedule, after: datetime) -> datetime | No
 
 
 def _cadence_slot(schedule: ProductSchedule, after: datetime) -> datetime:
+    """The slot a cadence gives after a run that started at ``after`` (or a schedule
+    first seen then): ``cadence_hours`` later; with a preferred hour, see
+    :func:`_preferred_cadence_slot`."""
     assert schedule.cadence_hours is not None
+    if schedule.preferred_hour is not None:
+        return _preferred_cadence_slot(schedule, _utc(after))
     try:
-        at = after + timedelta(hours=schedule.cadence_hours)
+        return _utc(after) + timedelta(hours=schedule.cadence_hours)
     except OverflowError:
         return _NEVER
-    return preferred_slot(schedule, at)
+
+
+def _preferred_cadence_slot(schedule: ProductSchedule, start: datetime) -> datetime:
+    """A cadence with a preferred hour counts whole days on the zone's wall clock: the
+    preferred hour ``ceil(cadence_hours / 24)`` days after the day of the slot ``start``
+    belongs to (the last preferred hour at or before it), a day later when that is less
+    than half of ``cadence_hours`` after ``start`` (a run that caught up, overdue, just
+    before the hour). So a run that started late (milliseconds, or hours held by the
+    quiet rule) or a day of 23 hours does not push a daily cadence to every other day."""
+    assert schedule.cadence_hours is not None and schedule.preferred_hour is not None
+    days = max(1, math.ceil(schedule.cadence_hours / 24))
+    zone = parse_timezone(schedule.timezone)
+    wall = start.astimezone(zone).replace(tzinfo=None)
+    day = wall.date() if wall.hour >= schedule.preferred_hour \
+        else wall.date() - timedelta(days=1)
+    try:
+        for later in (days, days + 1):
+            moment = datetime.combine(day + timedelta(days=later), time(schedule.preferred_hour))
+            slot = preferred_slot(schedule, min(moment.replace(tzinfo=zone, fold=fold)
+                                                .astimezone(UTC) for fold in (0, 1)))
+            if slot - start >= timedelta(hours=schedule.cadence_hours / 2):
+                return slot
+    except OverflowError:
+        return _NEVER
+    return slot
 
 
 def decide(schedule: ProductSchedule, state: ScheduleState, now: datetime,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 from datetime import UTC, datetime, time, timedelta
 from importlib import resources
@@ -352,7 +353,23 @@ schedules = st.one_of(cron_schedules(), cadence_schedules())
 def regular_slot(schedule: ProductSchedule, last: datetime) -> datetime:
     if schedule.cron_expression is not None:
         return next_fire_times(schedule.trigger, last, 1)[0]
-    return ps.preferred_slot(schedule, last + timedelta(hours=schedule.cadence_hours))
+    return cadence_oracle(schedule, last)
+
+
+def cadence_oracle(schedule: ProductSchedule, last: datetime) -> datetime:
+    """A cadence's slot after ``last`` by the rule of docs/scheduling.md, from the zone's
+    wall clock read instant by instant (not from the cron trigger the code uses)."""
+    if schedule.preferred_hour is None:
+        return last + timedelta(hours=schedule.cadence_hours)
+    zone, hour = ZoneInfo(schedule.timezone), schedule.preferred_hour
+    days = max(1, math.ceil(schedule.cadence_hours / 24))
+    wall = last.astimezone(zone).replace(tzinfo=None)
+    day = wall.date() if wall.hour >= hour else wall.date() - timedelta(days=1)
+    soon = oracle_first_instant(datetime.combine(day + timedelta(days=days), time(hour)), zone)
+    if soon - last >= timedelta(hours=schedule.cadence_hours / 2):
+        return soon
+    return oracle_first_instant(datetime.combine(day + timedelta(days=days + 1), time(hour)),
+                                zone)
 
 
 @PROPERTY
@@ -430,15 +447,6 @@ def oracle_first_instant(wall: datetime, zone: ZoneInfo) -> datetime:
     return moment
 
 
-def oracle_slot(base: datetime, hour: int, zone: ZoneInfo) -> datetime:
-    day = base.astimezone(zone).date() - timedelta(days=1)
-    while True:
-        candidate = oracle_first_instant(datetime.combine(day, time(hour)), zone)
-        if candidate >= base:
-            return candidate
-        day += timedelta(days=1)
-
-
 transition_days = st.sampled_from([
     datetime(2026, 3, 29, tzinfo=UTC), datetime(2026, 10, 25, tzinfo=UTC),  # Berlin
     datetime(2026, 3, 8, tzinfo=UTC), datetime(2026, 11, 1, tzinfo=UTC),    # New York
@@ -457,13 +465,11 @@ def test_cadence_slots_land_at_the_preferred_local_hour(schedule, moment, ran, d
             if schedule.cadence_hours <= 48 else 0
         last = moment - timedelta(hours=min(offset, schedule.cadence_hours))
         state, now = ScheduleState(last_run_at=last, last_status="success"), last
-        base = last + timedelta(hours=schedule.cadence_hours)
     else:
         state, now = ScheduleState(), moment
-        base = moment + timedelta(hours=schedule.cadence_hours)
     decision = decide(schedule, state, now)
     zone = ZoneInfo(schedule.timezone)
-    expected = oracle_slot(base, schedule.preferred_hour, zone)
+    expected = cadence_oracle(schedule, now)
     assert decision == Decision(False, expected, "regular_slot" if ran else "first_slot")
     local = decision.next_at.astimezone(zone)
     wall = datetime.combine(local.date(), time(schedule.preferred_hour))
@@ -473,7 +479,39 @@ def test_cadence_slots_land_at_the_preferred_local_hour(schedule, moment, ran, d
         assert local.replace(tzinfo=None) > wall
         assert (decision.next_at - timedelta(seconds=1)).astimezone(zone) \
             .replace(tzinfo=None) < wall
-    assert base <= decision.next_at < base + timedelta(hours=25)
+    # whole days of the wall clock after the slot the start belongs to, a day more at most
+    days = max(1, math.ceil(schedule.cadence_hours / 24))
+    assert now + timedelta(hours=schedule.cadence_hours / 2) <= decision.next_at \
+        < now + timedelta(days=days + 1, hours=2)
+
+
+def test_a_daily_cadence_at_a_preferred_hour_runs_every_day():
+    """From the slot the run belonged to: a start a few milliseconds late, or held hours
+    by the quiet rule, or a 23-hour day, does not skip a day; an overdue run just before
+    the hour does not get a second one an hour later."""
+    daily = cadence(24, preferred_hour=9, timezone="Europe/Paris")
+
+    def after(start: str) -> datetime:
+        ran = ScheduleState(last_run_at=at(start), last_status="success")
+        return decide(daily, ran, at(start)).next_at
+
+    assert after("2026-12-07T08:00:00.050000+00:00") == at("2026-12-08T09:00:00+01:00")
+    assert after("2026-12-07T13:00:00+00:00") == at("2026-12-08T09:00:00+01:00")  # held
+    assert after("2026-12-08T07:00:00+00:00") == at("2026-12-09T09:00:00+01:00")  # overdue
+    # spring forward on Sunday 2027-03-28: Saturday 09:00 + one day of wall clock
+    assert after("2027-03-27T08:00:00.2+00:00") == at("2027-03-28T09:00:00+02:00")
+    weekly = cadence(168, preferred_hour=9, timezone="Europe/Paris")
+    assert decide(weekly, ScheduleState(last_run_at=at("2026-12-07T08:00:01+00:00"),
+                                        last_status="success"),
+                  at("2026-12-07T08:00:01+00:00")).next_at == at("2026-12-14T09:00:00+01:00")
+    # jobs.next, as if each ran on time: one a day
+    state = ScheduleState(last_run_at=at("2026-12-07T08:00:00.05+00:00"), last_status="success")
+    slots = []
+    for _ in range(3):
+        slots.append(decide(daily, state, state.last_run_at).next_at)
+        state = ScheduleState(last_run_at=slots[-1] + timedelta(milliseconds=30),
+                              last_status="success")
+    assert slots == [at(f"2026-12-{day}T09:00:00+01:00") for day in ("08", "09", "10")]
 
 
 def test_cadence_preferred_hour_dst_examples():

@@ -44,17 +44,21 @@ _Loader.add_implicit_resolver(
     list("-+.0123456789"))
 
 
-def read_text(path: Path, what: str = "") -> str:
+def read_text(path: Path, what: str = "", *, regular_only: bool = False) -> str:
     """The file's text (UTF-8, at most :data:`MAX_YAML_BYTES`); YamlError says why not.
 
     ``what`` names the file in "cannot read ..." (``cannot read config: ...``).
-    A directory is refused before it is opened; a pipe (``--config <(...)``) is read.
+    A directory is refused before it is opened; a pipe (``--config <(...)``) is read,
+    unless ``regular_only``: a file a loop reads again and again (a product's) must
+    not block it on a FIFO nobody writes.
     """
     label = f"cannot read {what}".rstrip()
     try:
         info = os.stat(path)
         if stat.S_ISDIR(info.st_mode):
             raise YamlError(f"{label}: is a directory, not a file")
+        if regular_only and not stat.S_ISREG(info.st_mode):
+            raise YamlError(f"{label}: not a regular file (a FIFO, a socket or a device)")
         if stat.S_ISREG(info.st_mode) and info.st_size > MAX_YAML_BYTES:
             raise YamlError(f"larger than {MAX_YAML_BYTES} bytes")
         with open(path, "rb") as handle:
@@ -94,9 +98,9 @@ def loads(text: str) -> Any:
         loader.dispose()
 
 
-def load_file(path: Path, what: str = "") -> Any:
+def load_file(path: Path, what: str = "", *, regular_only: bool = False) -> Any:
     """Safe-load one YAML file; YamlError says where (with the line) and why."""
-    return loads(read_text(path, what))
+    return loads(read_text(path, what, regular_only=regular_only))
 
 
 _BOOL_TAG = "tag:yaml.org,2002:bool"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import os
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
@@ -81,10 +82,10 @@ def _json_safe(document: Any) -> Any:
 
 def load_product(folder: Path) -> tuple[Product | None, list[Problem]]:
     path = folder / PRODUCT_FILE
-    if not path.is_file():
+    if not os.path.lexists(path):
         return None, [Problem(str(path), "missing: a product folder needs a product.yaml")]
     try:
-        document = _json_safe(load_yaml(path))
+        document = _json_safe(load_yaml(path, regular_only=True))
     except (YamlError, ValueError) as exc:
         return None, [Problem(str(path), str(exc))]
     found = validation_problems(_validator(), document, noun="field")
@@ -184,10 +185,10 @@ def read_users(root: Path) -> tuple[list[User] | None, list[Problem]]:
 
 def _read_users(root: Path) -> tuple[list[User] | None, list[Problem]]:
     path = root / USERS_FILE
-    if not path.exists():
+    if not os.path.lexists(path):
         return [LOCAL], []
     try:
-        document = _json_safe(load_yaml(path))
+        document = _json_safe(load_yaml(path, regular_only=True))
     except (YamlError, ValueError) as exc:
         return None, [Problem(str(path), str(exc))]
     if not isinstance(document, list):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -116,3 +117,19 @@ def test_a_repeated_schedule_id_is_said_with_the_files_other_problems(tmp_path: 
     found = messages(tmp_path)
     assert any("profile.id: 5 is not of type 'string'" in p for p in found)
     assert any("schedule 'a': id: used twice in this product" in p for p in found)
+
+
+def test_a_fifo_product_or_user_file_is_a_problem_never_opened(tmp_path: Path) -> None:
+    """A FIFO nobody writes would block the cron loop's reload (and validate) for ever:
+    it is named as not a regular file, without being opened."""
+    product = tmp_path / "products" / "helper" / "product.yaml"
+    product.parent.mkdir(parents=True)
+    os.mkfifo(product)
+    [problem] = messages(tmp_path)
+    assert problem == f"{product}: cannot read: not a regular file (a FIFO, a socket or a " \
+        "device)"
+    users = tmp_path / "users.yaml"
+    os.mkfifo(users)
+    found, problems = catalog.read_users(tmp_path)
+    assert found is None and [str(p) for p in problems] == [
+        f"{users}: cannot read: not a regular file (a FIFO, a socket or a device)"]

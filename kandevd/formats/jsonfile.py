@@ -14,6 +14,9 @@ pause, decisions, manifests, product state) goes through :class:`JsonFile`:
   is logged and handed to the ``on_corrupt`` reporter, and the caller starts
   from the default. Callers that must not start over (a manifest: its other
   keys are the user's) use :meth:`JsonFile.read_strict`, which raises instead.
+  A file that cannot be read now (no permission, no file descriptor left, an I/O
+  error) is no corrupt file: :class:`JsonFileUnreadable` (an ``OSError``) is
+  raised and the file left where it is, as a write that fails is.
 """
 
 from __future__ import annotations
@@ -46,6 +49,11 @@ LOCK_TIMEOUT_S = 30.0
 
 class JsonFileError(Exception):
     """A JSON file that cannot be read or written; the message names the path."""
+
+
+class JsonFileUnreadable(JsonFileError, OSError):
+    """The file is there but cannot be read now (permissions, resources, I/O): it is
+    left alone, never moved aside; callers treat it as a failed write."""
 
 
 @dataclass(frozen=True)
@@ -182,7 +190,8 @@ class JsonFile:
 
     # -- reading -----------------------------------------------------------------
     def read_strict(self) -> Any:
-        """The parsed content; FileNotFoundError when absent, JsonFileError when unparsable."""
+        """The parsed content; FileNotFoundError when absent, JsonFileError when unparsable
+        (JsonFileUnreadable when it cannot be read now)."""
         try:
             if not stat.S_ISREG(self.path.stat().st_mode):  # a FIFO would block the reader
                 raise JsonFileError(f"{self.path}: not a regular file")
@@ -191,8 +200,11 @@ class JsonFile:
             raise JsonFileError(f"{self.path}: not UTF-8 text: {exc.reason}") from None
         except FileNotFoundError:
             raise
-        except OSError as exc:
+        except IsADirectoryError as exc:
             raise JsonFileError(f"{self.path}: cannot read: {exc.strerror or exc}") from None
+        except OSError as exc:
+            raise JsonFileUnreadable(f"{self.path}: cannot read: {exc.strerror or exc}") \
+                from None
         try:
             return loads(text)
         except RecursionError:
@@ -215,6 +227,8 @@ class JsonFile:
             value = self.read_strict()
         except FileNotFoundError:
             return copy.deepcopy(default)
+        except JsonFileUnreadable:
+            raise  # (there, and maybe fine: nothing is moved or started afresh)
         except JsonFileError as exc:
             self._move_aside(str(exc))
             return copy.deepcopy(default)

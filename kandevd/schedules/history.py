@@ -301,9 +301,21 @@ class History:
         self.cap = cap
 
     def entries(self) -> list[Any]:
+        """Every entry; OSError (JsonFileUnreadable) when the file is there but cannot
+        be read now (it is left alone)."""
         if not self.file.path.exists():  # the common case at start: no lock file made
             return []
         return self.file.read([], expect=list)
+
+    def entries_to_seed(self) -> list[Any]:
+        """The entries a job's counts start from; none (said once per read) when the
+        file cannot be read now: the job runs on, its counts from nothing, and the file
+        is left as it is (a write that follows fails the same way and says so)."""
+        try:
+            return self.entries()
+        except OSError as exc:
+            log.warning("%s; the jobs it records start their counts from nothing", exc)
+            return []
 
     def _update(self, mutate: Callable[[list[Any]], Any]) -> list[Any]:
         def apply(entries: list[Any]) -> list[Any]:
@@ -356,7 +368,7 @@ class History:
         Returns the entries (after the repair) and the ids of those repaired; the
         file is read once and written only when something was left running.
         """
-        entries = self.entries()
+        entries = self.entries_to_seed()
         if not any(left_running(e) for e in entries):
             return entries, []
         repaired: list[str] = []
@@ -364,7 +376,11 @@ class History:
         def fix(current: list[Any]) -> None:
             repaired[:] = [str(e.get("id")) for e in current if left_running(e)]
             interrupt(current, now, RESTART_ERROR)
-        return self._update(fix), repaired
+        try:
+            return self._update(fix), repaired
+        except OSError as exc:  # (the entries stay running until a start can write them)
+            log.warning("%s; the sessions it shows running are not marked interrupted", exc)
+            return entries, []
 
 
 def latest_by_schedule(entries: Iterable[Any]) -> dict[str, list[HistoryEntry]]:

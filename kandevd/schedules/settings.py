@@ -153,6 +153,8 @@ class PauseState:
         self.file = JsonFile(root / PAUSE_FILE, on_corrupt=self._moved_aside)
         self._seen: tuple[Any, Pause] | None = None
         self._unreadable: CorruptFile | None = None
+        #: The file is there but could not be read at the last look (said once).
+        self._cannot_read = False
         self._reading = threading.Lock()
         #: Paused or not as last read or written here (None: not yet): a change made
         #: by editing the file is said in the log as the methods' changes are.
@@ -171,7 +173,8 @@ class PauseState:
         if seen is not None and seen[0] == key:
             return Pause(**seen[1])
         state = self._read()
-        self._seen = (stat_key(self.file.path), state)
+        # (a file that could not be read is read again next time: a chmod changes no key)
+        self._seen = None if self._cannot_read else (stat_key(self.file.path), state)
         return Pause(**state)
 
     def _read(self) -> Pause:
@@ -188,7 +191,21 @@ class PauseState:
 
     def _read_locked(self) -> Pause:
         self._unreadable = None
-        stored = self.file.read({}, expect=dict)
+        try:
+            stored = self.file.read({}, expect=dict)
+        except OSError as exc:  # there, but unreadable now: left as it is, and paused
+            if not self._cannot_read:  # (read again at every look, said once)
+                log.error("scheduler paused: %s; whether it was paused is unknown, no "
+                          "schedule fires until it can be read", exc)
+            self._cannot_read = True
+            state = _default_pause()
+            state["globally_paused"] = True
+            state["paused_by"] = f"kandevd: {PAUSE_FILE} cannot be read now " \
+                                 f"({str(exc).rsplit(': ', 1)[-1]})"
+            return state
+        if self._cannot_read:
+            self._cannot_read = False
+            log.info("%s can be read again", self.file.path)
         if self._unreadable is not None:
             aside = Path(self._unreadable.moved_to).name
             by = f"kandevd: {PAUSE_FILE} could not be read (moved aside to {aside})"

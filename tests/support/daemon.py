@@ -56,6 +56,8 @@ class DaemonProcess:
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.args = args or []
         self.proc: subprocess.Popen[str] | None = None
+        #: Run in the child before exec (``as_ordinary_user()``: file modes bind it).
+        self.preexec_fn: Callable[[], None] | None = None
         self.lines: list[str] = []
         self._cond = threading.Condition()
         self._reader: threading.Thread | None = None
@@ -67,7 +69,7 @@ class DaemonProcess:
             [sys.executable, "-m", "kandevd", self.command, "--home", str(self.home),
              *self.args],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-            text=True, env=self.env, start_new_session=True,
+            text=True, env=self.env, start_new_session=True, preexec_fn=self.preexec_fn,
         )
         self._reader = threading.Thread(target=self._read, args=(self.proc,), daemon=True)
         self._reader.start()

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from kandevd.formats.jsonfile import CorruptFile, JsonFile, JsonFileError
+from tests.support.daemon import as_ordinary_user
 
 
 def test_write_then_read_round_trips_and_leaves_no_temp_file(tmp_path: Path) -> None:
@@ -109,3 +112,32 @@ def test_a_cached_list_is_written_one_item_per_line_and_replaced_items_are_re_en
         return items
     cached.update(finish, [], expect=list)
     assert path.read_text().splitlines() == ["[", '{"id": 1, "s": "done"},', '{"id": 0}', "]"]
+
+
+def test_a_file_that_cannot_be_read_now_is_left_alone_never_moved_aside(
+        tmp_path: Path) -> None:
+    """No permission (or no file descriptor left, an I/O error) is not corruption: read
+    and update raise JsonFileUnreadable, an OSError, and the file stays where it is.
+    (In a child bound by file modes: root reads any mode otherwise.)"""
+    target = tmp_path / "state.json"
+    target.write_text('{"kept": true}')
+    target.chmod(0o000)
+    probe = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from kandevd.formats.jsonfile import JsonFile, JsonFileUnreadable\n"
+        f"f = JsonFile(Path({str(target)!r}))\n"
+        "for call in (lambda: f.read({}), lambda: f.update(lambda v: v, {})):\n"
+        "    try:\n"
+        "        call()\n"
+        "    except JsonFileUnreadable as exc:\n"
+        "        assert isinstance(exc, OSError)\n"
+        "        print('unreadable:', exc)\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          preexec_fn=as_ordinary_user(), timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [f"unreadable: {target}: cannot read: Permission "
+                                        "denied"] * 2
+    target.chmod(0o600)
+    assert target.read_text() == '{"kept": true}'
+    assert [p.name for p in tmp_path.iterdir() if "corrupt" in p.name] == []

@@ -184,7 +184,7 @@ class ProductSource:
             return job
         job.state = state_from_file(stored.get(spec.state_key))
         job.state.last_success_at = last_success(
-            [e for e in self.history(job).entries()
+            [e for e in self.history(job).entries_to_seed()
              if isinstance(e, dict) and e.get("schedule_id") == spec.schedule.id])
         missed = job.state.next_fire
         # (a jittered occurrence's time is its start: one still ahead waits for it)

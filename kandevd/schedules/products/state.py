@@ -17,6 +17,7 @@ absent means the default.
 
 from __future__ import annotations
 
+import logging
 import re
 import uuid
 from collections.abc import Callable
@@ -28,6 +29,8 @@ from kandevd.formats.jsonfile import CorruptReporter, JsonFile
 from kandevd.schedules.history import History, PendingWrites
 from kandevd.schedules.jobs import JobFacts
 from kandevd.timeutil import parse_rfc3339, rfc3339, utc_now
+
+log = logging.getLogger("kandevd.scheduler.products")
 
 USERS_DIR = "_users"
 HISTORY_CAP = 200
@@ -74,9 +77,16 @@ class UserState:
                              "product-schedules.json", on_corrupt=on_corrupt)
 
     def read(self) -> UserFile:
+        """The user's bookkeeping; none (logged) while the file is there but cannot be
+        read: its jobs start from nothing and it is left as it is (writing it then fails
+        the same way and is said too: nothing in it is replaced)."""
         if not self.file.path.exists():
             return {"schedules": {}, "activity": {}}
-        return _shaped(self.file.read({}, expect=dict))
+        try:
+            return _shaped(self.file.read({}, expect=dict))
+        except OSError as exc:
+            log.warning("%s; the user's product jobs start from nothing", exc)
+            return {"schedules": {}, "activity": {}}
 
     def update(self, change: Callable[[UserFile], None]) -> UserFile:
         def apply(stored: dict[str, Any]) -> UserFile:

@@ -74,7 +74,10 @@ class WorkflowProgram:
     def run_turns(self, session: Session) -> tuple[str, str | None]:
         schedule = self.schedule
         decisions = Decisions(self.workflow.folder, on_corrupt=self._on_corrupt)
-        answered = decisions.answered()
+        try:
+            answered = decisions.answered()
+        except OSError as exc:  # (there but unreadable now: no turn runs without them)
+            return hist.ERROR, f"{exc}; no turn was started"
         if answered:
             turn = self._turn(session, "preflight", PREFLIGHT_MESSAGE, "workshop", RUN_FOLDER,
                               answered)

@@ -151,7 +151,7 @@ class WorkflowSource:
             return {}
         history = self.history_of(workflow)
         if now is None:
-            return hist.latest_by_schedule(history.entries())
+            return hist.latest_by_schedule(history.entries_to_seed())
         return hist.latest_by_schedule(self.parts.stranded.mark(
             history, now, lambda e: workflow_job_id(workflow.name, str(e.get("schedule_id")))))
 
@@ -161,7 +161,7 @@ class WorkflowSource:
         job = Job(spec.key, spec, self)
         previous = old.get(spec.key)
         if previous is None:  # (new in an edit: seeded from its history, as at start)
-            entries = hist.latest_by_schedule(self.history_of(workflow).entries())
+            entries = hist.latest_by_schedule(self.history_of(workflow).entries_to_seed())
             job.state = seed_state(entries.get(schedule.id, []))
             job.state.next_fire = next_fire(schedule, now)
             return job

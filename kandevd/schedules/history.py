@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 from kandevd.formats.jsonfile import CorruptReporter, JsonFile
+from kandevd.schedules.entryshape import shaped
 from kandevd.timeutil import parse_rfc3339, rfc3339
 
 log = logging.getLogger("kandevd.scheduler.history")
@@ -136,11 +137,12 @@ class HistoryPage(TypedDict):
 
 def page(entries: list[Any], *, schedule_id: str | None, limit: int, offset: int
          ) -> HistoryPage:
-    """One page of the entries of ``schedule_id`` (all when None), newest first."""
+    """One page of the entries of ``schedule_id`` (all when None), newest first, each
+    field of a hand-edited entry of its documented type (:func:`shaped`)."""
     chosen = [e for e in entries if isinstance(e, dict)
               and (schedule_id is None or e.get("schedule_id") == schedule_id)]
-    return {"items": chosen[offset:offset + limit], "total": len(chosen), "limit": limit,
-            "offset": offset}
+    return {"items": [shaped(e) for e in chosen[offset:offset + limit]],
+            "total": len(chosen), "limit": limit, "offset": offset}
 
 
 def interrupt(entries: list[Any], now: datetime, error: str) -> int:

@@ -199,7 +199,9 @@ def outcome_after_restart(entry: HistoryEntry) -> tuple[str, str | None] | None:
             return ERROR, RESTART_ERROR
         if status == STOPPED:
             return STOPPED, error
-        return ERROR, f"{turn.get('kind')} turn {turn.get('index', position)} failed: {error}"
+        index = turn.get("index")
+        number = (index if isinstance(index, int) else position) + 1  # (as a live session says)
+        return ERROR, f"{turn.get('kind')} turn {number} failed: {error}"
     return SUCCESS, None
 
 

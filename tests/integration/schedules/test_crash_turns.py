@@ -199,7 +199,7 @@ def test_an_adopted_turn_that_fails_is_a_failure_told_and_counted(
     daemon.kill_daemon_only()
     daemon.start()
     entry = adopted_and_released(daemon, record)
-    assert (entry["status"], entry["error"]) == ("error", "message turn 0 failed: exit code 1")
+    assert (entry["status"], entry["error"]) == ("error", "message turn 1 failed: exit code 1")
     job = daemon.wait_until(lambda: (j := daemon.call("scheduler.jobs.get", {"id": JOB}))[
         "state"] == "disabled" and j, what="paused after the failure")
     assert (job["last_status"], job["consecutive_failures"]) == ("error", 1)
@@ -272,7 +272,7 @@ def test_with_adoption_off_a_live_turn_is_stopped_first_then_recorded(
     assert turn["status"] == "error" and turn["output"] == "did HOLD"
     assert turn["error"].endswith("(the daemon had restarted)")
     assert (entry["status"], entry["error"]) == ("error",
-                                                 f"message turn 0 failed: {turn['error']}")
+                                                 f"message turn 1 failed: {turn['error']}")
     assert leftovers(daemon) == []
     Path(str(record) + ".release").touch()
     daemon.call("scheduler.jobs.trigger", {"id": JOB})  # the job runs again at once

@@ -62,7 +62,7 @@ def test_a_run_left_behind_ends_as_its_turns_ended() -> None:
     assert hist.outcome_after_restart(entry(("message", "error", lost))) == ("error", lost)
     assert hist.outcome_after_restart(entry(("message", "success", None),
                                             ("report", "error", "exit code 3"))) == (
-        "error", "report turn 1 failed: exit code 3")
+        "error", "report turn 2 failed: exit code 3")
     assert hist.outcome_after_restart(entry(("message", "stopped", "stopped: x"))) == (
         "stopped", "stopped: x")
     assert hist.outcome_after_restart(entry(("message", "running", None))) is None

@@ -88,9 +88,9 @@ class CorruptFiles:
             return list(self._reports)
 
 
-def loads(text: str) -> Any:
+def loads(text: str, *, unique_keys: bool = False) -> Any:
     """Strict JSON (see :mod:`kandevd.formats.jsonstrict`): what kandevd reads it can write back."""
-    return jsonstrict.loads(text)
+    return jsonstrict.loads(text, unique_keys=unique_keys)
 
 
 def dumps(value: Any, indent: int | None = 2) -> str:
@@ -189,9 +189,10 @@ class JsonFile:
         return FileLock(str(self.lock_path), timeout=LOCK_TIMEOUT_S)
 
     # -- reading -----------------------------------------------------------------
-    def read_strict(self) -> Any:
+    def read_strict(self, *, unique_keys: bool = False) -> Any:
         """The parsed content; FileNotFoundError when absent, JsonFileError when unparsable
-        (JsonFileUnreadable when it cannot be read now)."""
+        (JsonFileUnreadable when it cannot be read now). ``unique_keys``: a key given
+        twice in one object is unparsable too (a file edited by hand)."""
         try:
             if not stat.S_ISREG(self.path.stat().st_mode):  # a FIFO would block the reader
                 raise JsonFileError(f"{self.path}: not a regular file")
@@ -206,7 +207,7 @@ class JsonFile:
             raise JsonFileUnreadable(f"{self.path}: cannot read: {exc.strerror or exc}") \
                 from None
         try:
-            return loads(text)
+            return loads(text, unique_keys=unique_keys)
         except RecursionError:
             raise JsonFileError(f"{self.path}: not valid JSON: nested too deeply") from None
         except ValueError as exc:

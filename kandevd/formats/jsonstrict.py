@@ -38,15 +38,31 @@ def _float(text: str) -> float:
     return value
 
 
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in found:
+            raise StrictJsonError(f"key {key[:60]!r} appears twice in one object (a JSON "
+                                  "reader keeps the last one and drops the first)")
+        found[key] = value
+    return found
+
+
 #: One decoder for every call (``json.loads`` with options builds a new one each time).
 _DECODER = json.JSONDecoder(parse_constant=_constant, parse_float=_float)
+_UNIQUE_DECODER = json.JSONDecoder(parse_constant=_constant, parse_float=_float,
+                                   object_pairs_hook=_unique)
 
 
-def loads(text: str) -> Any:
-    """Parse ``text``; ValueError (a StrictJsonError for the cases above) when it is bad."""
+def loads(text: str, *, unique_keys: bool = False) -> Any:
+    """Parse ``text``; ValueError (a StrictJsonError for the cases above) when it is bad.
+
+    ``unique_keys``: a key given twice in one object is refused too (a file people
+    edit by hand, where the second would silently win and a rewrite would drop the
+    first; the machine's own files and requests skip the cost)."""
     if text.startswith("\ufeff"):  # what json.loads says of it
         raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", text, 0)
-    value = _DECODER.decode(text)
+    value = (_UNIQUE_DECODER if unique_keys else _DECODER).decode(text)
     if _SURROGATE_ESCAPE.search(text):  # paired escapes are fine: only then walk the value
         _check_unicode(value)
     return value

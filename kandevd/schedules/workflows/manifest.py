@@ -248,7 +248,7 @@ def read_groups(folder: Path) -> tuple[dict[str, bool], list[Problem]]:
     """``{group_id: enabled}`` from variables.json (absent file: no groups)."""
     path = folder / VARIABLES
     try:
-        document = JsonFile(path).read_strict()
+        document = JsonFile(path).read_strict(unique_keys=True)
     except FileNotFoundError:
         return {}, []
     except JsonFileError as exc:
@@ -279,7 +279,7 @@ def load_workflow(folder: Path) -> tuple[Workflow | None, list[Problem]]:
     except ManifestError as exc:
         return None, [Problem(str(folder), str(exc))]
     try:
-        document = JsonFile(path).read_strict()
+        document = JsonFile(path).read_strict(unique_keys=True)
     except FileNotFoundError:
         return None, [Problem(str(path), "missing: a workflow folder needs a workflow.json")]
     except JsonFileError as exc:
@@ -379,7 +379,7 @@ def edit_schedules(folder: Path, edit: Callable[[list[Any]], list[Any]]) -> Work
     handle = manifest_file(folder)
     with handle.lock():
         try:
-            document = handle.read_strict()
+            document = handle.read_strict(unique_keys=True)
         except FileNotFoundError:
             raise ManifestUnusable(f"{handle.path}: missing") from None
         except JsonFileError as exc:

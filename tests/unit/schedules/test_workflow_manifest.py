@@ -181,6 +181,28 @@ def test_a_manifest_that_does_not_parse_is_never_rewritten(tmp_path: Path) -> No
     assert sorted(p.name for p in folder.iterdir()) == ["workflow.json", "workflow.json.lock"]
 
 
+@pytest.mark.parametrize(("name", "text", "key"), [
+    ("workflow.json", '{"note": "first", "schedules": [{"id": "s", "cron_expression": '
+     '"0 3 * * *", "group_ids": ["g1"]}], "note": "second", "schedules": []}', "note"),
+    ("workflow.json", '{"schedules": [{"id": "s", "enabled": false, "cron_expression": '
+     '"0 3 * * *", "group_ids": ["g1"], "enabled": true}]}', "enabled"),
+    ("variables/variables.json", '{"variables": [], "variables": [], "groups": []}',
+     "variables"),
+])
+def test_a_key_given_twice_is_a_problem_and_the_file_is_never_rewritten(
+        tmp_path: Path, name: str, text: str, key: str) -> None:
+    """A hand edit that says a key twice: JSON readers keep the second silently (a
+    schedule ``enabled: false`` then ``true`` would run), and a rewrite would drop the
+    first. Refused as a problem, edits answer that it must be fixed first."""
+    folder = write_workflow(tmp_path, "w", [schedule("a")])
+    (folder / name).write_text(text)
+    [problem] = problems_of(tmp_path)
+    assert f"key {key!r} appears twice in one object" in problem, problem
+    with pytest.raises(ManifestUnusable):
+        manifest.edit_schedules(folder, lambda s: [*s, schedule("b")])
+    assert (folder / name).read_text() == text
+
+
 def test_the_demo_workflows_load_without_a_problem() -> None:
     demo = Path(__file__).resolve().parents[3] / "kandevd" / "examples" / "demo" / "workspace"
     workflows, problems = manifest.scan(demo)

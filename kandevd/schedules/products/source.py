@@ -42,7 +42,6 @@ from kandevd.schedules.products.state import (
     state_to_file,
     stored_time,
 )
-from kandevd.schedules.rules.options import jitter_delay
 from kandevd.schedules.sessions.session import SessionPlan
 from kandevd.schedules.settings import Switches
 from kandevd.schedules.workflows.manifest import Problem
@@ -186,23 +185,8 @@ class ProductSource:
         job.state.last_success_at = last_success(
             [e for e in self.history(job).entries_to_seed()
              if isinstance(e, dict) and e.get("schedule_id") == spec.schedule.id])
-        missed = job.state.next_fire
-        # (a jittered occurrence's time is its start: one still ahead waits for it)
-        start = missed + jitter_delay(job.key, missed, spec.schedule.options.jitter_s) \
-            if missed is not None else None
-        if now is not None and spec.schedule.cron_expression is not None \
-                and missed is not None and start is not None and start <= now \
-                and (last_seen is None or start > min(last_seen, now)):
-            job.state.missed_while_down += 1
-            window = spec.schedule.options.catchup_window_s
-            if window and (now - start).total_seconds() <= window:
-                log.info("%s: occurrence of %s missed while the daemon was down; within "
-                         "catchup_window_s: run once now", job.key, rfc3339(missed))
-                job.state.catchup = [missed]
-                return job
-            log.info("%s: occurrence of %s missed while the daemon was down; not "
-                     "replayed", job.key, rfc3339(missed))
-            job.state.next_fire = None
+        if now is not None:
+            timing.missed_at_start(job, now, last_seen)
         return job
 
     def _repair(self, user_id: str, profile_id: str, now: datetime) -> None:

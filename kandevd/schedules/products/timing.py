@@ -155,3 +155,41 @@ def after_skip(job: Job, now: datetime) -> None:
     job.state.next_fire = decision.next_at if not decision.due else None
     job.state.next_check = job.state.next_fire
     job.state.held_until = None
+
+
+#: Occurrences missed while down are counted up to this many (as a workflow's fires).
+MISSED_CAP = 1000
+
+
+def missed_at_start(job: Job, now: datetime, last_seen: datetime | None) -> None:
+    """At start: a cron job's pending occurrence and those after it whose start fell
+    while no daemon ran are counted in ``missed_while_down`` (as a workflow's fires);
+    those within ``catchup_window_s`` run once now (one run, ``fire_times`` naming
+    them), the others are not replayed. A job off (in product.yaml, or by its user's
+    override) misses nothing: nothing would have run."""
+    schedule, state = job.spec.schedule, job.state
+    missed = state.next_fire
+    if schedule.trigger is None or missed is None or not schedule.enabled \
+            or state.enabled is False:  # (None: as product.yaml says)
+        return
+    jitter = schedule.options.jitter_s
+
+    def start(moment: datetime) -> datetime:  # (a jittered occurrence's time is its start)
+        return moment + jitter_delay(job.key, moment, jitter)
+
+    if start(missed) > now or (last_seen is not None and start(missed) <= min(last_seen, now)):
+        return
+    later = next_fire_times(schedule.trigger, missed, MISSED_CAP - 1)
+    passed = [t for t in [missed, *later] if start(t) <= now]
+    state.missed_while_down += len(passed)
+    window = schedule.options.catchup_window_s
+    caught = [t for t in passed if (now - start(t)).total_seconds() <= window] \
+        if window else []
+    said = (f"{job.key}: {len(passed)}{'+' if len(passed) >= MISSED_CAP else ''} "
+            f"occurrence(s) missed while the daemon was down since {rfc3339(missed)}")
+    if caught:
+        log.info("%s; %d within catchup_window_s run once now", said, len(caught))
+        state.catchup = caught
+        return
+    log.info("%s; not replayed", said)
+    state.next_fire = None

@@ -384,6 +384,44 @@ def test_a_cron_product_occurrence_missed_while_down_is_not_replayed(build, home
     assert job.state.next_fire == datetime(2026, 12, 4, 8, tzinfo=UTC)
 
 
+def minutely_product_left_at(home: HomeLayout, pending: str, **stored: object) -> None:
+    write_product(home.workspace, [{"id": "minutely", "cron_expression": "* * * * *",
+                                    "catchup_window_s": 150, "messages": ["m"]}])
+    state = home.workspace / "_users" / "local" / "chat_history" / "product-schedules.json"
+    state.parent.mkdir(parents=True)
+    state.write_text(json.dumps({"schedules": {"helper:minutely": {
+        "next_run_at": pending, **stored}}}))
+
+
+def test_product_occurrences_missed_while_down_are_counted_as_a_workflows_fires(
+        build, home) -> None:
+    """Every occurrence whose time fell while no daemon ran counts (not only the pending
+    one), and those within catchup_window_s are named by the one catch-up run."""
+    minutely_product_left_at(home, "2026-12-03T09:57:00.000000Z")  # T0 is 10:00:30
+    loop, agent = build()
+    [job] = loop.registry.jobs(source="products")
+    assert job.state.missed_while_down == 4  # 09:57, 09:58, 09:59, 10:00
+    assert job.state.catchup == [datetime(2026, 12, 3, 9, 58, tzinfo=UTC),
+                                 datetime(2026, 12, 3, 9, 59, tzinfo=UTC),
+                                 datetime(2026, 12, 3, 10, 0, tzinfo=UTC)]
+    loop.tick(T0)
+    loop.fanout.join()
+    assert [s["triggered_by"] for s in agent.seen] == ["catchup"]
+
+
+def test_a_product_job_its_user_turned_off_misses_nothing_while_down(
+        build, home, caplog) -> None:
+    caplog.set_level("INFO", logger="kandevd.scheduler.products")
+    minutely_product_left_at(home, "2026-12-03T09:57:00.000000Z", enabled=False)
+    loop, agent = build()
+    [job] = loop.registry.jobs(source="products")
+    assert job.state.missed_while_down == 0 and job.state.catchup is None
+    assert not [r for r in caplog.records if "missed while the daemon was down" in r.message]
+    loop.tick(T0)
+    loop.fanout.join()
+    assert agent.seen == []
+
+
 def test_an_impossible_stored_time_never_stalls_the_tick(build, home) -> None:
     write_product(home.workspace, [{"id": "c", "cadence_hours": 1, "preferred_hour": 3,
                                     "messages": ["m"]}])

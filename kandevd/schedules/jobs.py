@@ -69,7 +69,8 @@ class JobFacts:
     next_check: datetime | None = None
     #: The occurrence the last ``due()`` found (the fire's intended time).
     due_at: datetime | None = None
-    #: While the quiet rule holds a due occurrence back: when it fires at the latest.
+    #: While the quiet rule holds a due occurrence back: when it fires unless the user
+    #: is active again (at most the deferral cap).
     held_until: datetime | None = None
     #: Its file has a problem: the job is kept as it was last loaded, and does not fire.
     invalid: str | None = None

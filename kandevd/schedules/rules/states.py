@@ -83,7 +83,9 @@ def job_status(job: Job, around: Surroundings) -> JobStatus:
     held = job.state.held_until
     if held is not None:
         return JobStatus(HELD, f"held back by the quiet rule (the user was active "
-                         f"recently); fires at {rfc3339(held)} at the latest", held)
+                         f"recently); fires at {rfc3339(held)} if the user stays quiet "
+                         "until then (activity holds it longer, up to max_deferral_hours "
+                         "past its time)", held)
     if upcoming is None:
         return JobStatus(SCHEDULED, "no further fire time", None)
     start = job.spec.schedule.options.start_at

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 from urllib.parse import parse_qs
 
+from kandevd.formats import jsonstrict
 from kandevd.gateway import protocol
 from kandevd.gateway.endings import LogGap, UnknownExecution
 from kandevd.gateway.protocol import Held
@@ -168,22 +169,16 @@ def _body(environ: dict[str, Any], limit: int = MAX_BODY) -> bytes:
 
 def _json(environ: dict[str, Any]) -> dict[str, Any]:
     raw = _body(environ)
-    try:
-        value = json.loads(raw.decode("utf-8"), parse_constant=_no_constant) if raw else {}
+    try:  # (strict: no NaN, no number that overflows, no lone surrogate in a string)
+        value = jsonstrict.loads(raw.decode("utf-8")) if raw else {}
+    except RecursionError:
+        raise Refused(400, "the body is not JSON (nested too deeply)") from None
     except (UnicodeDecodeError, ValueError) as exc:
-        why = f" ({exc})" if isinstance(exc, NotJSON) else ""
+        why = f" ({exc})" if isinstance(exc, jsonstrict.StrictJsonError) else ""
         raise Refused(400, f"the body is not JSON{why}") from None
     if not isinstance(value, dict):
         raise Refused(400, "the body must be a JSON object")
     return value
-
-
-class NotJSON(ValueError):
-    """A constant Python's parser takes but JSON has not (a number that is no number)."""
-
-
-def _no_constant(name: str) -> Any:
-    raise NotJSON(f"{name} is not a JSON number")
 
 
 def _held(body: dict[str, Any]) -> list[Held]:

@@ -240,9 +240,11 @@ class RemoteRuns:
         while True:
             if self._is_leaving(runner.name):
                 return []  # (it stops: nothing more; it polls no more either)
-            if self._heard_from(runner.name) >= self.dead_after_s:
-                # Silent since it asked (no heartbeat): taken for gone, its runs rescued;
-                # nothing is handed into what may be a dead connection.
+            if self._heard_from(runner.name) > self.dead_after_s / 2:
+                # Silent since it asked (no heartbeat) for as long as makes the runner
+                # stop its own agents: nothing is handed into what may be a dead
+                # connection, well before the watch rescues its runs (and the run it
+                # would take again, each time an attempt counted).
                 return []
             if not self.holding:
                 handed = self.turns.take(runner.name, runner.labels, slots)
@@ -317,8 +319,10 @@ class RemoteRuns:
             with self._lock:
                 silent = now - self._seen.get(name, self._started)
             stored = seen.get(name)
-            if stored is not None:
-                silent = min(silent, (wall - stored).total_seconds())
+            if stored is not None and (wall - stored).total_seconds() < silent:
+                # Another daemon heard it later than this one did; what it stored is
+                # written every _seen_every at most, so it may be that much older.
+                silent = (wall - stored).total_seconds() - self._seen_every
             if held <= 0 or silent < self.dead_after_s:
                 continue
             last = now - silent

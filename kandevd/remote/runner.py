@@ -131,8 +131,9 @@ class RunnerProcess:
         # interrupted and the server re-queues its run; what a last poll hands over is
         # given back unstarted (the stop is set).
         self.runtime.stop()
-        if not self._pending() and not self.refused.is_set():
-            self._goodbye()  # (the server answers the poll it holds at once)
+        # (the server answers the poll it holds at once; None: not said yet)
+        said = self._goodbye() if not self._pending() and not self.refused.is_set() \
+            else None
         threads[0].join()
         self._report.set()
         deadline = time.monotonic() + FINAL_REPORT_S
@@ -142,18 +143,19 @@ class RunnerProcess:
         for thread in threads[1:]:
             thread.join()
         self.runtime.stop()
-        if not self.refused.is_set() and not self._pending():
-            self._goodbye()
+        if not self.refused.is_set() and not self._pending() and said is not False:
+            self._goodbye()  # (again: a last poll may have handed something back since)
         return self._refused_code() if self.refused.is_set() else 0
 
-    def _goodbye(self) -> None:
+    def _goodbye(self) -> bool:
         """Every outcome is the server's: it may show this runner offline now, and it
         answers the poll it holds for it at once (said again after a last poll that
-        handed something over)."""
+        handed something over). Whether the server took it."""
         try:
             self.client.bye()
         except (Unreachable, TokenRefused, Rejected):
-            pass  # (silent, it is offline after dead_after_s, as after a crash)
+            return False  # (silent, it is offline after dead_after_s, as after a crash)
+        return True
 
     def _refused_code(self) -> int:
         """75 when another runner home serves this runner's name (try again once it is
@@ -373,19 +375,21 @@ class RunnerProcess:
         with self._lock:
             live = [job for job in self._jobs.values()
                     if job.result is None and not job.fenced]
-            for job in live:
-                job.fenced = True
-        for job in live:
-            self._stop_one(job.execution["id"],
-                           f"the server was out of reach for {silent:.0f}s (more than "
-                           f"half of dead_after_s, {self.dead_after_s:g}s)")
+        for job in live:  # (said once; one not started yet is tried again next look)
+            job.fenced = self._stop_one(
+                job.execution["id"], f"the server was out of reach for {silent:.0f}s "
+                f"(more than half of dead_after_s, {self.dead_after_s:g}s)")
 
-    def _stop_one(self, execution_id: str, reason: str) -> None:
+    def _stop_one(self, execution_id: str, reason: str) -> bool:
+        """Stop that execution's agent; whether a stop was asked of a live one."""
         with self._lock:
             job = self._jobs.get(execution_id)
-        if job is not None and job.result is None:
+        if job is None or job.result is not None:
+            return False
+        stopping = self.runtime.stop_execution(job.execution["id"], reason)
+        if stopping:
             log.warning("run %s stopped: %s", job.execution["run_id"], reason)
-            self.runtime.stop_execution(job.execution["id"], reason)
+        return stopping
 
     # -- the server -----------------------------------------------------------------
     def _call(self, request: Callable[[], T]) -> T:

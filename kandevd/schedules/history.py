@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 from kandevd.formats.jsonfile import CorruptReporter, JsonFile
-from kandevd.schedules.entryshape import shaped
 from kandevd.timeutil import parse_rfc3339, rfc3339
 
 log = logging.getLogger("kandevd.scheduler.history")
@@ -83,7 +82,7 @@ class HistoryEntry(TypedDict, total=False):
     notified: dict[str, Any]
     turns: list[TurnRecord]
     cost_cents: float
-    first_message: str | None
+    first_message: int | None
 
 
 def entry_time(entry: Any) -> datetime | None:
@@ -137,12 +136,11 @@ class HistoryPage(TypedDict):
 
 def page(entries: list[Any], *, schedule_id: str | None, limit: int, offset: int
          ) -> HistoryPage:
-    """One page of the entries of ``schedule_id`` (all when None), newest first, each
-    field of a hand-edited entry of its documented type (:func:`shaped`)."""
+    """One page of the entries of ``schedule_id`` (all when None), newest first."""
     chosen = [e for e in entries if isinstance(e, dict)
               and (schedule_id is None or e.get("schedule_id") == schedule_id)]
-    return {"items": [shaped(e) for e in chosen[offset:offset + limit]],
-            "total": len(chosen), "limit": limit, "offset": offset}
+    return {"items": chosen[offset:offset + limit], "total": len(chosen), "limit": limit,
+            "offset": offset}
 
 
 def interrupt(entries: list[Any], now: datetime, error: str) -> int:

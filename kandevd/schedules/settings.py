@@ -181,6 +181,8 @@ class PauseState:
         with self._reading:  # (one reader at a time: it alone may meet a corrupt file)
             state = self._read_locked()
             paused = state["globally_paused"]
+            if self._cannot_read:  # (said so; what the file says stays unknown till read)
+                return state
             if self._known is not None and paused != self._known:
                 log.warning("scheduler %s by a change to %s: %s",
                             "paused" if paused else "resumed", self.file.path,

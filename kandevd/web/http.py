@@ -99,7 +99,10 @@ class Request:
         if body and content_type != "application/x-www-form-urlencoded":
             raise BadRequest("only url-encoded forms are accepted")
         try:
-            self._form = parse_qs(body.decode("utf-8"), keep_blank_values=True)
+            # (strict: %ff percent-encoded is refused as raw bytes are, never stored as
+            # a replacement character)
+            self._form = parse_qs(body.decode("utf-8"), keep_blank_values=True,
+                                  errors="strict")
         except UnicodeDecodeError:
             raise BadRequest("the form is not UTF-8") from None
         return self._form

@@ -154,6 +154,7 @@ def register(registry: Registry, services: Services) -> None:
         history = job.source.history(job)
         answer = hist.page(history.entries(), schedule_id=job.spec.schedule.id,
                            limit=p.get("limit", 50), offset=p.get("offset", 0))
+        answer["items"] = [shaped(item) for item in answer["items"]]
         # A history that did not parse was moved aside and started afresh: say so, or the
         # runs it held would read as never having been.
         path = str(history.file.path)
@@ -370,3 +371,64 @@ def _time_param(p: dict[str, Any], name: str) -> datetime | None:
     if not _EARLIEST <= moment < _LATEST:
         raise InvalidParams(f"params.{name}: {p[name]!r} is out of range (1970 to 8999)")
     return moment
+
+
+# -- history entries as answered ---------------------------------------------------------
+# ``schedule-runs.json`` is the operator's file too: a hand edit may put a number where a
+# time belongs or text where a duration does. What the methods answer holds each field
+# the format names with its documented type (a field of the wrong type is ``null``; the
+# file itself is never changed here), so a client, the CLI or the console never meets a
+# value its type does not allow. Fields the format does not name are answered as they are.
+
+def _text(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _number(value: Any) -> bool:  # (finite, and a duration a timedelta can hold)
+    return isinstance(value, int | float) and not isinstance(value, bool) \
+        and abs(value) <= 1e15
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _texts(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(item, str) for item in value)
+
+
+def _object(value: Any) -> bool:
+    return isinstance(value, dict)
+
+
+#: What each named field of a turn may hold (``null`` is always allowed).
+TURN_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "index": _whole, "kind": _text, "message": _text, "workshop_mode": _text,
+    "status": _text, "started_at": _text, "completed_at": _text, "duration_ms": _number,
+    "log_path": _text, "cost_cents": _number, "error": _text, "exit_code": _whole,
+    "output": _text, "adopted_at": _text}
+
+#: What each named field of an entry may hold (``turns``: a list of turn objects).
+ENTRY_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "id": _text, "schedule_id": _text, "product": _text, "user_id": _text,
+    "run_folder": _text, "session_id": _text, "status": _text, "error": _text,
+    "duration_ms": _number, "group_ids": _texts, "started_at": _text,
+    "completed_at": _text, "trigger_source": _text, "intended_at": _text,
+    "late_s": _number, "fire_times": _texts, "notified": _object, "cost_cents": _number,
+    "first_message": _whole}
+
+
+def _fields(item: dict[str, Any], kinds: dict[str, Callable[[Any], bool]]) -> dict[str, Any]:
+    return {key: value if value is None or key not in kinds or kinds[key](value) else None
+            for key, value in item.items()}
+
+
+def shaped(entry: dict[str, Any]) -> dict[str, Any]:
+    """``entry`` with each named field of the wrong type as ``None``; its turns likewise
+    (a turn that is not an object is left out; ``turns`` that is not a list is ``None``)."""
+    shown = _fields(entry, ENTRY_FIELDS)
+    if "turns" in entry:
+        turns = entry["turns"]
+        shown["turns"] = [_fields(turn, TURN_FIELDS) for turn in turns
+                          if isinstance(turn, dict)] if isinstance(turns, list) else None
+    return shown

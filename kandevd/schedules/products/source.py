@@ -312,13 +312,22 @@ class ProductSource:
                                backlog=self.parts.backlog, on_corrupt=self._on_corrupt)
 
     def started(self, job: Job, now: datetime) -> None:
-        """A run began: its occurrence is spent, even if the daemon dies during it."""
+        """A run began: its occurrence is spent, even if the daemon dies during it.
+        OSError when the user's state file cannot be written: then nothing changed (and
+        the run does not start: its spent occurrence could not be kept)."""
         with self._lock:
+            before = dataclasses.replace(job.state)
             job.state.last_run_at = rfc3339(now)
             job.state.next_fire = None
             job.state.held_until = None
             job.state.next_check = datetime.max.replace(tzinfo=now.tzinfo)  # until recorded
-        self.save([job])
+        try:
+            self.save([job], strict=True)
+        except OSError:
+            with self._lock:
+                for name in ("last_run_at", "next_fire", "held_until", "next_check"):
+                    setattr(job.state, name, getattr(before, name))
+            raise
 
     def finished(self, job: Job, entry: HistoryEntry) -> None:
         """Fold a finished run into the job's bookkeeping and the user's state file; the

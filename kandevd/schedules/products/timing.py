@@ -179,8 +179,12 @@ def missed_at_start(job: Job, now: datetime, last_seen: datetime | None) -> None
 
     if start(missed) > now or (last_seen is not None and start(missed) <= min(last_seen, now)):
         return
-    later = next_fire_times(schedule.trigger, missed, MISSED_CAP - 1)
-    passed = [t for t in [missed, *later] if start(t) <= now]
+    passed = [missed]
+    while len(passed) < MISSED_CAP:  # (one at a time: stops at the first still ahead)
+        following = next_fire_times(schedule.trigger, passed[-1], 1)
+        if not following or start(following[0]) > now:
+            break
+        passed.append(following[0])
     state.missed_while_down += len(passed)
     window = schedule.options.catchup_window_s
     caught = [t for t in passed if (now - start(t)).total_seconds() <= window] \

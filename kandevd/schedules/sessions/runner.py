@@ -148,7 +148,10 @@ class SessionRunner:
         or a backfilled fire); ``fire_times``: the missed fires a catch-up run stands
         for. Both are recorded on the entry. ``fired``: the cron fire it starts (told
         as ``schedule.fired`` before the session's own events)."""
-        plan, history = job.source.plan(job, trigger_source)
+        try:  # (a product's conversation file that cannot be read now: no start)
+            plan, history = job.source.plan(job, trigger_source)
+        except OSError as exc:
+            raise not_recorded(exc) from None
         plan.intended_at, plan.fire_times = intended_at, fire_times
         control = SessionControl(self._runtime.wake_waiters)
         timeout = job.spec.schedule.options.timeout_s

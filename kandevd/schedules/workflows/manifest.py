@@ -415,8 +415,9 @@ PAUSE_FILE = Path("config") / "scheduler.json"
 def state_file_problems(root: Path) -> list[Problem]:
     """What is wrong with the files kandevd keeps (history, decisions, the pause).
 
-    The daemon moves such a file aside when it meets it; ``validate`` reports it
-    first, without touching anything.
+    The daemon moves such a file aside when it meets it (one that does not parse; one
+    that cannot be read now it leaves alone); ``validate`` reports it first, without
+    touching anything.
     """
     checks = [(root / PAUSE_FILE, dict)]
     try:

@@ -77,7 +77,8 @@ class WorkflowProgram:
         try:
             answered = decisions.answered()
         except OSError as exc:  # (there but unreadable now: no turn runs without them)
-            return hist.ERROR, f"{exc}; no turn was started"
+            return hist.ERROR, f"{exc}; its decisions were not applied and no message " \
+                "was sent"
         if answered:
             turn = self._turn(session, "preflight", PREFLIGHT_MESSAGE, "workshop", RUN_FOLDER,
                               answered)

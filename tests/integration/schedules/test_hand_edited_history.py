@@ -23,7 +23,9 @@ ODD_TURNS = {**ODD, "id": "odd2", "session_id": "odd2", "status": "error",
              "started_at": "2026-12-07T09:00:00Z",
              "turns": [3, {"index": "one", "kind": "message", "status": "error",
                            "started_at": 9, "duration_ms": "x", "exit_code": "3",
-                           "log_path": ["/etc/passwd"], "error": 4}]}
+                           "log_path": ["/etc/passwd"], "error": 4},
+                       {"index": 1, "kind": "message", "status": "success",
+                        "started_at": "2026-12-07T09:00:01Z", "duration_ms": 1e300}]}
 
 
 def test_a_hand_edited_entry_is_shown_not_a_traceback(
@@ -40,7 +42,8 @@ def test_a_hand_edited_entry_is_shown_not_a_traceback(
     assert shown["odd"]["started_at"] is None and shown["odd"]["duration_ms"] is None
     assert shown["odd"]["turns"] is None and shown["odd"]["error"] is None
     assert shown["odd"]["group_ids"] is None and shown["odd"]["trigger_source"] is None
-    [turn] = shown["odd2"]["turns"]  # (the turn that is no object is left out)
+    turn, huge = shown["odd2"]["turns"]  # (the turn that is no object is left out)
+    assert huge["duration_ms"] is None  # (no timedelta holds it)
     assert (turn["index"], turn["started_at"], turn["duration_ms"], turn["exit_code"],
             turn["log_path"], turn["error"]) == (None,) * 6
     assert turn["kind"] == "message"

@@ -77,8 +77,10 @@ def test_an_unreadable_pause_file_pauses_without_a_rewrite_until_it_can_be_read(
     assert scheduler["globally_paused"] is True, scheduler
     assert "cannot be read now (Permission denied)" in scheduler["paused_by"], scheduler
     assert daemon.log_text.count("whether it was paused is unknown") == 1
+    assert "by a change to" not in daemon.log_text  # (the file did not change)
     pause.chmod(0o600)
     scheduler = daemon.call("daemon.status")["scheduler"]
     assert scheduler["globally_paused"] is False, scheduler
+    assert "by a change to" not in daemon.log_text
     assert pause.read_bytes() == kept and json.loads(kept)["globally_paused"] is False
     assert not list(pause.parent.glob("scheduler.json.corrupt-*"))

@@ -45,6 +45,18 @@ def test_a_body_with_a_number_json_has_not_is_refused_at_once(app: GatewayApp,
     assert f"{constant.lstrip('-')} is not a JSON number" in body["error"]
 
 
+def test_a_report_with_a_lone_surrogate_or_an_overflowing_number_is_refused(
+        app: GatewayApp) -> None:
+    """(A lone surrogate in an end's error once made the outcome unwritable: a 503 and a
+    run left claimed.)"""
+    for body, said in ((b'{"outcome": "failed", "error": "\\ud800"}', "lone surrogate"),
+                       (b'{"wait_s": 1e999}', "out of range"),
+                       (b'{"running": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+                        "nested too deeply")):
+        status, answer = post(app, protocol.POLL, body)
+        assert status.startswith("400") and said in answer["error"], (status, answer)
+
+
 def test_a_poll_with_a_finite_wait_is_answered(app: GatewayApp) -> None:
     status, _ = post(app, protocol.POLL, b'{"wait_s": 0, "slots": 1}')
     assert status.startswith("204")

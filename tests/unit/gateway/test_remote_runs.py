@@ -174,11 +174,22 @@ def test_a_poll_held_for_a_runner_gone_silent_hands_it_nothing(env: OfficeEnv) -
     run_id = enqueue(env, "gpu1")
     [handed] = remote.poll(box, 0)
     answers: list[list[Execution]] = []
+    parked = threading.Event()
+    waits = remote._work.wait
+
+    def wait_for_a_change(timeout: float | None = None) -> bool:
+        parked.set()  # (woken by a change only: the test moves the clock meanwhile)
+        return waits(None)
+
+    remote._work.wait = wait_for_a_change  # type: ignore[method-assign]
     held = threading.Thread(target=lambda: answers.append(remote.poll(box, 1000)))
     held.start()  # (its machine dies now: no heartbeat, no end)
+    assert parked.wait(timeout=30)
     ticks.now += 31
     env.clock.advance(seconds=31)
     assert remote.watch() == 1
+    with remote._work:  # (its look again, a second later at most)
+        remote._work.notify_all()
     held.join(timeout=30)
     assert answers == [[]]
     run = env.queue.get(run_id)
@@ -199,6 +210,14 @@ def test_a_runner_another_daemon_hears_from_is_not_silent(env: OfficeEnv) -> Non
         there.heartbeat(box, [{"id": handed["id"], "run_id": run_id}])
         assert here.watch() == 0  # (this daemon never heard from it)
     assert env.queue.get(run_id).status == "claimed"
+    # Silent now. What the other daemon stored may be a write interval old: this one
+    # waits that much longer than dead_after_s before it takes the run back.
+    ticks.now += 30
+    env.clock.advance(seconds=30)
+    assert here.watch() == 0
+    ticks.now += here._seen_every
+    env.clock.advance(seconds=here._seen_every)
+    assert here.watch() == 1
 
 
 def test_a_restarted_runner_that_lost_its_runs_has_them_rescued_at_hello(

@@ -3,13 +3,15 @@ listen addresses need TLS."""
 
 from __future__ import annotations
 
+import io
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from kandevd.net.httpintake import BadFraming, Gathering, request_size
 from kandevd.net.listen import WebConfig, remote_problem
-from kandevd.web.http import MAX_BODY
+from kandevd.web.http import MAX_BODY, BadRequest, Request
 
 
 def test_a_request_is_whole_with_its_headers_and_its_body() -> None:
@@ -111,3 +113,14 @@ def test_the_oldest_gathering_connection_makes_room() -> None:
     assert first.ended and not second.ended and not third.ended
     gathering.done(second)  # type: ignore[arg-type]
     assert len(gathering) == 1
+
+
+@pytest.mark.parametrize("body", [b"name=%ff%fe%80", b"messages=%c3%28", b"name=\xff"])
+def test_a_form_that_is_not_utf8_is_refused_raw_or_percent_encoded(body: bytes) -> None:
+    """(Percent-encoded, it was stored as U+FFFD in workflow.json.)"""
+    request = Request({"REQUEST_METHOD": "POST", "PATH_INFO": "/schedules/new",
+                       "CONTENT_TYPE": "application/x-www-form-urlencoded",
+                       "HTTP_CONTENT_TYPE": "application/x-www-form-urlencoded",
+                       "CONTENT_LENGTH": str(len(body)), "wsgi.input": io.BytesIO(body)})
+    with pytest.raises(BadRequest, match="the form is not UTF-8"):
+        request.form_lists()

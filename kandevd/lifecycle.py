@@ -144,13 +144,9 @@ class FanOut:
                 target=self._call, args=(label, handler, future),
                 name=f"{self._name}:{label}", daemon=False,
             )
-            with self._lock:
-                self._threads.add(thread)
             try:
-                thread.start()
+                self._start(thread)
             except BaseException:  # e.g. "can't start new thread": join what did start
-                with self._lock:
-                    self._threads.discard(thread)
                 for started in threads:
                     started.join()
                 raise
@@ -166,15 +162,20 @@ class FanOut:
         future: Future[Any] = Future()
         thread = threading.Thread(target=self._call, args=(label, handler, future),
                                   name=f"{self._name}:{label}", daemon=False)
+        self._start(thread)
+        return thread
+
+    def _start(self, thread: threading.Thread) -> None:
+        """Known and started under one lock: :meth:`join` never meets a thread that is
+        known but not started yet (joining one raises). (The thread's own end takes the
+        lock after ``start`` returned, so this waits for nothing.)"""
         with self._lock:
             self._threads.add(thread)
-        try:
-            thread.start()
-        except BaseException:
-            with self._lock:
+            try:
+                thread.start()
+            except BaseException:
                 self._threads.discard(thread)
-            raise
-        return thread
+                raise
 
     def _call(self, label: str, handler: Callable[[], Any], future: Future[Any]) -> None:
         try:

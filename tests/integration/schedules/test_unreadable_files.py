@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kandevd.control.client import RpcCallError
+from tests.integration.schedules.test_products import brief, write_product
 from tests.support.daemon import DaemonProcess, as_ordinary_user
 from tests.support.workflows import recorder_config, schedule, write_workflow
 
@@ -84,3 +85,32 @@ def test_an_unreadable_pause_file_pauses_without_a_rewrite_until_it_can_be_read(
     assert "by a change to" not in daemon.log_text
     assert pause.read_bytes() == kept and json.loads(kept)["globally_paused"] is False
     assert not list(pause.parent.glob("scheduler.json.corrupt-*"))
+
+
+def test_a_product_conversation_that_cannot_be_read_starts_nothing_and_stalls_nothing(
+        daemon_factory: Callable[..., DaemonProcess], tmp_path: Path) -> None:
+    """(It once made every cron tick raise, so due jobs behind it never fired.) The
+    product's fire is skipped as unrecorded, naming the file; a workflow job on the same
+    minute fires on."""
+    home = tmp_path / "home"
+    write_product(home / "workspace", [brief(cron_expression="* * * * *")])
+    write_workflow(home / "workspace", "w", [schedule("s", "* * * * *")])
+    conversation = home / "workspace" / "_users" / "local" / "Chats" / "helper" / \
+        "conversation.json"
+    conversation.parent.mkdir(parents=True)
+    conversation.write_text('{"session_id": "kept"}')
+    conversation.chmod(0o000)
+    daemon = daemon_factory(recorder_config(tmp_path / "record.jsonl"), home=home,
+                            start=False)
+    daemon.preexec_fn = as_ordinary_user()
+    daemon.start()
+    product = "product:helper:brief"
+    with pytest.raises(RpcCallError, match="Permission denied"):
+        daemon.call("scheduler.jobs.trigger", {"id": product})
+    daemon.wait_until(lambda: daemon.call("scheduler.jobs.runs", {"id": JOB})["items"],
+                      timeout=90, what="the workflow job's cron fire")
+    daemon.wait_until(lambda: daemon.call("scheduler.jobs.get", {"id": product})[
+        "skipped_unrecorded"] >= 1, timeout=30, what="the product's fire skipped")
+    assert "Traceback" not in daemon.log_text
+    conversation.chmod(0o600)
+    assert conversation.read_text() == '{"session_id": "kept"}'

@@ -55,6 +55,11 @@ class JsonFileUnreadable(JsonFileError, OSError):
     """The file is there but cannot be read now (permissions, resources, I/O): it is
     left alone, never moved aside; callers treat it as a failed write."""
 
+    def __init__(self, path: Path, why: str) -> None:
+        super().__init__(f"{path}: cannot read: {why}")
+        #: Why, in the system's words (``Permission denied``).
+        self.why = why
+
 
 @dataclass(frozen=True)
 class CorruptFile:
@@ -204,8 +209,7 @@ class JsonFile:
         except IsADirectoryError as exc:
             raise JsonFileError(f"{self.path}: cannot read: {exc.strerror or exc}") from None
         except OSError as exc:
-            raise JsonFileUnreadable(f"{self.path}: cannot read: {exc.strerror or exc}") \
-                from None
+            raise JsonFileUnreadable(self.path, exc.strerror or str(exc)) from None
         try:
             return loads(text, unique_keys=unique_keys)
         except RecursionError:

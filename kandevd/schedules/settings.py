@@ -27,7 +27,13 @@ from pathlib import Path
 from typing import Any, TypedDict
 
 from kandevd.config import SWITCH_OFF, SWITCH_ON, Config, SchedulerConfig
-from kandevd.formats.jsonfile import CorruptFile, CorruptReporter, JsonFile, stat_key
+from kandevd.formats.jsonfile import (
+    CorruptFile,
+    CorruptReporter,
+    JsonFile,
+    JsonFileUnreadable,
+    stat_key,
+)
 from kandevd.paths import HomeLayout
 from kandevd.timeutil import rfc3339, utc_now
 
@@ -202,8 +208,8 @@ class PauseState:
             self._cannot_read = True
             state = _default_pause()
             state["globally_paused"] = True
-            state["paused_by"] = f"kandevd: {PAUSE_FILE} cannot be read now " \
-                                 f"({str(exc).rsplit(': ', 1)[-1]})"
+            why = exc.why if isinstance(exc, JsonFileUnreadable) else exc.strerror or exc
+            state["paused_by"] = f"kandevd: {PAUSE_FILE} cannot be read now ({why})"
             return state
         if self._cannot_read:
             self._cannot_read = False

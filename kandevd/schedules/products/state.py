@@ -81,12 +81,12 @@ class UserState:
         read: its jobs start from nothing and it is left as it is (writing it then fails
         the same way and is said too: nothing in it is replaced)."""
         if not self.file.path.exists():
-            return {"schedules": {}, "activity": {}}
+            return _shaped({})
         try:
             return _shaped(self.file.read({}, expect=dict))
         except OSError as exc:
             log.warning("%s; the user's product jobs start from nothing", exc)
-            return {"schedules": {}, "activity": {}}
+            return _shaped({})
 
     def update(self, change: Callable[[UserFile], None]) -> UserFile:
         def apply(stored: dict[str, Any]) -> UserFile:

@@ -60,4 +60,5 @@ def test_a_hand_edited_entry_is_shown_not_a_traceback(
                  "/schedules/workflow:w:s/runs/odd"):
         page = request(address, "GET", path, cookie=cookie)
         assert page.status == 200, (path, page.status, page.body[:500])
+        assert ">None<" not in page.body and "None<br>" not in page.body, path
     assert history.read_bytes() == kept

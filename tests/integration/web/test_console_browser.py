@@ -150,6 +150,10 @@ def test_a_schedules_errors_are_shown_beside_their_field(site) -> None:
     zone = driver.find_element(By.ID, "f-timezone")
     zone.clear()
     zone.send_keys("Mars/Olympus")
+    # The live preview answers and changes its height: the clicks wait for it, or they
+    # land where the button was.
+    wait_for(driver, lambda d: "'Mars/Olympus'" in d.find_element(By.ID, "preview").text,
+             what="the preview's answer")
     driver.find_element(By.CSS_SELECTOR, "input[name=group_ids][value=g2]").click()
     leads_on(driver, button(driver, "Create"))
     problem = driver.find_element(By.XPATH, "//input[@id='f-timezone']/following::p[1]")

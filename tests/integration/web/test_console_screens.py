@@ -260,6 +260,9 @@ def test_fires_that_will_not_happen_backfill_form_and_delete_of_a_product_refuse
         cron = driver.find_element(By.ID, "f-cron")
         cron.clear()
         cron.send_keys("0 99 * * *")
+        # (the preview's answer changes the page's height: clicks wait for it)
+        wait_for(driver, lambda d: "'0 99 * * *'" in d.find_element(By.ID, "preview").text,
+                 what="the preview's answer")
         driver.find_element(By.CSS_SELECTOR, "input[name=group_ids][value=g1]").click()
         driver.find_element(By.NAME, "jitter_s").send_keys("0")
         leads_on(driver, button(driver, "Create"))

@@ -8,7 +8,9 @@ that outcome is recorded exactly as a local execution's
 (:meth:`RunQueue.record_remote`). A runner silent for ``dead_after_s`` has its
 claims rescued as a crashed daemon's are (re-queued, the attempt counted); a
 late report of one of them matches no claim and changes nothing. A cancelled
-run is stopped on its runner (the next heartbeat says so).
+run is stopped on its runner (the next heartbeat says so, to whichever daemon
+it is sent); until the runner says it ended, its agent takes no other run
+(``runner_stops``: every daemon on the store sees it, a restarted one too).
 """
 
 from __future__ import annotations
@@ -169,6 +171,8 @@ class RemoteRuns:
         with self._work:
             self._leaving.pop(runner.name, None)  # (it serves again)
         named = {(item["run_id"], item["id"]) for item in held}
+        self.runners.stops_ended(runner.name, [token for token in self.runners.stops_of(
+            runner.name) if token not in {item["id"] for item in held}])  # (they ended)
         lost = [claim for claim in self.runners.claims_of(runner.name) if claim not in named]
         if lost:
             with self._lock:
@@ -189,7 +193,8 @@ class RemoteRuns:
         with self._work:
             self._leaving[runner.name] = self.monotonic()
             self._work.notify_all()
-        if self.runners.claims_of(runner.name) or self.turns.held(runner.name):
+        if self.runners.claims_of(runner.name) or self.turns.held(runner.name) \
+                or self.runners.stops_of(runner.name):
             log.info("runner %s stopped holding work: offline once silent for %gs",
                      runner.name, self.dead_after_s)
             return
@@ -203,11 +208,18 @@ class RemoteRuns:
         """``(cancel, unknown)``: executions to stop (cancelled runs), and those that are
         not the runner's any more (rescued while it was silent: stop them too)."""
         self.seen(runner)
-        self._lost(runner, frozenset(item["id"] for item in held))
+        stopping = self.runners.stops_of(runner.name)  # (cancelled by any daemon)
+        self._lost(runner, frozenset(item["id"] for item in held), stopping)
         turns = self.turns.held(runner.name)
         cancel, unknown = [token for token, turn in turns.items() if turn.cancel], []
         for item in held:
             if item["id"] in turns:
+                continue
+            if item["id"] in stopping:
+                cancel.append(item["id"])
+                with self._lock:  # (its end is the stop asked for)
+                    if (live := self._live.get(item["id"])) is not None:
+                        live.cancel = True
                 continue
             remote = None if is_turn(item["id"]) else \
                 self._find(runner, item["id"], item["run_id"])
@@ -217,10 +229,15 @@ class RemoteRuns:
                 cancel.append(item["id"])
         return cancel, unknown
 
-    def _lost(self, runner: RunnerRow, named: frozenset[str]) -> None:
+    def _lost(self, runner: RunnerRow, named: frozenset[str],
+              stopping: dict[str, datetime]) -> None:
         """What ``runner`` was handed long enough ago and no longer names: it never got
-        it, or dropped it. Its runs are rescued (counted), its turns end."""
+        it, or dropped it. Its runs are rescued (counted), its turns end, and the
+        cancelled runs it was stopping free their agents."""
         before = self.monotonic() - LOST_AFTER_S
+        long_ago = self.clock() - timedelta(seconds=LOST_AFTER_S)
+        self.runners.stops_ended(runner.name, [token for token, since in stopping.items()
+                                               if token not in named and since < long_ago])
         why = f"runner {runner.name} no longer holds it"
         with self._lock:
             lost = [r for token, r in self._live.items() if r.runner == runner.name
@@ -279,6 +296,8 @@ class RemoteRuns:
         self.seen(runner)
         if is_turn(execution_id):
             return self.turns.end(runner.name, execution_id, ending)
+        # A cancelled run's execution ended: its agent may take its next run.
+        self.runners.stops_ended(runner.name, [execution_id])
         remote = self._find(runner, execution_id, run_id)
         if remote is None:
             return False
@@ -315,7 +334,9 @@ class RemoteRuns:
         now, wall = self.monotonic(), self.clock()
         rescued = 0
         seen = {row.name: row.last_seen_at for row in self.runners.all()}
-        for name, held in self.runners.running().items():
+        holding = self.runners.running()
+        stopping = set(self.runners.stopping().values())
+        for name in holding.keys() | stopping:
             with self._lock:
                 silent = now - self._seen.get(name, self._started)
             stored = seen.get(name)
@@ -323,8 +344,10 @@ class RemoteRuns:
                 # Another daemon heard it later than this one did; what it stored is
                 # written every _seen_every at most, so it may be that much older.
                 silent = (wall - stored).total_seconds() - self._seen_every
-            if held <= 0 or silent < self.dead_after_s:
+            if silent < self.dead_after_s:
                 continue
+            if name in stopping:  # (it stopped them itself, out of touch that long)
+                self.runners.silent_stops_ended(name)
             last = now - silent
             claims = self.runners.claims_of(name)
             with self._lock:
@@ -333,8 +356,9 @@ class RemoteRuns:
             why = f"runner {name} was silent for {now - last:.0f}s during the execution"
             done = self.queue.rescue_remote(claims, why) if claims else {}
             rescued += len(done)
-            log.warning("runner %s silent for %.0fs: %d run(s) it held rescued", name,
-                        now - last, len(done))
+            if name in holding:
+                log.warning("runner %s silent for %.0fs: %d run(s) it held rescued", name,
+                            now - last, len(done))
         return rescued
 
     def _is_leaving(self, name: str) -> bool:
@@ -370,11 +394,11 @@ class RemoteRuns:
             self._work.notify_all()
 
     def _claim(self, runner: RunnerRow, slots: int) -> list[Claim]:
+        # A cancelled run's agent is busy until its runner stopped it (whichever daemon
+        # took the cancel, before a restart too).
+        stopping = self.runners.stopping()
         agents = frozenset(agent for agent, needed in self.runners.remote_agents().items()
-                           if covers(runner.labels, needed))
-        with self._lock:  # a cancelled run's agent is busy until its runner stopped it
-            stopping = {r.claim.run.agent_id for r in self._live.values() if r.cancel}
-        agents -= stopping
+                           if agent not in stopping and covers(runner.labels, needed))
         if not agents:
             return []
         return self.queue.claim_for_runner(claimed_by(runner.name), agents, slots)

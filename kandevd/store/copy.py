@@ -35,7 +35,7 @@ from kandevd.store.migrations.sqlite import MIGRATIONS
 TABLES = (
     "workspaces", "agents", "workflows", "workflow_steps", "tasks", "office_projects",
     "office_routines", "office_budget_policies", "office_budget_alerts", "runs", "run_keys",
-    "run_counts", "runners",
+    "run_counts", "runners", "runner_stops",
 )
 
 #: Tables of the SQLite schema that are deliberately not copied.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from datetime import datetime
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from kandevd.store.base import BaseStore
 from kandevd.timeutil import parse_rfc3339, rfc3339
@@ -113,6 +113,45 @@ class Runners:
         """Every agent that runs on a runner, with the labels it needs."""
         rows = self.store.query("SELECT id, runs_on FROM agents WHERE runs_on IS NOT NULL")
         return {str(r[0]): tuple(json.loads(r[1])) for r in rows if r[1]}
+
+
+    # -- cancelled runs whose agent a runner is still stopping ------------------------
+    def stops_of(self, name: str) -> dict[str, datetime]:
+        """The executions runner ``name`` is stopping (their runs cancelled), with when
+        each was cancelled, by execution id."""
+        rows = self.store.query("SELECT token, since FROM runner_stops WHERE runner = ?",
+                                (name,))
+        return {str(r[0]): parse_rfc3339(str(r[1])) for r in rows}
+
+    def stopping(self) -> dict[str, str]:
+        """Every agent a runner is still stopping, with that runner's name: until it
+        has, the agent takes no other run (one execution per agent, on any daemon)."""
+        rows = self.store.query("SELECT agent_id, runner FROM runner_stops")
+        return {str(r[0]): str(r[1]) for r in rows}
+
+    def stops_ended(self, name: str, tokens: Sequence[str]) -> None:
+        """Runner ``name`` no longer runs these executions (ended, or never had them)."""
+        if tokens:
+            self.store.execute(
+                f"DELETE FROM runner_stops WHERE runner = ? AND token IN"
+                f" ({', '.join('?' * len(tokens))})", (name, *tokens))
+
+    def silent_stops_ended(self, name: str) -> None:
+        """Runner ``name`` was silent long enough to have stopped its own agents."""
+        self.store.execute("DELETE FROM runner_stops WHERE runner = ?", (name,))
+
+
+def stop_on_runner(conn: Any, claimed: Any, now_s: str) -> None:
+    """Inside the cancel of ``claimed`` (a run's row as it was): when a runner holds
+    it, the runner's execution is being stopped from now on (until the runner says
+    it ended, or is silent long enough to have stopped it)."""
+    by = claimed["claimed_by"]
+    if claimed["status"] == "claimed" and by and str(by).startswith(CLAIMED_BY_PREFIX) \
+            and claimed["claim_token"]:
+        conn.execute("INSERT INTO runner_stops (token, runner, run_id, agent_id, since)"
+                     " VALUES (?, ?, ?, ?, ?) ON CONFLICT (token) DO NOTHING",
+                     (claimed["claim_token"], str(by)[len(CLAIMED_BY_PREFIX):],
+                      claimed["id"], claimed["agent_id"], now_s))
 
 
 def _row(row: Sequence[object]) -> RunnerRow:

@@ -39,3 +39,11 @@ def remote_turns_tables(text: str) -> list[str]:
             token {text} NOT NULL, start BIGINT NOT NULL, data TEXT NOT NULL,
             PRIMARY KEY (token, start))""",
     ]
+
+
+def runner_stops_table(text: str) -> str:
+    """The cancelled runs whose agent a runner is still stopping (:mod:`kandevd.store.runners`):
+    that agent takes no other run meanwhile, whichever daemon asks, after a restart too."""
+    return f"""CREATE TABLE runner_stops (
+        token {text} PRIMARY KEY, runner {text} NOT NULL, run_id {text} NOT NULL,
+        agent_id {text} NOT NULL, since {text} NOT NULL)"""

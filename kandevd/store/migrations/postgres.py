@@ -18,7 +18,8 @@ need them. Differences that matter, and why:
   row per cron occurrence fired, so an occurrence fires once across daemons).
 - Version 8 is the leader's ``leases`` (see :mod:`kandevd.store.cluster`).
 - Version 10 holds the scheduled turns handed to runners (:mod:`kandevd.store.turns`),
-  with SQLite's version 8.
+  with SQLite's version 8; version 12 the cancelled runs a runner is still stopping,
+  with SQLite's version 10.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from kandevd.store.migrations.common import (
     record,
     refuse_newer,
     remote_turns_tables,
+    runner_stops_table,
 )
 
 log = logging.getLogger("kandevd.store.migrations")
@@ -187,6 +189,9 @@ _V10 = remote_turns_tables(T)
 _V11 = ["ALTER TABLE runners ADD COLUMN home_id TEXT",
         f"ALTER TABLE runners ADD COLUMN left_at {T}"]
 
+# Cancelled runs whose agent a runner is still stopping (kandevd/store/runners.py).
+_V12 = [runner_stops_table(T)]
+
 MIGRATIONS: list[tuple[int, str, list[str]]] = [
     (6, "workspace model and runs queue (SQLite versions 1-6)", _V6),
     (7, "cluster: daemons and cron fires", _V7),
@@ -194,6 +199,7 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
     (9, "runners on other machines, an agent's runs_on", _V9),
     (10, "scheduled turns handed to runners", _V10),
     (11, "the runner home serving each runner, a graceful stop", _V11),
+    (12, "cancelled runs a runner is still stopping", _V12),
 ]
 
 

@@ -23,6 +23,7 @@ from kandevd.store.migrations.common import (
     record,
     refuse_newer,
     remote_turns_tables,
+    runner_stops_table,
 )
 
 log = logging.getLogger("kandevd.store.migrations")
@@ -250,6 +251,10 @@ def _v9_runner_homes(db: sqlite_utils.Database) -> None:
     db.execute("ALTER TABLE runners ADD COLUMN left_at TEXT")
 
 
+def _v10_runner_stops(db: sqlite_utils.Database) -> None:
+    db.execute(runner_stops_table("TEXT"))
+
+
 Migration = Callable[[sqlite_utils.Database], None]
 
 MIGRATIONS: list[tuple[int, str, Migration]] = [
@@ -262,6 +267,7 @@ MIGRATIONS: list[tuple[int, str, Migration]] = [
     (7, "runners on other machines, an agent's runs_on", _v7_runners),
     (8, "scheduled turns handed to runners", _v8_remote_turns),
     (9, "the runner home serving each runner, a graceful stop", _v9_runner_homes),
+    (10, "cancelled runs a runner is still stopping", _v10_runner_stops),
 ]
 
 

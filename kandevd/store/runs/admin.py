@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 
 from kandevd.runs.model import TERMINAL, Run, RunConflict, RunNotFound
+from kandevd.store.runners import stop_on_runner
 from kandevd.store.runs.base import RunRepositoryBase
 from kandevd.timeutil import rfc3339
 
@@ -46,8 +47,8 @@ class Admin(RunRepositoryBase):
             # The status read is the status changed: a claim made in between (on
             # PostgreSQL claims do not take the writer lock) is seen, and read again.
             while True:
-                row = conn.execute("SELECT status FROM runs WHERE id = ?",
-                                   (run_id,)).fetchone()
+                row = conn.execute("SELECT id, status, agent_id, claimed_by, claim_token"
+                                   " FROM runs WHERE id = ?", (run_id,)).fetchone()
                 if row is None:
                     raise RunNotFound(run_id)
                 previous = row["status"]
@@ -56,8 +57,10 @@ class Admin(RunRepositoryBase):
                 updated = conn.execute(
                     "UPDATE runs SET status = 'cancelled', cancel_reason = ?, finished_at = ?,"
                     " claim_token = NULL, log_path = COALESCE(log_path, ?), updated_at = ?"
-                    " WHERE id = ? AND status = ? RETURNING *",
+                    " WHERE id = ? AND status = ? AND COALESCE(claim_token, '') = ?"
+                    " RETURNING *",
                     (reason or "cancelled", now_s, log_path, now_s, run_id,
-                     previous)).fetchone()
+                     previous, row["claim_token"] or "")).fetchone()
                 if updated is not None:
+                    stop_on_runner(conn, row, now_s)
                     return Run.from_row(updated), previous

@@ -114,6 +114,9 @@ class Reads(RunRepositoryBase):
                     details["budget_exceeded"] = gate
             busy = conn.execute("SELECT id FROM runs WHERE agent_id = ? AND status = 'claimed'",
                                 (run["agent_id"],)).fetchone()
+            if busy is None and runs_on:  # (a cancelled run its runner is still stopping)
+                busy = conn.execute("SELECT run_id AS id FROM runner_stops WHERE agent_id = ?",
+                                    (run["agent_id"],)).fetchone()
             if busy is not None or run["agent_id"] in live_agents:
                 blockers.append("agent_busy")
                 if busy is not None:

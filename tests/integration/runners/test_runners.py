@@ -513,6 +513,42 @@ def test_several_daemons_on_postgresql_any_gateway_serves_a_runners_queued_runs(
     assert first.call("runners.list")["items"][0]["online"] is True
 
 
+def test_several_daemons_on_postgresql_a_cancel_on_one_stops_the_agent_on_a_runner_of_the_other(
+        daemon_factory: Callable[..., DaemonProcess], runners: Callable[..., DaemonProcess],
+        tmp_path: Path, pg_url: str) -> None:
+    """The runner talks to the second daemon; the run is cancelled on the first. The
+    agent is stopped, and the agent's next run starts only once it has ended (its stop
+    takes a second: the agent writes its end then)."""
+    config = cluster_config(pg_url, tmp_path / "probe.jsonl",
+                            gateway={"listen": "127.0.0.1:0", "dead_after_s": 8})
+    first = daemon_factory(config, home=tmp_path / "home-a")
+    second = daemon_factory(config, home=tmp_path / "home-b")
+    token = add_runner(first, tmp_path / "tokens", "box", "gpu")
+    record = tmp_path / "record.txt"
+    agent = [sys.executable, "-c",
+             "import json, signal, sys, time\n"
+             "given = json.load(sys.stdin)\n"
+             f"def note(what):\n    with open({str(record)!r}, 'a') as f:"
+             " f.write(what + ' ' + given['reason'] + '\\n')\n"
+             "def stop(*_):\n    time.sleep(1); note('end'); sys.exit(143)\n"
+             "signal.signal(signal.SIGTERM, stop)\n"
+             "note('start')\n"
+             "if given['reason'] == 'long': time.sleep(60)\n"
+             "note('end'); print(json.dumps({'summary': 'next'}))"]
+    runners(gateway_url(second), token, "box", {"gpu": {"command": agent, "timeout_s": 90}})
+    run = remote_run(first, "long")
+    first.wait_until(lambda: record.exists() and "start long" in record.read_text(),
+                     what="the long run's agent on the runner")
+    assert first.call("runs.cancel", {"id": run["id"]})["status"] == "cancelled"
+    after = first.call("runs.enqueue", {"workspace_id": "w", "agent_id": "g",
+                                        "reason": "after"})["run"]
+    ended = first.wait_until(done(first, after["id"]), what="the next run")
+    assert ended["status"] == "finished", ended
+    # Stopped (not run out its 60 s), and one agent at a time.
+    assert record.read_text().splitlines() == ["start long", "end long", "start after",
+                                               "end after"]
+
+
 def test_several_daemons_on_postgresql_a_turn_of_a_daemon_without_a_gateway_runs_through_another(
         daemon_factory: Callable[..., DaemonProcess], runners: Callable[..., DaemonProcess],
         tmp_path: Path, pg_url: str) -> None:

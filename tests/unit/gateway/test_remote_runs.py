@@ -239,6 +239,69 @@ def test_a_cancelled_run_is_stopped_on_its_runner(env: OfficeEnv) -> None:
     assert env.queue.get(run_id).status == "cancelled"
 
 
+def test_a_run_cancelled_by_another_daemon_is_stopped_and_its_agent_waits_for_it(
+        env: OfficeEnv) -> None:
+    """Several daemons: one takes the cancel (no event reaches this one), the runner
+    talks to this one. Its agent takes no other run until the runner stopped it."""
+    remote, box, run_id, handed = handed_run(env)
+    held = [{"id": handed["id"], "run_id": run_id}]
+    env.queue.repo.cancel(run_id, "not needed", env.clock())  # (another daemon's)
+    after = enqueue(env, "gpu1")
+    assert remote.poll(box, 0) == []  # (before: handed at once, beside the first)
+    explained = env.queue.explain(after)
+    assert "agent_busy" in explained["blockers"] and \
+        explained["details"]["agent_busy"] == run_id
+    assert remote.heartbeat(box, held) == ([handed["id"]], [])  # (before: not told)
+    assert remote.poll(box, 0) == []
+    remote.end(box, handed["id"], run_id, {"outcome": "stopped"})
+    assert env.queue.get(run_id).status == "cancelled"
+    assert [e["run_id"] for e in remote.poll(box, 0)] == [after]
+
+
+def test_a_restarted_daemon_keeps_a_cancelled_runs_agent_busy_until_its_runner_stopped_it(
+        env: OfficeEnv) -> None:
+    _remote, box, run_id, handed = handed_run(env)
+    held = [{"id": handed["id"], "run_id": run_id}]
+    env.queue.cancel(run_id, "not needed")
+    after = enqueue(env, "gpu1")
+    restarted = remote_runs(env, Ticks())  # (nothing in memory of the cancel)
+    assert restarted.poll(box, 0) == []
+    assert restarted.heartbeat(box, held) == ([handed["id"]], [])
+    assert restarted.poll(box, 0) == []
+    assert restarted.end(box, handed["id"], run_id, {"outcome": "stopped"}) is False
+    assert [e["run_id"] for e in restarted.poll(box, 0)] == [after]
+    assert Runners(env.store).stopping() == {}
+
+
+@pytest.mark.parametrize("how", ["hello without it", "not named for 15 s", "silent"])
+def test_a_cancelled_runs_agent_is_free_once_its_runner_no_longer_holds_it(
+        env: OfficeEnv, how: str) -> None:
+    ticks = Ticks()
+    remote = remote_runs(env, ticks, dead_after_s=30)
+    box = runner(env, "box", "gpu")
+    run_id = enqueue(env, "gpu1")
+    assert len(remote.poll(box, 0)) == 1
+    env.queue.cancel(run_id, "not needed")
+    after = enqueue(env, "gpu1")
+    assert remote.poll(box, 0) == []
+    if how == "hello without it":
+        remote.hello(box, [])
+    elif how == "not named for 15 s":
+        ticks.now += 14
+        env.clock.advance(seconds=14)
+        remote.heartbeat(box, [])
+        assert remote.poll(box, 0) == []  # (a poll's answer may still be on its way)
+        ticks.now += 2
+        env.clock.advance(seconds=2)
+        remote.heartbeat(box, [])
+    else:
+        ticks.now += 31
+        env.clock.advance(seconds=31)
+        assert remote.watch() == 0  # (nothing to rescue: the run is cancelled)
+    assert Runners(env.store).stopping() == {}
+    assert [e["run_id"] for e in remote.poll(box, 0)] == [after]
+
+
 LABEL = st.from_regex(r"[a-z0-9][a-z0-9._-]{0,8}", fullmatch=True)
 
 

@@ -11,7 +11,9 @@ nearest deadline or SIGKILL as its timeout. What it does, nothing more:
   reaped here too), journal the exit, tell the daemon ``exit``; keep it until
   the daemon acknowledges it (``ack``), resending it on every reconnection;
 - enforce each agent's deadline (SIGTERM, then SIGKILL after its grace), also
-  while no daemon is connected, and end an agent on request (``stop``);
+  while no daemon is connected, and end an agent on request (``stop``); a
+  runner's keeper also stops every agent when its runner is gone or frozen
+  (:mod:`kandevd.keeper.fences`);
 - ``adopt`` agents an earlier keeper started (their pidfds come from the daemon;
   at the keeper's own start, those its journal names that still run).
 
@@ -45,6 +47,7 @@ from kandevd.keeper.agents import (
     running,
     spawn,
 )
+from kandevd.keeper.fences import Fences
 from kandevd.keeper.journal import COMPACT_AFTER, Entry, Journal, read
 from kandevd.keeper.strays import Leftovers
 from kandevd.net import unixaddr
@@ -84,10 +87,8 @@ class Keeper:
         self.env_base: dict[str, str] | None = None
         self.quitting = False
         self.idle_since = time.monotonic()
-        #: A runner's keeper (its ``hello``): with no client this long, stop every agent
-        #: (the server gives their runs to others once the runner is silent).
-        self.stop_alone_after: float | None = None
-        self.alone_since: float | None = None
+        #: A runner's keeper stops its agents by itself (kandevd.keeper.fences).
+        self.fences = Fences()
         #: What ended agents left running (:mod:`kandevd.keeper.strays`).
         self.leftovers = Leftovers()
         self.sel = selectors.DefaultSelector()
@@ -164,12 +165,9 @@ class Keeper:
                 for key, _mask in self.sel.select(self._timeout()):
                     self._event(key.data, key.fileobj)
                 now = time.monotonic()
-                if self.alone_since is not None and self.stop_alone_after is not None \
-                        and now - self.alone_since >= self.stop_alone_after:
-                    self.alone_since = None  # (once per absence)
-                    grace = min(5.0, self.stop_alone_after / 2)  # (all gone by 3/4 of it)
+                if (stop := self.fences.due(now)) is not None:
                     for agent in list(self.agents.values()):
-                        agent.terminate("interrupted", "its runner was gone", grace, now)
+                        agent.terminate(*stop, now)
                 for agent in list(self.agents.values()):
                     agent.on_timer(now)
                 if self.leftovers.due is not None and now >= self.leftovers.due:
@@ -191,8 +189,8 @@ class Keeper:
     def _timeout(self) -> float:
         timers = [t for a in self.agents.values() if (t := a.next_timer()) is not None]
         wait = IDLE_EXIT_S if self.conn is None and not self.agents else _MAX_WAIT_S
-        if self.alone_since is not None and self.stop_alone_after is not None:
-            timers.append(self.alone_since + self.stop_alone_after)
+        if (fence := self.fences.next_at()) is not None:
+            timers.append(fence)
         if self.leftovers.due is not None:
             timers.append(self.leftovers.due)
         if timers:
@@ -229,7 +227,8 @@ class Keeper:
         if self.conn is not None:  # a daemon that reconnects: the old connection is dead
             self._drop_connection()
         conn.settimeout(_SEND_TIMEOUT_S)  # a daemon that reads nothing is dropped, not waited on
-        self.conn, self.alone_since = conn, None
+        self.conn = conn
+        self.fences.attached()
         self.sel.register(conn, selectors.EVENT_READ, "conn")
 
     def _drop_connection(self) -> None:
@@ -239,8 +238,8 @@ class Keeper:
         self.conn.close()
         self.conn = None
         self.idle_since = time.monotonic()
-        if self.stop_alone_after is not None and not self.quitting:
-            self.alone_since = self.idle_since
+        if not self.quitting:
+            self.fences.detached(self.idle_since)
 
     def _send(self, message: dict[str, Any], fds: list[int] | None = None) -> None:
         if self.conn is None:
@@ -296,8 +295,12 @@ class Keeper:
             self.env_base = {str(k): str(v) for k, v in env.items()} \
                 if isinstance(env, dict) else None
             alone = message.get("stop_alone_after")
-            self.stop_alone_after = float(alone) if isinstance(alone, int | float) else None
+            self.fences.stop_alone_after = float(alone) \
+                if isinstance(alone, int | float) else None
+            self.fences.armed(time.monotonic())
             self._hello()
+        elif op == "fence":
+            self.fences.renewed(float(message["within"]), time.monotonic())
         elif op == "quit":
             self.quitting = True
         else:

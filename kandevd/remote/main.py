@@ -152,10 +152,18 @@ def run_runner(server: str, token_file: Path, home: Path, config_path: Path | No
         runs are re-queued: the runner does not name them at its hello)."""
         stop_orphan_agents(layout.root, min(config.runtime.stop_grace_s, 10.0), keep=keep)
 
+    def fence_keeper(within: float) -> None:
+        """The keeper's own fence (kandevd.keeper.fences), renewed at each look."""
+        try:
+            if keepers:
+                keepers[-1].fence(within)
+        except KeeperUnavailable:
+            pass  # (a keeper that died is being replaced: the next look says it again)
+
     code = exits.CANTCREAT
     try:
         code = RunnerProcess(client, config, layout, runtime_for, stop=stop,
-                             sweep=sweep).run()
+                             sweep=sweep, fence_keeper=fence_keeper).run()
         return code
     except (KeeperUnavailable, OSError) as exc:
         log.error("the keeper cannot be started: %s", exc)

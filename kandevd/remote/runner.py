@@ -66,10 +66,12 @@ class RunnerProcess:
     def __init__(self, client: GatewayClient, config: Config, layout: HomeLayout,
                  runtime_for: Callable[[float, Callable[[], None]], AgentRuntime], *,
                  stop: threading.Event,
-                 sweep: Callable[[frozenset[int]], object] = lambda keep: None) -> None:
+                 sweep: Callable[[frozenset[int]], object] = lambda keep: None,
+                 fence_keeper: Callable[[float], object] = lambda within: None) -> None:
         """``runtime_for(dead_after_s, on_slot_free)``: the runtime (its keeper attached),
         calling ``on_slot_free`` whenever a slot frees; ``sweep(keep)``: stop the agents a
-        crash of this runner left, but those of ``keep`` (adopted)."""
+        crash of this runner left, but those of ``keep`` (adopted); ``fence_keeper(s)``:
+        the keeper stops every agent unless told again within ``s`` (a frozen runner)."""
         self.client = client
         self.config = config
         self.layout = layout
@@ -78,6 +80,7 @@ class RunnerProcess:
         self.runtime: AgentRuntime
         self._attached = False
         self.sweep = sweep
+        self.fence_keeper = fence_keeper
         self.files = HeldFiles(layout)
         self.stop = stop
         self.refused = threading.Event()
@@ -361,8 +364,13 @@ class RunnerProcess:
     def _watch(self) -> None:
         """The fence, looked at every tenth of ``dead_after_s`` (at most every second)
         whatever a request is doing meanwhile."""
-        while not self._closed.wait(min(1.0, self.dead_after_s / 10)):
+        while True:
             self._fence(time.monotonic())
+            if self._closed.wait(self._look_s()):
+                return
+
+    def _look_s(self) -> float:
+        return min(1.0, self.dead_after_s / 10)
 
     def _fence(self, now: float) -> None:
         """Out of touch for over half of ``dead_after_s``: stop every agent here.
@@ -371,6 +379,8 @@ class RunnerProcess:
         heard it no earlier, so it counts the silence from no earlier either."""
         silent = now - self._last_ok
         if silent <= self.dead_after_s / 2:
+            # The keeper's own, should this process freeze: a look later than this one's.
+            self.fence_keeper(self.dead_after_s / 2 - silent + 2 * self._look_s())
             return
         with self._lock:
             live = [job for job in self._jobs.values()

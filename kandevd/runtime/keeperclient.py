@@ -5,9 +5,8 @@ that outlived a crashed daemon keeps its agents) or starts one
 (``python -m kandevd.keeper HOME`` in a session of its own, its log in
 ``<home>/logs/keeper.log``), then asks it what it knows: the agents that run
 (with their pidfds) and the exits no daemon has acknowledged. After that a
-reader thread takes the keeper's events and hands each to the execution it
-belongs to (:class:`Handle`); requests (spawn, stop, ack) are sent from any
-thread under a lock.
+reader thread hands each of the keeper's events to its execution
+(:class:`Handle`); requests (spawn, stop, ack) are sent from any thread under a lock.
 
 A keeper that dies is replaced at once. The agents it leaves behind run on;
 the new keeper adopts them from the journal, and the pidfds this side holds
@@ -153,8 +152,7 @@ class KeeperClient:
         self._ready.set()
 
     def _alone(self) -> dict[str, float]:
-        after = self.stop_alone_after
-        return {"stop_alone_after": after} if after is not None else {}
+        return {} if self.stop_alone_after is None else {"stop_alone_after": self.stop_alone_after}
 
     def _take_state(self, sock: socket.socket) -> KeeperState:
         try:
@@ -229,6 +227,12 @@ class KeeperClient:
         handle.stop = (outcome, reason, grace)
         self._request({"op": "stop", "id": handle.id, "by": outcome, "reason": reason,
                        "grace": grace})
+
+    def fence(self, within: float) -> None:
+        """A runner's: its keeper stops every agent unless renewed within ``within`` s
+        (not said while a keeper is being attached: a runner's next look says it)."""
+        if self._ready.is_set():
+            self._request({"op": "fence", "within": within})
 
     def acknowledge(self, ids: list[str]) -> None:
         """The daemon has these exits recorded: the keeper may forget them."""

@@ -7,7 +7,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Iterator
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -88,6 +88,57 @@ def test_a_runner_cut_off_stops_its_agent_before_the_server_gives_its_run_away(
         assert 6 <= silent_s <= 11, line  # (said as it was: more than half of 12 s)
     finally:
         proxy.heal()
+        runner.cleanup()
+
+
+def test_a_frozen_runner_has_its_agent_stopped_by_its_keeper_before_the_run_is_given_away(
+        daemon_factory: Callable[..., DaemonProcess], tmp_path: Path) -> None:
+    """SIGSTOP of the runner process (a debugger, a stuck interpreter): it stops nothing
+    itself, and its keeper still sees it attached. The keeper's own fence, which the
+    runner renews at each look, runs out: the agent ends before the server ends the
+    attempt as a silent runner's."""
+    daemon = daemon_factory(gateway_config(dead_after_s=12))
+    started, ended = tmp_path / "started", tmp_path / "ended"
+    agent = [sys.executable, "-c",
+             "import datetime, signal, sys, time; sys.stdin.read()\n"
+             "def end(*_):\n"
+             f" open({str(ended)!r}, 'w').write(datetime.datetime.now("
+             "datetime.timezone.utc).isoformat()); sys.exit(1)\n"
+             "signal.signal(signal.SIGTERM, end)\n"
+             f"open({str(started)!r}, 'w')\n"
+             "time.sleep(300)"]
+    runner = runner_process(tmp_path / "runner", gateway_url(daemon),
+                            add_runner(daemon, tmp_path / "tokens", "box", "gpu"),
+                            {"gpu": {"command": agent, "timeout_s": 600}}, slots=1)
+    try:
+        runner.start()
+        daemon.call("workspaces.create", {"id": "w", "name": "w"})
+        daemon.call("agents.create", {"id": "g", "workspace_id": "w", "name": "g",
+                                      "profile": "gpu", "runs_on": ["gpu"]})
+        run = daemon.call("runs.enqueue", {"workspace_id": "w", "agent_id": "g",
+                                           "reason": "frozen"})["run"]
+        daemon.wait_until(started.exists, what="the agent on the runner")
+        # A runner that is in touch renews the fence: its agent runs past the fence its
+        # hello armed (half of dead_after_s), heard from by the server meanwhile.
+        since = datetime.fromtimestamp(started.stat().st_mtime, UTC)
+        daemon.wait_until(lambda: (seen := daemon.call("runners.list")["items"][0][
+            "last_seen_at"]) and datetime.fromisoformat(seen.replace("Z", "+00:00"))
+            >= since + timedelta(seconds=8), what="the runner heard from 8 s on", timeout=60)
+        assert not ended.exists()
+        runner.send_signal(signal.SIGSTOP)
+        daemon.wait_for_line("runner box was silent for", timeout=60)
+        rescued = daemon.wait_until(
+            lambda: (r := daemon.call("runs.get", {"id": run["id"]}))["status"] != "claimed"
+            and r, what="the run taken back")
+        assert ended.exists(), "the agent of a frozen runner ran on"
+        agent_ended = datetime.fromisoformat(ended.read_text())
+        server_ended = attempt_ended_at(
+            (daemon.home / "logs" / "runs" / f"{rescued['id']}.log").read_text(), 1)
+        assert agent_ended < server_ended, (agent_ended, server_ended)
+        keeper_log = (tmp_path / "runner" / "logs" / "keeper.log")
+        assert not keeper_log.exists() or "Traceback" not in keeper_log.read_text()
+    finally:
+        runner.send_signal(signal.SIGCONT)
         runner.cleanup()
 
 

@@ -1,4 +1,5 @@
-"""The keeper's pure parts: its wire (messages, descriptors, deep homes) and its journal."""
+"""The keeper's pure parts: its wire (messages, descriptors, deep homes), its journal,
+and when a runner's keeper stops its agents by itself."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from hypothesis import strategies as st
 from kandevd.keeper import protocol
 from kandevd.keeper.agents import _TICK_NS as TICK
 from kandevd.keeper.agents import StartClock, start_time
+from kandevd.keeper.fences import Fences
 from kandevd.keeper.journal import Entry, Journal, read
 from kandevd.net import unixaddr
 
@@ -175,3 +177,42 @@ def test_a_boot_clock_that_disagrees_with_proc_is_not_used_again() -> None:
         assert clock.start_of(pid, wrong, wrong) == real  # /proc from now on
     finally:
         os.waitpid(pid, 0)
+
+
+def test_a_runners_keeper_stops_its_agents_when_the_fence_is_not_renewed() -> None:
+    fences = Fences()
+    assert fences.next_at() is None and fences.due(1e9) is None  # (a daemon's keeper)
+    fences.stop_alone_after = 6.0
+    fences.renewed(4.0, now=100.0)
+    fences.renewed(4.0, now=102.0)  # (each look of the runner's fence moves it on)
+    assert fences.next_at() == 106.0 and fences.due(105.9) is None
+    assert fences.due(106.0) == ("stopped", "its runner lost touch with its server "
+                                 "(the keeper's fence)", 3.0)  # (grace: half of 6 s)
+    assert fences.due(107.0) is None  # (once per fence that ran out)
+
+
+def test_a_runners_keeper_stops_its_agents_once_alone_for_long_enough() -> None:
+    fences = Fences()
+    fences.stop_alone_after = 20.0
+    fences.detached(now=10.0)
+    fences.attached()  # (back in time: nothing due)
+    assert fences.next_at() is None
+    fences.detached(now=50.0)
+    assert fences.next_at() == 70.0 and fences.due(69.0) is None
+    assert fences.due(70.0) == ("interrupted", "its runner was gone", 5.0)
+    assert fences.due(100.0) is None
+
+
+@given(st.lists(st.tuples(st.floats(0, 100), st.floats(-5, 30)), min_size=1, max_size=8),
+       st.floats(0, 300))
+def test_the_fence_is_due_exactly_when_the_last_renewal_ran_out(
+        renewals: list[tuple[float, float]], later: float) -> None:
+    fences = Fences()
+    at = 0.0
+    for gap, within in renewals:
+        at += gap
+        fences.renewed(within, now=at)
+    last_at, last_within = at, renewals[-1][1]
+    now = at + later
+    stop = fences.due(now)
+    assert (stop is not None) == (now >= last_at + last_within)

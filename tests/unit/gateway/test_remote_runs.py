@@ -302,6 +302,17 @@ def test_a_cancelled_runs_agent_is_free_once_its_runner_no_longer_holds_it(
     assert [e["run_id"] for e in remote.poll(box, 0)] == [after]
 
 
+def test_another_runners_report_of_an_execution_changes_nothing(env: OfficeEnv) -> None:
+    remote, box, run_id, handed = handed_run(env)
+    other = runner(env, "other", "gpu")
+    with pytest.raises(UnknownExecution):
+        remote.append_log(other, handed["id"], run_id, 0, b"not mine")
+    assert remote.end(other, handed["id"], run_id, {"outcome": "succeeded"}) is False
+    assert env.queue.get(run_id).status == "claimed"
+    assert remote.end(box, handed["id"], run_id, {"outcome": "succeeded"}) is True
+    assert env.queue.get(run_id).status == "finished"
+
+
 LABEL = st.from_regex(r"[a-z0-9][a-z0-9._-]{0,8}", fullmatch=True)
 
 

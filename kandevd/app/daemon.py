@@ -201,6 +201,7 @@ class Daemon:
                 # No gateway now: what runners held can never be reported here.
                 queue.rescue_remote(Runners(parts.store).every_claim(),
                                     "the gateway is off (gateway.listen is not set)")
+                Runners(parts.store).forget_stops()  # (nobody hears those runners either)
             parts.runtime.release_unclaimed()
             if parts.cluster is not None:
                 self._settle_cluster(parts)

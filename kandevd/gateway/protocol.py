@@ -2,9 +2,10 @@
 
 Every request is ``POST`` with ``Authorization: Bearer <token>`` and, but for a
 log chunk, a JSON object body; every answer is a JSON object (or ``204`` from a
-poll that found nothing). A refused token is ``401``; an unknown execution, or
-one that is not the caller's, ``404``; a body that is not what the path takes,
-``400``. docs/runners.md describes each exchange.
+poll that found nothing). A refused token is ``401``; a log chunk of an unknown
+execution, or of one that is not the caller's, ``404`` (its end: ``{recorded:
+false}``); a body that is not what the path takes, ``400``. docs/runners.md
+describes each exchange.
 """
 
 from __future__ import annotations

@@ -296,8 +296,9 @@ class RemoteRuns:
         self.seen(runner)
         if is_turn(execution_id):
             return self.turns.end(runner.name, execution_id, ending)
-        # A cancelled run's execution ended: its agent may take its next run.
-        self.runners.stops_ended(runner.name, [execution_id])
+        if execution_id in self.runners.stops_of(runner.name):  # (a read: rarely there)
+            # A cancelled run's execution ended: its agent may take its next run.
+            self.runners.stops_ended(runner.name, [execution_id])
         remote = self._find(runner, execution_id, run_id)
         if remote is None:
             return False
@@ -394,11 +395,10 @@ class RemoteRuns:
             self._work.notify_all()
 
     def _claim(self, runner: RunnerRow, slots: int) -> list[Claim]:
-        # A cancelled run's agent is busy until its runner stopped it (whichever daemon
-        # took the cancel, before a restart too).
-        stopping = self.runners.stopping()
+        # (A cancelled run's agent is busy until its runner stopped it: the claim
+        # itself leaves it out, runner_stops.)
         agents = frozenset(agent for agent, needed in self.runners.remote_agents().items()
-                           if agent not in stopping and covers(runner.labels, needed))
+                           if covers(runner.labels, needed))
         if not agents:
             return []
         return self.queue.claim_for_runner(claimed_by(runner.name), agents, slots)

@@ -136,6 +136,10 @@ class Runners:
                 f"DELETE FROM runner_stops WHERE runner = ? AND token IN"
                 f" ({', '.join('?' * len(tokens))})", (name, *tokens))
 
+    def forget_stops(self) -> None:
+        """No runner can be heard (no gateway): what they were stopping is not waited for."""
+        self.store.execute("DELETE FROM runner_stops")
+
     def silent_stops_ended(self, name: str) -> None:
         """Runner ``name`` was silent long enough to have stopped its own agents."""
         self.store.execute("DELETE FROM runner_stops WHERE runner = ?", (name,))

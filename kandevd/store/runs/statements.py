@@ -61,6 +61,9 @@ REQUEUE = ("UPDATE runs SET status = 'queued', claimed_at = NULL, claim_token = 
 
 #: The claims of this daemon's queue: agents that run here (not on a runner).
 HERE = " AND a.runs_on IS NULL"
+#: A runner's claims: not an agent whose cancelled run a runner is still stopping (in
+#: the claim itself, so that a cancel committed just before it is seen).
+NOT_STOPPING = " AND NOT EXISTS (SELECT 1 FROM runner_stops s WHERE s.agent_id = a.id)"
 
 
 def exclusion(excluded: set[str], params: dict[str, object],
@@ -68,7 +71,7 @@ def exclusion(excluded: set[str], params: dict[str, object],
     """The HEADS clause leaving out ``excluded`` agents, and keeping only the agents that
     run here (``only`` None) or only the agents ``only`` (a runner's claim); their names
     go into ``params``."""
-    clause = HERE if only is None else _among(sorted(only), "o", params, "IN")
+    clause = HERE if only is None else _among(sorted(only), "o", params, "IN") + NOT_STOPPING
     if not excluded:
         return clause
     return clause + _among(sorted(excluded), "x", params, "NOT IN")

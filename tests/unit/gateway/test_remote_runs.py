@@ -273,6 +273,29 @@ def test_a_restarted_daemon_keeps_a_cancelled_runs_agent_busy_until_its_runner_s
     assert Runners(env.store).stopping() == {}
 
 
+def test_a_cancel_committed_just_before_a_claim_is_seen_by_the_claim(env: OfficeEnv) -> None:
+    """The claim itself leaves out an agent being stopped, not a look before it."""
+    remote, box, run_id, handed = handed_run(env)
+    after = enqueue(env, "gpu1")
+
+    class CancelledMeanwhile(Runners):
+        def remote_agents(self) -> dict[str, tuple[str, ...]]:
+            if env.queue.get(run_id).status == "claimed":
+                env.queue.repo.cancel(run_id, "another daemon's", env.clock())
+            return super().remote_agents()
+
+    ticks = Ticks()
+    board = TurnBoard(RemoteTurnRows(env.store, "me"), Runners(env.store), env.bus,
+                      dead_after_s=30, clock=env.clock)
+    racing = RemoteRuns(env.queue, CancelledMeanwhile(env.store), board, env.bus, env.layout,
+                        dead_after_s=30, clock=env.clock, monotonic=ticks)
+    other = runner(env, "other", "gpu")
+    assert racing.poll(other, 0) == []  # (before: the next run, beside the cancelled one)
+    assert env.queue.get(run_id).status == "cancelled"
+    remote.end(box, handed["id"], run_id, {"outcome": "stopped"})
+    assert [e["run_id"] for e in racing.poll(other, 0)] == [after]
+
+
 @pytest.mark.parametrize("how", ["hello without it", "not named for 15 s", "silent"])
 def test_a_cancelled_runs_agent_is_free_once_its_runner_no_longer_holds_it(
         env: OfficeEnv, how: str) -> None:

@@ -8,12 +8,14 @@ when the runner cannot:
 - the runner is gone (no client attached) for ``stop_alone_after`` seconds
   (its ``hello``);
 - the runner's last word on its server is older than it said: every look of
-  its fence sends ``fence {within}`` (seconds left until half of
-  ``dead_after_s`` has passed since the last request its server answered, and
-  a look more). A runner that is frozen (SIGSTOP, a debugger) renews nothing,
-  so its agents are stopped when ``within`` runs out, as if it had stopped
-  them itself. Its ``hello`` arms the fence for ``stop_alone_after``, so one
-  frozen before its first look is covered too.
+  its fence sends ``fence {until}`` (when, on the machine's monotonic clock,
+  half of ``dead_after_s`` has passed since the sending of the last request
+  its server answered, and two looks more). A runner that is frozen (SIGSTOP,
+  a debugger) renews nothing, so its agents are stopped at ``until``, as if it
+  had stopped them itself. Its ``hello`` (with ``fence: true``) arms the fence
+  for ``stop_alone_after``, so one frozen before its first look is covered
+  too. A fence that runs out while no runner is attached stops them as the
+  runner being gone does.
 """
 
 from __future__ import annotations
@@ -45,8 +47,8 @@ class Fences:
             at = now + self.stop_alone_after
             self.fence_at = at if self.fence_at is None else min(self.fence_at, at)
 
-    def renewed(self, within: float, now: float) -> None:
-        self.fence_at = now + within
+    def renewed(self, until: float) -> None:
+        self.fence_at = until
 
     def next_at(self) -> float | None:
         """The next moment a stop may be due (None: none is set)."""
@@ -63,6 +65,8 @@ class Fences:
             return "interrupted", "its runner was gone", grace
         if self.fence_at is not None and now >= self.fence_at:
             self.fence_at = None
+            if self.alone_since is not None:  # (its agents are not known to be wanted)
+                return "interrupted", "its runner was gone", grace
             return "stopped", "its runner lost touch with its server (the keeper's fence)", \
                 grace
         return None

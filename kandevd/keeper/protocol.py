@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 #: 2: ``hello`` carries the daemon's environment, a ``spawn`` only what it changes.
-VERSION = 2
+#: 3: a runner's ``fence`` (kandevd.keeper.fences).
+VERSION = 3
 #: The largest message (a spawn request carries the agent's environment).
 MAX_MESSAGE = 256 * 1024
 #: At most this many descriptors travel with one message.

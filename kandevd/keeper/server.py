@@ -297,10 +297,11 @@ class Keeper:
             alone = message.get("stop_alone_after")
             self.fences.stop_alone_after = float(alone) \
                 if isinstance(alone, int | float) else None
-            self.fences.armed(time.monotonic())
+            if message.get("fence") is True:  # (a runner that renews it)
+                self.fences.armed(time.monotonic())
             self._hello()
         elif op == "fence":
-            self.fences.renewed(float(message["within"]), time.monotonic())
+            self.fences.renewed(float(message["until"]))
         elif op == "quit":
             self.quitting = True
         else:

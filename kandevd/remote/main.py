@@ -22,9 +22,10 @@ from kandevd.config import ConfigError, load_config
 from kandevd.fsutil import ensure_dir, replace_atomically
 from kandevd.paths import HomeLayout
 from kandevd.remote.client import GatewayClient
+from kandevd.remote.keeper import RunnerKeeperClient
 from kandevd.remote.runner import RunnerProcess
 from kandevd.runtime import AgentRuntime
-from kandevd.runtime.keeperclient import KeeperClient, KeeperUnavailable
+from kandevd.runtime.keeperclient import KeeperUnavailable
 from kandevd.runtime.keeperrunner import KeeperRunner
 from kandevd.runtime.orphans import stop_orphan_agents
 
@@ -132,7 +133,7 @@ def run_runner(server: str, token_file: Path, home: Path, config_path: Path | No
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set())
                 for sig in (signal.SIGINT, signal.SIGTERM)}
-    keepers: list[KeeperClient] = []
+    keepers: list[RunnerKeeperClient] = []
 
     def runtime_for(dead_after_s: float, on_slot_free: Callable[[], None]) -> AgentRuntime:
         """The runtime, once the server said its ``dead_after_s``: the keeper stops the
@@ -140,7 +141,7 @@ def run_runner(server: str, token_file: Path, home: Path, config_path: Path | No
         An agent stopped gets SIGKILL at most a quarter of it after SIGTERM (5 s at
         most): one the fence stops is gone before the server takes the runner for
         silent."""
-        keeper = KeeperClient(layout.root, stop_alone_after=dead_after_s / 2)
+        keeper = RunnerKeeperClient(layout.root, stop_alone_after=dead_after_s / 2)
         keepers.append(keeper)
         keeper.connect()
         return AgentRuntime(config.runtime.max_concurrent, config.runtime.stop_grace_s,
@@ -152,13 +153,10 @@ def run_runner(server: str, token_file: Path, home: Path, config_path: Path | No
         runs are re-queued: the runner does not name them at its hello)."""
         stop_orphan_agents(layout.root, min(config.runtime.stop_grace_s, 10.0), keep=keep)
 
-    def fence_keeper(within: float) -> None:
+    def fence_keeper(until: float) -> None:
         """The keeper's own fence (kandevd.keeper.fences), renewed at each look."""
-        try:
-            if keepers:
-                keepers[-1].fence(within)
-        except KeeperUnavailable:
-            pass  # (a keeper that died is being replaced: the next look says it again)
+        if keepers:
+            keepers[-1].fence(until)
 
     code = exits.CANTCREAT
     try:

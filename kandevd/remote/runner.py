@@ -70,8 +70,9 @@ class RunnerProcess:
                  fence_keeper: Callable[[float], object] = lambda within: None) -> None:
         """``runtime_for(dead_after_s, on_slot_free)``: the runtime (its keeper attached),
         calling ``on_slot_free`` whenever a slot frees; ``sweep(keep)``: stop the agents a
-        crash of this runner left, but those of ``keep`` (adopted); ``fence_keeper(s)``:
-        the keeper stops every agent unless told again within ``s`` (a frozen runner)."""
+        crash of this runner left, but those of ``keep`` (adopted); ``fence_keeper(t)``:
+        the keeper stops every agent at ``t`` (monotonic) unless told a later one (a
+        frozen runner)."""
         self.client = client
         self.config = config
         self.layout = layout
@@ -379,8 +380,8 @@ class RunnerProcess:
         heard it no earlier, so it counts the silence from no earlier either."""
         silent = now - self._last_ok
         if silent <= self.dead_after_s / 2:
-            # The keeper's own, should this process freeze: a look later than this one's.
-            self.fence_keeper(self.dead_after_s / 2 - silent + 2 * self._look_s())
+            # The keeper's own, should this process freeze: two looks after this one's.
+            self.fence_keeper(self._last_ok + self.dead_after_s / 2 + 2 * self._look_s())
             return
         with self._lock:
             live = [job for job in self._jobs.values()

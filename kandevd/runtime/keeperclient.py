@@ -84,12 +84,8 @@ class KeeperState:
 
 
 class KeeperClient:
-    def __init__(self, home: Path, *, python: str = sys.executable,
-                 stop_alone_after: float | None = None) -> None:
-        """``stop_alone_after``: a runner's keeper stops every agent once no client has
-        been attached this long (a daemon's keeper keeps them for the next start)."""
+    def __init__(self, home: Path, *, python: str = sys.executable) -> None:
         self.home = Path(home)
-        self.stop_alone_after = stop_alone_after
         self.python = python
         self.state = KeeperState()
         self._send_lock = threading.Lock()
@@ -151,16 +147,17 @@ class KeeperClient:
         self._reader.start()
         self._ready.set()
 
-    def _alone(self) -> dict[str, float]:
-        return {} if self.stop_alone_after is None else {"stop_alone_after": self.stop_alone_after}
+    def _hello_extra(self) -> dict[str, Any]:
+        """What this client's ``hello`` adds (a runner's: kandevd.remote.keeper)."""
+        return {}
 
     def _take_state(self, sock: socket.socket) -> KeeperState:
         try:
             protocol.send(sock, {"op": "hello", "version": protocol.VERSION,
-                                 "env": self._environ, **self._alone()})
+                                 "env": self._environ, **self._hello_extra()})
             self._env_sent = True
         except protocol.ProtocolError:  # (too large: each spawn carries it, as in version 1)
-            protocol.send(sock, {"op": "hello", "version": protocol.VERSION, **self._alone()})
+            protocol.send(sock, {"op": "hello", "version": protocol.VERSION, **self._hello_extra()})
             self._env_sent = False
         state = KeeperState()
         while True:
@@ -227,12 +224,6 @@ class KeeperClient:
         handle.stop = (outcome, reason, grace)
         self._request({"op": "stop", "id": handle.id, "by": outcome, "reason": reason,
                        "grace": grace})
-
-    def fence(self, within: float) -> None:
-        """A runner's: its keeper stops every agent unless renewed within ``within`` s
-        (not said while a keeper is being attached: a runner's next look says it)."""
-        if self._ready.is_set():
-            self._request({"op": "fence", "within": within})
 
     def acknowledge(self, ids: list[str]) -> None:
         """The daemon has these exits recorded: the keeper may forget them."""

@@ -18,6 +18,7 @@ from urllib.parse import parse_qs
 
 from kandevd.formats import jsonstrict
 from kandevd.gateway import protocol
+from kandevd.gateway.directory import home_problem
 from kandevd.gateway.endings import LogGap, UnknownExecution
 from kandevd.gateway.protocol import Held
 from kandevd.gateway.remote import NotRecorded, RemoteRuns
@@ -74,7 +75,9 @@ class GatewayApp:
         runner = self._runner(environ)
         environ[KEEP_ALIVE] = True  # a known runner's connection is kept
         home_id = str(environ.get(protocol.HOME_HEADER_ENVIRON) or "")[:64]
-        taken = self.remote.home_problem(runner, home_id, hello=path == protocol.HELLO)
+        taken = home_problem(self.remote.runners, runner, home_id,
+                             hello=path == protocol.HELLO,
+                             dead_after_s=self.remote.dead_after_s, now=self.remote.clock())
         if taken is not None:
             log.warning("gateway: %s refused: %s", path, taken)
             return 409, {"error": taken, "name_taken": True}

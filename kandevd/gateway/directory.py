@@ -17,7 +17,7 @@ from typing import TypedDict
 
 from kandevd.gateway.protocol import new_token, token_hash
 from kandevd.runs.labels import bad_label
-from kandevd.store.runners import Runners
+from kandevd.store.runners import RunnerRow, Runners
 from kandevd.timeutil import rfc3339, utc_now
 
 log = logging.getLogger("kandevd.gateway")
@@ -94,3 +94,42 @@ class RunnerDirectory:
                  "last_seen_at": rfc3339(row.last_seen_at) if row.last_seen_at else None,
                  "running": running.get(row.name, 0)}
                 for row in self.runners.all()]
+
+
+def home_problem(runners: Runners, runner: RunnerRow, home_id: str, *, hello: bool,
+                 dead_after_s: float, now: datetime) -> str | None:
+    """Why runner home ``home_id`` may not act as ``runner`` now (None: it may).
+
+    One token serves one runner: a second runner process on another home would
+    take the first one's runs as "lost" and have them taken back in turn, each
+    attempt cut short. The home that said hello last serves the name; another one
+    is refused while that one is heard from (within ``dead_after_s``), and takes
+    the name over once it is silent. (A runner that says no home, of an earlier
+    version, is not checked.)"""
+    serving = runner.home_id
+    if not home_id or serving is None or serving == home_id:
+        if hello and home_id and serving != home_id:
+            runners.served_by(runner.name, home_id, now)
+        return None
+    if not hello:
+        return (f"runner {runner.name} is served by another runner home now: this "
+                "process is not that runner any more")
+    silent = _silent_for(runner, now)
+    if silent is not None and silent < dead_after_s:
+        return (f"runner {runner.name} is served by another runner home, heard from "
+                f"{silent:.0f}s ago: one token serves one runner process; stop that "
+                f"one (or wait until it has been silent for {dead_after_s:g}s), or add "
+                "another runner for this one")
+    log.warning("runner %s: taken over by another runner home (the one before was "
+                "silent)", runner.name)
+    runners.served_by(runner.name, home_id, now)
+    return None
+
+
+def _silent_for(runner: RunnerRow, now: datetime) -> float | None:
+    """Seconds since any daemon last heard from ``runner`` (what ``runners.list`` calls
+    online: within ``dead_after_s``); None: never, or it stopped since."""
+    if not runner.online(now, float("inf")):
+        return None
+    assert runner.last_seen_at is not None
+    return max(0.0, (now - runner.last_seen_at).total_seconds())

@@ -107,43 +107,6 @@ class RemoteRuns:
                       "agent.created", "turn.waiting"):
             bus.subscribe(topic, self._changed)
 
-    # -- who serves a runner's name --------------------------------------------------
-    def home_problem(self, runner: RunnerRow, home_id: str, *, hello: bool) -> str | None:
-        """Why runner home ``home_id`` may not act as ``runner`` now (None: it may).
-
-        One token serves one runner: a second runner process on another home would
-        take the first one's runs as "lost" and have them taken back in turn, each
-        attempt cut short. The home that said hello last serves the name; another one
-        is refused while that one is heard from (within ``dead_after_s``), and takes
-        the name over once it is silent. (A runner that says no home, of an earlier
-        version, is not checked.)"""
-        serving = runner.home_id
-        if not home_id or serving is None or serving == home_id:
-            if hello and home_id and serving != home_id:
-                self.runners.served_by(runner.name, home_id, self.clock())
-            return None
-        if not hello:
-            return (f"runner {runner.name} is served by another runner home now: this "
-                    "process is not that runner any more")
-        silent = self._silent_for(runner)
-        if silent is not None and silent < self.dead_after_s:
-            return (f"runner {runner.name} is served by another runner home, heard from "
-                    f"{silent:.0f}s ago: one token serves one runner process; stop that "
-                    "one (or wait until it has been silent for "
-                    f"{self.dead_after_s:g}s), or add another runner for this one")
-        log.warning("runner %s: taken over by another runner home (the one before was "
-                    "silent)", runner.name)
-        self.runners.served_by(runner.name, home_id, self.clock())
-        return None
-
-    def _silent_for(self, runner: RunnerRow) -> float | None:
-        """Seconds since any daemon last heard from ``runner`` (what ``runners.list``
-        calls online: within ``dead_after_s``); None: never, or it stopped since."""
-        if not runner.online(self.clock(), float("inf")):
-            return None
-        assert runner.last_seen_at is not None
-        return max(0.0, (self.clock() - runner.last_seen_at).total_seconds())
-
     # -- what the runner asks -------------------------------------------------------
     def seen(self, runner: RunnerRow) -> None:
         """A request of ``runner`` arrived (it is alive)."""

@@ -103,6 +103,9 @@ class RemoteRuns:
         self.holding = False
         #: runner -> when (monotonic) it gave a run back because it stops.
         self._leaving: dict[str, float] = {}
+        #: runner -> how many hellos this daemon heard: a poll held since an earlier one
+        #: is a process's that is gone (killed, then started again at once).
+        self._hellos: dict[str, int] = {}
         for topic in ("run.queued", "run.finished", "run.cancelled", "agent.updated",
                       "agent.created", "turn.waiting"):
             bus.subscribe(topic, self._changed)
@@ -133,9 +136,12 @@ class RemoteRuns:
         self.seen(runner)
         with self._work:
             self._leaving.pop(runner.name, None)  # (it serves again)
+            self._hellos[runner.name] = self._hellos.get(runner.name, 0) + 1
+            self._work.notify_all()  # (what the gone process left waiting answers empty)
         named = {(item["run_id"], item["id"]) for item in held}
-        self.runners.stops_ended(runner.name, [token for token in self.runners.stops_of(
-            runner.name) if token not in {item["id"] for item in held}])  # (they ended)
+        self._stops_ended(runner.name, [token for token in self.runners.stops_of(runner.name)
+                                        if token not in {item["id"] for item in held}],
+                          f"cancelled; runner {runner.name} restarted without it")
         lost = [claim for claim in self.runners.claims_of(runner.name) if claim not in named]
         if lost:
             with self._lock:
@@ -199,8 +205,9 @@ class RemoteRuns:
         cancelled runs it was stopping free their agents."""
         before = self.monotonic() - LOST_AFTER_S
         long_ago = self.clock() - timedelta(seconds=LOST_AFTER_S)
-        self.runners.stops_ended(runner.name, [token for token, since in stopping.items()
-                                               if token not in named and since < long_ago])
+        self._stops_ended(runner.name, [token for token, since in stopping.items()
+                                        if token not in named and since < long_ago],
+                          f"cancelled; runner {runner.name} no longer runs it")
         why = f"runner {runner.name} no longer holds it"
         with self._lock:
             lost = [r for token, r in self._live.items() if r.runner == runner.name
@@ -217,9 +224,11 @@ class RemoteRuns:
         ``wait_s`` for the first; none: nothing to run."""
         self.seen(runner)
         deadline = self.monotonic() + wait_s
+        with self._work:
+            hello = self._hellos.get(runner.name, 0)
         while True:
-            if self._is_leaving(runner.name):
-                return []  # (it stops: nothing more; it polls no more either)
+            if self._is_leaving(runner.name) or self._hellos.get(runner.name, 0) != hello:
+                return []  # (it stops, or it is gone: a new process said hello since)
             if self._heard_from(runner.name) > self.dead_after_s / 2:
                 # Silent since it asked (no heartbeat) for as long as makes the runner
                 # stop its own agents: nothing is handed into what may be a dead
@@ -259,12 +268,14 @@ class RemoteRuns:
         self.seen(runner)
         if is_turn(execution_id):
             return self.turns.end(runner.name, execution_id, ending)
-        if execution_id in self.runners.stops_of(runner.name):  # (a read: rarely there)
-            # A cancelled run's execution ended: its agent may take its next run.
-            self.runners.stops_ended(runner.name, [execution_id])
+        stopping = execution_id in self.runners.stops_of(runner.name)  # (cancelled: a read)
         remote = self._find(runner, execution_id, run_id)
         if remote is None:
+            if stopping:  # (cancelled before this daemon started: its end line is due)
+                self._stops_ended(runner.name, [execution_id],
+                                  f"cancelled; it ended on runner {runner.name}")
             return False
+        remote.cancel = remote.cancel or stopping
         result = ending_result(remote.claim.run.id, remote.log_path, ending)  # never raises
         if result.outcome == STOPPED and not remote.cancel:  # (not cancelled: its end
             # is not known to be wanted; a failed attempt, under the retry policy)
@@ -275,6 +286,8 @@ class RemoteRuns:
                 return False  # (another request recorded it meanwhile)
         # The end line first, as for a local run (once: a resent outcome adds none).
         note_ended(remote.claim, result, once=True)
+        if stopping:  # (its agent may take its next run)
+            self.runners.stops_ended(runner.name, [execution_id])
         if result.outcome == INTERRUPTED:  # the runner stopped gracefully: uncounted
             with self._work:  # (its poll in flight answers now, empty)
                 self._leaving[runner.name] = self.monotonic()
@@ -311,7 +324,8 @@ class RemoteRuns:
             if silent < self.dead_after_s:
                 continue
             if name in stopping:  # (it stopped them itself, out of touch that long)
-                self.runners.silent_stops_ended(name)
+                self._stops_ended(name, None, f"cancelled; runner {name} was silent for "
+                                  f"{silent:.0f}s")
             last = now - silent
             claims = self.runners.claims_of(name)
             with self._lock:
@@ -324,6 +338,12 @@ class RemoteRuns:
                 log.warning("runner %s silent for %.0fs: %d run(s) it held rescued", name,
                             now - last, len(done))
         return rescued
+
+    def _stops_ended(self, name: str, tokens: list[str] | None, why: str) -> None:
+        """Those cancelled runs (None: all of runner ``name``'s) no longer run there: their
+        agents may take their next runs; an attempt with no end line gets one."""
+        for run_id in self.runners.stops_ended(name, tokens):
+            self.queue.restorer.end_attempt_in_log(run_id, why, outcome=STOPPED)
 
     def _is_leaving(self, name: str) -> bool:
         with self._work:

@@ -11,9 +11,8 @@ nearest deadline or SIGKILL as its timeout. What it does, nothing more:
   reaped here too), journal the exit, tell the daemon ``exit``; keep it until
   the daemon acknowledges it (``ack``), resending it on every reconnection;
 - enforce each agent's deadline (SIGTERM, then SIGKILL after its grace), also
-  while no daemon is connected, and end an agent on request (``stop``); a
-  runner's keeper also stops every agent when its runner is gone or frozen
-  (:mod:`kandevd.keeper.fences`);
+  while no daemon is connected, and end an agent on request (``stop``), or
+  every agent of a runner gone or frozen (:mod:`kandevd.keeper.fences`);
 - ``adopt`` agents an earlier keeper started (their pidfds come from the daemon;
   at the keeper's own start, those its journal names that still run).
 
@@ -165,7 +164,8 @@ class Keeper:
                 for key, _mask in self.sel.select(self._timeout()):
                     self._event(key.data, key.fileobj)
                 now = time.monotonic()
-                if (stop := self.fences.due(now)) is not None:
+                if (stop := self.fences.due(now)) is not None and self.agents:
+                    log.warning("keeper: stopping %d agent(s): %s", len(self.agents), stop[1])
                     for agent in list(self.agents.values()):
                         agent.terminate(*stop, now)
                 for agent in list(self.agents.values()):

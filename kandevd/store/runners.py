@@ -129,20 +129,20 @@ class Runners:
         rows = self.store.query("SELECT agent_id, runner FROM runner_stops")
         return {str(r[0]): str(r[1]) for r in rows}
 
-    def stops_ended(self, name: str, tokens: Sequence[str]) -> None:
-        """Runner ``name`` no longer runs these executions (ended, or never had them)."""
-        if tokens:
-            self.store.execute(
-                f"DELETE FROM runner_stops WHERE runner = ? AND token IN"
-                f" ({', '.join('?' * len(tokens))})", (name, *tokens))
+    def stops_ended(self, name: str, tokens: Sequence[str] | None) -> list[str]:
+        """Runner ``name`` no longer runs these executions (None: any of its stops), ended
+        or never had; the runs whose stop this ends."""
+        if tokens is not None and not tokens:
+            return []
+        which = "" if tokens is None else f" AND token IN ({', '.join('?' * len(tokens))})"
+        with self.store.transaction() as conn:
+            rows = conn.execute(f"DELETE FROM runner_stops WHERE runner = ?{which}"
+                                " RETURNING run_id", (name, *(tokens or ()))).fetchall()
+        return [str(r[0]) for r in rows]
 
     def forget_stops(self) -> None:
         """No runner can be heard (no gateway): what they were stopping is not waited for."""
         self.store.execute("DELETE FROM runner_stops")
-
-    def silent_stops_ended(self, name: str) -> None:
-        """Runner ``name`` was silent long enough to have stopped its own agents."""
-        self.store.execute("DELETE FROM runner_stops WHERE runner = ?", (name,))
 
 
 def stop_on_runner(conn: Any, claimed: Any, now_s: str) -> None:

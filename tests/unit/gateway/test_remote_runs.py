@@ -72,6 +72,11 @@ def handed_run(env: OfficeEnv) -> tuple[RemoteRuns, RunnerRow, str, Execution]:
     return remote, box, run_id, handed
 
 
+def last_line(env: OfficeEnv, run_id: str) -> str:
+    """The last line of the run's log."""
+    return (env.layout.run_logs / f"{run_id}.log").read_text().splitlines()[-1]
+
+
 def enqueue(env: OfficeEnv, agent: str) -> str:
     return env.queue.enqueue(workspace_id="w", agent_id=agent, reason="r").run.id
 
@@ -197,6 +202,34 @@ def test_a_poll_held_for_a_runner_gone_silent_hands_it_nothing(env: OfficeEnv) -
     assert handed["run_id"] == run_id
 
 
+def test_a_poll_held_for_a_process_gone_before_a_new_hello_hands_it_nothing(
+        env: OfficeEnv) -> None:
+    """A runner killed and started again at once: the poll its killed process left
+    waiting here must not take the next run into a dead connection (an attempt lost,
+    15 s later)."""
+    remote = remote_runs(env, Ticks())
+    box = runner(env, "box", "gpu")
+    remote.hello(box, [])
+    answers: list[list[Execution]] = []
+    parked = threading.Event()
+    waits = remote._work.wait
+
+    def wait_for_a_change(timeout: float | None = None) -> bool:
+        parked.set()
+        return waits(None)
+
+    remote._work.wait = wait_for_a_change  # type: ignore[method-assign]
+    held = threading.Thread(target=lambda: answers.append(remote.poll(box, 1000)))
+    held.start()  # (the process is killed now)
+    assert parked.wait(timeout=30)
+    remote.hello(box, [])  # (the new process)
+    held.join(timeout=30)
+    assert answers == [[]]
+    run_id = enqueue(env, "gpu1")
+    remote._work.wait = waits  # type: ignore[method-assign]
+    assert [e["run_id"] for e in remote.poll(box, 0)] == [run_id]  # (the new one's)
+
+
 def test_a_runner_another_daemon_hears_from_is_not_silent(env: OfficeEnv) -> None:
     """Several daemons: the runner talks to another one, which keeps its last_seen_at."""
     ticks = Ticks()
@@ -271,6 +304,8 @@ def test_a_restarted_daemon_keeps_a_cancelled_runs_agent_busy_until_its_runner_s
     assert restarted.end(box, handed["id"], run_id, {"outcome": "stopped"}) is False
     assert [e["run_id"] for e in restarted.poll(box, 0)] == [after]
     assert Runners(env.store).stopping() == {}
+    assert "ended" in last_line(env, run_id) and \
+        "stopped (cancelled; it ended on runner box)" in last_line(env, run_id)
 
 
 def test_a_cancel_committed_just_before_a_claim_is_seen_by_the_claim(env: OfficeEnv) -> None:
@@ -323,6 +358,9 @@ def test_a_cancelled_runs_agent_is_free_once_its_runner_no_longer_holds_it(
         assert remote.watch() == 0  # (nothing to rescue: the run is cancelled)
     assert Runners(env.store).stopping() == {}
     assert [e["run_id"] for e in remote.poll(box, 0)] == [after]
+    said = {"hello without it": "restarted without it", "not named for 15 s":
+            "no longer runs it", "silent": "was silent for 31s"}[how]
+    assert "ended " in last_line(env, run_id) and said in last_line(env, run_id)
 
 
 def test_another_runners_report_of_an_execution_changes_nothing(env: OfficeEnv) -> None:

@@ -331,7 +331,8 @@ class RemoteRuns:
             with self._lock:
                 for remote in [r for r in self._live.values() if r.runner == name]:
                     self._live.pop(remote.claim.token, None)
-            why = f"runner {name} was silent for {now - last:.0f}s during the execution"
+            gone = "" if name in seen else "removed, then "  # (its token refused since)
+            why = f"runner {name} was {gone}silent for {now - last:.0f}s during the execution"
             done = self.queue.rescue_remote(claims, why) if claims else {}
             rescued += len(done)
             if name in holding:

@@ -379,6 +379,8 @@ class RunnerProcess:
         Counted from the sending of the last request that got an answer: the server
         heard it no earlier, so it counts the silence from no earlier either."""
         silent = now - self._last_ok
+        if self.refused.is_set():
+            return  # (refused, not out of reach: the runner is stopping its agents)
         if silent <= self.dead_after_s / 2:
             # The keeper's own, should this process freeze: two looks after this one's.
             self.fence_keeper(self._last_ok + self.dead_after_s / 2 + 2 * self._look_s())

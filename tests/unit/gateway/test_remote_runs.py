@@ -202,6 +202,23 @@ def test_a_poll_held_for_a_runner_gone_silent_hands_it_nothing(env: OfficeEnv) -
     assert handed["run_id"] == run_id
 
 
+def test_a_removed_runners_runs_are_taken_back_once_it_is_silent_saying_so(
+        env: OfficeEnv) -> None:
+    ticks = Ticks()
+    remote = remote_runs(env, ticks, dead_after_s=30)
+    box = runner(env, "box", "gpu")
+    run_id = enqueue(env, "gpu1")
+    assert len(remote.poll(box, 0)) == 1
+    assert Runners(env.store).remove("box")
+    assert remote.watch() == 0  # (its agent may still run: it has not heard yet)
+    ticks.now += 31
+    env.clock.advance(seconds=31)
+    assert remote.watch() == 1
+    run = env.queue.get(run_id)
+    assert (run.status, run.error_message) == \
+        ("queued", "runner box was removed, then silent for 31s during the execution")
+
+
 def test_a_poll_held_for_a_process_gone_before_a_new_hello_hands_it_nothing(
         env: OfficeEnv) -> None:
     """A runner killed and started again at once: the poll its killed process left

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
@@ -43,6 +44,32 @@ def attempt_ended_at(log_text: str, attempt: int) -> datetime:
     return datetime.fromisoformat(":".join(stamp[:3]).replace("Z", "+00:00"))
 
 
+def long_agent(started: Path, ended: Path) -> list[str]:
+    """An agent that marks its start, runs for 5 minutes, and on SIGTERM writes when it
+    ended (UTC) and exits."""
+    return [sys.executable, "-c",
+            "import datetime, signal, sys, time; sys.stdin.read()\n"
+            "def end(*_):\n"
+            f" open({str(ended)!r}, 'w').write(datetime.datetime.now("
+            "datetime.timezone.utc).isoformat()); sys.exit(1)\n"
+            "signal.signal(signal.SIGTERM, end)\n"
+            f"open({str(started)!r}, 'w')\n"
+            "time.sleep(300)"]
+
+
+def long_run_on(daemon: DaemonProcess, runner: DaemonProcess, started: Path,
+                reason: str) -> dict[str, Any]:
+    """The runner started, agent ``g`` (runs_on gpu) with a run whose agent has started."""
+    runner.start()
+    daemon.call("workspaces.create", {"id": "w", "name": "w"})
+    daemon.call("agents.create", {"id": "g", "workspace_id": "w", "name": "g",
+                                  "profile": "gpu", "runs_on": ["gpu"]})
+    run: dict[str, Any] = daemon.call("runs.enqueue", {"workspace_id": "w", "agent_id": "g",
+                                                       "reason": reason})["run"]
+    daemon.wait_until(started.exists, what="the agent on the runner")
+    return run
+
+
 def test_a_runner_cut_off_stops_its_agent_before_the_server_gives_its_run_away(
         daemon_factory: Callable[..., DaemonProcess], tmp_path: Path,
         proxy_to: Callable[[str], PartitionProxy]) -> None:
@@ -52,26 +79,13 @@ def test_a_runner_cut_off_stops_its_agent_before_the_server_gives_its_run_away(
     daemon = daemon_factory(gateway_config(dead_after_s=12))
     proxy = proxy_to(gateway_url(daemon))
     started, ended = tmp_path / "started", tmp_path / "ended"
-    agent = [sys.executable, "-c",
-             "import datetime, signal, sys, time; sys.stdin.read()\n"
-             "def end(*_):\n"
-             f" open({str(ended)!r}, 'w').write(datetime.datetime.now("
-             "datetime.timezone.utc).isoformat()); sys.exit(1)\n"
-             "signal.signal(signal.SIGTERM, end)\n"
-             f"open({str(started)!r}, 'w')\n"
-             "time.sleep(300)"]
+    agent = long_agent(started, ended)
     runner = runner_process(tmp_path / "runner", f"http://127.0.0.1:{proxy.port}",
                             add_runner(daemon, tmp_path / "tokens", "box", "gpu"),
                             {"gpu": {"command": agent, "timeout_s": 600}},
                             slots=1)  # (busy: no poll of its held on the server)
     try:
-        runner.start()
-        daemon.call("workspaces.create", {"id": "w", "name": "w"})
-        daemon.call("agents.create", {"id": "g", "workspace_id": "w", "name": "g",
-                                      "profile": "gpu", "runs_on": ["gpu"]})
-        run = daemon.call("runs.enqueue", {"workspace_id": "w", "agent_id": "g",
-                                           "reason": "cut off"})["run"]
-        daemon.wait_until(started.exists, what="the agent on the runner")
+        run = long_run_on(daemon, runner, started, "cut off")
         proxy.cut()
         runner.wait_for_line("the server was out of reach for", timeout=60)
         daemon.wait_for_line("runner box was silent for", timeout=60)
@@ -99,25 +113,12 @@ def test_a_frozen_runner_has_its_agent_stopped_by_its_keeper_before_the_run_is_g
     attempt as a silent runner's."""
     daemon = daemon_factory(gateway_config(dead_after_s=12))
     started, ended = tmp_path / "started", tmp_path / "ended"
-    agent = [sys.executable, "-c",
-             "import datetime, signal, sys, time; sys.stdin.read()\n"
-             "def end(*_):\n"
-             f" open({str(ended)!r}, 'w').write(datetime.datetime.now("
-             "datetime.timezone.utc).isoformat()); sys.exit(1)\n"
-             "signal.signal(signal.SIGTERM, end)\n"
-             f"open({str(started)!r}, 'w')\n"
-             "time.sleep(300)"]
+    agent = long_agent(started, ended)
     runner = runner_process(tmp_path / "runner", gateway_url(daemon),
                             add_runner(daemon, tmp_path / "tokens", "box", "gpu"),
                             {"gpu": {"command": agent, "timeout_s": 600}}, slots=1)
     try:
-        runner.start()
-        daemon.call("workspaces.create", {"id": "w", "name": "w"})
-        daemon.call("agents.create", {"id": "g", "workspace_id": "w", "name": "g",
-                                      "profile": "gpu", "runs_on": ["gpu"]})
-        run = daemon.call("runs.enqueue", {"workspace_id": "w", "agent_id": "g",
-                                           "reason": "frozen"})["run"]
-        daemon.wait_until(started.exists, what="the agent on the runner")
+        run = long_run_on(daemon, runner, started, "frozen")
         # A runner that is in touch renews the fence: its agent runs past the fence its
         # hello armed (half of dead_after_s), heard from by the server meanwhile.
         since = datetime.fromtimestamp(started.stat().st_mtime, UTC)

@@ -63,9 +63,10 @@ def remote_runs(env: OfficeEnv, ticks: Ticks, dead_after_s: float = 30) -> Remot
                       dead_after_s=dead_after_s, clock=env.clock, monotonic=ticks)
 
 
-def handed_run(env: OfficeEnv) -> tuple[RemoteRuns, RunnerRow, str, Execution]:
-    """Runner ``box`` (gpu) with a run of ``gpu1`` handed to it."""
-    remote = remote_runs(env, Ticks())
+def handed_run(env: OfficeEnv, ticks: Ticks | None = None
+               ) -> tuple[RemoteRuns, RunnerRow, str, Execution]:
+    """Runner ``box`` (gpu) with a run of ``gpu1`` handed to it (dead_after_s 30)."""
+    remote = remote_runs(env, ticks or Ticks())
     box = runner(env, "box", "gpu")
     run_id = enqueue(env, "gpu1")
     [handed] = remote.poll(box, 0)
@@ -205,10 +206,7 @@ def test_a_poll_held_for_a_runner_gone_silent_hands_it_nothing(env: OfficeEnv) -
 def test_a_removed_runners_runs_are_taken_back_once_it_is_silent_saying_so(
         env: OfficeEnv) -> None:
     ticks = Ticks()
-    remote = remote_runs(env, ticks, dead_after_s=30)
-    box = runner(env, "box", "gpu")
-    run_id = enqueue(env, "gpu1")
-    assert len(remote.poll(box, 0)) == 1
+    remote, _box, run_id, _handed = handed_run(env, ticks)
     assert Runners(env.store).remove("box")
     assert remote.watch() == 0  # (its agent may still run: it has not heard yet)
     ticks.now += 31

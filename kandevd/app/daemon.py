@@ -31,6 +31,7 @@ from kandevd.app.shutdown import MainThreadWaiter, ShutdownCoordinator, SignalWi
 from kandevd.app.webconsole import ConsoleTlsError, start_console, stop_console
 from kandevd.config import Config
 from kandevd.control.sockets import NotASocket, SocketInUse
+from kandevd.gateway.protocol import HEARTBEAT_S
 from kandevd.lifecycle import StopSignal
 from kandevd.paths import HomeLayout
 from kandevd.runtime.keeperclient import KeeperUnavailable
@@ -263,6 +264,14 @@ class Daemon:
         parts.bus.publish("daemon.stopping", {"pid": os.getpid(),
                                               "reason": "a graceful stop was asked"})
 
+    def _runners_told(self, parts: Parts) -> None:
+        """Wait (a heartbeat at most) for the runners that held this daemon's turns."""
+        if parts.gateway is not None and parts.turns is not None:
+            dead = self.config.gateway.dead_after_s
+            if not parts.turns.wait_told(min(HEARTBEAT_S, dead / 4) + 1.0):
+                log.info("not every runner holding a turn was heard; each stops it once "
+                         "out of touch")
+
     def _shutdown_steps(self, parts: Parts) -> list[tuple[str, Any]]:
         steps: list[tuple[str, Any]] = [("stop intake", parts.server.begin_drain),
                                         ("start the agents' grace", parts.runtime.begin_grace),
@@ -286,6 +295,9 @@ class Daemon:
             # After the runtime: runners go on hearing the server while its agents end
             # (up to runtime.stop_grace_s), so they do not take it for gone and stop
             # theirs; they keep them across the restart and report to the next daemon.
+            # Runners that held turns ended above hear it at their next heartbeat
+            # (if no local agent kept the gateway up that long); then it stops.
+            ("let runners hear their turns ended", lambda: self._runners_told(parts)),
             ("stop the gateway", parts.gateway.stop if parts.gateway else lambda: None),
             # Its agents ended, the keeper ends too, unless they were left running.
             ("detach from the keeper", lambda: parts.keeper.close(

@@ -196,6 +196,7 @@ class RemoteRuns:
                 unknown.append(item["id"])
             elif remote.cancel:
                 cancel.append(item["id"])
+        self.turns.heard(runner.name)  # (told of the turns a stopping daemon ended)
         return cancel, unknown
 
     def _lost(self, runner: RunnerRow, named: frozenset[str],

@@ -71,6 +71,9 @@ class TurnBoard:
         self._read = threading.Lock()  # one reader of the output at a time
         self._mine: dict[str, Turn] = {}
         self._closed = False
+        #: Runners that held a turn the close ended, not heard from since (told nothing).
+        self._to_tell: set[str] = set()
+        self._told = threading.Condition(self._lock)
 
     # -- the owner's side -------------------------------------------------------------
     def add(self, turn: Turn) -> bool:
@@ -175,6 +178,13 @@ class TurnBoard:
             self._closed = True
             every, self._mine = list(self._mine.values()), {}
         with self._read:
+            try:
+                holding = {state.runner for state in self.rows.own(
+                    [turn.token for turn in every]).values() if state.runner}
+            except Exception:  # (the database went away: none can be told through it)
+                holding = set()
+            with self._lock:
+                self._to_tell = holding
             for turn in every:
                 try:
                     self._read_output(turn)
@@ -184,6 +194,20 @@ class TurnBoard:
                     log.warning("turn %s: cannot read its output now: %s", turn.token, exc)
                 self._forget(turn.token)
                 _end(turn, INTERRUPTED, why)
+
+    def heard(self, runner: str) -> None:
+        """``runner``'s heartbeat was answered: it knows of the turns the close ended."""
+        with self._told:
+            if runner in self._to_tell:
+                self._to_tell.discard(runner)
+                self._told.notify_all()
+
+    def wait_told(self, timeout_s: float) -> bool:
+        """Until every runner that held a turn the close ended has had a heartbeat
+        answered here (it stops that turn's agent now, not once its server is gone for
+        half of dead_after_s), or ``timeout_s``; whether all were."""
+        with self._told:
+            return self._told.wait_for(lambda: not self._to_tell, timeout_s)
 
     def _forget(self, token: str) -> None:
         """Delete ``token``'s row, or leave it to the pruning (the database refused)."""

@@ -394,6 +394,32 @@ def test_a_runner_killed_mid_turn_ends_the_turn_naming_it_and_the_next_takes_the
     assert "second runner" in Path(done["turns"][0]["log_path"]).read_text()
 
 
+def test_a_daemon_stopping_with_no_agent_of_its_own_tells_the_runner_its_turn_ended(
+        daemon_factory: Callable[..., DaemonProcess], runners: Callable[..., DaemonProcess],
+        tmp_path: Path) -> None:
+    """The gateway waits for the runner's next heartbeat (a few seconds at most), which
+    says the turn is no longer its: the agent stops then, not once the runner has been
+    out of touch for half of dead_after_s."""
+    home = tmp_path / "home"
+    write_workflow(home / "workspace", "reports", [schedule(
+        "daily", messages=["work"], runs_on=["gpu"])])
+    daemon = daemon_factory(gateway_config(dead_after_s=60), home=home)
+    started = tmp_path / "started"
+    agent = [sys.executable, "-c",
+             f"import sys, time; sys.stdin.read(); open({str(started)!r}, 'w').close();"
+             " time.sleep(120)"]
+    runner = runners(gateway_url(daemon), add_runner(daemon, tmp_path / "tokens", "box",
+                                                     "gpu"), "box",
+                     {"default": {"command": agent, "timeout_s": 300}})
+    daemon.call("scheduler.jobs.trigger", {"id": "workflow:reports:daily"})
+    daemon.wait_until(started.exists, what="the turn on the runner")
+    assert daemon.stop(signal.SIGTERM, timeout=60) == 0
+    assert "not every runner holding a turn was heard" not in daemon.log_text
+    # (told by the heartbeat the daemon waited for; its fence would take 30 s)
+    runner.wait_for_line("no longer this runner's (the server ended it)", timeout=15)
+    assert "the server was out of reach" not in runner.log_text
+
+
 def test_a_runner_restarted_mid_run_adopts_its_agent_and_the_run_is_recorded_once(
         daemon_factory: Callable[..., DaemonProcess], runners: Callable[..., DaemonProcess],
         tmp_path: Path) -> None:

@@ -361,13 +361,20 @@ def test_a_scheduled_turn_with_runs_on_runs_on_the_runner(
     assert f"turn on {runner.home}" in logs.stdout
 
 
-def test_a_runner_killed_mid_turn_ends_the_turn_naming_it_and_the_next_takes_the_job(
-        daemon_factory: Callable[..., DaemonProcess], runners: Callable[..., DaemonProcess],
-        tmp_path: Path) -> None:
+def turns_on_gpu(daemon_factory: Callable[..., DaemonProcess], tmp_path: Path, *,
+                 dead_after_s: float) -> DaemonProcess:
+    """A daemon with its gateway and a schedule, ``workflow:reports:daily``, whose turns
+    run on a runner carrying ``gpu``."""
     home = tmp_path / "home"
     write_workflow(home / "workspace", "reports", [schedule(
         "daily", messages=["work"], runs_on=["gpu"])])
-    daemon = daemon_factory(gateway_config(dead_after_s=3), home=home)
+    return daemon_factory(gateway_config(dead_after_s=dead_after_s), home=home)
+
+
+def test_a_runner_killed_mid_turn_ends_the_turn_naming_it_and_the_next_takes_the_job(
+        daemon_factory: Callable[..., DaemonProcess], runners: Callable[..., DaemonProcess],
+        tmp_path: Path) -> None:
+    daemon = turns_on_gpu(daemon_factory, tmp_path, dead_after_s=3)
     first_ran = tmp_path / "first-ran"
     agent = [sys.executable, "-c",
              f"import os, sys, time; sys.stdin.read(); p = {str(first_ran)!r}\n"
@@ -400,10 +407,7 @@ def test_a_daemon_stopping_with_no_agent_of_its_own_tells_the_runner_its_turn_en
     """The gateway waits for the runner's next heartbeat (a few seconds at most), which
     says the turn is no longer its: the agent stops then, not once the runner has been
     out of touch for half of dead_after_s."""
-    home = tmp_path / "home"
-    write_workflow(home / "workspace", "reports", [schedule(
-        "daily", messages=["work"], runs_on=["gpu"])])
-    daemon = daemon_factory(gateway_config(dead_after_s=60), home=home)
+    daemon = turns_on_gpu(daemon_factory, tmp_path, dead_after_s=60)
     started = tmp_path / "started"
     agent = [sys.executable, "-c",
              f"import sys, time; sys.stdin.read(); open({str(started)!r}, 'w').close();"

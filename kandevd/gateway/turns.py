@@ -33,7 +33,7 @@ from kandevd.runs.labels import covers
 from kandevd.runtime import ERROR, INTERRUPTED, STOPPED, ExecutionResult, ExecutionSpec
 from kandevd.store.runners import Runners
 from kandevd.store.turns import HeldTurn, RemoteTurnRows, WaitingTurn
-from kandevd.timeutil import utc_now
+from kandevd.timeutil import rfc3339, utc_now
 
 log = logging.getLogger("kandevd.gateway")
 
@@ -249,7 +249,18 @@ class TurnBoard:
         return kept.received
 
     def end(self, runner: str, token: str, ending: Ending) -> bool:
-        """Note how ``runner``'s turn ended; False: not its (or ended already)."""
+        """Note how ``runner``'s turn ended; False: not its (or ended already). A turn
+        its runner interrupted (it stopped gracefully, or its keeper found it gone)
+        waits for a runner again, as a run is re-queued then."""
+        why = str(ending.get("error") or "it stopped")
+        note = (f"\n==== turn interrupted on runner {runner} ({why}) at "
+                f"{rfc3339(self.clock())}; waiting for a runner again ====\n")
+        if ending.get("outcome") == INTERRUPTED and \
+                self.rows.release(token, runner, note.encode()):
+            log.info("turn %s: interrupted on runner %s; waiting for a runner again",
+                     token, runner)
+            self.bus.publish("turn.waiting")
+            return True
         if not self.rows.end(token, runner, dict(ending)):
             return False
         with self._lock:

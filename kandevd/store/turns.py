@@ -112,24 +112,43 @@ class RemoteTurnRows:
                                     bool(r[2]) or bool(r[3])) for r in rows}
 
     def append(self, token: str, runner: str, offset: int, data: bytes) -> Appended | None:
-        """Keep the bytes of ``data`` (from ``offset``) not received yet; None: ``runner``
+        """Keep the bytes of ``data`` (from ``offset`` of this runner's execution, which
+        starts at ``base`` of the turn's output) not received yet; None: ``runner``
         holds no such turn (or it ended)."""
         with self.store.transaction() as conn:
-            row = conn.execute("SELECT received FROM remote_turns WHERE token = ?"
+            row = conn.execute("SELECT received, base FROM remote_turns WHERE token = ?"
                                " AND runner = ? AND ending IS NULL", (token, runner)).fetchone()
             if row is None:
                 return None
-            received = int(row[0])
-            if offset > received:
-                return Appended(received, gap=True)
-            fresh = data[received - offset:]
+            received, base = int(row[0]), int(row[1])
+            if offset > received - base:
+                return Appended(received - base, gap=True)
+            fresh = data[received - base - offset:]
             if fresh:
-                conn.execute("INSERT INTO remote_turn_output (token, start, data)"
-                             " VALUES (?, ?, ?)",
-                             (token, received, base64.b64encode(fresh).decode("ascii")))
-                conn.execute("UPDATE remote_turns SET received = ? WHERE token = ?",
-                             (received + len(fresh), token))
-            return Appended(received + len(fresh), gap=False)
+                self._output(conn, token, received, fresh)
+            return Appended(received - base + len(fresh), gap=False)
+
+    def release(self, token: str, runner: str, note: bytes) -> bool:
+        """``runner`` stopped during the turn (gracefully): it waits for a runner again,
+        ``note`` in its output, the next execution's output after it; False: not its,
+        ended, or stopped by its session (which the interruption then ends)."""
+        with self.store.transaction() as conn:
+            row = conn.execute("SELECT received FROM remote_turns WHERE token = ? AND"
+                               " runner = ? AND ending IS NULL AND cancel = 0",
+                               (token, runner)).fetchone()
+            if row is None:
+                return False
+            self._output(conn, token, int(row[0]), note)
+            conn.execute("UPDATE remote_turns SET runner = NULL, handed_at = NULL,"
+                         " base = received WHERE token = ?", (token,))
+        return True
+
+    @staticmethod
+    def _output(conn: Any, token: str, at: int, data: bytes) -> None:
+        conn.execute("INSERT INTO remote_turn_output (token, start, data) VALUES (?, ?, ?)",
+                     (token, at, base64.b64encode(data).decode("ascii")))
+        conn.execute("UPDATE remote_turns SET received = ? WHERE token = ?",
+                     (at + len(data), token))
 
     def end(self, token: str, runner: str, ending: Mapping[str, object]) -> bool:
         """Note how ``runner``'s turn ended; False: not its, or ended already."""

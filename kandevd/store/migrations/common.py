@@ -47,3 +47,8 @@ def runner_stops_table(text: str) -> str:
     return f"""CREATE TABLE runner_stops (
         token {text} PRIMARY KEY, runner {text} NOT NULL, run_id {text} NOT NULL,
         agent_id {text} NOT NULL, since {text} NOT NULL)"""
+
+
+#: A turn handed again after its runner stopped gracefully: where, in the turn's
+#: output, the output of its next runner's execution starts (kandevd.store.turns).
+TURN_OUTPUT_BASE = "ALTER TABLE remote_turns ADD COLUMN base BIGINT NOT NULL DEFAULT 0"

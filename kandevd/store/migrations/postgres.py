@@ -19,7 +19,7 @@ need them. Differences that matter, and why:
 - Version 8 is the leader's ``leases`` (see :mod:`kandevd.store.cluster`).
 - Version 10 holds the scheduled turns handed to runners (:mod:`kandevd.store.turns`),
   with SQLite's version 8; version 12 the cancelled runs a runner is still stopping,
-  with SQLite's version 10.
+  with SQLite's version 10; version 13 a turn's output base, with SQLite's 11.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import logging
 from kandevd.store.base import BaseStore
 from kandevd.store.migrations.common import (
     SCHEMA_TABLE,
+    TURN_OUTPUT_BASE,
     record,
     refuse_newer,
     remote_turns_tables,
@@ -192,6 +193,9 @@ _V11 = ["ALTER TABLE runners ADD COLUMN home_id TEXT",
 # Cancelled runs whose agent a runner is still stopping (kandevd/store/runners.py).
 _V12 = [runner_stops_table(T)]
 
+# A turn handed again after its runner stopped (kandevd/store/turns.py).
+_V13 = [TURN_OUTPUT_BASE]
+
 MIGRATIONS: list[tuple[int, str, list[str]]] = [
     (6, "workspace model and runs queue (SQLite versions 1-6)", _V6),
     (7, "cluster: daemons and cron fires", _V7),
@@ -200,6 +204,7 @@ MIGRATIONS: list[tuple[int, str, list[str]]] = [
     (10, "scheduled turns handed to runners", _V10),
     (11, "the runner home serving each runner, a graceful stop", _V11),
     (12, "cancelled runs a runner is still stopping", _V12),
+    (13, "a turn handed again: where its next output starts", _V13),
 ]
 
 

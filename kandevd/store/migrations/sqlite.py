@@ -20,6 +20,7 @@ import sqlite_utils
 from kandevd.store.base import BaseStore
 from kandevd.store.migrations.common import (
     SCHEMA_TABLE,
+    TURN_OUTPUT_BASE,
     record,
     refuse_newer,
     remote_turns_tables,
@@ -255,6 +256,10 @@ def _v10_runner_stops(db: sqlite_utils.Database) -> None:
     db.execute(runner_stops_table("TEXT"))
 
 
+def _v11_turn_output_base(db: sqlite_utils.Database) -> None:
+    db.execute(TURN_OUTPUT_BASE)
+
+
 Migration = Callable[[sqlite_utils.Database], None]
 
 MIGRATIONS: list[tuple[int, str, Migration]] = [
@@ -268,6 +273,7 @@ MIGRATIONS: list[tuple[int, str, Migration]] = [
     (8, "scheduled turns handed to runners", _v8_remote_turns),
     (9, "the runner home serving each runner, a graceful stop", _v9_runner_homes),
     (10, "cancelled runs a runner is still stopping", _v10_runner_stops),
+    (11, "a turn handed again: where its next output starts", _v11_turn_output_base),
 ]
 
 

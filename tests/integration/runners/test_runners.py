@@ -401,6 +401,35 @@ def test_a_runner_killed_mid_turn_ends_the_turn_naming_it_and_the_next_takes_the
     assert "second runner" in Path(done["turns"][0]["log_path"]).read_text()
 
 
+def test_a_runner_stopped_mid_turn_hands_the_turn_back_and_the_next_runner_ends_it(
+        daemon_factory: Callable[..., DaemonProcess], runners: Callable[..., DaemonProcess],
+        tmp_path: Path) -> None:
+    """A graceful stop of the runner (an upgrade, say) does not fail the session: the
+    turn waits for a runner again, as a run is re-queued."""
+    daemon = turns_on_gpu(daemon_factory, tmp_path, dead_after_s=30)
+    first_ran = tmp_path / "first-ran"
+    agent = [sys.executable, "-c",
+             f"import os, sys, time; sys.stdin.read(); p = {str(first_ran)!r}\n"
+             "if os.path.exists(p): print('on the next runner')\n"
+             "else:\n open(p, 'w').close(); print('first part', flush=True);"
+             " time.sleep(120)"]
+    profiles = {"default": {"command": agent, "timeout_s": 300}}
+    server = gateway_url(daemon)
+    first = runners(server, add_runner(daemon, tmp_path / "tokens", "one", "gpu"), "one",
+                    profiles)
+    daemon.call("scheduler.jobs.trigger", {"id": "workflow:reports:daily"})
+    daemon.wait_until(first_ran.exists, what="the turn on the first runner")
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(timeout=60) == 0
+    daemon.wait_for_line("interrupted on runner one; waiting for a runner again")
+    runners(server, add_runner(daemon, tmp_path / "tokens", "two", "gpu"), "two", profiles)
+    entry = session_ended(daemon, "workflow:reports:daily")
+    assert entry["status"] == "success", entry
+    log = Path(entry["turns"][0]["log_path"]).read_text()
+    assert "turn interrupted on runner one" in log and "on the next runner" in log, log
+    assert log.index("turn interrupted on runner one") < log.index("on the next runner")
+
+
 def test_a_daemon_stopping_with_no_agent_of_its_own_tells_the_runner_its_turn_ended(
         daemon_factory: Callable[..., DaemonProcess], runners: Callable[..., DaemonProcess],
         tmp_path: Path) -> None:

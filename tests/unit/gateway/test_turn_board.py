@@ -103,6 +103,45 @@ def test_a_turn_one_daemon_owns_runs_through_another_daemons_gateway(two: Daemon
     assert two.a.rows.own([turn.token]) == {} and two.b.held("box") == {}
 
 
+def test_a_turn_its_runner_interrupted_waits_for_a_runner_again_its_output_kept(
+        two: Daemons) -> None:
+    """The runner stopped gracefully (its agents end interrupted): the turn is handed
+    again, as a run is re-queued; the next execution's output follows the first's."""
+    turn = two.turn()
+    [first] = two.b.take("box", ("gpu",), 1)
+    assert two.b.append("box", first["id"], 0, b"part one\n") == 9
+    assert two.b.end("box", first["id"], {"outcome": INTERRUPTED,
+                                          "error": "runner shutting down"})
+    assert two.b.held("box") == {}
+    with pytest.raises(UnknownExecution):  # (no longer its)
+        two.b.append("box", first["id"], 9, b"late")
+    [again] = two.b.take("box", ("gpu",), 1)  # (its restarted process, or another)
+    assert again["id"] == turn.token
+    assert two.b.append("box", again["id"], 0, b"all of it\n") == 10  # (its own offsets)
+    with pytest.raises(LogGap) as gap:
+        two.b.append("box", again["id"], 12, b"x")
+    assert gap.value.received == 10
+    assert two.b.end("box", again["id"], {"outcome": "succeeded", "summary": "done"})
+    two.seen("box", T0)
+    two.a.watch()
+    assert [(r.outcome, r.summary) for r in two.ended] == [("succeeded", "done")]
+    log = turn.spec.log_path.read_text()
+    assert log.startswith("part one\n\n==== turn interrupted on runner box (runner shutting"
+                          " down) at ") and log.endswith("; waiting for a runner again ===="
+                                                         "\nall of it\n"), log
+
+
+def test_a_turn_stopped_by_its_session_ends_when_its_runner_interrupts_it(
+        two: Daemons) -> None:
+    turn = two.turn()
+    [handed] = two.b.take("box", ("gpu",), 1)
+    assert two.a.stop(turn.spec.key)
+    assert two.b.end("box", handed["id"], {"outcome": INTERRUPTED})
+    assert two.b.take("box", ("gpu",), 1) == []  # (not handed again)
+    two.a.watch()
+    assert [r.outcome for r in two.ended] == [INTERRUPTED]
+
+
 def test_an_end_the_owners_own_gateway_takes_reaches_the_session_at_once(
         two: Daemons) -> None:
     turn = two.turn()

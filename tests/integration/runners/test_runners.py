@@ -371,21 +371,32 @@ def turns_on_gpu(daemon_factory: Callable[..., DaemonProcess], tmp_path: Path, *
     return daemon_factory(gateway_config(dead_after_s=dead_after_s), home=home)
 
 
-def test_a_runner_killed_mid_turn_ends_the_turn_naming_it_and_the_next_takes_the_job(
-        daemon_factory: Callable[..., DaemonProcess], runners: Callable[..., DaemonProcess],
-        tmp_path: Path) -> None:
-    daemon = turns_on_gpu(daemon_factory, tmp_path, dead_after_s=3)
+def turn_on_runner_one(daemon: DaemonProcess, runners: Callable[..., DaemonProcess],
+                       tmp_path: Path, next_says: str
+                       ) -> tuple[DaemonProcess, dict[str, Any], str]:
+    """Runner ``one`` started, ``workflow:reports:daily`` triggered and its turn's agent
+    running there (for 2 minutes); the agent of any later execution says ``next_says``.
+    The runner, the profiles and the server's URL."""
     first_ran = tmp_path / "first-ran"
     agent = [sys.executable, "-c",
              f"import os, sys, time; sys.stdin.read(); p = {str(first_ran)!r}\n"
-             "if os.path.exists(p): print('second runner')\n"
-             "else:\n open(p, 'w').close(); time.sleep(120)"]
+             f"if os.path.exists(p): print({next_says!r})\n"
+             "else:\n open(p, 'w').close(); print('first part', flush=True);"
+             " time.sleep(120)"]
     profiles = {"default": {"command": agent, "timeout_s": 300}}
     server = gateway_url(daemon)
     first = runners(server, add_runner(daemon, tmp_path / "tokens", "one", "gpu"), "one",
                     profiles)
     daemon.call("scheduler.jobs.trigger", {"id": "workflow:reports:daily"})
     daemon.wait_until(first_ran.exists, what="the turn on the first runner")
+    return first, profiles, server
+
+
+def test_a_runner_killed_mid_turn_ends_the_turn_naming_it_and_the_next_takes_the_job(
+        daemon_factory: Callable[..., DaemonProcess], runners: Callable[..., DaemonProcess],
+        tmp_path: Path) -> None:
+    daemon = turns_on_gpu(daemon_factory, tmp_path, dead_after_s=3)
+    first, profiles, server = turn_on_runner_one(daemon, runners, tmp_path, "second runner")
     first.kill9()
 
     def runs() -> list[Any]:
@@ -407,18 +418,8 @@ def test_a_runner_stopped_mid_turn_hands_the_turn_back_and_the_next_runner_ends_
     """A graceful stop of the runner (an upgrade, say) does not fail the session: the
     turn waits for a runner again, as a run is re-queued."""
     daemon = turns_on_gpu(daemon_factory, tmp_path, dead_after_s=30)
-    first_ran = tmp_path / "first-ran"
-    agent = [sys.executable, "-c",
-             f"import os, sys, time; sys.stdin.read(); p = {str(first_ran)!r}\n"
-             "if os.path.exists(p): print('on the next runner')\n"
-             "else:\n open(p, 'w').close(); print('first part', flush=True);"
-             " time.sleep(120)"]
-    profiles = {"default": {"command": agent, "timeout_s": 300}}
-    server = gateway_url(daemon)
-    first = runners(server, add_runner(daemon, tmp_path / "tokens", "one", "gpu"), "one",
-                    profiles)
-    daemon.call("scheduler.jobs.trigger", {"id": "workflow:reports:daily"})
-    daemon.wait_until(first_ran.exists, what="the turn on the first runner")
+    first, profiles, server = turn_on_runner_one(daemon, runners, tmp_path,
+                                                 "on the next runner")
     first.send_signal(signal.SIGTERM)
     assert first.wait(timeout=60) == 0
     daemon.wait_for_line("interrupted on runner one; waiting for a runner again")

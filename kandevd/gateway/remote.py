@@ -60,7 +60,6 @@ class Remote:
     log_path: Path
     #: Bytes of the agent's output received so far (the runner's offsets).
     received: int = 0
-    cancel: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
     #: When it was handed over or taken back (monotonic): a runner that stops naming
     #: it in its heartbeats lost it (a poll answer that never arrived, say).
@@ -186,16 +185,11 @@ class RemoteRuns:
                 continue
             if item["id"] in stopping:
                 cancel.append(item["id"])
-                with self._lock:  # (its end is the stop asked for)
-                    if (live := self._live.get(item["id"])) is not None:
-                        live.cancel = True
                 continue
             remote = None if is_turn(item["id"]) else \
                 self._find(runner, item["id"], item["run_id"])
             if remote is None:
                 unknown.append(item["id"])
-            elif remote.cancel:
-                cancel.append(item["id"])
         self.turns.heard(runner.name)  # (told of the turns a stopping daemon ended)
         return cancel, unknown
 
@@ -276,9 +270,8 @@ class RemoteRuns:
                 self._stops_ended(runner.name, [execution_id],
                                   f"cancelled; it ended on runner {runner.name}")
             return False
-        remote.cancel = remote.cancel or stopping
         result = ending_result(remote.claim.run.id, remote.log_path, ending)  # never raises
-        if result.outcome == STOPPED and not remote.cancel:  # (not cancelled: its end
+        if result.outcome == STOPPED and not stopping:  # (not cancelled: its end
             # is not known to be wanted; a failed attempt, under the retry policy)
             result = replace(result, outcome=ERROR, error=f"stopped on runner "
                              f"{runner.name}: {result.error or 'no reason given'}")
@@ -368,14 +361,8 @@ class RemoteRuns:
             self._work.notify_all()
 
     # -- inside -----------------------------------------------------------------------
-    def _changed(self, topic: str, data: Any) -> None:
-        if topic == "run.cancelled":
-            run = data.get("run") if isinstance(data, dict) else None
-            run_id = getattr(run, "id", None)
-            with self._lock:
-                for remote in self._live.values():
-                    if remote.claim.run.id == run_id:
-                        remote.cancel = True
+    def _changed(self, _topic: str, _data: Any) -> None:
+        """(A cancel is read from the store, runner_stops, by whichever daemon.)"""
         with self._work:
             self._work.notify_all()
 

@@ -67,7 +67,7 @@ class RunnerProcess:
                  runtime_for: Callable[[float, Callable[[], None]], AgentRuntime], *,
                  stop: threading.Event,
                  sweep: Callable[[frozenset[int]], object] = lambda keep: None,
-                 fence_keeper: Callable[[float], object] = lambda within: None) -> None:
+                 fence_keeper: Callable[[float], object] = lambda until: None) -> None:
         """``runtime_for(dead_after_s, on_slot_free)``: the runtime (its keeper attached),
         calling ``on_slot_free`` whenever a slot frees; ``sweep(keep)``: stop the agents a
         crash of this runner left, but those of ``keep`` (adopted); ``fence_keeper(t)``:

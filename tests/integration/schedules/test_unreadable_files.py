@@ -77,6 +77,8 @@ def test_an_unreadable_pause_file_pauses_without_a_rewrite_until_it_can_be_read(
     scheduler = daemon.call("daemon.status")["scheduler"]
     assert scheduler["globally_paused"] is True, scheduler
     assert "cannot be read now (Permission denied)" in scheduler["paused_by"], scheduler
+    # (said once; the line may reach this side's reader just after the answer)
+    daemon.wait_for_line("whether it was paused is unknown")
     assert daemon.log_text.count("whether it was paused is unknown") == 1
     assert "by a change to" not in daemon.log_text  # (the file did not change)
     pause.chmod(0o600)
